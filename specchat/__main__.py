@@ -1,0 +1,5 @@
+import sys
+
+from specchat.cli import main
+
+sys.exit(main())

@@ -1,0 +1,289 @@
+"""The streaming speculative-decoding engine.
+
+    engine = Engine(target, drafters={"ngram": NgramDrafter()})
+    for event in engine.stream(prompt_ids, GenerateConfig(speculation=True, drafter="ngram")):
+        ...  # TokenEvent as tokens are decided, StepRecord per step, GenerationStats last
+
+One step = one target forward over [last token] + k drafts, then `sampling.verify`. With
+speculation off (or when the drafter has nothing to propose) k = 0 and the very same code path
+is plain decoding. The target's KV cache lives across steps and across requests: after each
+verification it is cropped to the accepted context, and a new request re-encodes only what its
+prompt does not share with the cached tokens (a chat's history is encoded once).
+
+Invariant between steps: the cache holds every context token but the newest one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specchat.drafters import Drafter, _common_prefix_len
+from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord,
+                             TokenEvent, summarize)
+from specchat.kvcache import crop_to, new_cache
+from specchat.sampling import SamplingParams, sample_logits, verify
+from specchat.text import Detokenizer, StopMatcher
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = 0  # None: a fresh random seed per request
+    speculation: bool = True  # False: plain decoding, same code path with k = 0
+    drafter: str = "ngram"  # key into Engine.drafters
+    draft_len: int = 4  # k: the most draft tokens per step
+    adaptive: bool = True  # let k follow measured acceptance and cost (never above draft_len)
+    stop: tuple[str, ...] = ()  # stop strings (not included in the reply)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
+class DraftLengthPolicy:
+    """Picks k for the next step to maximize expected tokens per second.
+
+    With per-position acceptance alpha, a step with k drafts emits (1 - alpha^(k+1)) / (1 - alpha)
+    tokens on average (Leviathan et al.) and costs verify(k + 1) + k * draft_token seconds, both
+    measured as we go. k = 0 is plain decoding: chosen when drafting does not pay, with a probe
+    every `probe_every` steps so a change in the text can switch drafting back on.
+    """
+
+    def __init__(self, probe_every: int = 8):
+        self.probe_every = probe_every
+        self.successes, self.failures = 2.0, 1.0  # prior alpha 2/3, weight of three tests
+        self.verify_s: dict[int, float] = {}  # tokens fed -> EMA seconds
+        self.draft_token_s = 0.0
+        self.plain_streak = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def _verify_cost(self, m: int) -> float:
+        if m in self.verify_s:
+            return self.verify_s[m]
+        base = self.verify_s.get(1) or min(self.verify_s.values(), default=1.0)
+        return base * (1 + 0.05 * (m - 1))  # prior: wide forwards are nearly free
+
+    def expected_rate(self, k: int) -> float:
+        a = min(self.alpha, 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (self._verify_cost(k + 1) + k * self.draft_token_s)
+
+    def choose(self, k_max: int) -> int:
+        best = max(range(k_max + 1), key=self.expected_rate)
+        if best == 0 and k_max > 0:
+            self.plain_streak += 1
+            if self.plain_streak % self.probe_every == 0:
+                return 1  # probe: keep alpha fresh
+        else:
+            self.plain_streak = 0
+        return best
+
+    def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float):
+        decay = 0.9
+        old = self.verify_s.get(fed)
+        self.verify_s[fed] = verify_s if old is None else decay * old + (1 - decay) * verify_s
+        if drafted:
+            # Per-position tests: `accepted` successes, then one failure unless all passed.
+            self.successes = decay * self.successes + accepted
+            self.failures = decay * self.failures + (1 if accepted < drafted else 0)
+            per_token = draft_s / drafted
+            self.draft_token_s = (per_token if not self.draft_token_s
+                                  else decay * self.draft_token_s + (1 - decay) * per_token)
+
+
+class Engine:
+    def __init__(self, target, drafters: dict[str, Drafter] | None = None):
+        self.target = target  # models.LoadedModel (model, tokenizer, device, ...)
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.device = target.device
+        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.vocab_size = len(self.tokenizer)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.lock = threading.Lock()  # one generation at a time on one model
+        self._policies: dict[tuple[str, bool], DraftLengthPolicy] = {}
+        self._cache = None
+        self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
+
+    # -- target forward -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], n_logits: int) -> torch.Tensor:
+        """Feed `ids` after the cached tokens; return the last n_logits rows [n, vocab] on CPU."""
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
+                         use_cache=True, logits_to_keep=n_logits)
+        self._cache_ids.extend(ids)
+        return out.logits[0, :, :self.vocab_size].float().cpu()
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Encode the prompt, reusing the cached prefix it shares with the last request.
+        Returns the logits of the last prompt position [1, vocab] and the tokens encoded."""
+        keep = min(_common_prefix_len(self._cache_ids, prompt_ids), len(prompt_ids) - 1)
+        if self._cache is None or not crop_to(self._cache, len(self._cache_ids), keep):
+            self._cache, keep = new_cache(self.model), 0
+        self._cache_ids = self._cache_ids[:keep]
+        return self._forward(prompt_ids[keep:], 1), len(prompt_ids) - keep
+
+    def reset_cache(self) -> None:
+        self._cache, self._cache_ids = None, []
+
+    def policy(self, drafter: str, greedy: bool) -> DraftLengthPolicy:
+        return self._policies.setdefault((drafter, greedy), DraftLengthPolicy())
+
+    # -- the decode loop ------------------------------------------------------------------
+
+    def stream(self, prompt_ids: list[int], cfg: GenerateConfig,
+               stop_event: threading.Event | None = None,
+               ) -> Iterator[TokenEvent | StepRecord | GenerationStats]:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        drafter = self.drafters.get(cfg.drafter) if cfg.speculation else None
+        if cfg.speculation and drafter is None:
+            raise ValueError(f"unknown drafter {cfg.drafter!r}; available: "
+                             f"{', '.join(self.drafters) or 'none'}")
+        params = cfg.sampling
+        seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        generator = torch.Generator().manual_seed(seed)
+        stats = GenerationStats(speculation=drafter is not None,
+                                drafter=drafter.name if drafter else "none",
+                                draft_len=cfg.draft_len if drafter else 0,
+                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                seed=seed, prompt_tokens=len(prompt_ids))
+        policy = self.policy(stats.drafter, params.greedy) if drafter else None
+        steps: list[StepRecord] = []
+        detok = Detokenizer(self.tokenizer, prompt_ids)
+        stopper = StopMatcher(cfg.stop)
+        context = list(prompt_ids)
+
+        with self.lock:
+            start = time.perf_counter()
+            try:
+                logits, stats.prefill_tokens = self._prefill(prompt_ids)
+                stats.target_calls = 1
+                first, _ = sample_logits(logits, params, generator)
+                step_tokens: list[tuple[int, str]] = [(int(first[0]), TARGET)]
+                record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
+                if drafter:
+                    drafter.begin(prompt_ids)
+                step = 0
+                while True:
+                    # Emit what the last step decided, token by token, watching for stops.
+                    for token, kind in step_tokens:
+                        context.append(token)
+                        if token in self.eos_ids:
+                            stats.stop_reason = "eos"
+                            break
+                        stats.new_tokens += 1
+                        text = detok.add(token)
+                        event = TokenEvent(token, text, kind, step, record.drafted, record.accepted)
+                        released, hit = stopper.push(event)
+                        for ev in released:
+                            if not stats.ttft_s:
+                                stats.ttft_s = time.perf_counter() - start
+                            yield ev
+                        if hit:
+                            stats.stop_reason = "stop_string"
+                            break
+                        if stats.new_tokens >= cfg.max_new_tokens:
+                            stats.stop_reason = "length"
+                            break
+                    if step:
+                        steps.append(record)
+                        yield record
+                    if stats.stop_reason:
+                        break
+                    if stop_event is not None and stop_event.is_set():
+                        stats.stop_reason = "stopped"
+                        break
+
+                    step += 1
+                    t0 = time.perf_counter()
+                    k = min(policy.choose(cfg.draft_len) if cfg.adaptive and policy
+                            else cfg.draft_len if drafter else 0,
+                            cfg.max_new_tokens - stats.new_tokens - 1)
+                    draft_ids, draft_probs = (drafter.propose(context, k, params, generator)
+                                              if drafter and k > 0 else (torch.zeros(0, dtype=torch.long), None))
+                    t1 = time.perf_counter()
+                    k = len(draft_ids)
+                    target_logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
+                    verdict = verify(draft_ids, draft_probs, target_logits, params, generator)
+                    n = verdict.n_accepted
+                    # Every token but the newest is in the cache: drop the rejected drafts.
+                    crop_to(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
+                    self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
+                    t2 = time.perf_counter()
+                    stats.target_calls += 1
+                    if drafter:
+                        drafter.feedback(k, n)
+                    if policy:
+                        policy.update(k + 1, t2 - t1, k, n, t1 - t0)
+                    last_kind = TARGET if k == 0 else (BONUS if verdict.bonus else RESAMPLED)
+                    step_tokens = [(int(t), ACCEPTED) for t in draft_ids[:n]]
+                    step_tokens.append((verdict.next_token, last_kind))
+                    record = StepRecord(step, k, n, len(step_tokens), t1 - t0, t2 - t1)
+                for ev in stopper.flush():
+                    yield ev
+            except torch.OutOfMemoryError as e:
+                self.reset_cache()
+                stats.stop_reason, stats.error = "error", f"out of memory: {e}"
+            stats.seconds = time.perf_counter() - start
+        yield summarize(steps, stats)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass
+class LoadReport:
+    engine: Engine
+    draft: object | None  # models.LoadedModel of the draft, when one loaded and fits
+    notes: list[str]  # things the user should know (fallbacks, refused drafts)
+
+
+def load_engine(target: str = "embedded", draft_model: str = "", quantization: str = "nf4",
+                draft_quantization: str = "none", device: str | None = None,
+                progress=print) -> LoadReport:
+    """Load a target (and optionally a draft model) and build an Engine with every drafter that
+    can work: n-gram lookup always, the draft model when its vocabulary matches the target's."""
+    from specchat.drafters import ModelDrafter, NgramDrafter
+    from specchat.models import load_model, vocab_mismatch
+
+    tgt = load_model(target, quantization, device, progress)
+    engine = Engine(tgt, {"ngram": NgramDrafter()})
+    notes: list[str] = []
+    draft = None
+    if draft_model:
+        draft = load_model(draft_model, draft_quantization, device, progress)
+        problem = vocab_mismatch(tgt.tokenizer, draft.tokenizer, _logits_width(tgt.model),
+                                 _logits_width(draft.model))
+        if problem:
+            notes.append(f"Draft model {draft.name} refused, n-gram drafter used instead: "
+                         f"its vocabulary does not match the target's ({problem}).")
+            draft = None
+        else:
+            engine.drafters["model"] = ModelDrafter(draft.model, engine.vocab_size)
+    return LoadReport(engine, draft, notes)
+
+
+def _logits_width(model) -> int:
+    return model.config.get_text_config().vocab_size

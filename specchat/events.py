@@ -1,0 +1,94 @@
+"""What the engine emits while it decodes: tokens, per-step records, and one final summary.
+
+These are plain dataclasses with no torch or gradio in them, so the UI, the CLI, the bench
+and the stats store can all consume them without touching model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# How a token was produced (see DESIGN.md, "Token kinds").
+ACCEPTED = "accepted"  # proposed by the draft, accepted by verification
+RESAMPLED = "resampled"  # target's token after it rejected a draft, drawn from (p - q)+
+BONUS = "bonus"  # target's token after every draft of the step passed, drawn from p_{k+1}
+TARGET = "target"  # target's token in a step with no draft
+KINDS = (ACCEPTED, RESAMPLED, BONUS, TARGET)
+
+
+@dataclass
+class TokenEvent:
+    id: int  # token id in the target's vocabulary
+    text: str  # text this token adds to the reply ("" while a multi-byte char is incomplete)
+    kind: str  # one of KINDS
+    step: int  # verification step (target forward) that decided it, from 1
+    step_drafted: int  # draft tokens proposed in that step
+    step_accepted: int  # draft tokens accepted in that step
+
+    def to_json(self) -> dict:
+        return {"type": "token", "id": self.id, "text": self.text, "kind": self.kind,
+                "step": self.step, "step_drafted": self.step_drafted,
+                "step_accepted": self.step_accepted}
+
+
+@dataclass
+class StepRecord:
+    step: int  # from 1
+    drafted: int  # draft tokens proposed (0: plain target step)
+    accepted: int  # of those, accepted
+    emitted: int  # tokens this step added to the reply (accepted + 1, fewer at a stop)
+    draft_s: float  # seconds spent proposing
+    verify_s: float  # seconds in the target forward + acceptance test
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    seconds: float = 0.0  # wall time from request to last token
+    ttft_s: float = 0.0  # time to first token (includes prefill)
+    prefill_tokens: int = 0  # prompt tokens actually encoded (the rest came from the prefix cache)
+    prompt_tokens: int = 0
+    tokens_per_s: float = 0.0  # new_tokens / seconds
+    target_calls: int = 0  # target forward passes, prefill included
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0  # steps that ended with a rejected draft
+    acceptance_rate: float = 0.0  # accepted / drafted
+    alpha: float = 0.0  # accepted / (accepted + rejections): per-position acceptance estimate
+    mean_accepted_len: float = 0.0  # tokens emitted per speculative step (accepted + 1)
+    speculation: bool = False
+    drafter: str = "none"
+    draft_len: int = 0  # the k asked for (the adaptive k may run lower)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accepted_by_position: list[int] = field(default_factory=list)  # [k] accepted at draft pos i
+    drafted_by_position: list[int] = field(default_factory=list)  # [k] proposed at draft pos i
+    stop_reason: str = ""  # eos | stop_string | length | stopped | error
+    error: str = ""
+
+    def to_json(self) -> dict:
+        return {"type": "stats", **asdict(self)}
+
+
+def summarize(steps: list[StepRecord], stats: GenerationStats) -> GenerationStats:
+    """Fill the derived numbers of `stats` from the step records (pure arithmetic)."""
+    spec_steps = [s for s in steps if s.drafted > 0]
+    stats.drafted = sum(s.drafted for s in spec_steps)
+    stats.accepted = sum(s.accepted for s in spec_steps)
+    stats.rejections = sum(1 for s in spec_steps if s.accepted < s.drafted)
+    stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+    tested = stats.accepted + stats.rejections
+    stats.alpha = stats.accepted / tested if tested else 0.0
+    stats.mean_accepted_len = (
+        sum(s.accepted + 1 for s in spec_steps) / len(spec_steps) if spec_steps else 0.0)
+    stats.draft_s = sum(s.draft_s for s in steps)
+    stats.verify_s = sum(s.verify_s for s in steps)
+    width = max((s.drafted for s in spec_steps), default=0)
+    stats.drafted_by_position = [sum(1 for s in spec_steps if s.drafted > i) for i in range(width)]
+    stats.accepted_by_position = [sum(1 for s in spec_steps if s.accepted > i) for i in range(width)]
+    stats.tokens_per_s = stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0
+    return stats

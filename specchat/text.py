@@ -1,0 +1,110 @@
+"""Text around the token stream: incremental detokenization, stop strings, chat prompts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from specchat.events import TokenEvent
+
+
+class Detokenizer:
+    """Turns token ids into text deltas that never split a multi-byte character.
+
+    vLLM's scheme: decode a small window of recent tokens twice (with and without the new one)
+    and emit the difference, holding it back while it ends in U+FFFD (an incomplete UTF-8
+    sequence). Seeding the window with the prompt's last tokens keeps tokenizers that drop a
+    leading space at the start of a decode from eating the reply's first space.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], seed_tokens: int = 4):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-seed_tokens:])
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # tokens before this are already emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # wait for the rest of the character
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+class StopMatcher:
+    """Holds back token events while their text could be the start of a stop string.
+
+    push(event) -> (events safe to show now, stop string found). On a hit, the events before the
+    stop string are released (the one that contains its start is cut), the rest are dropped, so
+    the concatenated event texts are exactly the reply.
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending: list[TokenEvent] = []
+
+    def push(self, event: TokenEvent) -> tuple[list[TokenEvent], bool]:
+        if not self.stops:
+            return [event], False
+        self.pending.append(event)
+        text = "".join(e.text for e in self.pending)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return self._take(min(hits), cut=True), True
+        hold = max((n for s in self.stops for n in range(1, len(s))
+                    if text.endswith(s[:n])), default=0)
+        return self._take(len(text) - hold, cut=False), False
+
+    def _take(self, upto: int, cut: bool) -> list[TokenEvent]:
+        """Release whole events within the first `upto` chars (with cut: the partial one too)."""
+        out, used = [], 0
+        while self.pending and used + len(self.pending[0].text) <= upto:
+            used += len(self.pending[0].text)
+            out.append(self.pending.pop(0))
+        if cut and self.pending and used < upto:
+            out.append(replace(self.pending[0], text=self.pending[0].text[:upto - used]))
+        if cut:
+            self.pending = []
+        return out
+
+    def flush(self) -> list[TokenEvent]:
+        out, self.pending = self.pending, []
+        return out
+
+
+# Base models have no chat template: plain turns, and the next "User:" ends the reply.
+PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
+PLAIN_STOPS = ("\nUser:",)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+    """Messages ({"role", "content"}) -> (prompt token ids, stop strings) for the next reply."""
+    if has_chat_template(tokenizer):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids), ()
+    parts = []
+    for m in messages:
+        content = m["content"].strip()
+        if m["role"] == "system":
+            parts.append(content + "\n\n")
+        else:
+            parts.append(f"{PLAIN_ROLES[m['role']]}{content}\n")
+    text = "".join(parts) + "Assistant:"
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    return list(ids), PLAIN_STOPS
+
+
+def raw_prompt(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
