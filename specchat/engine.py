@@ -27,7 +27,7 @@ from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats
                              TokenEvent, summarize)
 from specchat.kvcache import crop_to, new_cache
 from specchat.sampling import SamplingParams, sample_logits, verify
-from specchat.text import Detokenizer, StopMatcher
+from specchat.text import ReplyText
 
 
 @dataclass
@@ -162,8 +162,7 @@ class Engine:
                                 seed=seed, prompt_tokens=len(prompt_ids))
         policy = self.policy(stats.drafter, params.greedy) if drafter else None
         steps: list[StepRecord] = []
-        detok = Detokenizer(self.tokenizer, prompt_ids)
-        stopper = StopMatcher(cfg.stop)
+        reply = ReplyText(self.tokenizer, prompt_ids, cfg.stop)
         context = list(prompt_ids)
 
         with self.lock:
@@ -185,9 +184,8 @@ class Engine:
                             stats.stop_reason = "eos"
                             break
                         stats.new_tokens += 1
-                        text = detok.add(token)
-                        event = TokenEvent(token, text, kind, step, record.drafted, record.accepted)
-                        released, hit = stopper.push(event)
+                        event = TokenEvent(token, "", kind, step, record.drafted, record.accepted)
+                        released, hit = reply.push(event)
                         for ev in released:
                             if not stats.ttft_s:
                                 stats.ttft_s = time.perf_counter() - start
@@ -232,8 +230,8 @@ class Engine:
                     step_tokens = [(int(t), ACCEPTED) for t in draft_ids[:n]]
                     step_tokens.append((verdict.next_token, last_kind))
                     record = StepRecord(step, k, n, len(step_tokens), t1 - t0, t2 - t1)
-                for ev in stopper.flush():
-                    yield ev
+                if stats.stop_reason != "stop_string":
+                    yield from reply.finish()
             except torch.OutOfMemoryError as e:
                 self.reset_cache()
                 stats.stop_reason, stats.error = "error", f"out of memory: {e}"

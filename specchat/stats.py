@@ -113,7 +113,8 @@ def m002_owner_timing_positions(db: Database) -> None:
 
 @MIGRATIONS()
 def m003_ab_baseline(db: Database) -> None:
-    db["turns"].add_column("baseline_turn_id", int)  # the A/B plain replay this turn is timed against
+    # baseline_turn_id: the A/B plain replay (same prompt, speculation off) it is timed against.
+    db["turns"].add_column("baseline_turn_id", int)
     db["turns"].add_column("speedup", float)
     # Old spec turns get a speedup from their plain turns. (refresh_speedups must keep working
     # on this schema; if a later migration changes its columns, freeze a copy of it here.)
@@ -347,7 +348,8 @@ class StatsStore:
 
     def summary_rows(self, owner: str | None = None) -> list[dict]:
         """What the Stats tab's table and `specchat stats` show, one dict per conversation."""
-        return [{"id": c["id"], "title": c["title"], "created": c["created"],
+        return [{"id": c["id"], "title": c["title"], "created": c["created"], "owner": c["owner"],
+                 "target": c["target"], "draft": c["draft"],
                  "models": models_label(c["target"], c["draft"]), "turns": c["turns"],
                  "mean_speedup": c["mean_speedup"], "acceptance": c["acceptance"],
                  "spec_tokens_per_s": c["spec_tokens_per_s"],
@@ -448,6 +450,9 @@ def _open(path: str) -> Database:
         conn.execute("BEGIN IMMEDIATE")
         try:
             MIGRATIONS.apply(db)
+            # A file we may read but not write opens fine and BEGIN IMMEDIATE passes; a write
+            # statement (even one touching no row) fails now rather than at the first reply.
+            conn.execute("DELETE FROM conversations WHERE 0")
             conn.execute("COMMIT")
         except BaseException:
             db.rollback()
@@ -596,12 +601,16 @@ def print_conversation(store: StatsStore, conversation_id: str, as_json: bool,
           f"acceptance {fmt_percent(c['acceptance'])}\n", file=out)
     header = ["turn", "spec", "drafter", "k", "temp", "tokens", "tok/s", "accept", "mean len",
               "speedup", "stop"]
-    print(format_table([[str(t["idx"]), "on" if t["speculation"] else "off", t["drafter"] or "",
-                         str(t["draft_len"] or ""), fmt_number(t["temperature"], 2),
-                         str(t["new_tokens"]), fmt_number(t["tokens_per_s"]),
-                         fmt_percent(t["acceptance_rate"]), fmt_number(t["mean_accepted_len"], 2),
-                         fmt_speedup(t["speedup"]), t["stop_reason"] or ""]
-                        for t in turns], header), file=out)
+    print(format_table([_turn_cells(t) for t in turns], header), file=out)
+
+
+def _turn_cells(t: dict) -> list[str]:
+    spec = t["speculation"]
+    return [str(t["idx"]), "on" if spec else "off", t["drafter"] if spec else "",
+            str(t["draft_len"]) if spec else "", fmt_number(t["temperature"], 2),
+            str(t["new_tokens"]), fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
+            fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]),
+            t["stop_reason"] or ""]
 
 
 def _clip(text: str, width: int) -> str:

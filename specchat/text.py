@@ -26,6 +26,11 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
+    @property
+    def incomplete(self) -> bool:
+        """Tokens added whose text is still held back (an unfinished character)."""
+        return self.read < len(self.ids)
+
     def add(self, token: int) -> str:
         self.ids.append(token)
         before = self._decode(self.ids[self.prefix:self.read])
@@ -35,23 +40,33 @@ class Detokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
 
+    def flush(self) -> str:
+        """Whatever is held back at the end of the reply (e.g. an invalid byte sequence)."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):]
 
-class StopMatcher:
-    """Holds back token events while their text could be the start of a stop string.
 
-    push(event) -> (events safe to show now, stop string found). On a hit, the events before the
-    stop string are released (the one that contains its start is cut), the rest are dropped, so
-    the concatenated event texts are exactly the reply.
+class ReplyText:
+    """Decides which token events can be shown, and with what text.
+
+    push(event, text) -> (events safe to show now, stop string found). An event is held back
+    while its token ends an unfinished character, or while the text could be the start of a
+    stop string. On a hit, the events before the stop string are released (the one containing
+    its start is cut) and the rest dropped, so the concatenated texts are exactly the reply.
     """
 
-    def __init__(self, stops: tuple[str, ...] | list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: tuple[str, ...] | list[str]):
+        self.detok = Detokenizer(tokenizer, prompt_ids)
         self.stops = [s for s in stops if s]
         self.pending: list[TokenEvent] = []
 
     def push(self, event: TokenEvent) -> tuple[list[TokenEvent], bool]:
-        if not self.stops:
-            return [event], False
+        event.text = self.detok.add(event.id)
         self.pending.append(event)
+        if self.detok.incomplete:
+            return [], False
         text = "".join(e.text for e in self.pending)
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
@@ -72,7 +87,11 @@ class StopMatcher:
             self.pending = []
         return out
 
-    def flush(self) -> list[TokenEvent]:
+    def finish(self) -> list[TokenEvent]:
+        """The reply ended (not on a stop string): release everything held back."""
+        tail = self.detok.flush()
+        if tail and self.pending:
+            self.pending[-1].text += tail
         out, self.pending = self.pending, []
         return out
 

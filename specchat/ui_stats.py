@@ -67,14 +67,18 @@ def conversation_choices(store: StatsStore, owner: str | None) -> list[tuple[str
 
 
 def turn_table(store: StatsStore, owner: str | None, conversation_id: str | None) -> pd.DataFrame:
-    rows = [[t["idx"], "on" if t["speculation"] else "off", t["drafter"] or "",
-             t["draft_len"] or "", fmt_number(t["temperature"], 2), t["new_tokens"],
-             fmt_number(t["seconds"], 2), fmt_number(t["ttft_s"], 2),
-             fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
-             fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]),
-             (t["stop_reason"] or "") + (" (interrupted)" if t["interrupted"] else "")]
-            for t in _turns(store, owner, conversation_id)]
+    rows = [_turn_cells(t) for t in _turns(store, owner, conversation_id)]
     return pd.DataFrame(rows, columns=TURN_COLUMNS)
+
+
+def _turn_cells(t: dict) -> list:
+    spec = t["speculation"]
+    stop = (t["stop_reason"] or "") + (" (interrupted)" if t["interrupted"] else "")
+    return [t["idx"], "on" if spec else "off", t["drafter"] if spec else "",
+            t["draft_len"] if spec else "", fmt_number(t["temperature"], 2), t["new_tokens"],
+            fmt_number(t["seconds"], 2), fmt_number(t["ttft_s"], 2),
+            fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
+            fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]), stop]
 
 
 @dataclass
