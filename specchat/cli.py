@@ -104,6 +104,9 @@ def cmd_generate(args) -> int:
     if problem:
         print(f"specchat: {problem}", file=sys.stderr)
         return 2
+    if args.json:  # keep stderr readable for scripts: no weight-loading progress bars
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
     try:
         report = load_from_args(args, lambda msg: print(msg, file=sys.stderr))
     except ModelLoadError as e:

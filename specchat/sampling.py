@@ -47,18 +47,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if top_k == 0 and params.top_p >= 1.0:
         return torch.softmax(logits, dim=-1)
 
-    probe = min(vocab, max(top_k, _NUCLEUS_PROBE)) if top_k == 0 else top_k
-    top_logits, top_ids = torch.topk(logits, probe, dim=-1)  # [n, probe], sorted descending
-    if top_k == 0 and probe < vocab:
-        # Is the nucleus inside the probe for every row? (mass of probe >= top_p)
-        head_mass = torch.softmax(logits, dim=-1).gather(-1, top_ids).sum(-1)
-        if bool((head_mass < params.top_p).any()):
-            top_logits, top_ids = torch.sort(logits, dim=-1, descending=True)
-    # Probabilities over the kept head (top-k renormalizes before top-p, as in transformers).
     if top_k:
-        head_probs = torch.softmax(top_logits, dim=-1)  # [n, k]
+        top_logits, top_ids = torch.topk(logits, top_k, dim=-1)  # [n, k], sorted descending
+        head_probs = torch.softmax(top_logits, dim=-1)  # top-k renormalizes before top-p
     else:
-        head_probs = torch.softmax(logits, dim=-1).gather(-1, top_ids)
+        probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+        head_probs, top_ids = torch.topk(probs, min(vocab, _NUCLEUS_PROBE), dim=-1)
+        if bool((head_probs.sum(-1) < params.top_p).any()):  # nucleus wider than the probe
+            head_probs, top_ids = torch.sort(probs, dim=-1, descending=True)
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         mass_before = torch.cumsum(head_probs, dim=-1) - head_probs
