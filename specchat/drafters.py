@@ -111,7 +111,7 @@ class ModelDrafter:
         out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1)
         self.cached_ids.extend(ids)
-        return out.logits[0, -1:, :self.vocab_size].float().cpu()  # [1, vocab]
+        return out.logits[0, -1:, :self.vocab_size]  # [1, vocab], on the draft's device
 
     def propose(self, context, k, params, generator):
         if k <= 0:

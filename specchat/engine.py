@@ -120,11 +120,12 @@ class Engine:
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], n_logits: int) -> torch.Tensor:
-        """Feed `ids` after the cached tokens; return the last n_logits rows [n, vocab] on CPU."""
+        """Feed `ids` after the cached tokens; return the last n_logits rows [n, vocab]
+        (on the model's device and dtype: sampling moves them to CPU only when it needs them)."""
         out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
                          use_cache=True, logits_to_keep=n_logits)
         self._cache_ids.extend(ids)
-        return out.logits[0, :, :self.vocab_size].float().cpu()
+        return out.logits[0, :, :self.vocab_size]
 
     def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, int]:
         """Encode the prompt, reusing the cached prefix it shares with the last request.

@@ -73,8 +73,8 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[n, vocab] logits -> ([n] ids, [n, vocab] probs or None when greedy)."""
     if params.greedy:
-        return logits.argmax(-1), None
-    probs = logits_to_probs(logits, params)
+        return logits.argmax(-1).cpu(), None
+    probs = logits_to_probs(logits.float().cpu(), params)
     return sample(probs, generator), probs
 
 
@@ -96,13 +96,13 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     target_logits: [k + 1, vocab] the target's logits at the k draft positions and the next one
     """
     k = draft_ids.shape[0]
-    if params.greedy:
-        target_ids = target_logits.argmax(-1)  # [k + 1]
+    if params.greedy:  # argmax where the logits are (GPU or CPU); move k + 1 ids, not k+1 rows
+        target_ids = target_logits.argmax(-1).cpu()  # [k + 1]
         mismatch = (draft_ids != target_ids[:k]).int()
         n = int(mismatch.argmax()) if bool(mismatch.any()) else k
         return Verdict(n, int(target_ids[n]), bonus=n == k)
 
-    target_probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
+    target_probs = logits_to_probs(target_logits.float().cpu(), params)  # [k + 1, vocab]
     rows = torch.arange(k)
     p = target_probs[rows, draft_ids]  # [k]
     q = draft_probs[rows, draft_ids] if draft_probs is not None else torch.ones(k)  # [k]
