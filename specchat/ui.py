@@ -33,6 +33,7 @@ from specchat import ui_stats
 from specchat.engine import Engine, GenerateConfig, LoadReport
 from specchat.events import ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord, \
     TokenEvent
+from specchat.models import ModelLoadError
 from specchat.stats import StatsStore
 from specchat.text import chat_prompt
 
@@ -79,14 +80,11 @@ class Turn:
     stats: GenerationStats | None = None  # None while streaming
     notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
     turn_id: int | None = None  # row id in the stats store
+    body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
 
     @property
     def reply(self) -> str:
         return "".join(t.text for t in self.tokens)
-
-    @property
-    def ids(self) -> list[int]:
-        return [t.id for t in self.tokens]
 
 
 @dataclass
@@ -140,9 +138,11 @@ class ModelSlot:
             try:
                 self.report = loader(self.progress)
                 self.progress(f"Ready in {time.monotonic() - self.started:.0f} s.")
-            except Exception as e:  # ModelLoadError says why in words; anything else, say what
-                self.error = str(e) if type(e).__name__ == "ModelLoadError" \
-                    else f"{type(e).__name__}: {e}"
+            except ModelLoadError as e:  # says why, in words a user can act on
+                self.error = str(e)
+            except Exception as e:  # anything else: say what it was
+                self.error = f"{type(e).__name__}: {e}"
+            if self.error:
                 print(f"specchat: model loading failed: {self.error}", file=sys.stderr)
 
         self.started = time.monotonic()
@@ -204,7 +204,14 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False) -> str:
     blocks, marks = markup_ranges(text)
     cuts = sorted({0, len(text), *(p for b in blocks for p in b[:2]),
                    *(p for m in marks for p in m[:2])})
-    block_starts = [b[0] for b in blocks]
+    # Between two cuts nothing changes: one block kind and one set of classes per interval.
+    kinds, extras = {}, {c: "" for c in cuts}
+    for start, end, kind in blocks:
+        for c in cuts[bisect.bisect_left(cuts, start):bisect.bisect_left(cuts, end)]:
+            kinds[c] = kind
+    for start, end, css in marks:
+        for c in cuts[bisect.bisect_left(cuts, start):bisect.bisect_left(cuts, end)]:
+            extras[c] += f" {css}"
     out, current, pos = ['<div class="sc-reply">'], None, 0
     for tok in tokens:
         if not tok.text:
@@ -220,14 +227,14 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False) -> str:
             i += 1
         edges.append(b)
         for s, e in zip(edges, edges[1:]):
-            kind = blocks[bisect.bisect_right(block_starts, s) - 1][2]
+            at = cuts[bisect.bisect_right(cuts, s) - 1]  # the interval this piece lies in
+            kind = kinds[at]
             if kind != current:
                 if current:
                     out.append(_CLOSE[current])
                 out.append(_OPEN[kind])
                 current = kind
-            extra = "".join(f" {c}" for ms, me, c in marks if ms <= s < me)
-            out.append(f'<span class="{css}{extra}" title="{title}">'
+            out.append(f'<span class="{css}{extras[at]}" title="{title}">'
                        f'{html.escape(text[s:e], quote=False)}</span>')
     if streaming:
         if current is None:
@@ -252,23 +259,33 @@ STOP_WORDS = {"eos": "", "stop_string": "", "length": "max tokens reached",
               "stopped": "stopped by you", "error": "error"}
 
 
-def stats_line(stats: GenerationStats, baseline: float | None) -> str:
+def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = True) -> str:
     """The line under a reply: speed, tokens, acceptance, target passes, speedup."""
-    def chip(value: str, label: str = "", css: str = "") -> str:
-        cls = f' class="{css}"' if css else ""
-        return f"<span{cls}><b>{html.escape(value)}</b>{' ' + html.escape(label) if label else ''}</span>"
+    def chip(value: str, label: str = "", css: str = "", title: str = "") -> str:
+        attrs = (f' class="{css}"' if css else "") + \
+            (f' title="{html.escape(title, quote=True)}"' if title else "")
+        label = f" {html.escape(label)}" if label else ""
+        return f"<span{attrs}><b>{html.escape(value)}</b>{label}</span>"
 
     parts = [chip(f"{stats.tokens_per_s:.1f}", "tok/s"), chip(str(stats.new_tokens), "tokens"),
              chip(f"{stats.seconds:.2f} s")]
     if stats.speculation:
-        parts += [chip(f"{stats.acceptance_rate:.0%}", "accepted"),
-                  chip(f"{stats.mean_accepted_len:.2f}", "mean accepted length"),
-                  chip(str(stats.target_calls), "target passes")]
-        if baseline:
-            parts.append(chip(f"{stats.tokens_per_s / baseline:.2f}×", "vs plain", "sc-speedup"))
+        parts += [chip(f"{stats.acceptance_rate:.0%}", "accepted", "",
+                       f"{stats.accepted} of {stats.drafted} draft tokens accepted"),
+                  chip(f"{stats.mean_accepted_len:.2f}", "mean accepted length", "",
+                       "tokens emitted per speculative step (accepted drafts + 1)"),
+                  chip(str(stats.target_calls), "target passes", "",
+                       "target forward passes, prefill included")]
+        if not speedup:
+            pass  # shown elsewhere (the A/B verdict)
+        elif baseline:
+            parts.append(chip(f"{stats.tokens_per_s / baseline:.2f}×", "vs plain", "sc-speedup",
+                              f"tokens/s over this conversation's plain tokens/s "
+                              f"({baseline:.1f} at the same temperature)"))
         else:
-            parts.append(chip("–", "vs plain (no plain baseline yet: turn speculation off "
-                                   "or run A/B)"))
+            parts.append(chip("no plain baseline yet", "", "",
+                              "Speedup needs a plain reply at the same temperature in this "
+                              "conversation: turn speculation off for a reply, or run A/B replay."))
         k = f"k≤{stats.draft_len}"
         parts.append(chip(stats.drafter, f"drafter, {k}"))
     else:
@@ -282,12 +299,16 @@ def stats_line(stats: GenerationStats, baseline: float | None) -> str:
 
 
 def render_turn(turn: Turn, baseline: float | None, streaming: bool = False) -> str:
-    body = render_tokens(turn.tokens, streaming)
-    if not streaming and not turn.reply:
-        body = '<div class="sc-reply"><span class="sc-empty">(empty reply)</span></div>'
+    if streaming or not turn.stats:
+        body = render_tokens(turn.tokens, streaming)
+    elif turn.body_html:
+        body = turn.body_html  # a finished reply never changes: render it once
+    else:
+        body = turn.body_html = render_tokens(turn.tokens) if turn.reply else \
+            '<div class="sc-reply"><span class="sc-empty">(empty reply)</span></div>'
     parts = [body]
     if turn.stats and turn.stats.error:
-        parts.append(f'<div class="sc-error">⚠️ {html.escape(turn.stats.error)}</div>')
+        parts.append(f'<div class="sc-error">⚠ {html.escape(turn.stats.error)}</div>')
     if turn.stats:
         parts.append(stats_line(turn.stats, baseline))
     parts += [f'<div class="sc-note">{html.escape(n)}</div>' for n in turn.notes]
@@ -340,6 +361,11 @@ class ChatApp:
             self._stops[self._key(request)] = event
         return event
 
+    def _release(self, request, event: threading.Event) -> None:
+        with self._stops_lock:
+            if self._stops.get(self._key(request)) is event:
+                del self._stops[self._key(request)]
+
     def stop(self, request: gr.Request | None = None) -> str:
         """Ask this browser's running reply (or A/B replay) to end after the current step."""
         with self._stops_lock:
@@ -379,6 +405,14 @@ class ChatApp:
                              draft_len=min(max(int(s.draft_len or 1), 1), MAX_DRAFT_LEN),
                              adaptive=bool(s.adaptive))
         return cfg, notes
+
+    def system_prompt(self, s: Settings, notes: list[str]) -> str:
+        """The system prompt, cut to the message cap (a note says so)."""
+        system, cap = (s.system or "").strip(), self.limits.max_input_chars
+        if len(system) > cap:
+            notes.append(f"System prompt cut to {cap:,} characters (server limit).")
+            system = system[:cap]
+        return system
 
     def prompt_messages(self, session: Session, upto: int, system: str) -> tuple[list[dict], int]:
         """Chat messages for the reply to turn `upto`: the system prompt, earlier turns (oldest
@@ -448,8 +482,8 @@ class ChatApp:
 
     def _not_ready(self) -> str:
         if self.slot.state == "failed":
-            return "⚠️ The models failed to load, so the chat cannot answer: " + self.slot.error
-        return "⏳ The models are still loading; your message is kept, send it when ready."
+            return "⚠ The models failed to load, so the chat cannot answer: " + self.slot.error
+        return "The models are still loading; your message is kept, send it when ready."
 
     # -- chat handlers -------------------------------------------------------------------------
 
@@ -483,7 +517,8 @@ class ChatApp:
     def _reply(self, session: Session, turn: Turn, settings: Settings, request):
         engine = self.slot.engine
         cfg, turn.notes = self.config(settings)
-        messages, dropped = self.prompt_messages(session, len(session.turns) - 1, settings.system)
+        system = self.system_prompt(settings, turn.notes)
+        messages, dropped = self.prompt_messages(session, len(session.turns) - 1, system)
         if dropped:
             turn.notes.append(f"{dropped} older exchange(s) left out of the prompt "
                               f"(history limit {self.limits.max_history_chars:,} characters).")
@@ -491,12 +526,15 @@ class ChatApp:
         ids, stops = chat_prompt(engine.tokenizer, messages)
         cfg.stop = tuple(stops)
         stop = self._stop_event(request)
-        yield render_history(session, streaming=True), session, notice
-        for result in self._drive(ids, cfg, stop, turn.tokens):
-            if result is None:
-                yield render_history(session, streaming=True), session, gr.skip()
-            else:
-                turn.stats = result
+        try:
+            yield render_history(session, streaming=True), session, notice
+            for result in self._drive(ids, cfg, stop, turn.tokens):
+                if result is None:
+                    yield render_history(session, streaming=True), session, gr.skip()
+                else:
+                    turn.stats = result
+        finally:
+            self._release(request, stop)
         turn.turn_id = self._record(session, request, turn.user, turn.reply, turn.stats)
         yield render_history(session), session, notice
 
@@ -527,26 +565,35 @@ class ChatApp:
 
     def ab_replay(self, session: Session, settings: Settings, request: gr.Request | None = None):
         """Replay the last prompt with speculation off, then on (same seed and settings).
-        Yields (off panel, on panel, verdict, session, notice)."""
+        Yields (off panel, on panel, verdict, chat, session, notice)."""
         if self.slot.engine is None:
-            yield *ab_placeholders(), session, self._not_ready()
+            yield *ab_placeholders(), gr.skip(), session, self._not_ready()
             return
         if not session.turns:
-            yield *ab_placeholders(), session, "Send a message first: A/B replays the last prompt."
+            yield (*ab_placeholders(), gr.skip(), session,
+                   "Send a message first: A/B replays the last prompt.")
             return
         engine = self.slot.engine
         cfg, notes = self.config(replace(settings, speculation=True))
         if not cfg.speculation:
-            yield *ab_placeholders(), session, "No drafter is available, so there is nothing to compare."
+            yield (*ab_placeholders(), gr.skip(), session,
+                   "No drafter is available, so there is nothing to compare.")
             return
         last = len(session.turns) - 1
         prompt = session.turns[last].user
-        messages, _ = self.prompt_messages(session, last, settings.system)
+        messages, _ = self.prompt_messages(session, last, self.system_prompt(settings, notes))
         ids, stops = chat_prompt(engine.tokenizer, messages)
         cfg.stop = tuple(stops)
         stop = self._stop_event(request)
-        runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
         notice = " ".join(notes)
+        try:
+            yield from self._ab_runs(session, request, prompt, ids, cfg, stop, notice)
+        finally:
+            self._release(request, stop)
+
+    def _ab_runs(self, session, request, prompt, ids, cfg, stop, notice):
+        engine = self.slot.engine
+        runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
 
         def panels(live: str | None = None):
             return (ab_panel("Speculation off", *runs.get("off", ([], None)), live == "off"),
@@ -558,12 +605,14 @@ class ChatApp:
             tokens: list[TokenEvent] = []
             runs[name] = (tokens, None)
             run_cfg = replace(cfg, speculation=speculation)
+            yield (*panels(name), f'<div class="sc-verdict">Replaying with speculation {name}…'
+                   "</div>", gr.skip(), session, gr.skip())
             for result in self._drive(ids, run_cfg, stop, tokens):
                 if result is None:
-                    yield *panels(name), gr.skip(), session, gr.skip()
+                    yield *panels(name), gr.skip(), gr.skip(), session, gr.skip()
                 else:
                     runs[name] = (tokens, result)
-            yield *panels(), gr.skip(), session, notice
+            yield *panels(), gr.skip(), gr.skip(), session, notice
             reply = "".join(t.text for t in tokens)
             stats = runs[name][1]
             if name == "off":
@@ -575,7 +624,8 @@ class ChatApp:
             if stop.is_set() or stats.stop_reason == "error":
                 break
         verdict = ab_verdict(runs, cfg, engine.target.quantization)
-        yield *panels(), verdict, session, notice
+        # The plain run is a baseline for this conversation's speculative replies too.
+        yield *panels(), verdict, render_history(session), session, notice
 
 
 def readable_error(error: str) -> str:
@@ -602,8 +652,8 @@ def ab_placeholders() -> tuple[str, str, str]:
 def ab_panel(title: str, tokens: list[TokenEvent], stats: GenerationStats | None,
              live: bool, placeholder: str = "") -> str:
     body = placeholder or render_tokens(tokens, live)
-    line = stats_line(stats, None) if stats else ""
-    error = f'<div class="sc-error">⚠️ {html.escape(stats.error)}</div>' \
+    line = stats_line(stats, None, speedup=False) if stats else ""
+    error = f'<div class="sc-error">⚠ {html.escape(stats.error)}</div>' \
         if stats and stats.error else ""
     return f'<div class="sc-ab-panel"><h3>{html.escape(title)}</h3>{body}{error}{line}</div>'
 
@@ -627,17 +677,16 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str) -> str:
             ("tokens/s", f"{off.tokens_per_s:.1f}", f"{on.tokens_per_s:.1f}"),
             ("tokens", str(off.new_tokens), str(on.new_tokens)),
             ("target passes", str(off.target_calls), str(on.target_calls))]
-    table = "".join(
-        "<tr>" + "".join(f"<{'th' if i == 0 or j == 0 else 'td'}>{html.escape(c)}"
-                         f"</{'th' if i == 0 or j == 0 else 'td'}>" for j, c in enumerate(row))
-        + "</tr>" for i, row in enumerate(rows))
+    # A grid of divs, not a <table>: the theme's table styles fight ours.
+    table = "".join(f'<span class="{"sc-h" if i == 0 or j == 0 else ""}">{html.escape(c)}</span>'
+                    for i, row in enumerate(rows) for j, c in enumerate(row))
     off_ids, on_ids = [t.id for t in off_tokens], [t.id for t in on_tokens]
     diff = first_difference(off_ids, on_ids)
     if "stopped" in (off.stop_reason, on.stop_reason):
         same = "One run was stopped, so the texts are not compared."
     elif diff is None:
-        same = (f'<span class="sc-same">✓ Identical texts</span> ({len(on_ids)} tokens): '
-                "speculation changed the speed, not the output.")
+        same = ('<span class="sc-same">✓ Identical texts</span>: speculation changed the '
+                "speed, not the output.")
     else:
         def piece(tokens):
             return html.escape(repr(tokens[diff].text)) if diff < len(tokens) else "(end)"
@@ -656,7 +705,17 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str) -> str:
         same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
                 f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
     return (f'<div class="sc-verdict"><b>Speedup: {speedup:.2f}×</b> '
-            f"(tokens/s on ÷ off)<table>{table}</table>{same}</div>")
+            f'(tokens/s on ÷ off)<div class="sc-ab-grid">{table}</div>{same}</div>')
+
+
+def warm_up(engine: Engine) -> None:
+    """A 4-token plain generation right after loading: the first forward passes pay one-time
+    costs (about 2.5 s on the embedded CPU model) that would otherwise land on the first reply
+    and make it look slow. Plain decoding only, so no drafter's timing policy sees it."""
+    ids, stops = chat_prompt(engine.tokenizer, [{"role": "user", "content": "Hello"}])
+    for _ in engine.stream(ids, GenerateConfig(max_new_tokens=4, speculation=False, seed=0,
+                                               stop=tuple(stops))):
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -673,7 +732,8 @@ def header_html(slot: ModelSlot) -> str:
 def models_html(slot: ModelSlot) -> str:
     if slot.report is None:
         what = html.escape(slot.description or "the models")
-        return f'<div class="sc-models"><span>Loading {what}</span></div>'
+        verb = "Could not load" if slot.state == "failed" else "Loading"
+        return f'<div class="sc-models"><span>{verb} {what}</span></div>'
     engine, report = slot.report.engine, slot.report
     drafters = []
     if report.draft is not None:
@@ -682,7 +742,7 @@ def models_html(slot: ModelSlot) -> str:
         drafters.append("<code>draft model</code>")
     if "ngram" in engine.drafters:
         drafters.append("<code>n-gram prompt lookup</code>")
-    notes = "".join(f'<div class="sc-note">⚠️ {html.escape(n)}</div>' for n in report.notes)
+    notes = "".join(f'<div class="sc-note">⚠ {html.escape(n)}</div>' for n in report.notes)
     return (f'<div class="sc-models"><span>Target: <code>{html.escape(engine.target.label)}'
             f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span></div>{notes}")
 
@@ -696,8 +756,8 @@ def status_html(slot: ModelSlot) -> str:
                 f"is disabled.<pre>{html.escape(slot.error)}</pre></div>{share}")
     elapsed = time.monotonic() - slot.started
     last = html.escape(slot.lines[-1]) if slot.lines else "starting…"
-    return (f'<div class="sc-status sc-status-loading">⏳ Loading models… {elapsed:.0f} s '
-            f"({last})</div>{share}")
+    return (f'<div class="sc-status sc-status-loading"><span class="sc-spinner"></span>Loading '
+            f"models… {elapsed:.0f} s ({last})</div>{share}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -717,22 +777,24 @@ def _page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
     ready = slot.state == "ready"
     with gr.Blocks(title="specchat · speculative decoding you can see") as demo:
         session = gr.State(Session())
-        header = gr.HTML(header_html(slot), elem_id="sc-header")
-        status = gr.HTML(status_html(slot), elem_id="sc-status")
+        with gr.Row(equal_height=False):
+            header = gr.HTML(header_html(slot), elem_id="sc-header", scale=4)
+            status = gr.HTML(status_html(slot), elem_id="sc-status", scale=1, min_width=200)
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=3, min_width=380):
                         gr.HTML(asset("legend.html"))
                         chat = gr.Chatbot(
-                            label="Chat", elem_id="sc-chat", height=540, render_markdown=False,
+                            label="Chat", show_label=False, elem_id="sc-chat", height=540,
+                            render_markdown=False,
                             sanitize_html=True, latex_delimiters=[], feedback_options=None,
                             autoscroll=True, buttons=[],
                             placeholder="Ask something. Replies stream in as the target verifies "
                                         "each batch of draft tokens.")
                         with gr.Row(equal_height=True):
                             box = gr.Textbox(show_label=False, placeholder="Message (Enter to "
-                                             "send, Shift+Enter for a new line)", lines=2,
+                                             "send, Shift+Enter for a new line)", lines=1,
                                              max_lines=10, scale=6, autofocus=True,
                                              elem_id="sc-input", interactive=ready)
                             with gr.Column(scale=1, min_width=110):
@@ -809,7 +871,11 @@ def _page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
         def on_page(request: gr.Request):
             now_ready = slot.state == "ready"
             choices = self.drafters() or ["ngram"]
+            # A failed load is also said in the chat itself, where the user looks.
+            failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
+                       f"failed to load: {html.escape(slot.error)}</div>"}]
             return (header_html(slot), status_html(slot),
+                    failed if slot.state == "failed" else gr.skip(),
                     gr.Radio(choices=[(DRAFTER_LABELS.get(c, c), c) for c in choices],
                              value=d.drafter if d.drafter in choices else choices[0]),
                     gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
@@ -829,10 +895,10 @@ def _page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
         new_outputs = [box, chat, session, notice, ab_off, ab_on, verdict]
         new_btn.click(self.new_conversation, session, new_outputs, **instant)
         chat.clear(self.new_conversation, session, new_outputs, **instant)
-        ab_btn.click(on_ab, [session, *controls], [ab_off, ab_on, verdict, session, notice],
+        ab_btn.click(on_ab, [session, *controls], [ab_off, ab_on, verdict, chat, session, notice],
                      show_progress="minimal", **engine_lane)
         stop_btn.click(on_stop, None, notice, queue=False, **private)
-        page_out = [header, status, drafter, box, send, ab_btn, timer]
+        page_out = [header, status, chat, drafter, box, send, ab_btn, timer]
         timer.tick(on_page, None, page_out, **instant)
         demo.load(on_page, None, page_out, **instant)
     return demo
@@ -844,7 +910,10 @@ def theme() -> gr.themes.Base:
                           font=["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI",
                                 "Roboto", "sans-serif"],
                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas",
-                                     "monospace"])
+                                     "monospace"]).set(
+        block_title_background_fill="transparent", block_title_text_color="*neutral_700",
+        block_title_text_color_dark="*neutral_200", block_label_background_fill="transparent",
+        block_label_text_color="*neutral_500", block_title_padding="0")
 
 
 def launch_kwargs() -> dict:

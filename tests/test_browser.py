@@ -1,0 +1,145 @@
+"""The page in real headless Chromium (Debian's /usr/bin/chromium driven by Playwright): a tiny
+random model pair serves the app in-process; we chat, see colored token spans of several kinds,
+switch speculation off, run the A/B replay, and take a screenshot.
+
+Skipped only when Chromium (or Playwright) is genuinely absent and $CI is unset; in CI a missing
+browser is a failure, so the check can never silently disappear there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from specchat.drafters import ModelDrafter, NgramDrafter
+from specchat.engine import Engine
+from specchat.stats import StatsStore
+from specchat.ui import Settings, build_ui, launch
+from tiny import byte_tokenizer, loaded, tiny_llama
+
+# gradio's queue monitoring trips pandas 3 deprecations; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+WAIT_MS = 60_000  # generous: CI machines are small and shared
+
+
+def _sync_playwright():
+    missing = []
+    if not Path(CHROMIUM).exists():
+        missing.append(f"{CHROMIUM} (apt-get install chromium chromium-driver)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+        missing.append("the playwright package (pip install -r requirements.txt)")
+    if missing:
+        reason = "browser test needs " + " and ".join(missing)
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}; CI must run it, not skip it")
+        pytest.skip(reason)
+    return sync_playwright
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The app on a tiny pair whose draft has the target's weights (greedy drafts pass)."""
+    tok = byte_tokenizer()
+    engine = Engine(loaded(tiny_llama(0), tok),
+                    {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(0), len(tok))})
+    store = StatsStore(":memory:")
+    demo = build_ui(engine, store, min_interval=0.02,
+                    defaults=Settings(max_new_tokens=48, seed=0))
+    port = _free_port()
+    launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/", store
+    finally:
+        demo.close()
+        store.close()
+
+
+def _kinds(page, selector: str) -> list[str]:
+    classes = page.eval_on_selector_all(selector, "els => els.map(e => e.className)")
+    return [m.group(1) for c in classes for m in [re.search(r"\btk-(\w+)", c)] if m]
+
+
+def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
+    sync_playwright = _sync_playwright()
+    url, store = served
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url)
+            page.wait_for_selector("#sc-status .sc-status-ready")
+            box = page.locator("#sc-input textarea")
+
+            # An empty message is refused with a visible notice.
+            page.click("#sc-send")
+            page.wait_for_selector("#sc-notice:has-text('Type a message first')")
+
+            # 1. Speculation on: the reply streams as colored spans of at least two kinds.
+            box.fill("Hello <b>specchat</b>")
+            box.press("Enter")
+            page.wait_for_selector("#sc-chat .sc-stats")
+            assert "Hello <b>specchat</b>" in page.inner_text("#sc-chat")  # escaped, shown as text
+            kinds = _kinds(page, "#sc-chat .sc-reply span.tk")
+            assert len(set(kinds)) >= 2 and set(kinds) <= {"accepted", "bonus", "resampled",
+                                                           "target"}, kinds
+            first = page.locator("#sc-chat .sc-reply span.tk-accepted").first
+            assert re.fullmatch(r"accepted · step \d+ · accepted \d+/\d+",
+                                first.get_attribute("title"))
+            # The CSS is live: color plus a second cue (underline style) per kind.
+            style = first.evaluate("e => [getComputedStyle(e).textDecorationStyle, "
+                                   "getComputedStyle(e).backgroundColor]")
+            assert style[0] == "solid" and style[1] not in ("rgba(0, 0, 0, 0)", "transparent")
+            if "bonus" in kinds:
+                bonus = page.locator("#sc-chat .sc-reply span.tk-bonus").first
+                assert bonus.evaluate("e => getComputedStyle(e).textDecorationStyle") == "double"
+            stats_line = page.inner_text("#sc-chat .sc-stats")
+            assert "tok/s" in stats_line and "accepted" in stats_line
+
+            # 2. Speculation off: the next reply is all plain target tokens.
+            page.click("#sc-speculation input")
+            box.fill("Again, plainly")
+            box.press("Enter")
+            page.wait_for_function(
+                "document.querySelectorAll('#sc-chat .sc-stats').length >= 2")
+            replies = page.locator("#sc-chat .sc-reply")
+            assert replies.count() == 2
+            second = set(_kinds(page, "#sc-chat .message-row:last-child .sc-reply span.tk"))
+            assert second == {"target"}, second
+            assert "speculation off" in page.locator("#sc-chat .sc-stats").nth(1).inner_text()
+
+            # 3. A/B replay: off and on side by side, speedup, identical texts (fp32 greedy).
+            page.click("#sc-ab")
+            page.wait_for_selector("#sc-ab-verdict :text('Speedup')")
+            verdict = page.inner_text("#sc-ab-verdict")
+            assert "Identical texts" in verdict and "tokens/s" in verdict
+            assert set(_kinds(page, "#sc-ab-off span.tk")) == {"target"}
+            assert len(set(_kinds(page, "#sc-ab-on span.tk"))) >= 2
+
+            shot = tmp_path / "specchat.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 20_000
+        finally:
+            browser.close()
+    # Two chat turns and the two A/B runs were recorded, the spec run against its baseline.
+    conversation = store.conversations()[0]
+    turns = store.turns(conversation["id"])
+    assert [t["speculation"] for t in turns] == [True, False, False, True]
+    assert turns[3]["baseline_turn_id"] == turns[2]["id"]

@@ -1,0 +1,371 @@
+"""The chat page's handlers on a tiny random model pair, without a browser: streaming renders
+exactly the engine's tokens and kinds, Stop leaves a consistent conversation, caps hold
+server-side, errors stay readable, A/B replay compares and records both runs."""
+
+from __future__ import annotations
+
+import threading
+from html.parser import HTMLParser
+
+import pytest
+
+from specchat.drafters import ModelDrafter, NgramDrafter
+from specchat.engine import Engine, LoadReport
+from specchat.events import GenerationStats, TokenEvent
+from specchat.stats import StatsStore
+from specchat.ui import (ChatApp, Limits, ModelSlot, Session, Settings, first_difference,
+                         markup_ranges, render_tokens, status_html)
+from tiny import byte_tokenizer, loaded, tiny_llama
+
+import app as launcher
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """Target and draft share weights, so greedy drafts are accepted: accepted + bonus kinds."""
+    tok = byte_tokenizer()
+    return Engine(loaded(tiny_llama(0), tok),
+                  {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(0), len(tok))})
+
+
+@pytest.fixture
+def store():
+    s = StatsStore(":memory:")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def spy(engine, monkeypatch):
+    """Every event the engine yields, per call of engine.stream."""
+    calls: list[list] = []
+    real = Engine.stream
+
+    def stream(self, *args, **kwargs):
+        events = []
+        calls.append(events)
+        for event in real(self, *args, **kwargs):
+            events.append(event)
+            yield event
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    return calls
+
+
+def make_app(engine, store=None, **limits) -> ChatApp:
+    return ChatApp(engine, store, Limits(**limits) if limits else None, min_interval=0.0)
+
+
+def send(app, session, text, settings=None):
+    """user() then every yield of bot(): the list of (chat, session, notice) updates."""
+    box, chat, session, notice = app.user(text, session)
+    assert box == "" and notice == "", notice
+    return list(app.bot(session, settings or Settings(max_new_tokens=24, seed=0)))
+
+
+class Spans(HTMLParser):
+    """(css classes, title, text) of every token span in rendered HTML."""
+
+    def __init__(self, markup: str):
+        super().__init__(convert_charrefs=True)
+        self.spans, self._open = [], None
+        self.feed(markup)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "span" and "tk" in (attrs.get("class") or "").split():
+            self._open = [attrs["class"].split(), attrs.get("title", ""), ""]
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open[2] += data
+
+    def handle_endtag(self, tag):
+        if tag == "span" and self._open is not None:
+            self.spans.append(tuple(self._open))
+            self._open = None
+
+
+def char_kinds_from_html(markup: str) -> list[tuple[str, str]]:
+    out = []
+    for classes, _, text in Spans(markup).spans:
+        kind = next(c[3:] for c in classes if c.startswith("tk-"))
+        out += [(ch, kind) for ch in text]
+    return out
+
+
+def char_kinds_from_events(events) -> list[tuple[str, str]]:
+    return [(ch, e.kind) for e in events if isinstance(e, TokenEvent) for ch in e.text]
+
+
+def test_stream_grows_and_matches_engine_events(engine, store, spy):
+    app = make_app(engine, store)
+    session = Session()
+    updates = send(app, session, "Hello <b>there</b> & welcome")
+    assert len(spy) == 1
+    events = spy[0]
+    assert sum(isinstance(e, TokenEvent) for e in events) > 3
+    lengths = []
+    for chat, state, _ in updates:
+        assert [m["role"] for m in chat] == ["user", "assistant"]
+        assert "&lt;b&gt;there&lt;/b&gt; &amp; welcome" in chat[0]["content"]  # escaped
+        lengths.append(len(char_kinds_from_html(chat[1]["content"])))
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[0], "the reply grows"
+    assert len(set(lengths)) > 2, "several repaints while streaming"
+
+    final = updates[-1][0][1]["content"]
+    assert char_kinds_from_html(final) == char_kinds_from_events(events)
+    kinds = {k for _, k in char_kinds_from_events(events)}
+    assert len(kinds) >= 2, kinds  # accepted and bonus (draft = target)
+    # Every span names its kind and step in a tooltip: "kind · step N · accepted a/d".
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    spec = next(t for t in tokens if t.step_drafted)
+    titles = {title for _, title, _ in Spans(final).spans}
+    assert (f"{spec.kind} · step {spec.step} · accepted {spec.step_accepted}/"
+            f"{spec.step_drafted}") in titles
+    # The conversation state holds exactly what the engine emitted, and it was recorded.
+    turn = session.turns[0]
+    assert turn.tokens == tokens and turn.stats is events[-1]
+    assert turn.reply == "".join(t.text for t in tokens)
+    assert 'class="sc-stats"' in final and f"{turn.stats.new_tokens}</b> tokens" in final
+    rows = store.turns(session.conversation_id)
+    assert [r["reply"] for r in rows] == [turn.reply] and rows[0]["speculation"]
+
+
+def test_plain_reply_and_speedup_against_the_plain_baseline(engine):
+    app = make_app(engine)
+    session = Session()
+    chat = send(app, session, "one", Settings(max_new_tokens=16, seed=1))[-1][0]
+    first = session.turns[0]
+    assert first.stats.speculation and "no plain baseline yet" in chat[1]["content"]
+    chat = send(app, session, "two", Settings(speculation=False, max_new_tokens=16, seed=1))[-1][0]
+    second = session.turns[1]
+    assert not second.stats.speculation
+    assert {k for _, k in char_kinds_from_html(chat[3]["content"])} == {"target"}
+    assert "speculation off" in chat[3]["content"]
+    # The plain turn is now the conversation's baseline: the speculative reply shows a speedup.
+    expected = first.stats.tokens_per_s / second.stats.tokens_per_s
+    assert f"{expected:.2f}×</b> vs plain" in chat[1]["content"]
+
+
+def test_stop_mid_stream_keeps_a_consistent_conversation(engine, store):
+    app = make_app(engine, store)
+    session = Session()
+    app.user("tell me a long story", session)
+    updates = app.bot(session, Settings(max_new_tokens=400, seed=3, speculation=False))
+    next(updates)  # the echo with an empty reply and a cursor
+    chat, _, _ = next(updates)  # a first repaint with some tokens
+    assert "sc-cursor" in chat[-1]["content"]
+    assert app.stop() == "Stopping after the current step…"
+    rest = list(updates)
+    chat = rest[-1][0]
+    turn = session.turns[-1]
+    assert turn.stats.stop_reason == "stopped"
+    assert 0 < turn.stats.new_tokens < 400 and len(turn.tokens) == turn.stats.new_tokens
+    assert "".join(ch for ch, _ in char_kinds_from_html(chat[-1]["content"])) == turn.reply
+    assert "stopped by you" in chat[-1]["content"] and "sc-cursor" not in chat[-1]["content"]
+    row = store.turns(session.conversation_id)[-1]
+    assert row["interrupted"] and row["stop_reason"] == "stopped" and row["reply"] == turn.reply
+    # The chat goes on: the next prompt includes the partial reply as an assistant message.
+    send(app, session, "and then?")
+    assert [t.user for t in session.turns] == ["tell me a long story", "and then?"]
+    messages, _ = app.prompt_messages(session, 1, "")
+    assert messages[1] == {"role": "assistant", "content": turn.reply}
+    assert app.stop() == ""  # nothing running any more
+
+
+def test_empty_and_too_long_messages_are_refused_with_the_text_kept(engine):
+    app = make_app(engine, max_input_chars=20)
+    session = Session()
+    box, chat, session, notice = app.user("   \n", session)
+    assert "empty" in notice and box == "   \n" and session.pending is None and chat == []
+    long = "x" * 21
+    box, chat, session, notice = app.user(long, session)
+    assert box == long and session.pending is None and chat == []
+    assert "21 characters" in notice and "limit here is 20" in notice
+    # Nothing pending: the bot step that follows the echo does nothing.
+    assert len(list(app.bot(session, Settings()))) == 1 and session.turns == []
+
+
+def test_max_new_tokens_and_other_settings_are_capped_server_side(engine):
+    app = make_app(engine, max_new_tokens_cap=8)
+    cfg, notes = app.config(Settings(max_new_tokens=5000, draft_len=99, temperature=9,
+                                     top_p=0, top_k=-3, seed=-1, drafter="model"))
+    assert cfg.max_new_tokens == 8 and "capped at 8" in notes[0]
+    assert cfg.draft_len == 16 and cfg.temperature == 2.0 and 0 < cfg.top_p <= 1
+    assert cfg.top_k == 0 and cfg.seed >= 0
+    session = Session()
+    updates = send(app, session, "hi", Settings(max_new_tokens=5000))
+    assert session.turns[0].stats.new_tokens <= 8
+    assert "capped at 8" in updates[-1][2] and "capped at 8" in updates[-1][0][1]["content"]
+
+
+def test_system_prompt_is_used_and_capped(engine):
+    app = make_app(engine, max_input_chars=10)
+    session = Session()
+    send(app, session, "hi")
+    notes: list[str] = []
+    system = app.system_prompt(Settings(system="be brief and kind"), notes)
+    assert system == "be brief a" and "System prompt cut to 10" in notes[0]
+    messages, _ = app.prompt_messages(session, 0, system)
+    assert messages[0] == {"role": "system", "content": "be brief a"}
+
+
+def test_missing_draft_model_falls_back_to_ngram(engine):
+    tok = engine.tokenizer
+    ngram_only = Engine(engine.target, {"ngram": NgramDrafter()})
+    assert tok is ngram_only.tokenizer
+    cfg, notes = make_app(ngram_only).config(Settings(drafter="model"))
+    assert cfg.drafter == "ngram" and "n-gram" in notes[0]
+
+
+def test_retry_undo_and_new_conversation(engine):
+    app = make_app(engine)
+    session = Session()
+    send(app, session, "first")
+    send(app, session, "second")
+    chat, session, _ = app.retry(session)
+    assert session.pending == "second" and len(session.turns) == 1 and len(chat) == 3
+    list(app.bot(session, Settings(max_new_tokens=8, seed=0)))
+    assert [t.user for t in session.turns] == ["first", "second"]
+    box, chat, session, _ = app.undo(session)
+    assert box == "second" and len(session.turns) == 1 and len(chat) == 2
+    box, chat, fresh, *_ = app.new_conversation(session)
+    assert chat == [] and fresh.turns == [] and fresh.conversation_id is None
+
+
+def test_engine_error_is_shown_and_the_app_keeps_working(engine, monkeypatch):
+    app = make_app(engine)
+    session = Session()
+    real = Engine.stream
+
+    def broken(self, ids, cfg, stop_event=None):
+        events = real(self, ids, cfg, stop_event)
+        yield next(events)
+        raise RuntimeError("CUDA error: device-side assert")
+
+    monkeypatch.setattr(Engine, "stream", broken)
+    chat = send(app, session, "boom")[-1][0]
+    assert "Engine error: RuntimeError: CUDA error" in chat[-1]["content"]
+    assert session.turns[0].stats.stop_reason == "error" and len(session.turns[0].tokens) == 1
+    monkeypatch.setattr(Engine, "stream", real)
+    chat = send(app, session, "again")[-1][0]
+    assert session.turns[1].stats.stop_reason in ("length", "eos") and "Engine error" not in \
+        chat[-1]["content"]
+
+
+def test_out_of_memory_reported_by_the_engine_reads_well(engine, monkeypatch):
+    app = make_app(engine)
+
+    def oom(self, ids, cfg, stop_event=None):
+        yield GenerationStats(stop_reason="error", error="out of memory: tried to allocate 2 GiB")
+
+    monkeypatch.setattr(Engine, "stream", oom)
+    session = Session()
+    chat = send(app, session, "big")[-1][0]
+    assert "Out of memory while generating" in chat[-1]["content"]
+    assert "max new tokens" in chat[-1]["content"]
+
+
+def test_ab_replay_compares_and_records_both_runs(engine, store):
+    app = make_app(engine, store)
+    session = Session()
+    send(app, session, "compare me", Settings(max_new_tokens=16, seed=0))
+    updates = list(app.ab_replay(session, Settings(max_new_tokens=16, seed=5)))
+    off, on, verdict, chat, session, _ = updates[-1]
+    assert "Speculation off" in off and "Speculation on" in on
+    assert {k for _, k in char_kinds_from_html(off)} == {"target"}
+    assert len({k for _, k in char_kinds_from_html(on)}) >= 2
+    assert "Identical texts" in verdict and "Speedup" in verdict  # fp32 greedy: exact
+    rows = store.turns(session.conversation_id)
+    assert [r["speculation"] for r in rows] == [True, False, True]
+    assert rows[2]["baseline_turn_id"] == rows[1]["id"] and rows[2]["speedup"] > 0
+    assert rows[1]["seed"] == rows[2]["seed"] == 5
+    assert session.ab_plain and len(session.turns) == 1  # the chat itself is unchanged
+    # ...but its speculative reply now has a plain baseline: the replay's plain run.
+    speedup = session.turns[0].stats.tokens_per_s / session.ab_plain[0].tokens_per_s
+    assert len(chat) == 2 and f"{speedup:.2f}×</b> vs plain" in chat[1]["content"]
+
+
+def test_ab_replay_needs_a_prompt(engine):
+    *_, notice = list(make_app(engine).ab_replay(Session(), Settings()))[-1]
+    assert "Send a message first" in notice
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def ev(text, kind="accepted", step=1):
+    return TokenEvent(0, text, kind, step, 4, 2)
+
+
+def test_markup_code_fences_inline_code_and_escaping():
+    text_tokens = [ev("Run "), ev("`ls`", "bonus"), ev(" **now**:\n``"), ev("`py\nif a<b"),
+                   ev(":\n  x()\n``", "resampled"), ev("`\n<script>", "target")]
+    markup = render_tokens(text_tokens)
+    assert "<script>" not in markup and "&lt;script&gt;" in markup and "a&lt;b" in markup
+    assert '<pre class="sc-code"><code>' in markup
+    assert 'class="tk tk-bonus sc-icode"' in markup and "sc-bold" in markup
+    assert markup.count("sc-fence") == 4  # both fence lines are split over two tokens
+    # A token that crosses into the fence is split, each piece keeping its kind and tooltip.
+    text = "".join(t.text for t in text_tokens)
+    assert "".join(ch for ch, _ in char_kinds_from_html(markup)) == text
+    blocks, _ = markup_ranges(text)
+    assert [b[2] for b in blocks] == ["text", "code", "text"]
+    # While streaming, an unclosed fence runs to the end, and a cursor shows.
+    live = render_tokens(text_tokens[:4], streaming=True)
+    assert live.endswith('<span class="sc-cursor"></span></code></pre></div>')
+
+
+def test_page_while_loading_and_after_a_failed_load(engine):
+    release = threading.Event()
+    slot = ModelSlot(description="target tiny")
+
+    def loader(progress):
+        progress("Loading target tiny…")
+        release.wait(10)
+        return LoadReport(engine, None, ["Draft model x refused: vocabulary differs."])
+
+    thread = slot.load(loader)
+    app = make_app(slot)
+    box, _, session, notice = app.user("hi", Session())
+    assert "still loading" in notice and box == "hi" and session.pending is None
+    assert "Loading models" in status_html(slot) and "Loading target tiny" in status_html(slot)
+    release.set()
+    thread.join(10)
+    assert slot.state == "ready" and "Ready" in status_html(slot)
+
+    failed = ModelSlot()
+
+    def bad(progress):
+        from specchat.models import ModelLoadError
+        raise ModelLoadError("Could not load 'nope/nope': offline.")
+
+    failed.load(bad).join(10)
+    assert failed.state == "failed" and "offline" in status_html(failed)
+    notice = make_app(failed).user("hi", Session())[3]
+    assert "failed to load" in notice and "offline" in notice
+
+
+def test_warm_up_and_build_ui(engine):
+    from specchat.ui import build_ui, warm_up
+    warm_up(engine)  # the launcher runs it right after loading
+    assert build_ui(engine) is not None
+
+
+def test_launcher_auth_and_exposure_warning():
+    assert launcher.parse_auth("me:se:cret") == [("me", "se:cret")]
+    assert launcher.parse_auth("a:1, b:2") == [("a", "1"), ("b", "2")]
+    assert launcher.parse_auth("") is None
+    with pytest.raises(ValueError):
+        launcher.parse_auth("nopassword")
+    assert launcher.exposure_warning("127.0.0.1", False, None) is None
+    assert launcher.exposure_warning("0.0.0.0", False, [("a", "b")]) is None
+    assert "WITHOUT A LOGIN" in launcher.exposure_warning("0.0.0.0", False, None)
+    assert "gradio.live" in launcher.exposure_warning("localhost", True, None)
+    args = launcher.build_parser().parse_args(["--preset", "embedded", "--max-new-tokens-cap",
+                                               "64", "--share"])
+    assert args.max_new_tokens_cap == 64 and args.share and args.host == "127.0.0.1"
