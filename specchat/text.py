@@ -99,6 +99,13 @@ class ReplyText:
 # Base models have no chat template: plain turns, and the next "User:" ends the reply.
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_STOPS = ("\nUser:",)
+# A base model continues text; one example exchange tells it what kind of text this is.
+PLAIN_PREAMBLE = (
+    "A conversation between a user and a helpful, knowledgeable assistant. The assistant "
+    "answers the user's questions clearly and in full sentences.\n\n"
+    "User: What is the capital of France?\n"
+    "Assistant: The capital of France is Paris, which is also its largest city.\n"
+)
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -113,7 +120,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], tuple[str, 
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids), ()
-    parts = []
+    parts = [] if any(m["role"] == "system" for m in messages) else [PLAIN_PREAMBLE]
     for m in messages:
         content = m["content"].strip()
         if m["role"] == "system":
