@@ -176,7 +176,7 @@ class Engine:
                 record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
                 if drafter:
                     drafter.begin(prompt_ids)
-                step = 0
+                step = generated = 0
                 while True:
                     # Emit what the last step decided, token by token, watching for stops.
                     for token, kind in step_tokens:
@@ -184,17 +184,17 @@ class Engine:
                         if token in self.eos_ids:
                             stats.stop_reason = "eos"
                             break
-                        stats.new_tokens += 1
+                        generated += 1
                         event = TokenEvent(token, "", kind, step, record.drafted, record.accepted)
                         released, hit = reply.push(event)
                         for ev in released:
-                            if not stats.ttft_s:
-                                stats.ttft_s = time.perf_counter() - start
+                            stats.ttft_s = stats.ttft_s or time.perf_counter() - start
+                            stats.new_tokens += 1  # tokens shown: a stop string's are not
                             yield ev
                         if hit:
                             stats.stop_reason = "stop_string"
                             break
-                        if stats.new_tokens >= cfg.max_new_tokens:
+                        if generated >= cfg.max_new_tokens:
                             stats.stop_reason = "length"
                             break
                     if step:
@@ -210,7 +210,7 @@ class Engine:
                     t0 = time.perf_counter()
                     k = min(policy.choose(cfg.draft_len) if cfg.adaptive and policy
                             else cfg.draft_len if drafter else 0,
-                            cfg.max_new_tokens - stats.new_tokens - 1)
+                            cfg.max_new_tokens - generated - 1)
                     draft_ids, draft_probs = (drafter.propose(context, k, params, generator)
                                               if drafter and k > 0 else (torch.zeros(0, dtype=torch.long), None))
                     t1 = time.perf_counter()
@@ -232,7 +232,9 @@ class Engine:
                     step_tokens.append((verdict.next_token, last_kind))
                     record = StepRecord(step, k, n, len(step_tokens), t1 - t0, t2 - t1)
                 if stats.stop_reason != "stop_string":
-                    yield from reply.finish()
+                    for ev in reply.finish():
+                        stats.new_tokens += 1
+                        yield ev
             except torch.OutOfMemoryError as e:
                 self.reset_cache()
                 stats.stop_reason, stats.error = "error", f"out of memory: {e}"

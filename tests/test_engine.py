@@ -120,6 +120,7 @@ def test_stop_string_ends_the_reply_and_is_not_shown():
     cut, _, stats = run(engine, REPETITIVE, speculation=True, drafter="ngram", stop=(stop,),
                         max_new_tokens=40)
     assert stats.stop_reason == "stop_string"
+    assert stats.new_tokens == len(cut)  # tokens of the stop string are not counted
     assert "".join(t.text for t in cut) == full[:full.find(stop)]
 
 
