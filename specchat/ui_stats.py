@@ -90,7 +90,8 @@ class PlotFrames:
 
 def plot_frames(store: StatsStore, owner: str | None, conversation_id: str | None) -> PlotFrames:
     turns = _turns(store, owner, conversation_id)
-    speedup = pd.DataFrame([[t["idx"], t["speedup"]] for t in turns if t["speedup"] is not None],
+    speedup = pd.DataFrame([[t["idx"], round(t["speedup"], 2)] for t in turns
+                            if t["speedup"] is not None],
                            columns=["turn", "speedup"])
     # Acceptance at draft position i = accepted there / proposed there, pooled over the turns:
     # the curve Leviathan et al.'s alpha^i model predicts, so a steep drop says "lower k".
@@ -104,7 +105,8 @@ def plot_frames(store: StatsStore, owner: str | None, conversation_id: str | Non
         [[str(i + 1), accepted[i] / drafted[i], drafted[i]] for i in range(width) if drafted[i]],
         columns=["position", "acceptance", "drafted"])
     tokens_per_s = pd.DataFrame(
-        [[t["idx"], t["tokens_per_s"], "on" if t["speculation"] else "off"] for t in turns],
+        [[t["idx"], round(t["tokens_per_s"] or 0.0, 1), "on" if t["speculation"] else "off"]
+         for t in turns],
         columns=["turn", "tokens/s", "speculation"])
     return PlotFrames(speedup, acceptance, tokens_per_s)
 
@@ -188,11 +190,12 @@ def build_stats_tab(store: StatsStore, is_owner_fn: Callable[[gr.Request], bool]
     turns = gr.Dataframe(label="Turns", headers=TURN_COLUMNS, interactive=False)
     with gr.Row():
         speedup_plot = gr.LinePlot(x="turn", y="speedup", title="Speedup per turn",
-                                   y_title="speedup (x plain)", label="Speedup per turn")
+                                   y_title="speedup (x plain)", label="Speedup per turn",
+                                   y_lim=[0, None])
         acceptance_plot = gr.BarPlot(x="position", y="acceptance", y_lim=[0, 1],
                                      title="Acceptance by draft position",
                                      label="Acceptance by draft position")
-        tokens_plot = gr.BarPlot(x="speculation", y="tokens/s", y_aggregate="mean",
+        tokens_plot = gr.BarPlot(x="speculation", y="tokens/s", y_aggregate="mean", y_lim=[0, None],
                                  color="speculation", title="Mean tokens/s, speculation on vs off",
                                  label="Tokens/s, speculation on vs off")
     history = gr.Chatbot(label="Conversation (read-only)", height=360)
