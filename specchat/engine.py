@@ -30,6 +30,9 @@ from specchat.sampling import SamplingParams, sample_logits, verify
 from specchat.text import ReplyText
 
 
+_NO_DRAFTS = torch.zeros(0, dtype=torch.long)
+
+
 @dataclass
 class GenerateConfig:
     max_new_tokens: int = 256
@@ -208,11 +211,12 @@ class Engine:
 
                     step += 1
                     t0 = time.perf_counter()
-                    k = min(policy.choose(cfg.draft_len) if cfg.adaptive and policy
-                            else cfg.draft_len if drafter else 0,
-                            cfg.max_new_tokens - generated - 1)
+                    k = 0
+                    if drafter:  # never draft past max_new_tokens (the +1 is the target's)
+                        k = policy.choose(cfg.draft_len) if cfg.adaptive else cfg.draft_len
+                        k = min(k, cfg.max_new_tokens - generated - 1)
                     draft_ids, draft_probs = (drafter.propose(context, k, params, generator)
-                                              if drafter and k > 0 else (torch.zeros(0, dtype=torch.long), None))
+                                              if k > 0 else (_NO_DRAFTS, None))
                     t1 = time.perf_counter()
                     k = len(draft_ids)
                     target_logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
@@ -238,6 +242,9 @@ class Engine:
             except torch.OutOfMemoryError as e:
                 self.reset_cache()
                 stats.stop_reason, stats.error = "error", f"out of memory: {e}"
+            except Exception:  # (not GeneratorExit: at a yield the cache is consistent)
+                self.reset_cache()  # a half-done step leaves the cache unknown: start clean
+                raise
             stats.seconds = time.perf_counter() - start
         yield summarize(steps, stats)
 
