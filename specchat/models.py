@@ -73,7 +73,7 @@ def pick_device(device: str | None = None) -> torch.device:
 
 def embedded_checkpoint(progress=print) -> Path:
     """The embedded Gemma 3 270M as a HF checkpoint directory, converting it on first use."""
-    out = cache_dir() / "models" / "gemma-3-270m"
+    out = cache_dir() / "models" / "gemma-3-270m-bf16"
     if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
         return out
     try:
@@ -95,6 +95,9 @@ def embedded_checkpoint(progress=print) -> Path:
     clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     clean.load_state_dict(gguf_model.state_dict(), strict=False)
     clean.tie_weights()
+    # Stored in bf16: half the file, and loading it into NF4 peaks at ~1.4 GB instead of ~2.1 GB
+    # (the weights are dequantized 4-bit values; bf16 keeps them to ~3 significant digits).
+    clean.to(torch.bfloat16)
     tmp = out.with_suffix(".tmp")
     clean.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -151,9 +154,20 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             f"fetched from the model hub (offline, or a wrong id?). Download it once with "
             f"network access, or pass a local path. Details: {str(e).splitlines()[0]}") from e
     model.eval()
+    _release_freed_memory()
     if name_or_path in ("", EMBEDDED):
         name_or_path = EMBEDDED_NAME
     return LoadedModel(model, tokenizer, name_or_path, label, dev, time.perf_counter() - start)
+
+
+def _release_freed_memory() -> None:
+    """Hand the loader's freed buffers back to the OS (glibc keeps them otherwise): ~0.4 GB
+    less resident memory after loading the embedded model."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc (macOS, Windows): nothing to do
 
 
 # ---------------------------------------------------------------------------------------------
