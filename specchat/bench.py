@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specchat.events import GenerationStats, StepRecord, TokenEvent, summarize
+from specchat.events import TARGET, GenerationStats, StepRecord, TokenEvent, summarize
 
 ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
 HF_MODES = ("hf-plain", "hf-pld", "hf-assisted")
@@ -461,11 +461,6 @@ class _StopText:
         return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
 
 
-def _cut_at_stop(text: str, stops) -> str:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return text[:min(hits)] if hits else text
-
-
 def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: BenchSettings,
                     fresh: bool, max_new_tokens: int | None = None) -> dict:
     from specchat.engine import GenerateConfig
@@ -497,7 +492,7 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
     """transformers `generate` on the engine's target with the same prompt and stop condition."""
     import torch
 
-    from specchat.text import Detokenizer
+    from specchat.text import ReplyText
 
     model, tok = engine.model, engine.tokenizer
     input_ids = torch.tensor([ids], device=engine.device)
@@ -524,17 +519,26 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
             torch.manual_seed(s.seed)
         out = model.generate(input_ids, **kwargs)
     seconds = time.perf_counter() - start
-    new = out[0, len(ids):].tolist()
-    cut = next((i for i, t in enumerate(new) if t in engine.eos_ids), len(new))
-    detok = Detokenizer(tok, ids)
-    text = _cut_at_stop("".join(detok.add(t) for t in new[:cut]), stops)
+    # Count and cut exactly as the engine does: tokens shown to the user (not EOS, not a stop
+    # string's), text through the engine's own ReplyText.
+    reply, shown, hit, stop_reason = ReplyText(tok, ids, stops), [], False, "length"
+    for t in out[0, len(ids):].tolist():
+        if t in engine.eos_ids:
+            stop_reason = "eos"
+            break
+        released, hit = reply.push(TokenEvent(t, "", TARGET, 0, 0, 0))
+        shown.extend(released)
+        if hit:
+            stop_reason = "stop_string"
+            break
+    if not hit:
+        shown.extend(reply.finish())
     ttft = probe.puts[0][1] - start if probe.puts else seconds
-    stop_reason = ("eos" if cut < len(new) else "length" if len(new) >= kwargs["max_new_tokens"]
-                   else "stop_string")
-    return dict(new_tokens=cut, seconds=seconds, ttft_s=ttft, prompt_tokens=len(ids),
+    return dict(new_tokens=len(shown), seconds=seconds, ttft_s=ttft, prompt_tokens=len(ids),
                 prefill_tokens=len(ids), target_calls=len(probe.calls),
                 forward_s=sum(t for _, t in probe.calls),
-                steps=hf_steps(probe.calls, probe.puts, len(ids)), text=text,
+                steps=hf_steps(probe.calls, probe.puts, len(ids)),
+                text="".join(e.text for e in shown),
                 stop_reason=stop_reason, error="")
 
 

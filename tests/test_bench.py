@@ -1,0 +1,271 @@
+"""The bench harness: its arithmetic on synthetic step records (speedup, alpha, the Leviathan
+bound), question loading, the CLI, and a smoke run on a tiny random model pair. No wall-clock
+assertions: timings here are whatever the machine gives."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specchat import bench as bench_mod
+from specchat.bench import (ALL_MODES, BenchSettings, Run, bench, default_questions_path,
+                            format_report, greedy_identical, hf_steps, leviathan_speedup,
+                            load_questions, metrics, predicted_speedup, predicted_speedup_steps,
+                            step_costs, summarize_bench)
+from specchat.drafters import ModelDrafter, NgramDrafter
+from specchat.engine import Engine
+from specchat.events import StepRecord
+from tests.tiny import byte_tokenizer, loaded, tiny_llama
+
+KEYS = {"tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len",
+        "target_calls_per_token", "ttft_s"}
+
+
+def st(drafted, accepted, draft_s=0.0, verify_s=0.1):
+    return StepRecord(0, drafted, accepted, accepted + 1, draft_s, verify_s)
+
+
+def run(mode, qid=1, seconds=1.0, tokens=20, steps=(), repeat=0, turn=1, cat="writing",
+        text="hi", calls=None, ttft=0.1, forward_s=None):
+    steps = list(steps)
+    return Run(qid, cat, turn, mode, repeat, tokens, seconds, ttft, 30, 30,
+               calls if calls is not None else len(steps) + 1,
+               forward_s if forward_s is not None else 0.9 * seconds, steps, text, "length")
+
+
+# -- the cost model -----------------------------------------------------------------------------
+
+def test_leviathan_formula():
+    # Leviathan et al. eq. 1 with free drafts and a verify as cheap as one step.
+    assert leviathan_speedup(0.8, 4, 0.0) == pytest.approx((1 - 0.8 ** 5) / 0.2)  # 3.3616
+    assert leviathan_speedup(0.8, 4, 0.05, 1.2) == pytest.approx(3.3616 / 1.4)
+    assert leviathan_speedup(1.0, 4, 0.0, 1.25) == pytest.approx(5 / 1.25)  # all accepted
+    assert leviathan_speedup(0.0, 3, 0.1, 1.1) == pytest.approx(1 / 1.4)  # drafting only costs
+    assert leviathan_speedup(0.5, 0, 0.3) == pytest.approx(1.0)  # k = 0 is plain decoding
+
+
+def test_step_costs_alpha_c_and_verify_ratio():
+    plain = [st(0, 0, 0.0, 0.1)] * 10
+    steps = ([st(4, 2, 0.004, 0.12)] * 3 + [st(4, 4, 0.004, 0.12)]
+             + [st(0, 0, 0.0, 0.1)] * 2)
+    costs = step_costs(steps, plain)
+    # 10 accepted, 3 rejections: alpha = 10 / 13; 16 drafted in 4 drafting steps
+    assert costs["alpha"] == pytest.approx(10 / 13)
+    assert costs["acceptance_rate"] == pytest.approx(10 / 16)
+    assert costs["k_mean"] == pytest.approx(4.0)
+    assert costs["plain_step_s"] == pytest.approx(0.1)
+    assert costs["c"] == pytest.approx(0.001 / 0.1)  # 1 ms per drafted token / 100 ms step
+    assert costs["verify_ratio"] == pytest.approx(1.2)
+    assert costs["verify_ratio_by_fed"] == pytest.approx({1: 1.0, 5: 1.2})
+    assert predicted_speedup(costs) == pytest.approx(leviathan_speedup(10 / 13, 4, 0.01, 1.2))
+
+    # Per step: 4 drafting steps at the formula's rate, 2 plain steps emitting 1 token per step.
+    a = 10 / 13
+    tokens = 4 * (1 - a ** 5) / (1 - a) + 2
+    cost = 4 * (0.01 * 4 + 1.2) + 2 * 1.0
+    assert predicted_speedup_steps(steps, costs) == pytest.approx(tokens / cost)
+    assert predicted_speedup_steps(steps, costs) < predicted_speedup(costs)
+
+
+def test_step_costs_without_drafts_or_baseline():
+    costs = step_costs([st(0, 0)] * 3, [st(0, 0)] * 3)
+    assert costs["alpha"] is None and costs["c"] is None and predicted_speedup(costs) is None
+    costs = step_costs([st(2, 1)], [])  # no plain steps to compare with
+    assert costs["alpha"] == pytest.approx(0.5) and costs["c"] is None
+
+
+# -- aggregation --------------------------------------------------------------------------------
+
+def test_speedup_uses_medians_over_repeats_and_shared_items():
+    runs = [run("plain", 1, s, 20, [st(0, 0)] * 19, repeat=i) for i, s in enumerate([1, 3, 2])]
+    runs += [run("ngram", 1, s, 20, [st(4, 3)] * 5, repeat=i, calls=6)
+             for i, s in enumerate([1.0, 0.5, 1.5])]
+    runs += [run("ngram", 2, 4.0, 10, [st(2, 0)] * 10, calls=11)]  # no plain run: no speedup
+    plain = [r for r in runs if r.mode == "plain"]
+    m = metrics([r for r in runs if r.mode == "ngram"], plain)
+    assert m["speedup"] == pytest.approx((20 / 1.0) / (20 / 2.0))  # medians: 1.0 s vs 2.0 s
+    assert m["tokens_per_s"] == pytest.approx((20 + 10) / (1.0 + 4.0))
+    # Counts pool every repeat: 15 steps of (4, 3) and 10 of (2, 0).
+    assert m["acceptance_rate"] == pytest.approx(45 / (60 + 20))
+    assert m["alpha"] == pytest.approx(45 / (45 + 25))
+    assert m["mean_accepted_len"] == pytest.approx((15 * 4 + 10 * 1) / 25)
+    assert m["target_calls_per_token"] == pytest.approx((3 * 6 + 11) / (3 * 20 + 10))
+    assert m["questions"] == 2
+    assert m["overhead_ms_per_token"] == pytest.approx(1000 * 0.1 * 5.0 / 30)
+    p = metrics(plain, plain)
+    assert p["speedup"] == pytest.approx(1.0)
+    assert p["acceptance_rate"] is None and p["target_calls_per_token"] == pytest.approx(1.0)
+
+
+def test_turn_two_is_reported_apart():
+    runs = [run("plain", 1, ttft=0.5), run("plain", 1, turn=2, ttft=0.05)]
+    runs[1].prompt_tokens, runs[1].prefill_tokens = 300, 40
+    m = metrics(runs, runs)
+    assert m["ttft_s"] == pytest.approx(0.5)  # first turns only
+    assert m["turn2_ttft_s"] == pytest.approx(0.05)
+    assert (m["turn2_prompt_tokens"], m["turn2_prefill_tokens"]) == (300, 40)
+
+
+def test_greedy_identical_and_report_shape():
+    runs = [run("plain", 1, text="a"), run("plain", 2, text="b", cat="qa"),
+            run("ngram", 1, text="a", steps=[st(3, 2)]), run("ngram", 2, text="x", cat="qa"),
+            run("hf-plain", 1, text="a"), run("hf-plain", 2, text="b", cat="qa"),
+            run("ngram", 1, text="zzz", repeat=1)]  # later repeats are not compared
+    assert greedy_identical(runs, ["plain", "ngram", "hf-plain"]) == {
+        "plain": 1.0, "ngram": 0.5, "hf-plain": 1.0}
+    result = summarize_bench(runs, ["plain", "ngram", "hf-plain"], {"temperature": 0.0})
+    assert set(result) >= {"config", "modes", "greedy_identical"}
+    for mode, entry in result["modes"].items():
+        assert KEYS <= set(entry["overall"])
+        assert set(entry["by_category"]) == {"writing", "qa"}
+        assert all(KEYS <= set(c) for c in entry["by_category"].values())
+    assert "analysis" in result["modes"]["ngram"] and "analysis" not in result["modes"]["plain"]
+    json.dumps(result)  # serializable as is
+    text = format_report(result)
+    assert "overall" in text and "ngram" in text and "qa" in text
+    sampled = summarize_bench(runs, ["plain", "ngram"], {"temperature": 0.7})
+    assert sampled["greedy_identical"] == {"plain": None, "ngram": None}
+
+
+def test_hf_steps_from_forwards_and_stream():
+    # prefill (12 prompt + 3 drafts), then: 4 fed -> 2 accepted + 1; 1 fed -> 1; 5 fed -> 4 + 1
+    calls = [(15, 0.3), (4, 0.11), (1, 0.1), (5, 0.12)]
+    puts = [(2, 0.0), (3, 0.0), (1, 0.0), (5, 0.0)]
+    steps = hf_steps(calls, puts, prompt_len=12)
+    assert [(s.drafted, s.accepted, s.emitted, s.verify_s) for s in steps] == [
+        (3, 2, 3, 0.11), (0, 0, 1, 0.1), (4, 4, 5, 0.12)]
+    assert hf_steps(calls, puts[:2], 12) == []  # no per-step view when they don't pair up
+
+
+# -- questions and CLI --------------------------------------------------------------------------
+
+def test_load_questions(tmp_path):
+    f = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}", "again"]}
+            for i, c in enumerate(["a", "a", "b", "a", "b"])]
+    rows.append({"category": "c", "turns": "one string turn"})
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert [q["question_id"] for q in load_questions(f)] == [0, 1, 2, 3, 4, 6]
+    assert [q["question_id"] for q in load_questions(f, limit_per_category=1)] == [0, 2, 6]
+    got = load_questions(f, ["b", "c"])
+    assert [q["category"] for q in got] == ["b", "b", "c"] and got[-1]["turns"] == ["one string turn"]
+    with pytest.raises(ValueError, match="zzz"):
+        load_questions(f, ["zzz"])
+    f.write_text(json.dumps({"category": "a", "prompt": "no turns"}) + "\n")
+    with pytest.raises(ValueError, match="turns"):
+        load_questions(f)
+
+
+def test_default_question_file_is_spec_bench():
+    path = default_questions_path()
+    if path is None:
+        pytest.skip("Spec-Bench's question.jsonl is not next to this checkout")
+    qs = load_questions(path, limit_per_category=1)
+    assert len(qs) == 13 and {"writing", "translation", "rag"} <= {q["category"] for q in qs}
+
+
+def test_cli_registers_bench():
+    from specchat.cli import build_parser
+    args = build_parser().parse_args(["bench", "--modes", "plain,hf-pld", "--turns", "all",
+                                      "--limit-per-category", "2", "--quantization", "none"])
+    assert args.func is bench_mod.cmd_bench
+    assert args.modes == ("plain", "hf-pld") and args.turns == "all"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--modes", "plain,warp-drive"])
+
+
+# -- smoke runs on tiny random models -------------------------------------------------------------
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Say hello hello hello", "Again, please"]},
+    {"question_id": 2, "category": "qa", "turns": ["Repeat: abc abc abc abc"]},
+]
+
+
+def tiny_engine():
+    tok = byte_tokenizer()
+    draft = tiny_llama(0)  # the target's own weights: every draft is accepted
+    engine = Engine(loaded(tiny_llama(0), tok),
+                    {"ngram": NgramDrafter(), "model": ModelDrafter(draft, len(tok))})
+    return engine, draft
+
+
+def test_bench_smoke_on_a_tiny_pair():
+    engine, draft = tiny_engine()
+    settings = BenchSettings(modes=ALL_MODES, turns="all", max_new_tokens=10, warmup_tokens=2)
+    result = bench(engine, QUESTIONS, settings, assistant=draft, progress=False)
+    assert set(result["modes"]) == set(ALL_MODES)
+    for mode, entry in result["modes"].items():
+        overall = entry["overall"]
+        assert KEYS <= set(overall) and overall["questions"] == 2
+        assert set(entry["by_category"]) == {"writing", "qa"}
+        assert overall["new_tokens"] > 0 and overall["tokens_per_s"] > 0
+        if mode in ("plain", "ngram", "model"):  # the follow-up turn reuses the cached history
+            assert overall["turn2_prefill_tokens"] < overall["turn2_prompt_tokens"]
+        else:
+            assert overall["turn2_prefill_tokens"] == overall["turn2_prompt_tokens"]
+    assert result["modes"]["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert result["modes"]["model"]["overall"]["acceptance_rate"] == pytest.approx(1.0)
+    # Greedy, fp32, the same stop condition: every mode writes plain's text.
+    assert result["greedy_identical"] == {m: 1.0 for m in ALL_MODES}
+    analysis = result["modes"]["model"]["analysis"]
+    assert analysis["alpha"] == pytest.approx(1.0) and analysis["c"] > 0
+    assert math.isfinite(analysis["predicted_speedup"])
+    assert len(result["runs"]) == 6 * 3 and result["config"]["peak_rss_mb"] > 0
+    json.dumps(result)
+    assert "cost model" in format_report(result)
+
+
+def test_bench_ctrl_c_reports_whole_questions(monkeypatch):
+    engine, _ = tiny_engine()
+    real, calls = bench_mod.run_hf_mode, []
+
+    def interrupt_on_second_question(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # warm-up, question 1, then Ctrl-C in question 2
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_mod, "run_hf_mode", interrupt_on_second_question)
+    settings = BenchSettings(modes=("plain", "hf-plain"), max_new_tokens=4, warmup_tokens=1)
+    result = bench(engine, QUESTIONS, settings, progress=False, log=lambda msg: None)
+    assert result["config"]["interrupted"] and result["config"]["questions_done"] == 1
+    assert {r["question_id"] for r in result["runs"]} == {1}
+    assert result["modes"]["hf-plain"]["overall"]["questions"] == 1
+    assert "interrupted" in format_report(result)
+    assert not engine.model._forward_hooks and not engine.model._forward_pre_hooks
+
+
+def test_bench_rejects_modes_the_models_cannot_run():
+    engine, _ = tiny_engine()
+    del engine.drafters["model"]
+    with pytest.raises(ValueError, match="model"):
+        bench(engine, QUESTIONS, BenchSettings(modes=("plain", "model")), progress=False)
+    with pytest.raises(ValueError, match="hf-assisted"):
+        bench(engine, QUESTIONS, BenchSettings(modes=("hf-assisted",)), progress=False)
+
+
+def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, capsys):
+    from specchat.cli import main
+    model_dir = tmp_path / "tiny"
+    tiny_llama(0).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    out = tmp_path / "out" / "bench.json"
+    torch.manual_seed(0)
+    rc = main(["bench", "--questions", str(questions), "--target", str(model_dir),
+               "--quantization", "none", "--device", "cpu", "--modes", "plain,ngram,hf-pld",
+               "--max-new-tokens", "6", "--warmup-tokens", "0", "--no-progress",
+               "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "overall" in printed and "hf-pld" in printed
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"plain", "ngram", "hf-pld"}
+    assert result["config"]["questions_file"] == str(questions)
+    assert result["config"]["max_new_tokens"] == 6 and result["config"]["peak_rss_mb"] > 0
+    assert set(result["greedy_identical"]) == {"plain", "ngram", "hf-pld"}
