@@ -11,9 +11,11 @@ one question to the next) so machine drift hits all modes alike:
   hf-pld       transformers `generate(prompt_lookup_num_tokens=...)` (prompt lookup decoding)
   hf-assisted  transformers `generate(assistant_model=...)`, when a draft model is loaded
 All modes get the same prompt ids and the same stop condition (max new tokens, EOS, and the chat
-format's stop string). Every first turn starts from an empty KV cache, so prefill is paid by every
-mode; with `--turns all` a follow-up turn reuses the engine's cached history (what the chat does)
-and its time to first token is reported separately.
+format's stop string unless --ignore-stop-strings), and their tokens are counted alike: the tokens
+shown to the user (the engine's `new_tokens`; transformers' output goes through the engine's own
+ReplyText, so EOS and a stop string's tokens do not count). Every first turn starts from an empty
+KV cache, so prefill is paid by every mode; with `--turns all` a follow-up turn reuses the
+engine's cached history (what the chat does) and its time to first token is reported separately.
 
 Numbers (the pure functions below, tested on synthetic step records in tests/test_bench.py):
 - tokens/s of a category = sum of new tokens / sum of seconds over its (question, turn) items,
@@ -22,7 +24,7 @@ Numbers (the pure functions below, tested on synthetic step records in tests/tes
 - alpha = accepted / (accepted + rejections): the per-position acceptance estimate of Leviathan et
   al. 2022 (DESIGN.md's definition); c = draft seconds per drafted token / seconds of a plain
   target step; verify ratio = seconds of a speculative step's target forward (k + 1 tokens fed)
-  / the plain step's. Leviathan et al., Theorem 3.8 / eq. 1: expected speedup
+  / the plain step's. Leviathan et al. 2022, expected walltime improvement:
   (1 - alpha^(k+1)) / ((1 - alpha)(c k + verify_ratio)), where this engine's verify cost for
   k + 1 tokens is measured instead of assumed equal to one step's.
 - Time inside the target's forward is measured with forward hooks for every mode, so "overhead per
@@ -66,6 +68,7 @@ class BenchSettings:
     hf_pld_tokens: int = 0  # prompt_lookup_num_tokens for hf-pld (0: the same as draft_len)
     repeats: int = 1  # runs per (question, mode); timings are medians over them
     warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
+    stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
 
 
 @dataclass
@@ -145,8 +148,9 @@ def spec_counts(steps: list[StepRecord]) -> GenerationStats:
 
 
 def leviathan_speedup(alpha: float, k: float, c: float, verify_ratio: float = 1.0) -> float:
-    """Expected speedup of k drafts per step over plain decoding (Leviathan et al. 2022, eq. 1,
-    with the target's cost for k + 1 tokens measured as `verify_ratio` plain steps)."""
+    """Expected speedup of k drafts per step over plain decoding: Leviathan et al. 2022's
+    walltime improvement factor, with the target's cost for k + 1 tokens measured
+    (`verify_ratio` plain steps) instead of assumed equal to one step's."""
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     cost = c * k + verify_ratio
     return tokens / cost if cost > 0 else 0.0
@@ -318,6 +322,10 @@ def _f(x, fmt: str, none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def format_report(result: dict) -> str:
     modes = list(result["modes"])
     head = (f"{'category':<15} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
@@ -349,8 +357,9 @@ def format_report(result: dict) -> str:
         lines.append("follow-up turns (turn 2): mean TTFT, prompt tokens, tokens encoded")
         for mode, o in turn2:
             lines.append(f"  {mode:<12} TTFT {o['turn2_ttft_s']:.3f} s  prompt "
-                         f"{o['turn2_prompt_tokens']:.0f}  prefilled {o['turn2_prefill_tokens']:.0f}"
-                         f"  (turn 1 TTFT {_f(o['ttft_s'], '.3f')} s)")
+                         f"{o['turn2_prompt_tokens']:.0f}  prefilled "
+                         f"{o['turn2_prefill_tokens']:.0f}  (turn 1 TTFT "
+                         f"{_f(o['ttft_s'], '.3f')} s)")
 
     analysed = [(mode, e["analysis"]) for mode, e in result["modes"].items() if "analysis" in e]
     if analysed:
@@ -368,12 +377,16 @@ def format_report(result: dict) -> str:
             lines.append(
                 f"  {mode:<12} {_f(a['alpha'], '.3f'):>6} {a['k_mean']:>6.2f} "
                 f"{_f(a['c'], '.4f'):>7} {_f(a['verify_ratio'], '.3f'):>7} "
-                f"{_f(pred, '.2f'):>7}x {_f(step, '.2f'):>7}x {_f(ach, '.2f'):>7}x "
+                f"{_x(pred):>8} {_x(step):>8} {_x(ach):>8} "
                 f"{_f(ach / pred if ach and pred else None, '.0%'):>8} "
                 f"{_f(ach / step if ach and step else None, '.0%'):>8}")
             by_fed = " ".join(f"{m}:{r:.2f}" for m, r in a["verify_ratio_by_fed"].items())
-            lines.append(f"  {'':<12} verify cost by tokens fed: {by_fed}  "
-                         f"(plain step {1000 * a['plain_step_s']:.1f} ms)")
+            if by_fed:
+                lines.append(f"  {'':<12} verify cost by tokens fed: {by_fed}  "
+                             f"(plain step {1000 * a['plain_step_s']:.1f} ms)")
+            else:
+                base = "hf-plain" if mode in HF_MODES else "plain"
+                lines.append(f"  {'':<12} (no costs: run {base} too for a baseline step)")
     ident = {m: v for m, v in result.get("greedy_identical", {}).items() if v is not None}
     if ident:
         lines.append("")
@@ -451,7 +464,8 @@ class _StopText:
     """transformers stopping criterion: the reply so far contains a stop string."""
 
     def __init__(self, tokenizer, stops, prompt_len: int):
-        self.tokenizer, self.stops, self.prompt_len = tokenizer, [s for s in stops if s], prompt_len
+        self.tokenizer, self.prompt_len = tokenizer, prompt_len
+        self.stops = [s for s in stops if s]
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
@@ -604,7 +618,7 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
                     for ti, user in enumerate(turns):
                         messages.append({"role": "user", "content": user})
                         ids, stops = chat_prompt(engine.tokenizer, messages)
-                        r = run_mode(mode, ids, stops, fresh=ti == 0)
+                        r = run_mode(mode, ids, stops if s.stop_strings else (), fresh=ti == 0)
                         if r["error"]:
                             log(f"bench: {mode} on question {q['question_id']}: {r['error']}")
                         q_runs.append(Run(q["question_id"], q["category"], ti + 1, mode, rep,
@@ -630,8 +644,9 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
 
 def _run_json(r: Run) -> dict:
     d = asdict(r)
+    # compact: [drafted, accepted, draft_s, verify_s] per step
     d["steps"] = [[st["drafted"], st["accepted"], round(st["draft_s"], 6),
-                   round(st["verify_s"], 6)] for st in d["steps"]]  # compact: [k, n, draft, verify]
+                   round(st["verify_s"], 6)] for st in d["steps"]]
     return d
 
 
@@ -709,8 +724,14 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="prompt_lookup_num_tokens for hf-pld (default: --draft-len)")
     p.add_argument("--repeats", type=int, default=1, help="runs per question and mode; "
                                                           "timings are medians")
+    p.add_argument("--ignore-stop-strings", action="store_true",
+                   help="stop at EOS and --max-new-tokens only, not at the chat format's stop "
+                        "strings (longer replies: decoding speed rather than short answers)")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="tokens of one unrecorded warm-up run per mode (0: none)")
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads (default: torch's choice). On a machine shared with "
+                        "other busy processes, 1 avoids threads waiting on each other")
     p.add_argument("--json", metavar="OUT", default=None, help="write the full report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(p)
@@ -744,6 +765,9 @@ def cmd_bench(args) -> int:
         if not ok:
             print(f"specchat: {name} out of range", file=sys.stderr)
             return 2
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
     try:
         report = load_from_args(args, lambda msg: print(msg, file=sys.stderr))
     except ModelLoadError as e:
@@ -764,7 +788,8 @@ def cmd_bench(args) -> int:
                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              seed=args.seed, draft_len=args.draft_len,
                              adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
-                             repeats=args.repeats, warmup_tokens=args.warmup_tokens)
+                             repeats=args.repeats, warmup_tokens=args.warmup_tokens,
+                             stop_strings=not args.ignore_stop_strings)
     extra = {"questions_file": str(path), "categories": categories or None,
              "limit_per_category": args.limit_per_category,
              "target": engine.target.label, "draft": report.draft.label if report.draft else None,

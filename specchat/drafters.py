@@ -68,7 +68,12 @@ class NgramDrafter:
         for n in range(min(self.max_n, len(context) - 1), 0, -1):
             start = self._index[n].get(tuple(context[-n:]))
             if start is not None:
-                return torch.tensor(context[start:start + k], dtype=torch.long), None
+                # What followed the match, continued periodically: in text that repeats itself
+                # the latest match sits one period back, and its continuation runs into the
+                # present; extending by the period keeps proposing the full k tokens.
+                period = len(context) - start
+                draft = [context[start + i % period] for i in range(k)]
+                return torch.tensor(draft, dtype=torch.long), None
         return _EMPTY, None
 
     def feedback(self, n_drafted, n_accepted):

@@ -63,7 +63,10 @@ class DraftLengthPolicy:
     def __init__(self, probe_every: int = 8):
         self.probe_every = probe_every
         self.successes, self.failures = 2.0, 1.0  # prior alpha 2/3, weight of three tests
-        self.verify_s: dict[int, float] = {}  # tokens fed -> EMA seconds
+        # Verify cost for m tokens fed: step_s * (1 + slope * (m - 1)). One curve fitted from
+        # every step, so a single noisy measurement at some m cannot lock k low for good.
+        self.step_s = 0.0  # EMA seconds of a 1-token (plain) step
+        self.slope = 0.05  # prior: wide forwards are nearly free (LM-head/weight-read bound)
         self.draft_token_s = 0.0
         self.plain_streak = 0
 
@@ -72,10 +75,7 @@ class DraftLengthPolicy:
         return self.successes / (self.successes + self.failures)
 
     def _verify_cost(self, m: int) -> float:
-        if m in self.verify_s:
-            return self.verify_s[m]
-        base = self.verify_s.get(1) or min(self.verify_s.values(), default=1.0)
-        return base * (1 + 0.05 * (m - 1))  # prior: wide forwards are nearly free
+        return (self.step_s or 1.0) * (1 + self.slope * (m - 1))
 
     def expected_rate(self, k: int) -> float:
         a = min(self.alpha, 0.999)
@@ -94,8 +94,11 @@ class DraftLengthPolicy:
 
     def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float):
         decay = 0.9
-        old = self.verify_s.get(fed)
-        self.verify_s[fed] = verify_s if old is None else decay * old + (1 - decay) * verify_s
+        if fed == 1 or not self.step_s:
+            self.step_s = verify_s if not self.step_s else decay * self.step_s + (1 - decay) * verify_s
+        else:
+            slope = max(0.0, (verify_s / self.step_s - 1) / (fed - 1))
+            self.slope = decay * self.slope + (1 - decay) * min(slope, 1.0)
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
             self.successes = decay * self.successes + accepted

@@ -8,6 +8,7 @@ converted once into a plain HF checkpoint in the user's cache and then loaded li
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,10 +99,15 @@ def embedded_checkpoint(progress=print) -> Path:
     # Stored in bf16: half the file, and loading it into NF4 peaks at ~1.4 GB instead of ~2.1 GB
     # (the weights are dequantized 4-bit values; bf16 keeps them to ~3 significant digits).
     clean.to(torch.bfloat16)
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: two may convert at once
     clean.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a killed conversion never leaves a half checkpoint behind
+    try:
+        tmp.rename(out)  # atomic: a killed conversion never leaves a half checkpoint behind
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its copy
     return out
 
 

@@ -151,7 +151,8 @@ def test_load_questions(tmp_path):
     assert [q["question_id"] for q in load_questions(f)] == [0, 1, 2, 3, 4, 6]
     assert [q["question_id"] for q in load_questions(f, limit_per_category=1)] == [0, 2, 6]
     got = load_questions(f, ["b", "c"])
-    assert [q["category"] for q in got] == ["b", "b", "c"] and got[-1]["turns"] == ["one string turn"]
+    assert [q["category"] for q in got] == ["b", "b", "c"]
+    assert got[-1]["turns"] == ["one string turn"]
     with pytest.raises(ValueError, match="zzz"):
         load_questions(f, ["zzz"])
     f.write_text(json.dumps({"category": "a", "prompt": "no turns"}) + "\n")
@@ -260,6 +261,7 @@ def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, capsys):
     rc = main(["bench", "--questions", str(questions), "--target", str(model_dir),
                "--quantization", "none", "--device", "cpu", "--modes", "plain,ngram,hf-pld",
                "--max-new-tokens", "6", "--warmup-tokens", "0", "--no-progress",
+               "--ignore-stop-strings",
                "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -268,4 +270,5 @@ def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, capsys):
     assert set(result["modes"]) == {"plain", "ngram", "hf-pld"}
     assert result["config"]["questions_file"] == str(questions)
     assert result["config"]["max_new_tokens"] == 6 and result["config"]["peak_rss_mb"] > 0
+    assert result["config"]["stop_strings"] is False
     assert set(result["greedy_identical"]) == {"plain", "ngram", "hf-pld"}
