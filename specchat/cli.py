@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_stats(sub)
     except ImportError:
         pass
+    try:
+        from specchat.train_draft import add_cli as add_train_draft
+        add_train_draft(sub)
+    except ImportError:
+        pass
     return parser
 
 

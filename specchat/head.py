@@ -1,0 +1,530 @@
+"""A draft head trained for the loaded target (EAGLE-1: Li et al. 2024, arXiv:2401.15077).
+
+The head drafts from the target's own features instead of from tokens alone. At position t its
+input is f_t, the target's last hidden state (the output of its final norm, what the LM head
+reads), fused with the embedding of the next token x_{t+1}:
+
+    x = fc([norm(embed(x_{t+1})), norm(f_t)])        Linear 2d -> d  (EAGLE-3's input norms)
+    h = block(x)                                      one pre-norm transformer block, RoPE
+    f^_{t+1} = rmsnorm(h) * target_norm_scale         the target's own final norm, frozen
+    logits = f^_{t+1} @ W[vocab_ids].T                the target's LM head, reduced vocabulary
+
+so it predicts the next feature and, through the target's frozen LM head restricted to the N
+tokens the target predicts most often, the token after it. Drafting k tokens feeds its own
+predicted features forward. Only fc, the two input norms and the block are new weights (a few
+MB); the reduced head is tied to the target's rows and never saved.
+
+Verification stays lossless: a draft's q is the reduced-vocabulary distribution it was sampled
+from, scattered into a full-vocabulary row that is 0 everywhere else (the residual (p - q)+
+then covers every token the head cannot propose).
+
+Features come for free when the engine passes the hidden states of accepted positions to
+`HeadDrafter.observe` (read from a `FeatureTap` on the target's final norm). Without that the
+drafter computes missing features with an extra target forward of its own: correct, but slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specchat.sampling import SamplingParams, logits_to_probs, sample
+
+FORMAT = "specchat-head/1"
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+class HeadMismatchError(ValueError):
+    """A head file was trained for another target (or is not a head file)."""
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int  # d: the target's hidden size (features, embeddings)
+    draft_vocab: int  # N: rows of the reduced LM head
+    num_heads: int  # attention heads of the block (head_dim = d / num_heads)
+    intermediate_size: int  # MLP width of the block
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    logit_softcap: float = 0.0  # the target's final_logit_softcapping (0 = none)
+
+    @classmethod
+    def for_target(cls, model, draft_vocab: int, intermediate_size: int | None = None):
+        cfg = model.config.get_text_config()
+        d = cfg.hidden_size
+        heads = max(1, d // 64) if d % 64 == 0 else max(1, d // 32)
+        return cls(hidden_size=d, draft_vocab=draft_vocab, num_heads=heads,
+                   intermediate_size=intermediate_size or cfg.intermediate_size,
+                   rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6) or 1e-6),
+                   logit_softcap=float(getattr(cfg, "final_logit_softcapping", 0) or 0))
+
+
+# -- the network -----------------------------------------------------------------------------
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return rms_normalize(x, self.eps) * self.weight
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding, rotate-half layout. x [B, H, T, hd], pos [T]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    angles = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (attention + gated MLP) with its own tiny KV cache."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        d, self.n_heads, self.theta = cfg.hidden_size, cfg.num_heads, cfg.rope_theta
+        self.attn_norm = RMSNorm(d, cfg.rms_eps)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d, cfg.rms_eps)
+        self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def forward(self, x, pos, cache=None):
+        """x [B, T, d], pos [T] absolute positions; cache: (keys, values) [B, H, S, hd] of the
+        S positions before pos[0], or None. Returns (y [B, T, d], new cache)."""
+        B, T, d = x.shape
+        q, k, v = (self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, d // self.n_heads)
+                   .permute(2, 0, 3, 1, 4))  # each [B, H, T, hd]
+        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+        past = 0
+        if cache is not None:
+            past = cache[0].shape[2]
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        if past == 0:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        elif T == 1:
+            att = F.scaled_dot_product_attention(q, k, v)
+        else:  # queries at past..past+T-1 see keys 0..their own position
+            mask = (torch.arange(past + T, device=x.device)[None, :]
+                    <= torch.arange(past, past + T, device=x.device)[:, None])  # [T, S + T]
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o(att.transpose(1, 2).reshape(B, T, d))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up), (k, v)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.emb_norm = RMSNorm(d, cfg.rms_eps)
+        self.feat_norm = RMSNorm(d, cfg.rms_eps)
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.block = Block(cfg)
+        # Saved with the head: which target tokens the reduced LM head covers, the target's final
+        # norm scale (its effective weight), and the feature scale the feature loss divides by.
+        self.register_buffer("vocab_ids", torch.zeros(cfg.draft_vocab, dtype=torch.long))
+        self.register_buffer("norm_scale", torch.ones(d))
+        self.register_buffer("feat_std", torch.ones(()))
+        # Tied to the target, never saved: its LM head rows for vocab_ids.
+        self.register_buffer("lm_rows", torch.zeros(cfg.draft_vocab, d), persistent=False)
+
+    def attach(self, target_model) -> "DraftHead":
+        """Copy the target's LM-head rows for vocab_ids (frozen)."""
+        weight = lm_head_weight(target_model)
+        rows = weight[self.vocab_ids.to(weight.device)].float()
+        self.lm_rows = rows.to(self.vocab_ids.device)
+        return self
+
+    def forward(self, feats, embeds, pos, cache=None):
+        """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T].
+        Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N], cache)."""
+        x = self.fc(torch.cat([self.emb_norm(embeds), self.feat_norm(feats)], dim=-1))
+        h, cache = self.block(x, pos, cache)
+        pred = rms_normalize(h, self.cfg.rms_eps) * self.norm_scale  # [B, T, d]
+        return pred, self.logits(pred), cache
+
+    def logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
+        logits = feats @ self.lm_rows.T
+        cap = self.cfg.logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+# -- reading the target ------------------------------------------------------------------------
+
+
+def final_norm(model) -> nn.Module:
+    """The target's final norm: its output is what the LM head reads (our features)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model")
+    norm = getattr(base, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the final norm (model.norm)")
+    return norm
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """[vocab, d] floating weight of the target's LM head (dequantized if bitsandbytes 4-bit)."""
+    weight = model.get_output_embeddings().weight
+    if not weight.dtype.is_floating_point:
+        import bitsandbytes.functional as bnbf
+        weight = bnbf.dequantize_4bit(weight.data, weight.quant_state)
+    return weight.detach()
+
+
+@torch.no_grad()
+def norm_scale_of(model) -> torch.Tensor:
+    """The final norm's effective per-channel weight (Gemma's 1 + w, Llama's w): the norm of a
+    vector of ones, whose RMS is 1."""
+    norm = final_norm(model)
+    p = next(norm.parameters())
+    return norm(torch.ones(1, p.shape[-1], dtype=p.dtype, device=p.device)).float()[0].cpu()
+
+
+class FeatureTap:
+    """Keeps the output of the target's final norm from its latest forward."""
+
+    def __init__(self, model):
+        self.last: torch.Tensor | None = None  # [batch, fed tokens, d]
+        self._handle = final_norm(model).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.last = output[0] if isinstance(output, tuple) else output
+
+    def features(self, n: int) -> torch.Tensor:
+        """Features of the first n positions of the latest forward, batch row 0: [n, d]."""
+        return self.last[0, :n]
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+@torch.inference_mode()
+def target_features(model, ids: list[int]) -> torch.Tensor:
+    """Features of every position of `ids` ([len, d] float32), by one target forward."""
+    tap = FeatureTap(model)
+    try:
+        device = next(model.parameters()).device
+        model(torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+        return tap.features(len(ids)).float()
+    finally:
+        tap.close()
+
+
+# -- the drafter -------------------------------------------------------------------------------
+
+
+class HeadDrafter:
+    """Drafts with a DraftHead. Keeps the target's features of the conversation (from
+    `observe`, or computed itself when missing) and the head's own KV cache, both synced with
+    the context by common prefix, like ModelDrafter's cache.
+
+    Head position t reads (f_t, x_{t+1}); with context x_0..x_{L-1} the target has computed
+    f_0..f_{L-2} (its cache holds every token but the newest), so the head's last true position
+    is L-2 and predicts f_{L-1} and the first draft x_L.
+    """
+
+    name = "head"
+    needs_features = True
+
+    def __init__(self, head: DraftHead, target_model, vocab_size: int,
+                 min_confidence: float = 0.0):
+        self.head = head.eval()
+        self.target = target_model
+        self.embed = target_model.get_input_embeddings()
+        self.vocab_size = vocab_size  # width of the engine's target logits (and our q rows)
+        self.min_confidence = min_confidence  # greedy: stop drafting under this top probability
+        self.device = head.vocab_ids.device
+        self.tokens: list[int] = []  # context tokens whose features are in self.feats[:len]
+        self.feats = torch.zeros(0, head.cfg.hidden_size, device=self.device)  # [capacity, d]
+        self.cache = None  # head KV cache over positions 0..len(head_tokens)-2
+        self.head_tokens: list[int] = []  # the tokens that cache was built from
+        self.computed = 0  # features the drafter had to compute itself (no observe)
+
+    def begin(self, prompt_ids):
+        pass  # features and cache survive across requests: a chat's history is reused
+
+    def observe(self, start: int, token_ids: list[int], features: torch.Tensor) -> None:
+        """The target computed `features` [n, d] for context positions start..start+n-1
+        (tokens `token_ids`), all of them accepted."""
+        if start > len(self.tokens):
+            return  # a gap (features we never saw): propose() recomputes what it needs
+        del self.tokens[start:]
+        self.tokens.extend(token_ids)
+        self._store(start, features)
+
+    def _store(self, start: int, features: torch.Tensor) -> None:
+        end = start + features.shape[0]
+        if end > self.feats.shape[0]:
+            grown = torch.zeros(max(end, 2 * self.feats.shape[0], 256), self.feats.shape[1],
+                                device=self.device)
+            grown[:start] = self.feats[:start]
+            self.feats = grown
+        self.feats[start:end] = features.to(self.device, torch.float32)
+
+    def _ensure_features(self, prefix: list[int]) -> None:
+        """Make self.feats[:len(prefix)] the target's features of `prefix`."""
+        known = _common_prefix_len(self.tokens, prefix)
+        if known < len(prefix):
+            self.computed += len(prefix)
+            self.tokens = list(prefix)
+            self._store(0, target_features(self.target, prefix))
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        emb_device = self.embed.weight.device
+        return self.embed(torch.tensor([ids], device=emb_device)).to(self.device, torch.float32)
+
+    def _sync_cache(self, context: list[int]) -> int:
+        """Crop the head cache to the positions still valid for `context`; return their count."""
+        keep = max(0, min(len(self.head_tokens), _common_prefix_len(self.head_tokens, context))
+                   - 1)
+        if self.cache is not None:
+            self.cache = (self.cache[0][:, :, :keep], self.cache[1][:, :, :keep])
+        self.head_tokens = self.head_tokens[:keep + 1] if keep else []
+        return keep
+
+    @torch.inference_mode()
+    def propose(self, context, k, params, generator):
+        L = len(context)
+        if k <= 0 or L < 2:
+            return _EMPTY, None
+        self._ensure_features(context[:-1])  # f_0 .. f_{L-2}
+        h = self._sync_cache(context[:-1])  # at most L-2: always re-feed one true position
+        # Catch up on true positions h..L-2: inputs (f_t, x_{t+1}).
+        pos = torch.arange(h, L - 1, device=self.device)
+        pred, logits, self.cache = self.head(self.feats[h:L - 1][None],
+                                             self._embed(context[h + 1:L]), pos, self.cache)
+        self.head_tokens = list(context)
+        ids, rows = [], []
+        for i in range(k):
+            reduced_logits = logits[0, -1:]  # [1, N]
+            token, q = self._sample(reduced_logits, params, generator)
+            if i > 0 and self.min_confidence > 0 and params.greedy:
+                if float(torch.softmax(reduced_logits.float(), -1).max()) < self.min_confidence:
+                    break
+            ids.append(token)
+            if q is not None:
+                rows.append(q)
+            if i == k - 1:
+                break
+            pos = torch.tensor([L - 1 + i], device=self.device)
+            pred, logits, self.cache = self.head(pred[:, -1:], self._embed([token]), pos,
+                                                 self.cache)
+        # Drafted positions carry predicted features: drop them, the target will supply true ones.
+        self._sync_cache(context)
+        draft_ids = torch.tensor(ids, dtype=torch.long)
+        return draft_ids, (torch.stack(rows) if rows else None)
+
+    def _sample(self, reduced_logits, params: SamplingParams, generator):
+        """-> (full-vocab token id, full-vocab q row [vocab] or None when greedy)."""
+        if params.greedy:
+            return int(self.head.vocab_ids[int(reduced_logits.argmax(-1))]), None
+        reduced_probs = logits_to_probs(reduced_logits.float().cpu(), params)  # [1, N]
+        index = int(sample(reduced_probs, generator))
+        q = torch.zeros(self.vocab_size)  # tokens outside the reduced vocabulary: q = 0
+        q.scatter_(0, self.head.vocab_ids.cpu(), reduced_probs[0])
+        return int(self.head.vocab_ids[index]), q
+
+    def feedback(self, n_drafted, n_accepted):
+        pass
+
+
+class CombinedDrafter:
+    """Prompt lookup when it finds a continuation, the head otherwise (issue 6, item 4)."""
+
+    name = "combined"
+    needs_features = True
+
+    def __init__(self, ngram, head: HeadDrafter):
+        self.ngram, self.head = ngram, head
+
+    def begin(self, prompt_ids):
+        self.ngram.begin(prompt_ids)
+        self.head.begin(prompt_ids)
+
+    def observe(self, start, token_ids, features):
+        self.head.observe(start, token_ids, features)
+
+    def propose(self, context, k, params, generator):
+        ids, probs = self.ngram.propose(context, k, params, generator)
+        if len(ids):
+            return ids, probs
+        return self.head.propose(context, k, params, generator)
+
+    def feedback(self, n_drafted, n_accepted):
+        self.ngram.feedback(n_drafted, n_accepted)
+        self.head.feedback(n_drafted, n_accepted)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    from specchat.drafters import _common_prefix_len as common
+    return common(a, b)
+
+
+# -- target identity, saving and loading -------------------------------------------------------
+
+_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim",
+                "rms_norm_eps", "tie_word_embeddings")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@torch.no_grad()
+def target_identity(model, tokenizer, name: str = "") -> dict:
+    """What a head is bound to: the target's architecture, vocabulary and (a sample of) weights.
+    Independent of quantization and dtype, so an NF4 and an fp32 load of one model match."""
+    cfg = model.config.get_text_config().to_dict()
+    config_hash = _sha(json.dumps({k: cfg.get(k) for k in _CONFIG_KEYS}, sort_keys=True))[:16]
+    vocab_hash = _sha(json.dumps(sorted(tokenizer.get_vocab().items())))[:16]
+    emb = model.get_input_embeddings().weight
+    rows = torch.linspace(1, emb.shape[0] - 1, 16).long().to(emb.device)
+    fingerprint = torch.cat([norm_scale_of(model)[:64],
+                             emb[rows, :16].float().flatten().cpu()])
+    return {"name": name, "config": config_hash, "vocab": vocab_hash,
+            "key": _sha(config_hash + vocab_hash)[:12],
+            "fingerprint": [round(float(x), 5) for x in fingerprint]}
+
+
+def identity_problem(recorded: dict, actual: dict) -> str | None:
+    """None when a head recorded for `recorded` may draft for `actual`; else why not."""
+    if recorded.get("config") != actual["config"]:
+        return "its architecture differs"
+    if recorded.get("vocab") != actual["vocab"]:
+        return "its vocabulary differs"
+    a, b = torch.tensor(recorded.get("fingerprint", [])), torch.tensor(actual["fingerprint"])
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max())):
+        return "its weights differ (a fine-tune or another checkpoint of the same architecture)"
+    return None
+
+
+def slug(name: str) -> str:
+    base = Path(name.rstrip("/")).name if name else "target"
+    base = base.split(" (")[0]  # "Gemma 3 270M (embedded, ...)" -> "Gemma 3 270M"
+    return re.sub(r"[^a-z0-9.]+", "-", base.lower()).strip("-") or "target"
+
+
+def default_head_dir(identity: dict) -> Path:
+    from specchat.models import cache_dir
+    return cache_dir() / "heads" / f"{slug(identity['name'])}-{identity['key']}"
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "heads"
+
+
+def save_head(path: str | Path, head: DraftHead, identity: dict, meta: dict | None = None,
+              dtype: torch.dtype = torch.bfloat16):
+    """Weights in `dtype` (bf16 halves the file; drafting runs in fp32 either way)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    params = {name for name, _ in head.named_parameters()}
+    tensors = {k: (v.to(dtype) if k in params else v).detach().cpu().contiguous()
+               for k, v in head.state_dict().items()}
+    header = {"format": FORMAT, "config": asdict(head.cfg), "target": identity,
+              "meta": meta or {}}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"specchat": json.dumps(header)})
+    tmp.replace(path)  # atomic: a killed save never leaves half a head
+
+
+def read_header(path: str | Path) -> dict:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {}).get("specchat", "{}"))
+    except Exception as e:  # noqa: BLE001  (a truncated or foreign file: say so)
+        raise HeadMismatchError(f"{path}: not a readable draft head ({e})") from e
+    if header.get("format") != FORMAT:
+        raise HeadMismatchError(f"{path}: not a specchat draft head (format "
+                                f"{header.get('format')!r}, expected {FORMAT!r})")
+    return header
+
+
+def load_head(path: str | Path, model, tokenizer, identity: dict | None = None,
+              name: str = "") -> DraftHead:
+    """Load a head for `model`, refusing one trained for another target."""
+    from safetensors.torch import load_file
+    header = read_header(path)
+    actual = identity or target_identity(model, tokenizer, name)
+    problem = identity_problem(header["target"], actual)
+    if problem:
+        trained_for = header["target"].get("name") or "another target"
+        raise HeadMismatchError(
+            f"The draft head {path} was trained for {trained_for}"
+            f" (config {header['target'].get('config')}, vocab {header['target'].get('vocab')}); "
+            f"the loaded target {actual['name'] or ''} (config {actual['config']}, vocab "
+            f"{actual['vocab']}) is different: {problem}. Train a head for this target with "
+            f"`python -m specchat train-draft --target ...`.")
+    head = DraftHead(HeadConfig(**header["config"]))
+    head.load_state_dict(load_file(str(path)), strict=False)
+    device = next(model.parameters()).device
+    return head.to(device).attach(model).eval()
+
+
+def any_heads() -> bool:
+    """Is there any head file at all (so that hashing the target's vocabulary can be skipped)?"""
+    from specchat.models import cache_dir
+    return any((cache_dir() / "heads").glob("*/head.safetensors")) or \
+        any(SHIPPED_DIR.glob("*.safetensors"))
+
+
+def find_head(identity: dict) -> Path | None:
+    """The head for this target: trained here (cache) first, then one shipped in assets/."""
+    candidates = [default_head_dir(identity) / "head.safetensors",
+                  *sorted(SHIPPED_DIR.glob(f"*-{identity['key']}.safetensors"))]
+    for path in candidates:
+        if path.exists():
+            return path
+    return None
+
+
+def head_drafters(target, ngram, path: str | Path | None = None,
+                  min_confidence: float = 0.0) -> tuple[dict, list[str]]:
+    """Drafters `head` and `combined` for a models.LoadedModel target, when a head for it exists
+    (or `path` names one). Returns (drafters, notes for the user)."""
+    if path is None and not any_heads():
+        return {}, []
+    identity = target_identity(target.model, target.tokenizer, target.name)
+    path = path or find_head(identity)
+    if path is None:
+        return {}, []
+    try:
+        head = load_head(path, target.model, target.tokenizer, identity)
+    except HeadMismatchError as e:
+        return {}, [f"Draft head refused: {e}"]
+    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_confidence)
+    return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, []
+
+
+def count_parameters(head: DraftHead) -> int:
+    return sum(p.numel() for p in head.parameters())
+
+
+def smooth_l1(pred: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.smooth_l1_loss(pred / scale, target / scale, reduction="none").mean(-1)
+
+
+__all__ = ["CombinedDrafter", "DraftHead", "FeatureTap", "HeadConfig", "HeadDrafter",
+           "HeadMismatchError", "find_head", "head_drafters", "load_head", "save_head",
+           "target_identity"]

@@ -1,0 +1,269 @@
+"""The EAGLE draft head: shapes, the reduced vocabulary, lossless verification with its q,
+greedy equivalence in the engine, a tiny training run, and refusing a head for another target."""
+
+import json
+
+import pytest
+import torch
+
+from specchat.drafters import NgramDrafter
+from specchat.engine import Engine, GenerateConfig
+from specchat.events import TokenEvent
+from specchat.head import (CombinedDrafter, DraftHead, FeatureTap, HeadConfig, HeadDrafter,
+                           HeadMismatchError, head_drafters, load_head, save_head,
+                           target_features, target_identity)
+from specchat.kvcache import new_cache
+from specchat.sampling import SamplingParams, logits_to_probs, verify
+from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
+
+TOK = byte_tokenizer()
+TEXT = "the cat sat on the mat. the dog sat on the log. the cat"
+VOCAB_IDS = torch.arange(40, 104)  # a reduced vocabulary of 64 of the 259 byte tokens
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is ~50x faster than two on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_head(target, seed=0, vocab_ids=VOCAB_IDS) -> DraftHead:
+    torch.manual_seed(seed)
+    head = DraftHead(HeadConfig.for_target(target, len(vocab_ids)))
+    head.vocab_ids = vocab_ids.clone()
+    return head.attach(target).eval()
+
+
+def ids_of(text):
+    return TOK(text)["input_ids"]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_forward_shapes_and_reduced_head_is_the_targets(make):
+    target = make(0)
+    head = random_head(target)
+    B, T, d = 2, 5, target.config.hidden_size
+    pred, logits, cache = head(torch.randn(B, T, d), torch.randn(B, T, d), torch.arange(T))
+    assert pred.shape == (B, T, d) and logits.shape == (B, T, len(VOCAB_IDS))
+    assert cache[0].shape[2] == T  # keys of every position
+    # The reduced LM head is the target's own rows: through it, true features give exactly the
+    # target's logits of those tokens.
+    ids = ids_of(TEXT)
+    feats = target_features(target, ids)  # [len, d]
+    with torch.no_grad():
+        full = target(torch.tensor([ids])).logits[0]  # [len, vocab]
+    assert torch.allclose(head.logits(feats), full[:, VOCAB_IDS], atol=1e-4)
+
+
+def test_drafts_stay_in_the_reduced_vocabulary_and_q_is_zero_outside():
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    ids, q = drafter.propose(ids_of(TEXT), 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert ids.shape == (4,) and q.shape == (4, len(TOK))
+    assert torch.isin(ids, VOCAB_IDS).all()
+    outside = torch.ones(len(TOK), dtype=torch.bool)
+    outside[VOCAB_IDS] = False
+    assert float(q[:, outside].abs().sum()) == 0.0
+    assert torch.allclose(q.sum(-1), torch.ones(4)) and (q[torch.arange(4), ids] > 0).all()
+    greedy, none = drafter.propose(ids_of(TEXT), 3, SamplingParams(0.0), None)
+    assert none is None and torch.isin(greedy, VOCAB_IDS).all()
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_incremental_cache_and_rollback_match_a_fresh_drafter(make):
+    target = make(0)
+    head = random_head(target)
+    kept = HeadDrafter(head, target, len(TOK))
+    contexts = [ids_of(TEXT), ids_of(TEXT + " and"), ids_of(TEXT + " and the"),
+                ids_of(TEXT[:20] + " something else"), ids_of(TEXT + "!")]
+    for params in (SamplingParams(0.0), SamplingParams(0.9, top_p=0.95)):
+        for ctx in contexts:
+            a = kept.propose(ctx, 4, params, torch.Generator().manual_seed(1))
+            b = HeadDrafter(head, target, len(TOK)).propose(ctx, 4, params,
+                                                             torch.Generator().manual_seed(1))
+            assert torch.equal(a[0], b[0])
+            if params.greedy:
+                assert a[1] is None
+            else:
+                assert torch.allclose(a[1], b[1], atol=1e-5)
+
+
+def test_observed_features_replace_the_extra_target_forward():
+    """What the engine patch does: a FeatureTap on the target's final norm during its cached
+    forwards gives the same features as a full forward, and a drafter fed by observe() needs
+    no target forward of its own."""
+    target = tiny_gemma3(0)
+    head = random_head(target)
+    fed, computed = HeadDrafter(head, target, len(TOK)), HeadDrafter(head, target, len(TOK))
+    ids = ids_of(TEXT)
+    cache, tap = new_cache(target), FeatureTap(target)
+    with torch.inference_mode():
+        target(torch.tensor([ids[:30]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        fed.observe(0, ids[:30], tap.features(30))
+        target(torch.tensor([ids[30:-1]]), past_key_values=cache, use_cache=True,
+               logits_to_keep=1)
+        fed.observe(30, ids[30:-1], tap.features(len(ids) - 31))
+    tap.close()
+    assert torch.allclose(fed.feats[:len(ids) - 1], target_features(target, ids[:-1]), atol=1e-5)
+    a = fed.propose(ids, 4, SamplingParams(0.0), None)[0]
+    b = computed.propose(ids, 4, SamplingParams(0.0), None)[0]
+    assert torch.equal(a, b) and fed.computed == 0 and computed.computed > 0
+
+
+def tv(a, b):
+    return 0.5 * float((a - b).abs().sum())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)])
+def test_reduced_vocab_q_is_sampled_from_and_verification_stays_lossless(params):
+    """q rows are exactly the distribution the drafts were drawn from (zero outside the
+    reduced vocabulary), and verification with them emits the target's distribution, tokens
+    the head can never propose included (they come from the residual)."""
+    torch.manual_seed(0)
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target, vocab_ids=torch.arange(40, 56)), target, len(TOK))
+    ctx = ids_of(TEXT)
+    # The target's mass on 12 tokens: 6 the head can propose, 6 it cannot.
+    target_logits = torch.full((1, len(TOK)), -30.0)
+    support = torch.tensor([41, 44, 47, 50, 53, 55, 3, 20, 120, 180, 200, 250])
+    target_logits[0, support] = torch.randn(12)
+    want = logits_to_probs(target_logits, params)[0]
+    gen = torch.Generator().manual_seed(7)
+    # (a) The drafter samples its drafts from the q it returns.
+    drafted, q0 = torch.zeros(len(TOK)), None
+    for _ in range(1500):
+        ids, q = drafter.propose(ctx, 1, params, gen)
+        q0 = q[0] if q0 is None else q0
+        assert torch.allclose(q[0], q0, atol=1e-6)  # same context, same q
+        drafted[ids[0]] += 1
+    assert tv(drafted / 1500, q0) < 0.06
+    # (b) Verifying drafts drawn from that q emits the target's distribution, including the
+    # tokens the head can never propose (they come from the residual (p - q)+).
+    assert want[support[6:]].sum() > 0.2
+    emitted, draws = torch.zeros(len(TOK)), 20000
+    for draft in torch.multinomial(q0, draws, replacement=True, generator=gen):
+        v = verify(draft[None], q0[None], torch.cat([target_logits, target_logits]), params, gen)
+        emitted[int(draft) if v.n_accepted else v.next_token] += 1
+    assert tv(emitted / draws, want) < 0.02, tv(emitted / draws, want)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_with_a_random_head_equals_plain_greedy(make, k):
+    target = make(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    engine = Engine(loaded(target, TOK), {"head": drafter,
+                                          "combined": CombinedDrafter(NgramDrafter(), drafter)})
+    prompt = ids_of(TEXT)
+
+    def run(**cfg):
+        events = engine.stream(prompt, GenerateConfig(max_new_tokens=30, adaptive=False, **cfg))
+        return [e.id for e in events if isinstance(e, TokenEvent)]
+
+    plain = run(speculation=False)
+    assert run(drafter="head", draft_len=k) == plain
+    assert run(drafter="combined", draft_len=k) == plain
+    if hasattr(engine, "_feature_drafters"):  # the engine hands features over (observe)
+        assert drafter.computed == 0  # so the drafter never ran the target itself
+
+
+def tiny_prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"say something about {w}"} for w in
+            ["cats", "dogs", "rain", "bread", "maps", "ships", "tea", "snow", "jazz", "owls",
+             "sand", "kites"]]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
+    from specchat import train_draft as td
+    torch.manual_seed(0)
+    model = tiny_llama(0)
+    with torch.no_grad():  # a random model is nearly uniform: give it something to teach
+        model.lm_head.weight.mul_(20)
+    target = loaded(model, TOK)
+    cfg = td.TrainConfig(out=tmp_path / "run", minutes=5, prompt_files=[tiny_prompts(tmp_path)],
+                         max_new_tokens=24, gen_batch=4, seq_len=512, draft_vocab=48,
+                         batch_tokens=256, lr=3e-3, warmup_steps=5, max_steps=40, noise=0.0)
+    path, summary = td.run(target, cfg, progress=lambda m: None)
+    assert summary["steps"] == 40 and summary["train_positions"] > 200
+    head = load_head(path, target.model, TOK)
+    records = td.load_features(cfg.out)
+    batch = td.collate([r for r in records if not r["heldout"]][:8], target.device)
+    embed = target.model.get_input_embeddings()
+    fresh = DraftHead(head.cfg)
+    fresh.load_state_dict({k: v for k, v in head.state_dict().items()
+                           if k in ("vocab_ids", "norm_scale", "feat_std")}, strict=False)
+    fresh.attach(target.model)
+    with torch.no_grad():
+        before, _ = td.head_loss(fresh, embed, batch, cfg, train=False)
+        after, _ = td.head_loss(head, embed, batch, cfg, train=False)
+    assert float(after) < 0.7 * float(before), (float(before), float(after))
+    # Resumable: the same command again continues from the checkpoint.
+    again = td.TrainConfig(**{**cfg.__dict__, "max_steps": 45})
+    _, summary2 = td.run(target, again, progress=lambda m: None)
+    assert summary2["steps"] == 45
+    # The saved head drafts in the engine (found through head_drafters with an explicit path).
+    drafters, notes = head_drafters(target, NgramDrafter(), path)
+    assert set(drafters) == {"head", "combined"} and not notes
+    events = Engine(target, drafters).stream(ids_of(TEXT), GenerateConfig(
+        max_new_tokens=8, drafter="head", adaptive=False))
+    assert sum(isinstance(e, TokenEvent) for e in events) == 8
+
+
+def test_a_head_for_another_target_is_refused(tmp_path):
+    target = tiny_llama(0)
+    path = tmp_path / "head.safetensors"
+    save_head(path, random_head(target), target_identity(target, TOK, "tiny-a"))
+    assert load_head(path, target, TOK).cfg.draft_vocab == len(VOCAB_IDS)
+    with pytest.raises(HeadMismatchError, match="weights differ"):
+        load_head(path, tiny_llama(1), TOK)  # same architecture and vocabulary, other weights
+    with pytest.raises(HeadMismatchError, match="vocabulary differs"):
+        load_head(path, target, byte_tokenizer(extra=["<x>"]))
+    with pytest.raises(HeadMismatchError, match="architecture differs"):
+        load_head(path, tiny_llama(0, layers=3), TOK)
+    drafters, notes = head_drafters(loaded(tiny_llama(1), TOK), NgramDrafter(), path)
+    assert drafters == {} and "trained for tiny-a" in notes[0] and "train-draft" in notes[0]
+    (tmp_path / "junk.safetensors").write_bytes(b"not a head")
+    with pytest.raises(HeadMismatchError, match="not a readable draft head"):
+        load_head(tmp_path / "junk.safetensors", target, TOK)
+
+
+def test_identity_ignores_quantization_and_dtype():
+    a = tiny_llama(0)
+    b = tiny_llama(0).to(torch.bfloat16)
+    from specchat.head import identity_problem
+    assert identity_problem(target_identity(a, TOK), target_identity(b, TOK)) is None
+
+
+def test_train_draft_command_line():
+    import argparse
+    from specchat.train_draft import add_cli
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train-draft", "--minutes", "2", "--out", "x", "--data", "a.txt"])
+    assert args.minutes == 2 and args.out == "x" and args.data == ["a.txt"]
+    assert args.func.__name__ == "cmd_train_draft"
+
+
+def test_bench_runs_the_head_modes():
+    """With the bench's HEAD_MODES (see the integration patch), head and combined are bench
+    modes, and greedy they write plain's text."""
+    bench = pytest.importorskip("specchat.bench")
+    if not hasattr(bench, "HEAD_MODES"):
+        pytest.skip("bench without head modes (integration patch not applied)")
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    engine = Engine(loaded(target, TOK), {"ngram": NgramDrafter(), "head": drafter,
+                                          "combined": CombinedDrafter(NgramDrafter(), drafter)})
+    assert {"head", "combined"} <= set(bench.available_modes(engine, None))
+    questions = [{"question_id": 1, "category": "qa", "turns": ["Repeat: abc abc abc abc"]}]
+    settings = bench.BenchSettings(modes=("plain", "head", "combined"), max_new_tokens=10,
+                                   warmup_tokens=2)
+    result = bench.bench(engine, questions, settings, progress=False)
+    assert set(result["modes"]) == {"plain", "head", "combined"}
+    assert result["greedy_identical"] == {"plain": 1.0, "head": 1.0, "combined": 1.0}
