@@ -314,9 +314,11 @@ def load_features(out: Path, seqs: list[dict] | None = None) -> list[dict]:
     return records
 
 
-def choose_vocab(records: list[dict], n: int) -> tuple[torch.Tensor, float]:
-    """The n tokens the target predicts most often (then the most frequent input tokens).
-    Predictions: the computed top-1s, and the tokens the target wrote itself (replies).
+def choose_vocab(records: list[dict], n: int, tokenizer=None) -> tuple[torch.Tensor, float]:
+    """The n tokens the target predicts most often, then the most frequent input tokens, then
+    (a small data set predicts only a few thousand distinct tokens) the tokenizer's lowest
+    ids, which BPE and SentencePiece vocabularies order roughly by frequency. Predictions: the
+    computed top-1s and the tokens the target wrote itself (replies).
     Returns (vocab_ids [<= n], share of computed top-1s they cover)."""
     top1 = torch.cat([r["top1"].long() for r in records])
     top1 = top1[top1 >= 0]  # positions whose top-1 was computed
@@ -330,8 +332,18 @@ def choose_vocab(records: list[dict], n: int) -> tuple[torch.Tensor, float]:
     score = counts * (len(inputs) + 1) + in_counts  # predicted tokens first, by count
     order = torch.argsort(score, descending=True)
     order = order[score[order] > 0][:n]
+    if tokenizer is not None and len(order) < n:
+        order = torch.cat([order, fill_ids(tokenizer, n - len(order), exclude=order)])
     coverage = float(torch.isin(top1, order).float().mean())
     return order.sort().values, coverage
+
+
+def fill_ids(tokenizer, n: int, exclude: torch.Tensor) -> torch.Tensor:
+    """The n lowest token ids that are not special (added) tokens and not in `exclude`."""
+    special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    taken = set(exclude.tolist()) | special
+    out = [i for i in range(len(tokenizer)) if i not in taken][:n]
+    return torch.tensor(out, dtype=torch.long)
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -459,7 +471,7 @@ def train_head(target, records: list[dict], cfg: TrainConfig, deadline: float,
         head.load_state_dict(state["head"])
         coverage = state["coverage"]
     else:
-        vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab)
+        vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
         head = DraftHead(HeadConfig.for_target(target.model, len(vocab),
                                                cfg.intermediate_size or None))
         head.vocab_ids = vocab
@@ -632,7 +644,8 @@ def cmd_train_draft(args) -> int:
                       gen_batch=args.gen_batch, seq_len=args.seq_len,
                       draft_vocab=args.draft_vocab, batch_tokens=args.batch_tokens, lr=args.lr,
                       ce_weight=args.ce_weight, feature_weight=args.feature_weight,
-                      noise=args.noise, unroll=args.unroll, seed=args.seed)
+                      noise=args.noise, unroll=args.unroll, max_steps=args.max_steps,
+                      seed=args.seed)
     summary: dict = {}
     path = out / "head.safetensors"
     if args.minutes > 0:
@@ -689,6 +702,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="uniform noise on input features, in feature std units")
     p.add_argument("--unroll", type=int, default=1,
                    help=">1: also train on the head's own predicted features")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop training after this many optimizer steps in total (0: only the "
+                        "clock); makes a run reproducible on machines of any speed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--evaluate", type=int, default=0, metavar="N",

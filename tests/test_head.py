@@ -215,6 +215,17 @@ def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
     assert sum(isinstance(e, TokenEvent) for e in events) == 8
 
 
+def test_reduced_vocabulary_takes_predicted_tokens_first_then_fills():
+    from specchat.train_draft import choose_vocab
+    rec = {"ids": torch.tensor([50, 50, 60, 70], dtype=torch.int32),
+           "top1": torch.tensor([60, 60, 80, -1], dtype=torch.int32), "start": 0}
+    vocab, coverage = choose_vocab([rec], 3)
+    assert set(vocab.tolist()) == {60, 80, 50} and coverage == 1.0  # predicted, then inputs
+    vocab, _ = choose_vocab([rec], 10, TOK)
+    # ... then the lowest ids that are not special tokens (<pad> <bos> <eos> are 0, 1, 2)
+    assert set(vocab.tolist()) == {60, 80, 50, 70, 3, 4, 5, 6, 7, 8}
+
+
 def test_a_head_for_another_target_is_refused(tmp_path):
     target = tiny_llama(0)
     path = tmp_path / "head.safetensors"
