@@ -50,6 +50,7 @@ from specchat.events import TARGET, GenerationStats, StepRecord, TokenEvent, sum
 ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
 HF_MODES = ("hf-plain", "hf-pld", "hf-assisted")
 ALL_MODES = (*ENGINE_MODES, *HF_MODES)
+HEAD_MODES = ("head", "combined")  # engine drafters that exist once `train-draft` made a head
 NEEDS_DRAFT = ("model", "hf-assisted")
 QUESTIONS_REL = Path("benchmarks") / "spec_bench" / "question.jsonl"
 
@@ -301,7 +302,7 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict
                     cruns, [r for r in plain if r.category == cat] if plain else None)
         steps = [s for r in mruns for s in r.steps]
         if mode not in ("plain", "hf-plain") and any(s.drafted for s in steps):
-            costs = step_costs(steps, plain_steps if mode in ENGINE_MODES else
+            costs = step_costs(steps, plain_steps if mode in ENGINE_MODES + HEAD_MODES else
                                [s for r in by_mode.get("hf-plain", []) for s in r.steps])
             costs["predicted_speedup"] = predicted_speedup(costs)
             costs["predicted_speedup_steps"] = predicted_speedup_steps(steps, costs)
@@ -558,7 +559,8 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
 
 def available_modes(engine, assistant) -> list[str]:
     return [m for m in ALL_MODES
-            if m not in NEEDS_DRAFT or ("model" in engine.drafters and assistant is not None)]
+            if m not in NEEDS_DRAFT or ("model" in engine.drafters and assistant is not None)] \
+        + [m for m in HEAD_MODES if m in engine.drafters]
 
 
 def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
@@ -572,8 +574,11 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     for m in s.modes:
-        if m not in ALL_MODES:
-            raise ValueError(f"unknown mode {m!r}; modes: {', '.join(ALL_MODES)}")
+        if m not in ALL_MODES + HEAD_MODES:
+            raise ValueError(f"unknown mode {m!r}; modes: {', '.join(ALL_MODES + HEAD_MODES)}")
+        if m in HEAD_MODES and m not in engine.drafters:
+            raise ValueError(f"mode {m!r} needs a draft head for this target: "
+                             f"python -m specchat train-draft")
         if m in ENGINE_MODES[1:] and m not in engine.drafters:
             raise ValueError(f"mode {m!r} needs the {m!r} drafter (load a --draft-model)")
         if m == "hf-assisted" and assistant is None:
@@ -588,7 +593,7 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
     started = time.time()
 
     def run_mode(mode, ids, stops, fresh, max_new=None) -> dict:
-        if mode in ENGINE_MODES:
+        if mode in ENGINE_MODES + HEAD_MODES:
             return run_engine_mode(engine, probe, ids, stops, mode, s, fresh, max_new)
         draft_probe.reset()
         r = run_hf_mode(engine, probe, ids, stops, mode, s, assistant, max_new)
@@ -685,10 +690,11 @@ def machine_config() -> dict:
 
 def _modes_arg(value: str) -> tuple[str, ...]:
     modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m not in ALL_MODES + HEAD_MODES]
     if bad or not modes:
         raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_MODES)}")
+            f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from "
+            f"{', '.join(ALL_MODES + HEAD_MODES)}")
     return modes
 
 
@@ -715,8 +721,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", type=_modes_arg, default=None,
-                   help=f"comma separated, from {','.join(ALL_MODES)} (default: every mode the "
-                        "loaded models allow)")
+                   help=f"comma separated, from {','.join(ALL_MODES + HEAD_MODES)} (default: "
+                        "every mode the loaded models allow)")
     p.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
     p.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: the engine adapts k)")

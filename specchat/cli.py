@@ -29,14 +29,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-quantization", choices=["nf4", "none"], default="none",
                    help="draft weights (default: unquantized)")
     g.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1")
+    g.add_argument("--head", default=None,
+                   help="draft head file from `train-draft` (default: the head trained or "
+                        "shipped for this target, if any)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--speculation", choices=["on", "off"], default="on")
-    g.add_argument("--drafter", choices=["model", "ngram"], default=None,
-                   help="who proposes drafts (default: model when a draft model is loaded, "
-                        "else ngram prompt lookup)")
+    g.add_argument("--drafter", choices=["model", "ngram", "head", "combined"], default=None,
+                   help="who proposes drafts: a draft model, ngram prompt lookup, the trained "
+                        "draft head, or combined (ngram when it finds a continuation, else the "
+                        "head). Default: model when a draft model is loaded, else ngram")
     g.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
@@ -60,15 +64,18 @@ def load_from_args(args, progress):
     from specchat.engine import load_engine
     target, draft = model_choice(args)
     return load_engine(target, draft, args.quantization, args.draft_quantization,
-                       None if args.device == "auto" else args.device, progress)
+                       None if args.device == "auto" else args.device, progress,
+                       head=getattr(args, "head", None))
 
 
 def config_from_args(args, report):
     from specchat.engine import GenerateConfig
-    drafter = args.drafter or ("model" if "model" in report.engine.drafters else "ngram")
-    if drafter not in report.engine.drafters:
-        print(f"specchat: drafter {drafter!r} needs a compatible --draft-model; "
-              f"using ngram.", file=sys.stderr)
+    drafters = report.engine.drafters
+    drafter = args.drafter or ("model" if "model" in drafters else "ngram")
+    if drafter not in drafters:
+        needs = ("a compatible --draft-model" if drafter == "model" else
+                 "a draft head for this target (python -m specchat train-draft)")
+        print(f"specchat: drafter {drafter!r} needs {needs}; using ngram.", file=sys.stderr)
         drafter = "ngram"
     return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -121,6 +121,7 @@ class Engine:
         self._policies: dict[tuple[str, bool], DraftLengthPolicy] = {}
         self._cache = None
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
+        self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
 
     # -- target forward -------------------------------------------------------------------
 
@@ -141,6 +142,23 @@ class Engine:
             self._cache, keep = new_cache(self.model), 0
         self._cache_ids = self._cache_ids[:keep]
         return self._forward(prompt_ids[keep:], 1), len(prompt_ids) - keep
+
+    def _feature_drafters(self) -> list:
+        """Drafters that draft from the target's features (the EAGLE head). They get them for
+        free: a hook on the target's final norm keeps the hidden states of each forward."""
+        wants = [d for d in self.drafters.values() if getattr(d, "needs_features", False)]
+        if wants and self._tap is None:
+            from specchat.head import FeatureTap
+            self._tap = FeatureTap(self.model)
+        return wants
+
+    def _observe(self, wants: list, start: int, ids: list[int]) -> None:
+        """The first len(ids) positions of the latest forward were accepted: context positions
+        start.. . Sent whichever drafter is active, so switching drafters costs nothing."""
+        if wants:
+            features = self._tap.features(len(ids))  # [len(ids), d]
+            for d in wants:
+                d.observe(start, ids, features)
 
     def reset_cache(self) -> None:
         self._cache, self._cache_ids = None, []
@@ -174,6 +192,7 @@ class Engine:
 
         with self.lock:
             start = time.perf_counter()
+            wants = self._feature_drafters()
             try:
                 logits, stats.prefill_tokens = self._prefill(prompt_ids)
                 stats.target_calls = 1
@@ -182,6 +201,8 @@ class Engine:
                 record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
                 if drafter:
                     drafter.begin(prompt_ids)
+                fed = stats.prefill_tokens
+                self._observe(wants, len(prompt_ids) - fed, prompt_ids[len(prompt_ids) - fed:])
                 step = generated = 0
                 while True:
                     # Emit what the last step decided, token by token, watching for stops.
@@ -230,6 +251,7 @@ class Engine:
                     self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
                     t2 = time.perf_counter()
                     stats.target_calls += 1
+                    self._observe(wants, len(context) - 1, [context[-1], *draft_ids[:n].tolist()])
                     if drafter:
                         drafter.feedback(k, n)
                     if policy:
@@ -273,15 +295,21 @@ class LoadReport:
 
 def load_engine(target: str = "embedded", draft_model: str = "", quantization: str = "nf4",
                 draft_quantization: str = "none", device: str | None = None,
-                progress=print) -> LoadReport:
+                progress=print, head: str | None = None) -> LoadReport:
     """Load a target (and optionally a draft model) and build an Engine with every drafter that
-    can work: n-gram lookup always, the draft model when its vocabulary matches the target's."""
+    can work: n-gram lookup always, the draft model when its vocabulary matches the target's,
+    `head` and `combined` when a draft head trained for this target exists (`head`: a file
+    from `train-draft`; default: the one trained or shipped for this target, if any)."""
     from specchat.drafters import ModelDrafter, NgramDrafter
+    from specchat.head import head_drafters
     from specchat.models import load_model, vocab_mismatch
 
     tgt = load_model(target, quantization, device, progress)
     engine = Engine(tgt, {"ngram": NgramDrafter()})
     notes: list[str] = []
+    found, head_notes = head_drafters(tgt, NgramDrafter(), head or None)
+    engine.drafters.update(found)  # "head", "combined"
+    notes += head_notes
     draft = None
     if draft_model:
         draft = load_model(draft_model, draft_quantization, device, progress)

@@ -38,7 +38,8 @@ from specchat.stats import StatsStore
 from specchat.text import chat_prompt
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-DRAFTER_LABELS = {"model": "Draft model", "ngram": "N-gram lookup (prompt)"}
+DRAFTER_LABELS = {"model": "Draft model", "ngram": "N-gram lookup (prompt)",
+                  "head": "Draft head (EAGLE)", "combined": "N-gram + head"}
 MAX_DRAFT_LEN = 16
 KIND_WORDS = {ACCEPTED: "accepted", RESAMPLED: "resampled", BONUS: "bonus", TARGET: "target"}
 
@@ -742,6 +743,8 @@ def models_html(slot: ModelSlot) -> str:
         drafters.append("<code>draft model</code>")
     if "ngram" in engine.drafters:
         drafters.append("<code>n-gram prompt lookup</code>")
+    if "head" in engine.drafters:
+        drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
     notes = "".join(f'<div class="sc-note">⚠ {html.escape(n)}</div>' for n in report.notes)
     return (f'<div class="sc-models"><span>Target: <code>{html.escape(engine.target.label)}'
             f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span></div>{notes}")
