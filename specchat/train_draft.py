@@ -50,6 +50,7 @@ class TrainConfig:
     max_new_tokens: int = 256  # per generated reply
     gen_batch: int = 8  # prompts generated together (left padded)
     gen_temperature: float = 0.7  # odd prompts are sampled at this temperature, even ones greedy
+    samples: int = 3  # replies per prompt: the first as above, the others sampled (more text)
     seq_len: int = 512  # tokens per training sequence (longer ones are cut in windows)
     extract_batch_tokens: int = 4096  # tokens per teacher-forced target forward
     top1_tokens: int = 5000  # training positions that get the target's full-vocabulary top-1
@@ -154,7 +155,8 @@ def generate_replies(target, prompts: list[dict], cfg: TrainConfig, deadline: fl
                 break
             batch = todo[start:start + cfg.gen_batch]
             for sampled in (False, True):
-                part = [p for p in batch if _sampled(p["key"]) == sampled]
+                part = [p for p in batch if (p.get("sample", 0) > 0 or _sampled(p["key"]))
+                        == sampled]
                 if not part:
                     continue
                 ids = [chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])[0]
@@ -185,6 +187,13 @@ def generate_replies(target, prompts: list[dict], cfg: TrainConfig, deadline: fl
                 bar.update(len(part))
     bar.close()
     return made
+
+
+def with_samples(prompts: list[dict], samples: int) -> list[dict]:
+    """Each prompt `samples` times: the first reply keeps its key, the others (always sampled)
+    get "#j". Ordered round by round, so a budget that runs out still covers every prompt."""
+    return [p if j == 0 else {**p, "key": f"{p['key']}#{j}", "sample": j}
+            for j in range(max(1, samples)) for p in prompts]
 
 
 def _sampled(key: str) -> bool:
@@ -555,7 +564,8 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     extra_prompts, texts = load_data(cfg.data)
     prompts = (load_prompts(cfg.prompt_files) if cfg.generate else []) + extra_prompts
     if prompts and cfg.generate:
-        generate_replies(target, prompts, cfg, t0 + cfg.gen_share * cfg.minutes * 60)
+        generate_replies(target, with_samples(prompts, cfg.samples), cfg,
+                         t0 + cfg.gen_share * cfg.minutes * 60)
     seqs = sequences(cfg, texts, target.tokenizer, prompts)
     # Extraction may use the budget up to where 30% of it is left for training.
     extract_features(target, seqs, cfg, deadline - 0.3 * cfg.minutes * 60)
@@ -641,7 +651,7 @@ def cmd_train_draft(args) -> int:
     cfg = TrainConfig(out=out, minutes=args.minutes, prompt_files=[Path(p) for p in args.prompts],
                       data=[Path(p) for p in args.data], generate=not args.no_generate,
                       gen_share=args.gen_share, max_new_tokens=args.max_new_tokens,
-                      gen_batch=args.gen_batch, seq_len=args.seq_len,
+                      gen_batch=args.gen_batch, samples=args.samples, seq_len=args.seq_len,
                       draft_vocab=args.draft_vocab, batch_tokens=args.batch_tokens, lr=args.lr,
                       ce_weight=args.ce_weight, feature_weight=args.feature_weight,
                       noise=args.noise, unroll=args.unroll, max_steps=args.max_steps,
@@ -692,6 +702,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="most of the budget spent generating text (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per generated reply")
     p.add_argument("--gen-batch", type=int, default=8, help="prompts generated together")
+    p.add_argument("--samples", type=int, default=3,
+                   help="replies per prompt (the extra ones sampled): more text from the same "
+                        "prompts (default 3)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced vocabulary size N")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
