@@ -61,20 +61,33 @@ class NgramDrafter:
                 self._index[n][tuple(context[end - n:end])] = end
         self._indexed = max(self._indexed, len(context))
 
-    def propose(self, context, k, params, generator):
-        if k <= 0 or len(context) < 2:
-            return _EMPTY, None
+    def _match(self, context: list[int]) -> tuple[int, int]:
+        """(n, start): the longest n <= max_n whose last-n-token suffix occurred before, and the
+        position after its latest occurrence; (0, -1) when even the last token is new."""
         self._extend_index(context)
         for n in range(min(self.max_n, len(context) - 1), 0, -1):
             start = self._index[n].get(tuple(context[-n:]))
             if start is not None:
-                # What followed the match, continued periodically: in text that repeats itself
-                # the latest match sits one period back, and its continuation runs into the
-                # present; extending by the period keeps proposing the full k tokens.
-                period = len(context) - start
-                draft = [context[start + i % period] for i in range(k)]
-                return torch.tensor(draft, dtype=torch.long), None
-        return _EMPTY, None
+                return n, start
+        return 0, -1
+
+    def draft_class(self, context: list[int]) -> int:
+        """The length of the match the next proposal will copy from (0: none). Longer matches
+        are accepted far more often; the engine keeps acceptance per class to size k."""
+        return self._match(context)[0] if len(context) >= 2 else 0
+
+    def propose(self, context, k, params, generator):
+        if k <= 0 or len(context) < 2:
+            return _EMPTY, None
+        n, start = self._match(context)
+        if not n:
+            return _EMPTY, None
+        # What followed the match, continued periodically: in text that repeats itself the
+        # latest match sits one period back, and its continuation runs into the present;
+        # extending by the period keeps proposing the full k tokens.
+        period = len(context) - start
+        draft = [context[start + i % period] for i in range(k)]
+        return torch.tensor(draft, dtype=torch.long), None
 
     def feedback(self, n_drafted, n_accepted):
         pass

@@ -58,11 +58,15 @@ class DraftLengthPolicy:
     tokens on average (Leviathan et al.) and costs verify(k + 1) + k * draft_token seconds, both
     measured as we go. k = 0 is plain decoding: chosen when drafting does not pay, with a probe
     every `probe_every` steps so a change in the text can switch drafting back on.
+
+    Alpha is kept per draft class when the drafter tells one (`Drafter.draft_class`): an n-gram
+    drafter's 3-token matches are far more reliable than its 1-token matches, so each earns its
+    own k. The cost curve is shared.
     """
 
     def __init__(self, probe_every: int = 8):
         self.probe_every = probe_every
-        self.successes, self.failures = 2.0, 1.0  # prior alpha 2/3, weight of three tests
+        self._tests: dict[object, list[float]] = {}  # class -> [successes, failures]
         # Verify cost for m tokens fed: step_s * (1 + slope * (m - 1)). One curve fitted from
         # every step, so a single noisy measurement at some m cannot lock k low for good.
         self.step_s = 0.0  # EMA seconds of a 1-token (plain) step
@@ -70,20 +74,20 @@ class DraftLengthPolicy:
         self.draft_token_s = 0.0
         self.plain_streak = 0
 
-    @property
-    def alpha(self) -> float:
-        return self.successes / (self.successes + self.failures)
+    def alpha(self, cls=None) -> float:
+        successes, failures = self._tests.get(cls, (2.0, 1.0))  # prior 2/3, weight of 3 tests
+        return successes / (successes + failures)
 
     def _verify_cost(self, m: int) -> float:
         return (self.step_s or 1.0) * (1 + self.slope * (m - 1))
 
-    def expected_rate(self, k: int) -> float:
-        a = min(self.alpha, 0.999)
+    def expected_rate(self, k: int, cls=None) -> float:
+        a = min(self.alpha(cls), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
         return tokens / (self._verify_cost(k + 1) + k * self.draft_token_s)
 
-    def choose(self, k_max: int) -> int:
-        best = max(range(k_max + 1), key=self.expected_rate)
+    def choose(self, k_max: int, cls=None) -> int:
+        best = max(range(k_max + 1), key=lambda k: self.expected_rate(k, cls))
         if best == 0 and k_max > 0:
             self.plain_streak += 1
             if self.plain_streak % self.probe_every == 0:
@@ -92,7 +96,8 @@ class DraftLengthPolicy:
             self.plain_streak = 0
         return best
 
-    def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float):
+    def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float,
+               cls=None):
         decay = 0.9
         if fed == 1 or not self.step_s:
             self.step_s = verify_s if not self.step_s else decay * self.step_s + (1 - decay) * verify_s
@@ -101,8 +106,9 @@ class DraftLengthPolicy:
             self.slope = decay * self.slope + (1 - decay) * min(slope, 1.0)
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
-            self.successes = decay * self.successes + accepted
-            self.failures = decay * self.failures + (1 if accepted < drafted else 0)
+            tests = self._tests.setdefault(cls, [2.0, 1.0])
+            tests[0] = decay * tests[0] + accepted
+            tests[1] = decay * tests[1] + (1 if accepted < drafted else 0)
             per_token = draft_s / drafted
             self.draft_token_s = (per_token if not self.draft_token_s
                                   else decay * self.draft_token_s + (1 - decay) * per_token)
@@ -235,9 +241,11 @@ class Engine:
 
                     step += 1
                     t0 = time.perf_counter()
-                    k = 0
+                    k, cls = 0, None
                     if drafter:  # never draft past max_new_tokens (the +1 is the target's)
-                        k = policy.choose(cfg.draft_len) if cfg.adaptive else cfg.draft_len
+                        cls = drafter.draft_class(context) if hasattr(drafter, "draft_class") \
+                            else None
+                        k = policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
                         k = min(k, cfg.max_new_tokens - generated - 1)
                     draft_ids, draft_probs = (drafter.propose(context, k, params, generator)
                                               if k > 0 else (_NO_DRAFTS, None))
@@ -255,7 +263,7 @@ class Engine:
                     if drafter:
                         drafter.feedback(k, n)
                     if policy:
-                        policy.update(k + 1, t2 - t1, k, n, t1 - t0)
+                        policy.update(k + 1, t2 - t1, k, n, t1 - t0, cls)
                     last_kind = TARGET if k == 0 else (BONUS if verdict.bonus else RESAMPLED)
                     step_tokens = [(int(t), ACCEPTED) for t in draft_ids[:n]]
                     step_tokens.append((verdict.next_token, last_kind))

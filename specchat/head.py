@@ -363,6 +363,10 @@ class CombinedDrafter:
     def observe(self, start, token_ids, features):
         self.head.observe(start, token_ids, features)
 
+    def draft_class(self, context):
+        """The n-gram match length when lookup has a continuation, else "head"."""
+        return self.ngram.draft_class(context) or "head"
+
     def propose(self, context, k, params, generator):
         ids, probs = self.ngram.propose(context, k, params, generator)
         if len(ids):

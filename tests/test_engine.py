@@ -162,3 +162,28 @@ def test_mismatched_tokenizers_are_refused_with_the_difference():
     assert "tokenizer size 259 vs 260" in problem
     shuffled = byte_tokenizer()
     assert vocab_mismatch(TOK, shuffled, 259, 259) is None
+
+
+def test_draft_length_policy_sizes_k_per_draft_class():
+    """Reliable 3-token n-gram matches earn long drafts while 1-token matches, which fail here,
+    fall back to plain steps: acceptance is kept per class, the cost curve is shared."""
+    from specchat.engine import DraftLengthPolicy
+    policy = DraftLengthPolicy(probe_every=1000)
+    for _ in range(30):
+        policy.update(1, 0.10, 0, 0, 0.0)  # plain steps: 0.1 s
+        policy.update(9, 0.12, 8, 8, 0.0008, cls=3)  # 8 of 8 accepted
+        policy.update(5, 0.11, 4, 0, 0.0004, cls=1)  # none accepted
+    assert policy.alpha(3) > 0.9 and policy.alpha(1) < 0.2
+    assert policy.choose(8, cls=3) == 8
+    assert policy.choose(8, cls=1) == 0
+    assert policy.choose(8, cls=2) > 0  # an unseen class starts from the prior
+
+
+def test_ngram_draft_class_is_the_match_length():
+    drafter = NgramDrafter(max_n=3)
+    ids = TOK(REPETITIVE)["input_ids"]
+    drafter.begin(ids)
+    assert drafter.draft_class(ids) == 3  # "...the cat sat on" occurred before
+    novel = ids + TOK("Q")["input_ids"]
+    assert drafter.draft_class(novel) == 0  # "Q" never occurred
+    assert drafter.propose(novel, 4, None, None)[0].numel() == 0
