@@ -348,13 +348,14 @@ class HeadDrafter:
 
 
 class CombinedDrafter:
-    """Prompt lookup when it finds a continuation, the head otherwise (issue 6, item 4)."""
+    """Prompt lookup when it finds a continuation of a match of at least `min_match` tokens, the
+    head otherwise: a 1-token match is a weak guess that the head usually beats."""
 
     name = "combined"
     needs_features = True
 
-    def __init__(self, ngram, head: HeadDrafter):
-        self.ngram, self.head = ngram, head
+    def __init__(self, ngram, head: HeadDrafter, min_match: int = 2):
+        self.ngram, self.head, self.min_match = ngram, head, min_match
 
     def begin(self, prompt_ids):
         self.ngram.begin(prompt_ids)
@@ -364,13 +365,13 @@ class CombinedDrafter:
         self.head.observe(start, token_ids, features)
 
     def draft_class(self, context):
-        """The n-gram match length when lookup has a continuation, else "head"."""
-        return self.ngram.draft_class(context) or "head"
+        """The n-gram match length when lookup will draft, else "head"."""
+        n = self.ngram.draft_class(context)
+        return n if n >= self.min_match else "head"
 
     def propose(self, context, k, params, generator):
-        ids, probs = self.ngram.propose(context, k, params, generator)
-        if len(ids):
-            return ids, probs
+        if self.draft_class(context) != "head":
+            return self.ngram.propose(context, k, params, generator)
         return self.head.propose(context, k, params, generator)
 
     def feedback(self, n_drafted, n_accepted):

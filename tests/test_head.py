@@ -279,3 +279,18 @@ def test_bench_runs_the_head_modes():
     result = bench.bench(engine, questions, settings, progress=False)
     assert set(result["modes"]) == {"plain", "head", "combined"}
     assert result["greedy_identical"] == {"plain": 1.0, "head": 1.0, "combined": 1.0}
+
+
+def test_combined_drafter_uses_lookup_for_matches_of_two_tokens_and_the_head_otherwise():
+    target = tiny_llama(0)
+    head = HeadDrafter(random_head(target), target, len(TOK))
+    combined = CombinedDrafter(NgramDrafter(), head)
+    ids = ids_of(TEXT)  # ends in " the cat": a long match
+    combined.begin(ids)
+    assert combined.draft_class(ids) == 3
+    drafts, _ = combined.propose(ids, 4, SamplingParams(), None)
+    assert drafts.tolist() == ids_of(" sat")  # what followed " the cat" before
+    weak = ids + ids_of("Zt")  # only "t" occurred before: a 1-token match
+    assert combined.draft_class(weak) == "head"
+    drafts, _ = combined.propose(weak, 3, SamplingParams(), None)
+    assert len(drafts) == 3 and set(drafts.tolist()) <= set(VOCAB_IDS.tolist())  # the head's
