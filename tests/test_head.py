@@ -294,3 +294,19 @@ def test_combined_drafter_uses_lookup_for_matches_of_two_tokens_and_the_head_oth
     assert combined.draft_class(weak) == "head"
     drafts, _ = combined.propose(weak, 3, SamplingParams(), None)
     assert len(drafts) == 3 and set(drafts.tolist()) <= set(VOCAB_IDS.tolist())  # the head's
+
+
+def test_gumbel_top_k_samples_the_tempered_top_k_distribution():
+    """train-draft's sampler: argmax of top-k logits / T plus Gumbel noise is a draw from
+    softmax(top-k logits / T), and nothing outside the top k is ever drawn."""
+    from specchat.train_draft import GumbelTopK
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.5, 0.3, -1.0, 1.0, 0.0])
+    draws = 40000
+    picks = GumbelTopK(3, 0.7)(None, logits.repeat(draws, 1)).argmax(-1)
+    freq = torch.bincount(picks, minlength=6).float() / draws
+    top = logits.topk(3).indices
+    want = torch.zeros(6)
+    want[top] = torch.softmax(logits[top] / 0.7, -1)
+    assert freq[[2, 3, 5]].sum() == 0
+    assert 0.5 * (freq - want).abs().sum() < 0.01
