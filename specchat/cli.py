@@ -71,12 +71,13 @@ def load_from_args(args, progress):
 def config_from_args(args, report):
     from specchat.engine import GenerateConfig
     drafters = report.engine.drafters
-    drafter = args.drafter or ("model" if "model" in drafters else "ngram")
+    drafter = args.drafter or report.engine.default_drafter()
     if drafter not in drafters:
         needs = ("a compatible --draft-model" if drafter == "model" else
                  "a draft head for this target (python -m specchat train-draft)")
-        print(f"specchat: drafter {drafter!r} needs {needs}; using ngram.", file=sys.stderr)
-        drafter = "ngram"
+        drafter = report.engine.default_drafter()
+        print(f"specchat: drafter {args.drafter!r} needs {needs}; using {drafter}.",
+              file=sys.stderr)
     return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           speculation=args.speculation == "on", drafter=drafter,

@@ -31,6 +31,9 @@ from specchat.text import ReplyText
 
 
 _NO_DRAFTS = torch.zeros(0, dtype=torch.long)
+# Best first, by `python -m specchat bench` on the embedded target (README): a real draft model,
+# then n-gram lookup with the trained head behind it, lookup alone, the head alone.
+DRAFTER_PREFERENCE = ("model", "combined", "ngram", "head")
 
 
 @dataclass
@@ -165,6 +168,11 @@ class Engine:
             features = self._tap.features(len(ids))  # [len(ids), d]
             for d in wants:
                 d.observe(start, ids, features)
+
+    def default_drafter(self) -> str:
+        """The drafter to use when none is asked for: the best that is loaded."""
+        return next((d for d in DRAFTER_PREFERENCE if d in self.drafters),
+                    next(iter(self.drafters), "ngram"))
 
     def reset_cache(self) -> None:
         self._cache, self._cache_ids = None, []

@@ -30,7 +30,7 @@ from pathlib import Path
 import gradio as gr
 
 from specchat import ui_stats
-from specchat.engine import Engine, GenerateConfig, LoadReport
+from specchat.engine import DRAFTER_PREFERENCE, Engine, GenerateConfig, LoadReport
 from specchat.events import ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord, \
     TokenEvent
 from specchat.models import ModelLoadError
@@ -64,7 +64,7 @@ class Settings:
     """What the page's controls say for one request (raw values: `ChatApp.config` checks them)."""
     system: str = ""  # system prompt
     speculation: bool = True
-    drafter: str = "model"  # "model" | "ngram"; falls back to what is loaded
+    drafter: str = ""  # "model" | "combined" | "ngram" | "head"; "" = the engine's default
     draft_len: int = 4  # k
     adaptive: bool = True  # let k follow measured acceptance
     temperature: float = 0.0
@@ -377,9 +377,11 @@ class ChatApp:
         return "Stopping after the current step…"
 
     def drafters(self) -> list[str]:
+        """Loaded drafters, best first."""
         engine = self.slot.engine
-        return [d for d in ("model", "ngram") if engine and d in engine.drafters] + \
-            [d for d in (engine.drafters if engine else []) if d not in ("model", "ngram")]
+        if engine is None:
+            return []
+        return sorted(engine.drafters, key=lambda d: (DRAFTER_PREFERENCE + (d,)).index(d))
 
     def config(self, s: Settings) -> tuple[GenerateConfig, list[str]]:
         """Settings -> GenerateConfig, clamped server-side; notes say which caps applied."""
@@ -392,9 +394,11 @@ class ChatApp:
         available = self.drafters()
         drafter = s.drafter
         if s.speculation and drafter not in available:
-            if drafter == "model":
-                notes.append("No compatible draft model is loaded: using n-gram lookup.")
-            drafter = available[0] if available else "ngram"
+            fallback = available[0] if available else "ngram"
+            if drafter:
+                notes.append(f"Drafter {DRAFTER_LABELS.get(drafter, drafter)!r} is not loaded: "
+                             f"using {DRAFTER_LABELS.get(fallback, fallback)}.")
+            drafter = fallback
         seed = int(s.seed) if s.seed is not None and int(s.seed) >= 0 else \
             random.randrange(2**31 - 1)
         cfg = GenerateConfig(max_new_tokens=max_new,

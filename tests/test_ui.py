@@ -216,7 +216,7 @@ def test_missing_draft_model_falls_back_to_ngram(engine):
     ngram_only = Engine(engine.target, {"ngram": NgramDrafter()})
     assert tok is ngram_only.tokenizer
     cfg, notes = make_app(ngram_only).config(Settings(drafter="model"))
-    assert cfg.drafter == "ngram" and "n-gram" in notes[0]
+    assert cfg.drafter == "ngram" and "N-gram" in notes[0] and "Draft model" in notes[0]
 
 
 def test_retry_undo_and_new_conversation(engine):
