@@ -8,6 +8,10 @@ drafts came from a model or from n-gram lookup.
                                            k' <= k; None probs mean one-hot (deterministic) drafts
     feedback(n_drafted, n_accepted)        called after each verification
 
+Optional: `draft_class(context)` names the kind of proposal coming next (the n-gram match length)
+so the engine sizes k per kind; `needs_features = True` plus `observe(start, ids, features)` gets
+the target's hidden states of accepted positions (the EAGLE head, specchat/head.py).
+
 `context` is the full token list so far (prompt + emitted reply); it only grows within a request.
 """
 
