@@ -669,7 +669,8 @@ def cmd_train_draft(args) -> int:
                       data=[Path(p) for p in args.data], generate=not args.no_generate,
                       gen_share=args.gen_share, max_new_tokens=args.max_new_tokens,
                       gen_batch=args.gen_batch, samples=args.samples, seq_len=args.seq_len,
-                      draft_vocab=args.draft_vocab, batch_tokens=args.batch_tokens, lr=args.lr,
+                      draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
+                      batch_tokens=args.batch_tokens, lr=args.lr,
                       ce_weight=args.ce_weight, feature_weight=args.feature_weight,
                       noise=args.noise, unroll=args.unroll, max_steps=args.max_steps,
                       seed=args.seed)
@@ -724,6 +725,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "prompts (default 3)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced vocabulary size N")
+    p.add_argument("--intermediate-size", type=int, default=0,
+                   help="MLP width of the head's block (default 0: the target's); narrower "
+                        "drafts faster and makes a smaller file")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ce-weight", type=float, default=1.0)
