@@ -67,8 +67,12 @@ class DraftLengthPolicy:
     own k. The cost curve is shared.
     """
 
-    def __init__(self, probe_every: int = 8):
+    def __init__(self, probe_every: int = 8, margin: float = 0.05):
         self.probe_every = probe_every
+        # Draft only when that is expected to beat plain decoding by this fraction: estimates are
+        # noisy, and a draft that merely breaks even costs more than the model sees (the lookup,
+        # a wider sampling step), so a marginal gain is not worth the risk of a loss.
+        self.margin = margin
         self._tests: dict[object, list[float]] = {}  # class -> [successes, failures]
         # Verify cost for m tokens fed: step_s * (1 + slope * (m - 1)). One curve fitted from
         # every step, so a single noisy measurement at some m cannot lock k low for good.
@@ -91,6 +95,8 @@ class DraftLengthPolicy:
 
     def choose(self, k_max: int, cls=None) -> int:
         best = max(range(k_max + 1), key=lambda k: self.expected_rate(k, cls))
+        if best and self.expected_rate(best, cls) < (1 + self.margin) * self.expected_rate(0, cls):
+            best = 0
         if best == 0 and k_max > 0:
             self.plain_streak += 1
             if self.plain_streak % self.probe_every == 0:

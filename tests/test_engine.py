@@ -187,3 +187,23 @@ def test_ngram_draft_class_is_the_match_length():
     novel = ids + TOK("Q")["input_ids"]
     assert drafter.draft_class(novel) == 0  # "Q" never occurred
     assert drafter.propose(novel, 4, None, None)[0].numel() == 0
+
+
+def test_draft_length_policy_does_not_draft_for_a_marginal_gain():
+    """Drafting that is expected to beat plain decoding by less than the margin is not worth the
+    risk: the policy decodes plainly (and probes now and then) instead."""
+    from specchat.engine import DraftLengthPolicy
+    policy = DraftLengthPolicy(probe_every=1000, margin=0.05)
+    for _ in range(30):
+        policy.update(1, 0.10, 0, 0, 0.0)
+        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")  # 1 draft, 20% dearer, ~1 in 6 accepted
+        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.12, 1, 1, 0.0, cls="weak")
+    gain = policy.expected_rate(1, "weak") / policy.expected_rate(0, "weak")
+    assert 1.0 < gain < 1.05  # drafting would pay, but barely
+    assert policy.choose(4, cls="weak") == 0
+    policy.margin = 0.0
+    assert policy.choose(4, cls="weak") == 1
