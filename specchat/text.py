@@ -99,12 +99,12 @@ class ReplyText:
 # Base models have no chat template: plain turns, and the next "User:" ends the reply.
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_STOPS = ("\nUser:",)
-# A base model continues text; one example exchange tells it what kind of text this is.
+# A base model continues text; the preamble tells it what kind of text this is. No example
+# exchange: a 270M base model copies it ("Hi" got "Yes, Paris is the capital of France.").
 PLAIN_PREAMBLE = (
-    "A conversation between a user and a helpful, knowledgeable assistant. The assistant "
-    "answers the user's questions clearly and in full sentences.\n\n"
-    "User: What is the capital of France?\n"
-    "Assistant: The capital of France is Paris, which is also its largest city.\n"
+    "The following is a conversation between a user and a friendly, knowledgeable AI "
+    "assistant. The assistant gives helpful, accurate and complete answers, and writes "
+    "stories, poems, code or explanations when asked.\n\n"
 )
 
 
