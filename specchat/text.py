@@ -99,12 +99,15 @@ class ReplyText:
 # Base models have no chat template: plain turns, and the next "User:" ends the reply.
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_STOPS = ("\nUser:",)
-# A base model continues text; the preamble tells it what kind of text this is. No example
-# exchange: a 270M base model copies it ("Hi" got "Yes, Paris is the capital of France.").
+# A base model continues text; the preamble tells it what kind of text this is. Its example
+# exchange is a greeting: a 270M base model copies the example's answer when it knows no better,
+# and with a factual one every "Hi" got "Yes, Paris is the capital of France." With no example
+# at all it loops instead, repeating a sentence until max_new_tokens.
 PLAIN_PREAMBLE = (
-    "The following is a conversation between a user and a friendly, knowledgeable AI "
-    "assistant. The assistant gives helpful, accurate and complete answers, and writes "
-    "stories, poems, code or explanations when asked.\n\n"
+    "A conversation between a user and a helpful, knowledgeable assistant. The assistant "
+    "answers the user's questions clearly and in full sentences.\n\n"
+    "User: Hello!\n"
+    "Assistant: Hello! What would you like to talk about?\n"
 )
 
 
