@@ -31,3 +31,42 @@ def test_unquantized_weights_leave_the_file_mapping_unchanged(tmp_path):
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
     assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specchat.models import WIDE_ROWS, load_model
+    from tests.tiny import byte_tokenizer
+
+    torch.manual_seed(0)  # NF4 blocks of 64 and bitsandbytes' CPU packing want multiples of 64
+    cfg = LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, eos_token_id=2)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), "nf4", "cpu").model
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    routed = [m for m in layers if "forward" in vars(m)]
+    if not routed:
+        pytest.skip("no AVX512-BF16: bitsandbytes has no fused CPU kernel to route around")
+
+    layer = routed[0]
+    fused = bnb.nn.Linear4bit.forward  # the class's own forward: bitsandbytes' kernel
+    with torch.inference_mode():
+        one = torch.randn(1, 1, layer.in_features, dtype=torch.bfloat16)
+        assert torch.equal(layer(one), fused(layer, one))  # narrow: untouched
+        wide = torch.randn(1, WIDE_ROWS, layer.in_features, dtype=torch.bfloat16)
+        dense, reference = layer(wide).float(), fused(layer, wide).float()
+    assert not torch.equal(dense, reference)  # another path really ran...
+    assert (dense - reference).norm() < 0.01 * reference.norm()  # ...computing the same product
+
+    ids = torch.randint(3, 259, (1, WIDE_ROWS + 8))
+    with torch.inference_mode():
+        logits = model(ids).logits.float()
+        saved = {m: vars(m).pop("forward") for m in routed}  # back to the fused kernel only
+        reference = model(ids).logits.float()
+        for m, forward in saved.items():
+            m.forward = forward
+    assert (logits - reference).norm() < 0.02 * reference.norm()
