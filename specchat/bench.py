@@ -26,7 +26,9 @@ Numbers (the pure functions below, tested on synthetic step records in tests/tes
   target step; verify ratio = seconds of a speculative step's target forward (k + 1 tokens fed)
   / the plain step's. Leviathan et al. 2022, expected walltime improvement:
   (1 - alpha^(k+1)) / ((1 - alpha)(c k + verify_ratio)), where this engine's verify cost for
-  k + 1 tokens is measured instead of assumed equal to one step's.
+  k + 1 tokens is measured instead of assumed equal to one step's. The formula covers decoding
+  only; "+prefill" adds the prompt's encoding, unchanged by speculation (Amdahl's law with the
+  share of plain's time spent in the first forward), to predict the end-to-end speedup measured.
 - Time inside the target's forward is measured with forward hooks for every mode, so "overhead per
   token" (wall time outside the model's forward) compares the two decode loops directly.
 """
@@ -91,6 +93,7 @@ class Run:
     text: str = ""
     stop_reason: str = ""
     error: str = ""
+    prefill_s: float = 0.0  # seconds of the first target forward: the prompt's encoding
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,11 +209,28 @@ def predicted_speedup_steps(steps: list[StepRecord], costs: dict) -> float | Non
     return tokens / cost if cost > 0 else None
 
 
+def with_prefill(speedup: float | None, prefill_share: float | None) -> float | None:
+    """Amdahl's law on a decoding speedup: speculation leaves the prompt's encoding as it is, so
+    a reply whose plain time is a fraction `prefill_share` prefill ends up only
+    1 / (share + (1 - share) / speedup) faster. Predicts end-to-end tokens/s, as measured."""
+    if speedup is None or prefill_share is None or speedup <= 0:
+        return None
+    return 1.0 / (prefill_share + (1.0 - prefill_share) / speedup)
+
+
+def prefill_share(runs: list[Run]) -> float | None:
+    """Fraction of these runs' time (medians per item) spent encoding prompts."""
+    med = [_median_item(rs) for rs in group_items(runs).values()]
+    seconds = sum(m["seconds"] for m in med)
+    return sum(m["prefill_s"] for m in med) / seconds if seconds > 0 else None
+
+
 def _median_item(runs: list[Run]) -> dict:
     return {"new_tokens": statistics.median(r.new_tokens for r in runs),
             "seconds": statistics.median(r.seconds for r in runs),
             "ttft_s": statistics.median(r.ttft_s for r in runs),
-            "forward_s": statistics.median(r.forward_s for r in runs)}
+            "forward_s": statistics.median(r.forward_s for r in runs),
+            "prefill_s": statistics.median(r.prefill_s for r in runs)}
 
 
 def group_items(runs: list[Run]) -> dict[tuple, list[Run]]:
@@ -306,6 +326,11 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict
                                [s for r in by_mode.get("hf-plain", []) for s in r.steps])
             costs["predicted_speedup"] = predicted_speedup(costs)
             costs["predicted_speedup_steps"] = predicted_speedup_steps(steps, costs)
+            base = plain if mode in ENGINE_MODES + HEAD_MODES else by_mode.get("hf-plain")
+            qids = {r.question_id for r in mruns}
+            costs["prefill_share"] = prefill_share([r for r in base or [] if r.question_id in qids])
+            costs["predicted_speedup_e2e"] = with_prefill(costs["predicted_speedup_steps"],
+                                                          costs["prefill_share"])
             costs["achieved_speedup"] = entry["overall"]["speedup"]
             entry["analysis"] = costs
         out_modes[mode] = entry
@@ -368,19 +393,23 @@ def format_report(result: dict) -> str:
         lines.append("cost model (Leviathan et al.: (1 - a^(k+1)) / ((1 - a)(c k + verify)),"
                      " costs in plain target steps)")
         lines.append("  formula: at the mean k of drafting steps; per-step: the same model summed"
-                     " over every step's own k, steps with nothing to draft included")
+                     " over every step's own k, steps with nothing to draft included;")
+        lines.append("  +prefill: per-step with the prompt's encoding, which speculation does not"
+                     " speed up (Amdahl, prefill share of plain's time)")
         lines.append(f"  {'mode':<12} {'alpha':>6} {'k mean':>6} {'c':>7} {'verify':>7} "
-                     f"{'formula':>8} {'per-step':>8} {'achieved':>8} {'ach/form':>8} "
-                     f"{'ach/step':>8}")
+                     f"{'formula':>8} {'per-step':>8} {'prefill':>7} {'+prefill':>8} "
+                     f"{'achieved':>8} {'ach/form':>8} {'ach/step':>8} {'ach/+pf':>8}")
         for mode, a in analysed:
-            ach, pred, step = (a["achieved_speedup"], a["predicted_speedup"],
-                               a["predicted_speedup_steps"])
+            ach, pred, step, e2e = (a["achieved_speedup"], a["predicted_speedup"],
+                                    a["predicted_speedup_steps"], a.get("predicted_speedup_e2e"))
             lines.append(
                 f"  {mode:<12} {_f(a['alpha'], '.3f'):>6} {a['k_mean']:>6.2f} "
                 f"{_f(a['c'], '.4f'):>7} {_f(a['verify_ratio'], '.3f'):>7} "
-                f"{_x(pred):>8} {_x(step):>8} {_x(ach):>8} "
+                f"{_x(pred):>8} {_x(step):>8} {_f(a.get('prefill_share'), '.0%'):>7} "
+                f"{_x(e2e):>8} {_x(ach):>8} "
                 f"{_f(ach / pred if ach and pred else None, '.0%'):>8} "
-                f"{_f(ach / step if ach and step else None, '.0%'):>8}")
+                f"{_f(ach / step if ach and step else None, '.0%'):>8} "
+                f"{_f(ach / e2e if ach and e2e else None, '.0%'):>8}")
             by_fed = " ".join(f"{m}:{r:.2f}" for m, r in a["verify_ratio_by_fed"].items())
             if by_fed:
                 lines.append(f"  {'':<12} verify cost by tokens fed: {by_fed}  "
@@ -498,6 +527,7 @@ def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: 
     return dict(new_tokens=stats.new_tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
                 prompt_tokens=stats.prompt_tokens, prefill_tokens=stats.prefill_tokens,
                 target_calls=stats.target_calls, forward_s=sum(t for _, t in probe.calls),
+                prefill_s=probe.calls[0][1] if probe.calls else 0.0,
                 steps=steps, text="".join(text), stop_reason=stats.stop_reason,
                 error=stats.error)
 
@@ -552,6 +582,7 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
     return dict(new_tokens=len(shown), seconds=seconds, ttft_s=ttft, prompt_tokens=len(ids),
                 prefill_tokens=len(ids), target_calls=len(probe.calls),
                 forward_s=sum(t for _, t in probe.calls),
+                prefill_s=probe.calls[0][1] if probe.calls else 0.0,
                 steps=hf_steps(probe.calls, probe.puts, len(ids)),
                 text="".join(e.text for e in shown),
                 stop_reason=stop_reason, error="")

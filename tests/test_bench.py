@@ -14,7 +14,7 @@ from specchat import bench as bench_mod
 from specchat.bench import (ALL_MODES, BenchSettings, Run, bench, default_questions_path,
                             format_report, greedy_identical, hf_steps, leviathan_speedup,
                             load_questions, metrics, predicted_speedup, predicted_speedup_steps,
-                            step_costs, summarize_bench)
+                            prefill_share, step_costs, summarize_bench, with_prefill)
 from specchat.drafters import ModelDrafter, NgramDrafter
 from specchat.engine import Engine
 from specchat.events import StepRecord
@@ -68,6 +68,24 @@ def test_step_costs_alpha_c_and_verify_ratio():
     cost = 4 * (0.01 * 4 + 1.2) + 2 * 1.0
     assert predicted_speedup_steps(steps, costs) == pytest.approx(tokens / cost)
     assert predicted_speedup_steps(steps, costs) < predicted_speedup(costs)
+
+
+def test_prefill_dilutes_the_predicted_speedup_amdahl():
+    assert with_prefill(2.0, 0.0) == pytest.approx(2.0)
+    assert with_prefill(2.0, 0.5) == pytest.approx(1 / (0.5 + 0.25))  # 1.33x
+    assert with_prefill(2.0, 1.0) == pytest.approx(1.0)  # all prefill: nothing to gain
+    assert with_prefill(None, 0.3) is None and with_prefill(2.0, None) is None
+
+    plain = [run("plain", q, seconds=s, steps=[st(0, 0)] * 19) for q, s in ((1, 2.0), (2, 6.0))]
+    plain[0].prefill_s, plain[1].prefill_s = 1.0, 1.0
+    assert prefill_share(plain) == pytest.approx(2.0 / 8.0)
+    ngram = [run("ngram", 1, seconds=1.5, steps=[st(4, 4)] * 4, calls=5)]
+    result = summarize_bench(plain + ngram, ["plain", "ngram"], {"temperature": 0.0})
+    a = result["modes"]["ngram"]["analysis"]
+    assert a["prefill_share"] == pytest.approx(0.5)  # question 1 only: the one ngram ran
+    assert a["predicted_speedup_e2e"] == pytest.approx(
+        with_prefill(a["predicted_speedup_steps"], 0.5))
+    assert "+prefill" in format_report(result)
 
 
 def test_step_costs_without_drafts_or_baseline():
