@@ -245,13 +245,17 @@ class HeadDrafter:
     name = "head"
     needs_features = True
 
-    def __init__(self, head: DraftHead, target_model, vocab_size: int,
-                 min_confidence: float = 0.0):
+    def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0):
         self.head = head.eval()
         self.target = target_model
         self.embed = target_model.get_input_embeddings()
         self.vocab_size = vocab_size  # width of the engine's target logits (and our q rows)
-        self.min_confidence = min_confidence  # greedy: stop drafting under this top probability
+        # Stop drafting once the head's own estimate that this draft and every one before it
+        # pass (the product of their probabilities under the head) falls below min_gain: a draft
+        # that will almost surely be rejected still costs a head step and a wider verify. The
+        # head's probabilities track acceptance (EAGLE-2): measured over 26 Spec-Bench replies,
+        # drafts it gave 0.1-0.2 passed 9% of the time, 0.5-0.6 48%, 0.9-1 90%.
+        self.min_gain = min_gain
         self.device = head.vocab_ids.device
         self.tokens: list[int] = []  # context tokens whose features are in self.feats[:len]
         self.feats = torch.zeros(0, head.cfg.hidden_size, device=self.device)  # [capacity, d]
@@ -314,12 +318,13 @@ class HeadDrafter:
                                              self._embed(context[h + 1:L]), pos, self.cache)
         self.head_tokens = list(context)
         ids, rows = [], []
+        p_all = 1.0  # the head's probability that every draft so far passes
         for i in range(k):
             reduced_logits = logits[0, -1:]  # [1, N]
-            token, q = self._sample(reduced_logits, params, generator)
-            if i > 0 and self.min_confidence > 0 and params.greedy:
-                if float(torch.softmax(reduced_logits.float(), -1).max()) < self.min_confidence:
-                    break
+            token, q, p_token = self._sample(reduced_logits, params, generator)
+            p_all *= p_token
+            if p_all < self.min_gain:
+                break
             ids.append(token)
             if q is not None:
                 rows.append(q)
@@ -334,14 +339,16 @@ class HeadDrafter:
         return draft_ids, (torch.stack(rows) if rows else None)
 
     def _sample(self, reduced_logits, params: SamplingParams, generator):
-        """-> (full-vocab token id, full-vocab q row [vocab] or None when greedy)."""
+        """-> (full-vocab token id, full-vocab q row [vocab] or None when greedy, the token's
+        probability under the head: at temperature 1 when greedy, else under q)."""
         if params.greedy:
-            return int(self.head.vocab_ids[int(reduced_logits.argmax(-1))]), None
+            p_top, index = torch.softmax(reduced_logits[0].float(), -1).max(-1)
+            return int(self.head.vocab_ids[int(index)]), None, float(p_top)
         reduced_probs = logits_to_probs(reduced_logits.float().cpu(), params)  # [1, N]
         index = int(sample(reduced_probs, generator))
         q = torch.zeros(self.vocab_size)  # tokens outside the reduced vocabulary: q = 0
         q.scatter_(0, self.head.vocab_ids.cpu(), reduced_probs[0])
-        return int(self.head.vocab_ids[index]), q
+        return int(self.head.vocab_ids[index]), q, float(reduced_probs[0, index])
 
     def feedback(self, n_drafted, n_accepted):
         pass
@@ -504,8 +511,13 @@ def find_head(identity: dict) -> Path | None:
     return None
 
 
+# A draft token costs a head step (c ~ 0.07 target steps here) and widens the verify (~0.05);
+# below this estimated chance of passing it does not pay for itself.
+MIN_GAIN = 0.15
+
+
 def head_drafters(target, ngram, path: str | Path | None = None,
-                  min_confidence: float = 0.0) -> tuple[dict, list[str]]:
+                  min_gain: float = MIN_GAIN) -> tuple[dict, list[str]]:
     """Drafters `head` and `combined` for a models.LoadedModel target, when a head for it exists
     (or `path` names one). Returns (drafters, notes for the user)."""
     if path is None and not any_heads():
@@ -518,7 +530,7 @@ def head_drafters(target, ngram, path: str | Path | None = None,
         head = load_head(path, target.model, target.tokenizer, identity)
     except HeadMismatchError as e:
         return {}, [f"Draft head refused: {e}"]
-    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_confidence)
+    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
     return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, []
 
 

@@ -1,7 +1,9 @@
 """The EAGLE draft head: shapes, the reduced vocabulary, lossless verification with its q,
 greedy equivalence in the engine, a tiny training run, and refusing a head for another target."""
 
+import itertools
 import json
+import operator
 
 import pytest
 import torch
@@ -169,6 +171,56 @@ def test_greedy_speculation_with_a_random_head_equals_plain_greedy(make, k):
     # The engine hands the verify forwards' features over (observe): the drafter never had to
     # run the target itself.
     assert drafter.computed == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)])
+def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_gain(params):
+    target = tiny_llama(0)
+    head = random_head(target, vocab_ids=torch.arange(40, 44))  # 4 tokens: confident enough
+    context, k = ids_of(TEXT), 8
+    full, _ = HeadDrafter(head, target, len(TOK)).propose(
+        context, k, params, torch.Generator().manual_seed(1))
+    assert len(full) == k  # min_gain 0: every draft asked for
+
+    # Replay the drafts with the head's probabilities: the gated drafter keeps exactly the
+    # prefix whose running product stays at or above min_gain.
+    ungated = HeadDrafter(head, target, len(TOK))
+    chances = []
+    spy = ungated._sample
+    ungated._sample = lambda *a: (lambda r: (chances.append(r[2]), r)[1])(spy(*a))
+    ungated.propose(context, k, params, torch.Generator().manual_seed(1))
+    running = list(itertools.accumulate(chances, operator.mul))
+    for min_gain in (running[2], running[0] + 1e-6):
+        gated, q = HeadDrafter(head, target, len(TOK), min_gain).propose(
+            context, k, params, torch.Generator().manual_seed(1))
+        keep = sum(r >= min_gain for r in running)
+        assert 0 <= keep < k and gated.tolist() == full[:keep].tolist()
+        assert q is None if params.greedy or not keep else q.shape == (keep, len(TOK))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gated_head_drafts_keep_speculation_lossless(temperature):
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target, vocab_ids=torch.arange(40, 44)), target, len(TOK),
+                          min_gain=0.3)
+    engine = Engine(loaded(target, TOK), {"head": drafter})
+    prompt = ids_of(TEXT)
+    cfg = dict(max_new_tokens=30, adaptive=False, temperature=temperature, seed=3)
+    steps = []
+
+    def run(**more):
+        out = []
+        for e in engine.stream(prompt, GenerateConfig(**cfg, **more)):
+            if isinstance(e, TokenEvent):
+                out.append(e.id)
+            elif hasattr(e, "drafted") and not isinstance(e, TokenEvent):
+                steps.append(e.drafted)
+        return out
+
+    spec = run(drafter="head", draft_len=4)
+    assert any(0 < d < 4 for d in steps) and 0 in steps  # the gate cut some drafts short
+    if temperature == 0.0:
+        assert spec == run(speculation=False)
 
 
 def tiny_prompts(tmp_path):
