@@ -300,6 +300,19 @@ def greedy_identical(runs: list[Run], modes: Iterable[str]) -> dict[str, float |
     return out
 
 
+def same_text_speedup(runs: list[Run], plain_runs: list[Run]) -> dict:
+    """Speedup over the items whose reply text equals plain's. Greedy NF4 replies can diverge
+    between modes (see README); a diverged reply of another length moves tokens/s through the
+    fixed cost of prefill alone, so this is the like-for-like view of decoding speed."""
+    texts = {(r.question_id, r.turn): r.text for r in plain_runs if r.repeat == 0}
+    same = {(r.question_id, r.turn) for r in runs
+            if r.repeat == 0 and texts.get((r.question_id, r.turn)) == r.text}
+    keep = [r for r in runs if (r.question_id, r.turn) in same]
+    base = [r for r in plain_runs if (r.question_id, r.turn) in same]
+    return {"same_text_items": len(same),
+            "same_text_speedup": metrics(keep, base)["speedup"] if same else None}
+
+
 def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict:
     """The report: {"config", "modes": {MODE: {"overall", "by_category", "analysis"}},
     "greedy_identical": {MODE: fraction}} (see issue 5 for the shape)."""
@@ -335,6 +348,9 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict
             entry["analysis"] = costs
         out_modes[mode] = entry
     greedy = config.get("temperature", 0.0) <= 0
+    if greedy and plain:
+        for mode in modes:
+            out_modes[mode]["overall"].update(same_text_speedup(by_mode.get(mode, []), plain))
     return {"config": config, "modes": out_modes,
             "greedy_identical": greedy_identical(runs, modes) if greedy
             else {m: None for m in modes}}
@@ -422,6 +438,11 @@ def format_report(result: dict) -> str:
         lines.append("")
         lines.append("greedy text identical to plain: " +
                      ", ".join(f"{m} {v:.0%}" for m, v in ident.items()))
+        same = [(m, e["overall"]) for m, e in result["modes"].items()
+                if m != "plain" and e["overall"].get("same_text_speedup") is not None]
+        if same:
+            lines.append("speedup on those identical replies only: " + ", ".join(
+                f"{m} {_x(o['same_text_speedup'])} ({o['same_text_items']})" for m, o in same))
     cfg = result["config"]
     if cfg.get("peak_rss_mb"):
         after = (f" (after loading: peak {cfg['peak_rss_after_load_mb']:.0f} MB, resident "

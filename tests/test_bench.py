@@ -88,6 +88,20 @@ def test_prefill_dilutes_the_predicted_speedup_amdahl():
     assert "+prefill" in format_report(result)
 
 
+def test_same_text_speedup_leaves_diverged_replies_out():
+    runs = [run("plain", 1, seconds=2.0, tokens=20, text="a"),
+            run("plain", 2, seconds=9.0, tokens=128, text="loop", cat="qa"),
+            run("ngram", 1, seconds=1.0, tokens=20, text="a", steps=[st(4, 4)]),
+            run("ngram", 2, seconds=1.0, tokens=6, text="short", cat="qa")]
+    result = summarize_bench(runs, ["plain", "ngram"], {"temperature": 0.0})
+    o = result["modes"]["ngram"]["overall"]
+    assert o["speedup"] == pytest.approx((26 / 2.0) / (148 / 11.0))  # the diverged reply weighs in
+    assert o["same_text_items"] == 1 and o["same_text_speedup"] == pytest.approx(2.0)
+    assert "identical replies only: ngram 2.00x (1)" in format_report(result)
+    sampled = summarize_bench(runs, ["plain", "ngram"], {"temperature": 0.7})
+    assert "same_text_speedup" not in sampled["modes"]["ngram"]["overall"]
+
+
 def test_step_costs_without_drafts_or_baseline():
     costs = step_costs([st(0, 0)] * 3, [st(0, 0)] * 3)
     assert costs["alpha"] is None and costs["c"] is None and predicted_speedup(costs) is None
