@@ -247,15 +247,19 @@ def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20) -> None:
 # 570 ms at 200, and the bf16 matmuls after dequantizing 35-60 ms up to 94 rows. Speculative
 # verifies (k + 1 <= 11 rows) stay fused.
 WIDE_ROWS = 64
+WIDE_CHUNK = 256  # rows per matmul, padded to a multiple of 64: at most 4 shapes per weight.
+# oneDNN keeps a primitive (and its buffers) per matmul shape; one shape per prompt length grew
+# resident memory by ~300 MB over 30 prompt lengths.
 
 
 def dequantize_wide_inputs(model, min_rows: int = WIDE_ROWS) -> int:
     """Route NF4 layers' inputs of `min_rows` tokens or more (prefill, feature extraction)
-    through the dense weight: dequantize to bf16, then one matmul. Returns the layers routed.
+    through the dense weight: dequantize to bf16, then plain matmuls. Returns the layers routed.
 
     On CPUs with AVX512-BF16, bitsandbytes repacks each NF4 weight at its first forward for a
-    fused kernel that is fast for one token but pays per row: a 94-token prompt took 0.39 s to
-    encode on the embedded target, 0.20 s this way (800 tokens: 2.4 s vs 1.5 s). Each layer
+    fused kernel that is fast for one token but pays per row: prompts of 94 / 300 / 800 tokens
+    took 0.30 / 0.84 / 2.47 s to encode on the embedded target, 0.20 / 0.33 / 0.84 s this way.
+    Each layer
     keeps its weight in bitsandbytes' canonical layout for this (+50 MB for the embedded target),
     taken before the repacking. Outputs match the fused kernel up to bf16 rounding; the model is
     the same NF4 model either way. Must run before the model's first forward.
@@ -283,19 +287,15 @@ def dequantize_wide_inputs(model, min_rows: int = WIDE_ROWS) -> int:
             if x.shape[:-1].numel() < min_rows or module.training or x.requires_grad:
                 return fused(x)
             dense = dequantize_4bit(weight, state)  # [out, in] in the compute dtype
+            bias = module.bias.to(dense.dtype) if module.bias is not None else None
             rows = x.reshape(-1, x.shape[-1]).to(dense.dtype)
-            out = torch.cat([_linear_bucketed(chunk, dense, module.bias)
+            out = torch.cat([_linear_bucketed(chunk, dense, bias)
                              for chunk in rows.split(WIDE_CHUNK)])
             return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
         module.forward = forward
         routed += 1
     return routed
-
-
-WIDE_CHUNK = 256  # rows per matmul: with rows padded to a multiple of 64, at most 4 shapes per
-# weight. oneDNN keeps a primitive (and its buffers) per matmul shape: one shape per prompt length
-# grew resident memory by ~300 MB over 30 prompt lengths.
 
 
 def _linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
