@@ -56,7 +56,10 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
     fused = bnb.nn.Linear4bit.forward  # the class's own forward: bitsandbytes' kernel
     with torch.inference_mode():
         one = torch.randn(1, 1, layer.in_features, dtype=torch.bfloat16)
-        assert torch.equal(layer(one), fused(layer, one))  # narrow: untouched
+        assert torch.equal(layer(one), fused(layer, one))  # narrow: the fused kernel...
+        assert layer.forward.kernel is not None  # ...called directly once checked identical
+        three = torch.randn(1, 3, layer.in_features, dtype=torch.bfloat16)
+        assert torch.equal(layer(three), fused(layer, three))
         wide = torch.randn(1, WIDE_ROWS, layer.in_features, dtype=torch.bfloat16)
         dense, reference = layer(wide).float(), fused(layer, wide).float()
     assert not torch.equal(dense, reference)  # another path really ran...
@@ -70,3 +73,19 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
         for m, forward in saved.items():
             m.forward = forward
     assert (logits - reference).norm() < 0.02 * reference.norm()
+
+
+def test_one_token_logits_through_a_matrix_vector_product_are_bit_identical():
+    from specchat.models import fast_lm_head
+
+    model = tiny_gemma3(0, vocab=4096).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 4096, (1, 5))
+    with torch.inference_mode():
+        reference = [model(ids[:, :i + 1]).logits[0, -1] for i in range(5)]
+        assert fast_lm_head(model)
+        fast = [model(ids[:, :i + 1], logits_to_keep=1).logits[0, -1] for i in range(5)]
+        wide = model(ids).logits[0]  # several rows: the ordinary linear
+    for a, b in zip(fast, reference):
+        assert torch.equal(a, b)
+    assert torch.equal(wide[-1], reference[-1])
+    assert model.lm_head.forward.checked
