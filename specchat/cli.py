@@ -7,6 +7,7 @@ contract: checks outside the test suite rely on it; extend, don't change).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -133,7 +134,13 @@ def cmd_generate(args) -> int:
     cfg.stop = stops
     reply = []
     stats = None
-    for event in engine.stream(ids, cfg):
+    events = engine.stream(ids, cfg)
+    try:
+        first = next(events)  # the engine checks the request before any work: say what's wrong
+    except ValueError as e:
+        print(f"specchat: {e}", file=sys.stderr)
+        return 2
+    for event in itertools.chain([first], events):
         if isinstance(event, TokenEvent):
             reply.append(event.text)
             if args.json:

@@ -175,6 +175,11 @@ class Engine:
             for d in wants:
                 d.observe(start, ids, features)
 
+    @property
+    def context_window(self) -> int | None:
+        """The most tokens (prompt + reply) the target reads: its position embeddings."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
     def default_drafter(self) -> str:
         """The drafter to use when none is asked for: the best that is loaded."""
         return next((d for d in DRAFTER_PREFERENCE if d in self.drafters),
@@ -193,6 +198,12 @@ class Engine:
                ) -> Iterator[TokenEvent | StepRecord | GenerationStats]:
         if not prompt_ids:
             raise ValueError("empty prompt")
+        window = self.context_window
+        if window and len(prompt_ids) >= window:
+            raise ValueError(f"the prompt is {len(prompt_ids):,} tokens; {self.target.name} reads "
+                             f"at most {window:,} (prompt and reply together): shorten it")
+        max_new = min(cfg.max_new_tokens, window - len(prompt_ids)) if window \
+            else cfg.max_new_tokens
         drafter = self.drafters.get(cfg.drafter) if cfg.speculation else None
         if cfg.speculation and drafter is None:
             raise ValueError(f"unknown drafter {cfg.drafter!r}; available: "
@@ -241,7 +252,7 @@ class Engine:
                         if hit:
                             stats.stop_reason = "stop_string"
                             break
-                        if generated >= cfg.max_new_tokens:
+                        if generated >= max_new:
                             stats.stop_reason = "length"
                             break
                     if step:
@@ -260,7 +271,7 @@ class Engine:
                         cls = drafter.draft_class(context) if hasattr(drafter, "draft_class") \
                             else None
                         k = policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
-                        k = min(k, cfg.max_new_tokens - generated - 1)
+                        k = min(k, max_new - generated - 1)
                     draft_ids, draft_probs = (drafter.propose(context, k, params, generator)
                                               if k > 0 else (_NO_DRAFTS, None))
                     t1 = time.perf_counter()
