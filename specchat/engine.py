@@ -26,7 +26,7 @@ from specchat.drafters import Drafter, _common_prefix_len
 from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord,
                              TokenEvent, summarize)
 from specchat.kvcache import crop_to, new_cache
-from specchat.sampling import SamplingParams, sample_logits, verify
+from specchat.sampling import SamplingParams, verify
 from specchat.text import ReplyText
 
 
@@ -227,8 +227,8 @@ class Engine:
             try:
                 logits, stats.prefill_tokens = self._prefill(prompt_ids)
                 stats.target_calls = 1
-                first, _ = sample_logits(logits, params, generator)
-                step_tokens: list[tuple[int, str]] = [(int(first[0]), TARGET)]
+                first = verify(_NO_DRAFTS, None, logits, params, generator).next_token
+                step_tokens: list[tuple[int, str]] = [(first, TARGET)]
                 record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
                 if drafter:
                     drafter.begin(prompt_ids)

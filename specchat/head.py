@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.sampling import SamplingParams, logits_to_probs, sample
+from specchat.sampling import SamplingParams, draw, nucleus
 
 FORMAT = "specchat-head/1"
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -344,11 +344,13 @@ class HeadDrafter:
         if params.greedy:
             p_top, index = torch.softmax(reduced_logits[0].float(), -1).max(-1)
             return int(self.head.vocab_ids[int(index)]), None, float(p_top)
-        reduced_probs = logits_to_probs(reduced_logits.float().cpu(), params)  # [1, N]
-        index = int(sample(reduced_probs, generator))
+        ids, probs = nucleus(reduced_logits[0], params)  # over the reduced vocabulary
+        i = draw(probs, generator)
+        vocab_ids = self.head.vocab_ids.cpu()
+        kept = vocab_ids if ids is None else vocab_ids[ids]
         q = torch.zeros(self.vocab_size)  # tokens outside the reduced vocabulary: q = 0
-        q.scatter_(0, self.head.vocab_ids.cpu(), reduced_probs[0])
-        return int(self.head.vocab_ids[index]), q, float(reduced_probs[0, index])
+        q[kept] = probs.float()
+        return int(kept[i]), q, float(probs[i])
 
     def feedback(self, n_drafted, n_accepted):
         pass

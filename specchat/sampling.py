@@ -9,6 +9,18 @@ Both distributions go through the same `SamplingParams` transform (temperature, 
 before the test, so q is the distribution the draft really sampled from and p is the
 distribution plain decoding would sample from. Temperature 0 is greedy: the test becomes
 "draft == target argmax" and every draw is an argmax.
+
+One-hot drafts (n-gram lookup: q(x) = 1) need no separate test: keep x with probability p(x),
+else emit a token from p without x. A single draw y ~ p does both (P(y = x) = p(x), and given
+y != x, y is distributed as p without x), and it is the very draw plain decoding makes at that
+position. So with one-hot drafts every emitted token costs one uniform from the generator, as in
+plain decoding, and a seeded reply is the same with speculation on or off.
+
+Sampling inverts the CDF of the kept tokens with one uniform. Only the tokens within `_SPAN`
+nats of the most likely one are sorted and summed: with real logits that is a few dozen of
+Gemma's 262k, and it holds the whole top-p nucleus and top-k set (checked every draw; the full
+vocabulary is used when it does not). `torch.multinomial` over 262k probabilities draws 262k
+random numbers per token: 10 ms here, against well under 1 ms for the sort.
 """
 
 from __future__ import annotations
@@ -19,11 +31,11 @@ import torch
 
 from specchat.events import ACCEPTED, BONUS, RESAMPLED  # noqa: F401  (kinds, for readers)
 
-# Top-p needs the sorted head of the distribution; sorting all 262k logits of Gemma's vocab
-# every token is the single most expensive sampling op. We sort only the top `_NUCLEUS_PROBE`
-# candidates and fall back to a full sort in the rare case their mass is below top_p.
-_NUCLEUS_PROBE = 1024
-
+# Candidates: tokens whose logit (after temperature) is within a span of the largest; the
+# narrowest span that holds the whole top-p nucleus / top-k set is used. A token 8 nats down
+# has 1/3000 of the top token's probability; on Gemma's logits at T = 0.7 the tokens within 8
+# nats held at least 97.6% of the mass, and a few dozen to a thousand tokens of 262k.
+_SPANS = (8.0, 16.0)
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,46 +48,117 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature/top-k/top-p.
+def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None,
+                                                                    torch.Tensor]:
+    """One row of logits [vocab] -> (ids [m], probs [m] float64 summing to 1): the tokens
+    sampling can pick after temperature, top-k and top-p, and their probabilities. ids None:
+    the whole vocabulary, in order (no truncation).
 
-    Exact: a token is kept iff the reference (sort everything) implementation keeps it.
+    Exact: a token is kept iff the reference (sort everything) implementation keeps it, up to
+    the order of exact ties.
     """
-    logits = logits.float() / max(params.temperature, 1e-5)
-    vocab = logits.shape[-1]
+    x, z, top, total = _scaled(logits, params)
+    vocab = x.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
-    if top_k == 0 and params.top_p >= 1.0:
-        return torch.softmax(logits, dim=-1)
+    if not top_k and params.top_p >= 1.0:
+        return None, z.double() / total
 
+    ids, mass = _candidates(x, z, top, total, top_k, params.top_p)
     if top_k:
-        top_logits, top_ids = torch.topk(logits, top_k, dim=-1)  # [n, k], sorted descending
-        head_probs = torch.softmax(top_logits, dim=-1)  # top-k renormalizes before top-p
+        top_logits, order = torch.topk(x[ids], top_k)  # sorted descending
+        ids = ids[order]
+        probs = torch.softmax(top_logits.double(), -1)  # top-k renormalizes before top-p
     else:
-        probs = torch.softmax(logits, dim=-1)  # [n, vocab]
-        head_probs, top_ids = torch.topk(probs, min(vocab, _NUCLEUS_PROBE), dim=-1)
-        if bool((head_probs.sum(-1) < params.top_p).any()):  # nucleus wider than the probe
-            head_probs, top_ids = torch.sort(probs, dim=-1, descending=True)
+        probs, order = torch.sort(mass, descending=True)
+        ids = ids[order]
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        mass_before = torch.cumsum(head_probs, dim=-1) - head_probs
-        head_probs = head_probs.masked_fill(mass_before >= params.top_p, 0.0)
-    head_probs = head_probs / head_probs.sum(-1, keepdim=True)
-    probs = torch.zeros_like(logits)
-    return probs.scatter_(-1, top_ids, head_probs)
+        keep = int(((torch.cumsum(probs, 0) - probs) < params.top_p).sum())
+        ids, probs = ids[:keep], probs[:keep]
+    return ids, probs / probs.sum()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[n, vocab] probs -> [n] token ids."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def _scaled(logits: torch.Tensor, params: SamplingParams):
+    """-> (x = logits / temperature [vocab] float32, exp(x - max x), max x, their sum)."""
+    x = logits.float().cpu() / max(params.temperature, 1e-5)
+    top = float(x.max())
+    z = torch.exp(x - top)
+    return x, z, top, float(z.sum())
+
+
+def _candidates(x, z, top: float, total: float, top_k: int, top_p: float):
+    """Every token within the narrowest span of the top logit that holds the top-k set (at
+    least top_k tokens) or the top-p nucleus (at least top_p of the mass), else all of them:
+    -> (ids [m], their probabilities [m] float64)."""
+    for span in _SPANS:
+        ids = (x >= top - span).nonzero()[:, 0]
+        mass = z[ids].double() / total
+        if (len(ids) >= top_k) if top_k else (float(mass.sum()) >= top_p):
+            return ids, mass
+    return torch.arange(x.shape[-1]), z.double() / total
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn from probs [m] (summing to 1) with one uniform: the inverse CDF."""
+    cdf = torch.cumsum(probs.double(), 0)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    return min(i, int(torch.searchsorted(cdf, cdf[-1])))  # rounding: never past the last mass
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> int:
+    """One row of logits [vocab] -> a token id drawn from the transformed distribution."""
+    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1]:
+        return _sample_untruncated(logits, params, generator)
+    ids, probs = nucleus(logits, params)
+    return int(ids[draw(probs, generator)])
+
+
+def _sample_untruncated(logits, params, generator) -> int:
+    """Temperature only: the whole vocabulary can come out. One uniform u; the CDF is walked
+    over the likely tokens first, and over the other ~262k only when u falls past them."""
+    x, z, top, total = _scaled(logits, params)
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+    inside = x >= top - _SPANS[0]
+    ids = inside.nonzero()[:, 0]
+    cdf = torch.cumsum(z[ids].double(), 0)
+    if u >= float(cdf[-1]) and len(ids) < len(x):
+        u -= float(cdf[-1])
+        ids = (~inside).nonzero()[:, 0]
+        cdf = torch.cumsum(z[ids].double(), 0)
+    return int(ids[min(int(torch.searchsorted(cdf, u, right=True)), len(ids) - 1)])
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature/top-k/top-p."""
+    return torch.stack([_dense(*nucleus(row, params), logits.shape[-1]) for row in logits])
+
+
+def _dense(ids: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    if ids is None:
+        return probs.float()
+    return torch.zeros(vocab).index_put_((ids,), probs.float())
 
 
 def sample_logits(logits: torch.Tensor, params: SamplingParams,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[n, vocab] logits -> ([n] ids, [n, vocab] probs or None when greedy)."""
+    """[n, vocab] logits -> ([n] ids, [n, vocab] probs they were drawn from; None when greedy)."""
     if params.greedy:
         return logits.argmax(-1).cpu(), None
-    probs = logits_to_probs(logits.float().cpu(), params)
-    return sample(probs, generator), probs
+    tokens, rows = [], []
+    for row in logits:
+        ids, probs = nucleus(row, params)
+        i = draw(probs, generator)
+        tokens.append(i if ids is None else int(ids[i]))
+        rows.append(_dense(ids, probs, logits.shape[-1]))
+    return torch.tensor(tokens), torch.stack(rows)
+
+
+def _draw_dense(row: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn from a full-vocabulary probability row [vocab] (mostly zeros)."""
+    ids = row.nonzero()[:, 0]
+    return int(ids[draw(row[ids], generator)])
 
 
 @dataclass
@@ -88,7 +171,7 @@ class Verdict:
 def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
            target_logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None) -> Verdict:
-    """One speculative step, vectorized over the k draft positions.
+    """One speculative step over k draft positions (k = 0: plain decoding).
 
     draft_ids:     [k]            tokens the drafter proposed
     draft_probs:   [k, vocab]     q the drafts were sampled from, or None for one-hot drafts
@@ -102,21 +185,22 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
         n = int(mismatch.argmax()) if bool(mismatch.any()) else k
         return Verdict(n, int(target_ids[n]), bonus=n == k)
 
-    target_probs = logits_to_probs(target_logits.float().cpu(), params)  # [k + 1, vocab]
+    if draft_probs is None:  # one-hot drafts: one draw y ~ p per position (module docstring)
+        for i in range(k + 1):
+            token = sample_row(target_logits[i], params, generator)
+            if i == k or token != int(draft_ids[i]):
+                return Verdict(i, token, bonus=i == k)
+
+    target_probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
     rows = torch.arange(k)
     p = target_probs[rows, draft_ids]  # [k]
-    q = draft_probs[rows, draft_ids] if draft_probs is not None else torch.ones(k)  # [k]
+    q = draft_probs[rows, draft_ids]  # [k]
     u = torch.rand(k, generator=generator)
     rejected = u * q > p  # u < p/q  <=>  accept;  written without division by q
     n = int(rejected.int().argmax()) if bool(rejected.any()) else k
     if n == k:
-        return Verdict(k, int(sample(target_probs[k:], generator)), bonus=True)
-
-    if draft_probs is not None:
-        residual = torch.clamp(target_probs[n] - draft_probs[n], min=0.0)  # [vocab]
-    else:  # q is one-hot on the draft token: (p - q)+ is p without that token
-        residual = target_probs[n].clone()
-        residual[draft_ids[n]] = 0.0
+        return Verdict(k, _draw_dense(target_probs[k], generator), bonus=True)
+    residual = torch.clamp(target_probs[n] - draft_probs[n], min=0.0)  # [vocab]
     if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had ~0 probability
         residual = target_probs[n]
-    return Verdict(n, int(sample(residual[None], generator)), bonus=False)
+    return Verdict(n, _draw_dense(residual, generator), bonus=False)

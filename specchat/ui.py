@@ -695,12 +695,17 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str) -> str:
     else:
         def piece(tokens):
             return html.escape(repr(tokens[diff].text)) if diff < len(tokens) else "(end)"
-        if cfg.temperature > 0:
-            why = ("At temperature > 0 both runs sample from the same distribution but use the "
-                   "random numbers differently, so the texts may differ while being equally "
-                   "likely (speculative sampling is lossless in distribution, not per seed).")
+        if cfg.temperature > 0 and cfg.drafter != "ngram":
+            why = ("At temperature > 0 both runs sample from the same distribution, but this "
+                   "drafter samples its drafts, which uses the random numbers differently: the "
+                   "texts may differ while being equally likely (lossless in distribution, not "
+                   "per seed; n-gram drafts, being one-hot, replay plain sampling per seed).")
+        elif cfg.temperature > 0 and quantization == "none":
+            why = ("One-hot drafts at temperature > 0 use the random numbers exactly as plain "
+                   "sampling does, so the texts should match: this divergence is unexpected "
+                   "(a numerical near-tie or a bug).")
         elif quantization != "none":
-            why = (f"Greedy decoding on a {html.escape(quantization)} target: a verify pass over "
+            why = (f"Decoding on a {html.escape(quantization)} target: a verify pass over "
                    "several tokens rounds slightly differently from one-token passes, so a "
                    "near-tie can flip. Expected with quantized weights; on unquantized fp32 "
                    "weights greedy texts match exactly.")

@@ -98,8 +98,11 @@ def test_same_text_speedup_leaves_diverged_replies_out():
     assert o["speedup"] == pytest.approx((26 / 2.0) / (148 / 11.0))  # the diverged reply weighs in
     assert o["same_text_items"] == 1 and o["same_text_speedup"] == pytest.approx(2.0)
     assert "identical replies only: ngram 2.00x (1)" in format_report(result)
+    # Sampled, one-hot drafts replay plain's reply per seed: the same view applies.
     sampled = summarize_bench(runs, ["plain", "ngram"], {"temperature": 0.7})
-    assert "same_text_speedup" not in sampled["modes"]["ngram"]["overall"]
+    assert sampled["modes"]["ngram"]["overall"]["same_text_speedup"] == pytest.approx(2.0)
+    assert sampled["greedy_identical"] == {"plain": None, "ngram": None}
+    assert sampled["identical_to_plain"] == {"plain": 1.0, "ngram": 0.5}
 
 
 def test_step_costs_without_drafts_or_baseline():

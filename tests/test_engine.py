@@ -10,6 +10,7 @@ from specchat.drafters import ModelDrafter, NgramDrafter
 from specchat.engine import Engine, GenerateConfig
 from specchat.events import GenerationStats, StepRecord, TokenEvent
 from specchat.models import vocab_mismatch
+from specchat.sampling import SamplingParams
 from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 
 TOK = byte_tokenizer()
@@ -207,3 +208,39 @@ def test_draft_length_policy_does_not_draft_for_a_marginal_gain():
     assert policy.choose(4, cls="weak") == 0
     policy.margin = 0.0
     assert policy.choose(4, cls="weak") == 1
+
+
+class ArgmaxDrafter(ModelDrafter):
+    """One-hot drafts from a model: its argmax, as n-gram lookup drafts one-hot continuations."""
+    name = "argmax"
+
+    def propose(self, context, k, params, generator):
+        ids, _ = super().propose(context, k, SamplingParams(), generator)
+        return ids, None
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_p=0.95),
+                                      dict(temperature=0.8), dict(temperature=1.2, top_k=8)])
+@pytest.mark.parametrize("k", [1, 4])
+def test_sampled_one_hot_speculation_replays_plain_sampling(sampling, k):
+    # One draw y ~ p per position decides acceptance and the resample, the draw plain decoding
+    # makes: with the same seed, one-hot speculation gives plain decoding's very reply.
+    def peaked():  # sharp distributions (a random tiny model's are nearly flat): drafts pass
+        model = tiny_llama(0)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20)
+        return model
+    engine = Engine(loaded(peaked(), TOK), {"argmax": ArgmaxDrafter(peaked(), len(TOK)),
+                                            "ngram": NgramDrafter()})
+    greedy, _, _ = run(engine, REPETITIVE, speculation=False, max_new_tokens=64)
+    accepted = 0
+    for seed in (1, 2):
+        plain, _, _ = run(engine, REPETITIVE, speculation=False, seed=seed, max_new_tokens=64,
+                          **sampling)
+        assert [t.id for t in plain] != [t.id for t in greedy]  # really sampled
+        for drafter in ("argmax", "ngram"):
+            spec, _, stats = run(engine, REPETITIVE, drafter=drafter, draft_len=k, seed=seed,
+                                 adaptive=False, max_new_tokens=64, **sampling)
+            assert [t.id for t in spec] == [t.id for t in plain]
+            accepted += stats.accepted
+    assert accepted > 0

@@ -1,11 +1,12 @@
 """Verification step: exact cases on hand-written logits, and distribution equality."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from specchat.sampling import SamplingParams, logits_to_probs, verify
+from specchat.sampling import SamplingParams, draw, logits_to_probs, sample_row, verify
 
 GREEDY = SamplingParams(temperature=0.0)
 T1 = SamplingParams(temperature=1.0)
@@ -77,6 +78,8 @@ def emitted_first_token_distribution(target_logits, draft_probs, params, draws=2
 
 @pytest.mark.parametrize("params,one_hot", [
     (SamplingParams(temperature=1.0), False),
+    (SamplingParams(temperature=1.0), True),
+    (SamplingParams(temperature=0.6, top_p=0.9), True),
     (SamplingParams(temperature=0.7, top_k=5), True),
     (SamplingParams(temperature=1.3, top_p=0.8), False),
     (SamplingParams(temperature=0.9, top_k=6, top_p=0.9), True),
@@ -94,9 +97,13 @@ def test_emitted_distribution_equals_target(params, one_hot):
 
 def test_logits_to_probs_matches_reference_top_p_top_k():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5000) * 3
-    for params in (SamplingParams(0.7, 0.95, 0), SamplingParams(1.0, 0.5, 50),
-                   SamplingParams(1.0, 1.0, 20), SamplingParams(2.0, 0.999, 0)):
+    # Flat rows (most tokens are candidates), sharp rows like a real LM's (a few dozen are),
+    # and top-k wider than the candidates (the full vocabulary is searched).
+    for logits, params in itertools.product(
+            (torch.randn(3, 5000) * 3, torch.randn(3, 5000) * 12),
+            (SamplingParams(0.7, 0.95, 0), SamplingParams(1.0, 0.5, 50),
+             SamplingParams(1.0, 1.0, 20), SamplingParams(2.0, 0.999, 0),
+             SamplingParams(0.5, 1.0, 0), SamplingParams(0.3, 0.9, 400))):
         got = logits_to_probs(logits, params)
         # Reference: full sort, as transformers' TopK then TopP warpers.
         x = logits / params.temperature
@@ -110,3 +117,33 @@ def test_logits_to_probs_matches_reference_top_p_top_k():
             probs = probs.scatter(-1, si, sp.masked_fill(drop, 0))
             probs = probs / probs.sum(-1, keepdim=True)
         assert torch.allclose(got, probs, atol=1e-6)
+
+
+def test_draw_inverts_the_cdf():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(20000)]), minlength=4)
+    assert counts[1] == 0  # a token without mass is never drawn
+    assert tv(counts / 20000, probs) < 0.02
+
+
+def test_sampling_a_row_draws_one_uniform():
+    # Plain decoding and one-hot verification both consume exactly one uniform per token.
+    logits = torch.randn(1000) * 8
+    gen = torch.Generator().manual_seed(3)
+    sample_row(logits, SamplingParams(0.7, 0.95, 0), gen)
+    after = torch.Generator().manual_seed(3)
+    torch.rand((), dtype=torch.float64, generator=after)
+    assert torch.equal(gen.get_state(), after.get_state())
+
+
+def test_untruncated_sampling_reaches_the_long_tail():
+    # Temperature only: 5000 tokens 10 nats below the top one hold 18.5% of the mass together,
+    # though each is outside the candidates the sampler sorts first.
+    logits = torch.zeros(5001)
+    logits[0] = 10.0
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sample_row(logits, SamplingParams(1.0), gen) for _ in range(20000)])
+    share = math.exp(10) / (math.exp(10) + 5000)
+    assert abs(float((draws == 0).float().mean()) - share) < 0.01
+    assert len(draws[draws != 0].unique()) > 2000
