@@ -74,19 +74,37 @@ class DraftLengthPolicy:
         # a wider sampling step), so a marginal gain is not worth the risk of a loss.
         self.margin = margin
         self._tests: dict[object, list[float]] = {}  # class -> [successes, failures]
-        # Verify cost for m tokens fed: step_s * (1 + slope * (m - 1)). One curve fitted from
-        # every step, so a single noisy measurement at some m cannot lock k low for good.
+        # Verify cost for m > 1 tokens fed: step_s * (1 + fixed + slope * (m - 1)). A wider
+        # forward pays a fixed price (on this CPU a one-token step's LM head is a matrix-vector
+        # product; two rows or more take the slower matrix path: 2 tokens cost 1.2 steps) and
+        # then a little per token (11 tokens: 1.9). One line fitted from every step's (m, cost),
+        # so a single noisy measurement at some m cannot lock k low for good.
         self.step_s = 0.0  # EMA seconds of a 1-token (plain) step
-        self.slope = 0.05  # prior: wide forwards are nearly free (LM-head/weight-read bound)
+        self.slope_prior = 0.05  # wide forwards are nearly free (LM-head/weight-read bound)
+        self._fit = [0.0] * 5  # decayed sums: weight, x, y, x^2, xy for x = m - 1, y = ratio - 1
         self.draft_token_s = 0.0
         self.plain_streak = 0
+
+    @property
+    def verify_line(self) -> tuple[float, float]:
+        """(fixed, slope) of the verify cost line, from the fit (or the prior)."""
+        w, sx, sy, sxx, sxy = self._fit
+        if w < 1e-9:
+            return 0.0, self.slope_prior
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        # One width only (or nearly): the data fixes the level there, the prior the slope.
+        slope = (sxy / w - mx * my) / var if var > 0.25 else self.slope_prior
+        slope = min(max(slope, 0.0), 1.0)
+        return max(0.0, my - slope * mx), slope
 
     def alpha(self, cls=None) -> float:
         successes, failures = self._tests.get(cls, (2.0, 1.0))  # prior 2/3, weight of 3 tests
         return successes / (successes + failures)
 
     def _verify_cost(self, m: int) -> float:
-        return (self.step_s or 1.0) * (1 + self.slope * (m - 1))
+        fixed, slope = self.verify_line if m > 1 else (0.0, 0.0)
+        return (self.step_s or 1.0) * (1 + fixed + slope * (m - 1))
 
     def expected_rate(self, k: int, cls=None) -> float:
         a = min(self.alpha(cls), 0.999)
@@ -111,8 +129,8 @@ class DraftLengthPolicy:
         if fed == 1 or not self.step_s:
             self.step_s = verify_s if not self.step_s else decay * self.step_s + (1 - decay) * verify_s
         else:
-            slope = max(0.0, (verify_s / self.step_s - 1) / (fed - 1))
-            self.slope = decay * self.slope + (1 - decay) * min(slope, 1.0)
+            x, y = fed - 1, min(max(verify_s / self.step_s - 1, 0.0), 3.0)
+            self._fit = [0.95 * a + b for a, b in zip(self._fit, (1.0, x, y, x * x, x * y))]
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
             tests = self._tests.setdefault(cls, [2.0, 1.0])

@@ -244,3 +244,24 @@ def test_sampled_one_hot_speculation_replays_plain_sampling(sampling, k):
             assert [t.id for t in spec] == [t.id for t in plain]
             accepted += stats.accepted
     assert accepted > 0
+
+
+def test_verify_cost_line_has_a_fixed_part():
+    """A 2-token verify costing 1.2 steps and an 11-token one 1.9 (this CPU: the one-token
+    step's LM head is a cheaper matrix-vector product) is a line with a fixed part, not a
+    line through the one-token step."""
+    from specchat.engine import DraftLengthPolicy
+    policy = DraftLengthPolicy()
+    for _ in range(20):
+        policy.update(1, 0.10, 0, 0, 0.0)
+        for m in (2, 3, 5, 8, 11):
+            policy.update(m, 0.10 * (1 + 0.13 + 0.07 * (m - 1)), m - 1, 0, 0.0)
+    fixed, slope = policy.verify_line
+    assert fixed == pytest.approx(0.13, abs=0.01) and slope == pytest.approx(0.07, abs=0.005)
+    assert policy._verify_cost(2) == pytest.approx(0.12, rel=0.02)
+    assert policy._verify_cost(1) == pytest.approx(0.10, rel=0.02)
+    only_two = DraftLengthPolicy()  # one width seen: its level from the data, slope the prior
+    for _ in range(5):
+        only_two.update(1, 0.10, 0, 0, 0.0)
+        only_two.update(2, 0.12, 1, 1, 0.0)
+    assert only_two._verify_cost(2) == pytest.approx(0.12, rel=0.02)
