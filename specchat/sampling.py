@@ -191,16 +191,18 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
             if i == k or token != int(draft_ids[i]):
                 return Verdict(i, token, bonus=i == k)
 
-    target_probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
-    rows = torch.arange(k)
-    p = target_probs[rows, draft_ids]  # [k]
-    q = draft_probs[rows, draft_ids]  # [k]
-    u = torch.rand(k, generator=generator)
-    rejected = u * q > p  # u < p/q  <=>  accept;  written without division by q
-    n = int(rejected.int().argmax()) if bool(rejected.any()) else k
-    if n == k:
-        return Verdict(k, _draw_dense(target_probs[k], generator), bonus=True)
-    residual = torch.clamp(target_probs[n] - draft_probs[n], min=0.0)  # [vocab]
-    if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had ~0 probability
-        residual = target_probs[n]
-    return Verdict(n, _draw_dense(residual, generator), bonus=False)
+    # Sampled drafts: row by row, so a step pays for the target rows it reaches, not all k + 1.
+    vocab = target_logits.shape[-1]
+    for i in range(k):
+        ids, probs = nucleus(target_logits[i], params)
+        x = int(draft_ids[i])
+        p = float(probs[x]) if ids is None else float(probs[ids == x].sum())
+        u = float(torch.rand((), generator=generator))
+        if u * float(draft_probs[i, x]) <= p:  # u < p/q  <=>  accept
+            continue
+        target_probs = _dense(ids, probs, vocab)
+        residual = torch.clamp(target_probs - draft_probs[i].float(), min=0.0)  # (p - q)+
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had ~0 probability
+            residual = target_probs
+        return Verdict(i, _draw_dense(residual, generator), bonus=False)
+    return Verdict(k, sample_row(target_logits[k], params, generator), bonus=True)
