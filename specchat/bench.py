@@ -24,7 +24,9 @@ Numbers (the pure functions below, tested on synthetic step records in tests/tes
 - alpha = accepted / (accepted + rejections): the per-position acceptance estimate of Leviathan et
   al. 2022 (DESIGN.md's definition); c = draft seconds per drafted token / seconds of a plain
   target step; verify ratio = seconds of a speculative step's target forward (k + 1 tokens fed)
-  / the plain step's. Leviathan et al. 2022, expected walltime improvement:
+  / the plain step's. A draft tree (tree.py) counts as a chain as long as its depth: k is the
+  depth, alpha the chance the accepted path goes one level further, c the draft seconds per
+  level; its verify ratio is measured at its real width. Leviathan et al. 2022, expected walltime improvement:
   (1 - alpha^(k+1)) / ((1 - alpha)(c k + verify_ratio)), where this engine's verify cost for
   k + 1 tokens is measured instead of assumed equal to one step's. The formula covers decoding
   only; "+prefill" adds the prompt's encoding, unchanged by speculation (Amdahl's law with the
@@ -52,7 +54,8 @@ from specchat.events import TARGET, GenerationStats, StepRecord, TokenEvent, sum
 ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
 HF_MODES = ("hf-plain", "hf-pld", "hf-assisted")
 ALL_MODES = (*ENGINE_MODES, *HF_MODES)
-HEAD_MODES = ("head", "combined")  # engine drafters that exist once `train-draft` made a head
+HEAD_MODES = ("head", "combined",  # engine drafters that exist once `train-draft` made a head
+              "head-tree", "combined-tree")  # ... drafting trees of --tree-nodes (tree.py)
 NEEDS_DRAFT = ("model", "hf-assisted")
 QUESTIONS_REL = Path("benchmarks") / "spec_bench" / "question.jsonl"
 
@@ -69,6 +72,7 @@ class BenchSettings:
     draft_len: int = 4  # k for our engine (the most draft tokens per step)
     adaptive: bool = True  # let the engine adapt k (never above draft_len)
     hf_pld_tokens: int = 0  # prompt_lookup_num_tokens for hf-pld (0: the same as draft_len)
+    tree_nodes: int = 10  # draft-tree size of the "-tree" modes
     repeats: int = 1  # runs per (question, mode); timings are medians over them
     warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
     stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
@@ -173,11 +177,11 @@ def step_costs(steps: list[StepRecord], plain_steps: list[StepRecord]) -> dict:
     out = {"alpha": counts.alpha if spec else None,
            "acceptance_rate": counts.acceptance_rate if spec else None,
            "plain_step_s": plain_s, "spec_steps": len(spec), "steps": len(steps),
-           "k_mean": counts.drafted / len(spec) if spec else 0.0,
+           "k_mean": sum(s.levels for s in spec) / len(spec) if spec else 0.0,
            "c": None, "verify_ratio": None, "verify_ratio_by_fed": {}}
     if not spec or plain_s <= 0:
         return out
-    out["c"] = sum(s.draft_s for s in spec) / counts.drafted / plain_s
+    out["c"] = sum(s.draft_s for s in spec) / sum(s.levels for s in spec) / plain_s
     out["verify_ratio"] = sum(s.verify_s for s in spec) / len(spec) / plain_s
     by_fed = defaultdict(list)
     for s in steps:
@@ -203,9 +207,9 @@ def predicted_speedup_steps(steps: list[StepRecord], costs: dict) -> float | Non
         return None
     tokens = cost = 0.0
     for s in steps:
-        k = s.drafted
+        k = s.levels
         tokens += k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        cost += c * k + ratios.get(k + 1, 1.0)
+        cost += c * k + ratios.get(s.drafted + 1, 1.0)
     return tokens / cost if cost > 0 else None
 
 
@@ -537,8 +541,9 @@ def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: 
     cfg = GenerateConfig(max_new_tokens=max_new_tokens or s.max_new_tokens,
                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                          speculation=mode != "plain",
-                         drafter=mode if mode != "plain" else "ngram",
-                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops))
+                         drafter=mode.removesuffix("-tree") if mode != "plain" else "ngram",
+                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
+                         tree_nodes=s.tree_nodes if mode.endswith("-tree") else 0)
     probe.reset()
     text, steps, stats = [], [], None
     for ev in engine.stream(ids, cfg):
@@ -615,7 +620,7 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
 def available_modes(engine, assistant) -> list[str]:
     return [m for m in ALL_MODES
             if m not in NEEDS_DRAFT or ("model" in engine.drafters and assistant is not None)] \
-        + [m for m in HEAD_MODES if m in engine.drafters]
+        + [m for m in HEAD_MODES if m.removesuffix("-tree") in engine.drafters]
 
 
 def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
@@ -631,7 +636,7 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
     for m in s.modes:
         if m not in ALL_MODES + HEAD_MODES:
             raise ValueError(f"unknown mode {m!r}; modes: {', '.join(ALL_MODES + HEAD_MODES)}")
-        if m in HEAD_MODES and m not in engine.drafters:
+        if m in HEAD_MODES and m.removesuffix("-tree") not in engine.drafters:
             raise ValueError(f"mode {m!r} needs a draft head for this target: "
                              f"python -m specchat train-draft")
         if m in ENGINE_MODES[1:] and m not in engine.drafters:
@@ -704,9 +709,10 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
 
 def _run_json(r: Run) -> dict:
     d = asdict(r)
-    # compact: [drafted, accepted, draft_s, verify_s] per step
+    # compact: [drafted, accepted, draft_s, verify_s(, tree depth)] per step
     d["steps"] = [[st["drafted"], st["accepted"], round(st["draft_s"], 6),
-                   round(st["verify_s"], 6)] for st in d["steps"]]
+                   round(st["verify_s"], 6)] + ([st["tree_depth"]] if st["tree_depth"] else [])
+                  for st in d["steps"]]
     return d
 
 
@@ -781,6 +787,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
     p.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: the engine adapts k)")
+    p.add_argument("--tree-nodes", type=int, default=10, metavar="N",
+                   help="draft-tree size of the head-tree and combined-tree modes")
     p.add_argument("--hf-pld-tokens", type=int, default=0, metavar="N",
                    help="prompt_lookup_num_tokens for hf-pld (default: --draft-len)")
     p.add_argument("--repeats", type=int, default=1, help="runs per question and mode; "
@@ -849,6 +857,7 @@ def cmd_bench(args) -> int:
                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              seed=args.seed, draft_len=args.draft_len,
                              adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
+                             tree_nodes=args.tree_nodes,
                              repeats=args.repeats, warmup_tokens=args.warmup_tokens,
                              stop_strings=not args.ignore_stop_strings)
     extra = {"questions_file": str(path), "categories": categories or None,

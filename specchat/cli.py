@@ -11,6 +11,7 @@ import itertools
 import json
 import sys
 
+from specchat.engine import TREE_NODES
 from specchat.models import PRESETS
 
 
@@ -43,6 +44,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                         "draft head, or combined (ngram when it finds a continuation, else the "
                         "head). Default: model when a draft model is loaded, else ngram")
     g.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
+    g.add_argument("--tree-nodes", type=int, default=TREE_NODES,
+                   help="the head (and combined, when it uses the head) drafts a tree of up to "
+                        "this many tokens, verified in one forward; 0: a chain, sampled at T > 0 "
+                        "(default: %(default)s)")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -82,7 +87,8 @@ def config_from_args(args, report):
     return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           speculation=args.speculation == "on", drafter=drafter,
-                          draft_len=args.draft_len, adaptive=not args.fixed_draft_len)
+                          draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
+                          tree_nodes=args.tree_nodes)
 
 
 def validate_sampling(args) -> str | None:
@@ -90,6 +96,8 @@ def validate_sampling(args) -> str | None:
         return "--max-new-tokens must be at least 1"
     if args.draft_len < 1 or args.draft_len > 16:
         return "--draft-len must be between 1 and 16"
+    if not 0 <= args.tree_nodes <= 64:
+        return "--tree-nodes must be between 0 and 64"
     if args.temperature < 0:
         return "--temperature must be >= 0"
     if not 0 < args.top_p <= 1:

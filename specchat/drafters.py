@@ -5,7 +5,8 @@ drafts came from a model or from n-gram lookup.
 
     begin(prompt_ids)                      a new request starts from this context
     propose(context, k, params, generator) -> (draft_ids [k'], draft_probs [k', vocab] | None)
-                                           k' <= k; None probs mean one-hot (deterministic) drafts
+                                           k' <= k; None probs mean one-hot (deterministic) drafts;
+                                           or a tree.DraftTree at most k levels deep
     feedback(n_drafted, n_accepted)        called after each verification
 
 Optional: `draft_class(context)` names the kind of proposal coming next (the n-gram match length)

@@ -6,7 +6,9 @@
 
 One step = one target forward over [last token] + k drafts, then `sampling.verify`. With
 speculation off (or when the drafter has nothing to propose) k = 0 and the very same code path
-is plain decoding. The target's KV cache lives across steps and across requests: after each
+is plain decoding. A drafter may propose a tree instead (`tree.DraftTree`, the head does): the
+forward then reads every node under a tree attention mask, `tree.verify_tree` walks the path the
+target agrees with, and the cache keeps that path (`kvcache.keep_fed`). The target's KV cache lives across steps and across requests: after each
 verification it is cropped to the accepted context, and a new request re-encodes only what its
 prompt does not share with the cached tokens (a chat's history is encoded once).
 
@@ -25,12 +27,16 @@ import torch
 from specchat.drafters import Drafter, _common_prefix_len
 from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord,
                              TokenEvent, summarize)
-from specchat.kvcache import crop_to, new_cache
+from specchat.kvcache import (crop_to, keep_fed, new_cache, tree_attention_mask,
+                              tree_masks_supported)
 from specchat.sampling import SamplingParams, verify
 from specchat.text import ReplyText
+from specchat.tree import DraftTree, verify_tree, visibility
 
 
 _NO_DRAFTS = torch.zeros(0, dtype=torch.long)
+# Draft-tree size for the head in the app and the CLI (`GenerateConfig.tree_nodes`).
+TREE_NODES = 10
 # Best first, by `python -m specchat bench` on the embedded target (README): a real draft model,
 # then n-gram lookup with the trained head behind it, lookup alone, the head alone.
 DRAFTER_PREFERENCE = ("model", "combined", "ngram", "head")
@@ -47,6 +53,9 @@ class GenerateConfig:
     drafter: str = "ngram"  # key into Engine.drafters
     draft_len: int = 4  # k: the most draft tokens per step
     adaptive: bool = True  # let k follow measured acceptance and cost (never above draft_len)
+    # Drafters that can (the head) draft a tree of up to this many tokens, k levels deep,
+    # verified in one forward (tree.py). 0: chains.
+    tree_nodes: int = 0
     stop: tuple[str, ...] = ()  # stop strings (not included in the reply)
 
     @property
@@ -155,6 +164,7 @@ class Engine:
         self._cache = None
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
         self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
+        self.trees_ok = tree_masks_supported(self.model)  # flash attention takes no tree mask
 
     # -- target forward -------------------------------------------------------------------
 
@@ -164,6 +174,21 @@ class Engine:
         (on the model's device and dtype: sampling moves them to CPU only when it needs them)."""
         out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
                          use_cache=True, logits_to_keep=n_logits)
+        self._cache_ids.extend(ids)
+        return out.logits[0, :, :self.vocab_size]
+
+    @torch.inference_mode()
+    def _forward_tree(self, ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Feed the root ids[0] and a draft tree ids[1:] (node i a child of parents[i], -1 the
+        root) after the cached tokens, with a tree attention mask. Returns logits [len(ids),
+        vocab]."""
+        cached = len(self._cache_ids)
+        visible = visibility(parents)
+        positions = cached + visible.sum(-1).to(self.device) - 1  # depth = ancestors seen
+        mask = tree_attention_mask(self.model, self._cache, cached, visible, positions)
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
+                         attention_mask=mask, position_ids=positions[None], use_cache=True,
+                         logits_to_keep=len(ids))
         self._cache_ids.extend(ids)
         return out.logits[0, :, :self.vocab_size]
 
@@ -185,13 +210,29 @@ class Engine:
             self._tap = FeatureTap(self.model)
         return wants
 
-    def _observe(self, wants: list, start: int, ids: list[int]) -> None:
-        """The first len(ids) positions of the latest forward were accepted: context positions
-        start.. . Sent whichever drafter is active, so switching drafters costs nothing."""
+    def _observe(self, wants: list, start: int, ids: list[int],
+                 rows: list[int] | None = None) -> None:
+        """Positions `rows` of the latest forward (default: its first len(ids)) were accepted,
+        tokens `ids` at context positions start.. . Sent whichever drafter is active, so
+        switching drafters costs nothing."""
         if wants:
-            features = self._tap.features(len(ids))  # [len(ids), d]
+            features = self._tap.features(len(ids), rows)  # [len(ids), d]
             for d in wants:
                 d.observe(start, ids, features)
+
+    def _tree_step(self, context: list[int], tree: DraftTree, params: SamplingParams,
+                   generator, wants: list):
+        """Verify a draft tree in one forward and keep the accepted path in the cache.
+        Returns (accepted tokens, verdict, tree depth)."""
+        ids = [context[-1], *tree.tokens.tolist()]
+        logits = self._forward_tree(ids, tree.parents)
+        verdict = verify_tree(tree, logits, params, generator)
+        keep = [0] + [1 + i for i in verdict.path]  # the root and the accepted path
+        keep_fed(self._cache, len(ids), keep)
+        self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
+        accepted = [ids[j] for j in keep[1:]]
+        self._observe(wants, len(context) - 1, [context[-1], *accepted], keep)
+        return accepted, verdict, tree.depth
 
     @property
     def context_window(self) -> int | None:
@@ -234,7 +275,9 @@ class Engine:
                                 draft_len=cfg.draft_len if drafter else 0,
                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 seed=seed, prompt_tokens=len(prompt_ids))
-        policy = self.policy(stats.drafter, params.greedy) if drafter else None
+        trees = bool(drafter and cfg.tree_nodes and self.trees_ok
+                     and hasattr(drafter, "propose_tree"))
+        policy = self.policy(stats.drafter + "+tree" * trees, params.greedy) if drafter else None
         steps: list[StepRecord] = []
         reply = ReplyText(self.tokenizer, prompt_ids, cfg.stop)
         context = list(prompt_ids)
@@ -290,27 +333,42 @@ class Engine:
                             else None
                         k = policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
                         k = min(k, max_new - generated - 1)
-                    draft_ids, draft_probs = (drafter.propose(context, k, params, generator)
-                                              if k > 0 else (_NO_DRAFTS, None))
+                    if k == 0:
+                        draft = (_NO_DRAFTS, None)
+                    elif trees:
+                        draft = drafter.propose_tree(context, k, params, cfg.tree_nodes)
+                    else:
+                        draft = drafter.propose(context, k, params, generator)
                     t1 = time.perf_counter()
-                    k = len(draft_ids)
-                    target_logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
-                    verdict = verify(draft_ids, draft_probs, target_logits, params, generator)
-                    n = verdict.n_accepted
-                    # Every token but the newest is in the cache: drop the rejected drafts.
-                    crop_to(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
-                    self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
+                    tree = self._tree_step(context, draft, params, generator, wants) \
+                        if isinstance(draft, DraftTree) else None
+                    if tree is not None:
+                        accepted, verdict, levels = tree
+                        k, n = len(draft), len(accepted)
+                    else:
+                        draft_ids, draft_probs = draft
+                        k = levels = len(draft_ids)
+                        target_logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
+                        verdict = verify(draft_ids, draft_probs, target_logits, params,
+                                         generator)
+                        n = verdict.n_accepted
+                        accepted = draft_ids[:n].tolist()
+                        # Every token but the newest is in the cache: drop the rejected drafts.
+                        crop_to(self._cache, len(self._cache_ids),
+                                len(self._cache_ids) - (k - n))
+                        self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
+                        self._observe(wants, len(context) - 1, [context[-1], *accepted])
                     t2 = time.perf_counter()
                     stats.target_calls += 1
-                    self._observe(wants, len(context) - 1, [context[-1], *draft_ids[:n].tolist()])
                     if drafter:
                         drafter.feedback(k, n)
-                    if policy:
-                        policy.update(k + 1, t2 - t1, k, n, t1 - t0, cls)
+                    if policy:  # a tree counts as its depth: one draft forward and test a level
+                        policy.update(k + 1, t2 - t1, levels, n, t1 - t0, cls)
                     last_kind = TARGET if k == 0 else (BONUS if verdict.bonus else RESAMPLED)
-                    step_tokens = [(int(t), ACCEPTED) for t in draft_ids[:n]]
+                    step_tokens = [(int(t), ACCEPTED) for t in accepted]
                     step_tokens.append((verdict.next_token, last_kind))
-                    record = StepRecord(step, k, n, len(step_tokens), t1 - t0, t2 - t1)
+                    record = StepRecord(step, k, n, len(step_tokens), t1 - t0, t2 - t1,
+                                        levels if tree is not None else 0)
                 if stats.stop_reason != "stop_string":
                     for ev in reply.finish():
                         stats.new_tokens += 1

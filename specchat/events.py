@@ -39,6 +39,13 @@ class StepRecord:
     emitted: int  # tokens this step added to the reply (accepted + 1, fewer at a stop)
     draft_s: float  # seconds spent proposing
     verify_s: float  # seconds in the target forward + acceptance test
+    tree_depth: int = 0  # a draft tree's levels (0: the drafts were a chain)
+
+    @property
+    def levels(self) -> int:
+        """Draft positions tested in a row: a chain's length, a tree's depth (a tree of n
+        nodes and depth d tests at most d drafts along its path, and costs d draft forwards)."""
+        return self.tree_depth or self.drafted
 
 
 @dataclass
@@ -79,7 +86,7 @@ def summarize(steps: list[StepRecord], stats: GenerationStats) -> GenerationStat
     spec_steps = [s for s in steps if s.drafted > 0]
     stats.drafted = sum(s.drafted for s in spec_steps)
     stats.accepted = sum(s.accepted for s in spec_steps)
-    stats.rejections = sum(1 for s in spec_steps if s.accepted < s.drafted)
+    stats.rejections = sum(1 for s in spec_steps if s.accepted < s.levels)
     stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
     tested = stats.accepted + stats.rejections
     stats.alpha = stats.accepted / tested if tested else 0.0
@@ -87,8 +94,8 @@ def summarize(steps: list[StepRecord], stats: GenerationStats) -> GenerationStat
         sum(s.accepted + 1 for s in spec_steps) / len(spec_steps) if spec_steps else 0.0)
     stats.draft_s = sum(s.draft_s for s in steps)
     stats.verify_s = sum(s.verify_s for s in steps)
-    width = max((s.drafted for s in spec_steps), default=0)
-    stats.drafted_by_position = [sum(1 for s in spec_steps if s.drafted > i) for i in range(width)]
+    width = max((s.levels for s in spec_steps), default=0)
+    stats.drafted_by_position = [sum(1 for s in spec_steps if s.levels > i) for i in range(width)]
     stats.accepted_by_position = [sum(1 for s in spec_steps if s.accepted > i) for i in range(width)]
     stats.tokens_per_s = stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0
     return stats

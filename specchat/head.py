@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.sampling import SamplingParams, draw, nucleus
+from specchat.tree import DraftTree
 
 FORMAT = "specchat-head/1"
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -106,9 +107,10 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
 
-    def forward(self, x, pos, cache=None):
+    def forward(self, x, pos, cache=None, mask=None):
         """x [B, T, d], pos [T] absolute positions; cache: (keys, values) [B, H, S, hd] of the
-        S positions before pos[0], or None. Returns (y [B, T, d], new cache)."""
+        S positions before pos[0], or None; mask [T, S + T] bool (True: attend), default causal.
+        Returns (y [B, T, d], new cache)."""
         B, T, d = x.shape
         q, k, v = (self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, d // self.n_heads)
                    .permute(2, 0, 3, 1, 4))  # each [B, H, T, hd]
@@ -117,7 +119,9 @@ class Block(nn.Module):
         if cache is not None:
             past = cache[0].shape[2]
             k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-        if past == 0:
+        if mask is not None:  # a draft tree's rows: each sees the context and its ancestors
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past == 0:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         elif T == 1:
             att = F.scaled_dot_product_attention(q, k, v)
@@ -154,11 +158,11 @@ class DraftHead(nn.Module):
         self.lm_rows = rows.to(self.vocab_ids.device)
         return self
 
-    def forward(self, feats, embeds, pos, cache=None):
-        """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T].
+    def forward(self, feats, embeds, pos, cache=None, mask=None):
+        """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T], mask: see Block.
         Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N], cache)."""
         x = self.fc(torch.cat([self.emb_norm(embeds), self.feat_norm(feats)], dim=-1))
-        h, cache = self.block(x, pos, cache)
+        h, cache = self.block(x, pos, cache, mask)
         pred = rms_normalize(h, self.cfg.rms_eps) * self.norm_scale  # [B, T, d]
         return pred, self.logits(pred), cache
 
@@ -209,9 +213,12 @@ class FeatureTap:
     def _hook(self, module, args, output):
         self.last = output[0] if isinstance(output, tuple) else output
 
-    def features(self, n: int) -> torch.Tensor:
-        """Features of the first n positions of the latest forward, batch row 0: [n, d]."""
-        return self.last[0, :n]
+    def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
+        """Features of the latest forward, batch row 0: its first n positions, or the
+        positions `rows` (a draft tree's accepted path): [n, d]."""
+        if rows is None:
+            return self.last[0, :n]
+        return self.last[0, torch.tensor(rows, device=self.last.device)]
 
     def close(self) -> None:
         self._handle.remove()
@@ -245,8 +252,14 @@ class HeadDrafter:
     name = "head"
     needs_features = True
 
-    def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0):
+    def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0,
+                 tree_width: int = 4, tree_beam: int = 4,
+                 tree_min_score: float = 0.2):
         self.head = head.eval()
+        # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
+        # the least score (the head's chance of acceptance) a node needs.
+        self.tree_width, self.tree_beam = tree_width, tree_beam
+        self.tree_min_score = tree_min_score
         self.target = target_model
         self.embed = target_model.get_input_embeddings()
         self.vocab_size = vocab_size  # width of the engine's target logits (and our q rows)
@@ -305,11 +318,10 @@ class HeadDrafter:
         self.head_tokens = self.head_tokens[:keep + 1] if keep else []
         return keep
 
-    @torch.inference_mode()
-    def propose(self, context, k, params, generator):
+    def _catch_up(self, context):
+        """Run the head over the true positions it has not seen. Returns its predicted
+        feature f_{L-1} and logits for x_L at the last one ([1, 1, d], [1, 1, N])."""
         L = len(context)
-        if k <= 0 or L < 2:
-            return _EMPTY, None
         self._ensure_features(context[:-1])  # f_0 .. f_{L-2}
         h = self._sync_cache(context[:-1])  # at most L-2: always re-feed one true position
         # Catch up on true positions h..L-2: inputs (f_t, x_{t+1}).
@@ -317,6 +329,14 @@ class HeadDrafter:
         pred, logits, self.cache = self.head(self.feats[h:L - 1][None],
                                              self._embed(context[h + 1:L]), pos, self.cache)
         self.head_tokens = list(context)
+        return pred[:, -1:], logits[:, -1:]
+
+    @torch.inference_mode()
+    def propose(self, context, k, params, generator):
+        L = len(context)
+        if k <= 0 or L < 2:
+            return _EMPTY, None
+        pred, logits = self._catch_up(context)
         ids, rows = [], []
         p_all = 1.0  # the head's probability that every draft so far passes
         for i in range(k):
@@ -337,6 +357,76 @@ class HeadDrafter:
         self._sync_cache(context)
         draft_ids = torch.tensor(ids, dtype=torch.long)
         return draft_ids, (torch.stack(rows) if rows else None)
+
+    @torch.inference_mode()
+    def propose_tree(self, context, depth: int, params: SamplingParams, nodes: int):
+        """A draft tree of at most `nodes` nodes and `depth` levels (EAGLE-2's dynamic
+        tree). A node's score is the product of the head's probabilities along its path, the
+        head's estimate that the target accepts it; nodes under `tree_min_score` are not worth
+        their share of the wider verify. Each level, the `tree_beam` best new nodes are expanded
+        with one head forward (their rows see the context and their own ancestors) and each
+        gets its `tree_width` likeliest tokens as children. The tree is the `nodes` best
+        nodes found (ancestor-closed: a node never scores above its parent). Drafts are one-hot
+        (tree.py verifies with the target's own draws): the probabilities only rank."""
+        L = len(context)
+        if depth <= 0 or nodes <= 0 or L < 2:
+            return _EMPTY, None
+        feat, logits = self._catch_up(context)
+        temperature = 1.0 if params.greedy else params.temperature
+        base = self.cache[0].shape[2]  # head cache slots of the true positions
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        sees: dict[int, list[int]] = {-1: []}  # expanded node -> head cache slots it attends to
+        # The frontier: expanded nodes (the root first), their predicted features [R, d] (the
+        # feature input of their children), logits [R, N] and scores.
+        front, front_feat, front_logits, front_score = [-1], feat[0], logits[0], [1.0]
+        for level in range(1, depth + 1):
+            p, index = torch.softmax(front_logits.float() / temperature, -1).topk(self.tree_width)
+            grown, rows = [], []
+            for r, (pr, ir) in enumerate(zip(p.tolist(), index.tolist())):
+                for pj, ij in zip(pr, ir):
+                    score = front_score[r] * pj
+                    if score < self.tree_min_score:
+                        break
+                    tokens.append(ij)  # a reduced-vocabulary index until the end
+                    parents.append(front[r])
+                    scores.append(score)
+                    grown.append(len(tokens) - 1)
+                    rows.append(r)
+            if level == depth or not grown:
+                break
+            # Deeper nodes score at most their parents: stop once none can make the tree.
+            if len(scores) >= nodes:
+                last_place = sorted(scores, reverse=True)[nodes - 1]
+                if max(scores[i] for i in grown) <= last_place:
+                    break
+            expand = sorted(range(len(grown)), key=lambda j: -scores[grown[j]])[:self.tree_beam]
+            expand.sort()
+            seen = self.cache[0].shape[2]
+            mask = torch.zeros(len(expand), seen + len(expand), dtype=torch.bool,
+                               device=self.device)
+            mask[:, :base] = True
+            for r, j in enumerate(expand):
+                node = grown[j]
+                sees[node] = sees[parents[node]] + [seen + r]
+                mask[r, sees[node]] = True
+            feats = front_feat[torch.tensor([rows[j] for j in expand], device=self.device)]
+            ids = self.head.vocab_ids[torch.tensor([tokens[grown[j]] for j in expand])].tolist()
+            pos = torch.full((len(expand),), L - 2 + level, device=self.device)
+            pred, out, self.cache = self.head(feats[None], self._embed(ids), pos, self.cache,
+                                              mask)
+            front = [grown[j] for j in expand]
+            front_feat, front_logits = pred[0], out[0]
+            front_score = [scores[i] for i in front]
+        self._sync_cache(context)  # drop the tree's rows: the target supplies true features
+        if not tokens:
+            return _EMPTY, None
+        best = sorted(range(len(tokens)), key=lambda i: -scores[i])[:nodes]
+        best.sort()  # creation order: parents first
+        new_index = {old: new for new, old in enumerate(best)}
+        ids = self.head.vocab_ids[torch.tensor([tokens[i] for i in best])].cpu()
+        return DraftTree(ids, [new_index[parents[i]] if parents[i] >= 0 else -1 for i in best])
 
     def _sample(self, reduced_logits, params: SamplingParams, generator):
         """-> (full-vocab token id, full-vocab q row [vocab] or None when greedy, the token's
@@ -382,6 +472,11 @@ class CombinedDrafter:
         if self.draft_class(context) != "head":
             return self.ngram.propose(context, k, params, generator)
         return self.head.propose(context, k, params, generator)
+
+    def propose_tree(self, context, depth, params, nodes):
+        if self.draft_class(context) != "head":
+            return self.ngram.propose(context, depth, params, None)
+        return self.head.propose_tree(context, depth, params, nodes)
 
     def feedback(self, n_drafted, n_accepted):
         self.ngram.feedback(n_drafted, n_accepted)

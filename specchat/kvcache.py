@@ -11,6 +11,7 @@ forward on a layer that is past its window. `crop_to` checks that and reports wh
 
 from __future__ import annotations
 
+import torch
 from transformers import DynamicCache
 
 
@@ -46,3 +47,80 @@ def crop_to(cache: DynamicCache, cached_len: int, keep: int) -> bool:
         return False
     cache.crop(-remove)  # -0 == 0: trims sliding layers back to their window
     return True
+
+
+# -- draft trees (specchat/tree.py) ------------------------------------------------------------
+
+
+def tree_masks_supported(model) -> bool:
+    """Can this model's attention take an arbitrary mask (sdpa, eager; not flash), and does it
+    have only causal and sliding-window layers?"""
+    config = model.config.get_text_config()
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    return impl in ("sdpa", "eager") and kinds <= {"full_attention", "sliding_attention"}
+
+
+def tree_attention_mask(model, cache: DynamicCache, cached_len: int, visible: torch.Tensor,
+                        positions: torch.Tensor):
+    """The `attention_mask` for a forward that feeds Q new tokens arranged as a tree after
+    `cached_len` cached ones: new token i sees every cached token (within the sliding window,
+    measured in positions: a node's position is its depth, not its slot) and the new tokens
+    visible[i] marks (itself and its ancestors). positions [Q]: each new token's position.
+
+    Returns what the model's forward takes: a dict {layer type: [1, 1, Q, KV] mask} for models
+    with `layer_types` (Gemma 3, Qwen2, ...), else one mask; bool for sdpa, additive float for
+    eager. Only for models where `tree_masks_supported`."""
+    config = model.config.get_text_config()
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    dtype = next(model.parameters()).dtype
+    q = visible.shape[0]
+    device = positions.device
+
+    def one(layer_idx: int, window: int | None) -> torch.Tensor:
+        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+        if layer is not None and getattr(layer, "is_initialized", False):
+            kv_length, kv_offset = layer.get_mask_sizes(q)
+        else:
+            kv_length, kv_offset = q + cached_len, 0
+        slots = torch.arange(kv_offset, kv_offset + kv_length, device=device)
+        past = slots < cached_len
+        allowed = torch.zeros(q, kv_length, dtype=torch.bool, device=device)
+        see_past = past[None, :].expand(q, -1)
+        if window is not None:  # the sliding-window rule in positions: q - kv < window
+            see_past = see_past & (positions[:, None] - slots[None, :] < window)
+        allowed[:, past] = see_past[:, past]
+        allowed[:, ~past] = visible.to(device)
+        mask = allowed[None, None]
+        if impl == "eager":
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+                ~mask, torch.finfo(dtype).min)
+        return mask
+
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return one(0, None)
+    masks = {}
+    for kind in dict.fromkeys(types):
+        window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+        masks[kind] = one(types.index(kind), window)
+    return masks
+
+
+def keep_fed(cache: DynamicCache, fed: int, keep: list[int]) -> None:
+    """After a forward that fed `fed` tokens, keep only those at indices `keep` (increasing) of
+    the fed ones, in that order: the root and the accepted path of a draft tree. Then trim
+    sliding layers back to their window, as `crop_to` does."""
+    index = None
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False) or layer.keys is None:
+            continue
+        if index is None or index.device != layer.keys.device:
+            index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)
+        for name in ("keys", "values"):
+            states = getattr(layer, name)
+            setattr(layer, name, torch.cat([states[:, :, :-fed], states[:, :, -fed:]
+                                            .index_select(2, index)], dim=2))
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length -= fed - len(keep)
+    cache.crop(0)

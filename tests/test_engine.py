@@ -1,6 +1,7 @@
 """The engine on tiny random fp32 models: speculation must reproduce plain greedy exactly."""
 
 import collections
+import random
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from specchat.engine import Engine, GenerateConfig
 from specchat.events import GenerationStats, StepRecord, TokenEvent
 from specchat.models import vocab_mismatch
 from specchat.sampling import SamplingParams
+from specchat.tree import DraftTree
 from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 
 TOK = byte_tokenizer()
@@ -265,3 +267,76 @@ def test_verify_cost_line_has_a_fixed_part():
         only_two.update(1, 0.10, 0, 0, 0.0)
         only_two.update(2, 0.12, 1, 1, 0.0)
     assert only_two._verify_cost(2) == pytest.approx(0.12, rel=0.02)
+
+
+class TopKTreeDrafter:
+    """Draft trees from a model's own top-`width` tokens at each node, expanding two nodes a
+    level, siblings shuffled. With the target's weights most levels hold the target's token
+    somewhere; `noise` replaces a level's tokens at random so paths also break early."""
+
+    name = "tree"
+
+    def __init__(self, model, width=3, depth=4, noise=0.3, seed=0):
+        self.model, self.width, self.depth, self.noise = model, width, depth, noise
+        self.rng = random.Random(seed)
+
+    def begin(self, prompt_ids):
+        pass
+
+    def feedback(self, n_drafted, n_accepted):
+        pass
+
+    def propose(self, context, k, params, generator):
+        raise AssertionError("asked for trees: the engine calls propose_tree")
+
+    @torch.inference_mode()
+    def propose_tree(self, context, k, params, nodes):
+        tokens, parents, frontier = [], [], [(-1, [])]
+        for _ in range(min(k, self.depth)):
+            grown = []
+            for node, path in frontier:
+                logits = self.model(torch.tensor([context + path])).logits[0, -1]
+                top = logits.topk(self.width).indices.tolist()
+                if self.rng.random() < self.noise:
+                    top = self.rng.sample(range(3, logits.shape[-1]), self.width)
+                self.rng.shuffle(top)
+                for t in top:
+                    tokens.append(t)
+                    parents.append(node)
+                    grown.append((len(tokens) - 1, path + [t]))
+            frontier = self.rng.sample(grown, min(2, len(grown)))
+            frontier.sort()  # keep parents before children
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_greedy_tree_speculation_equals_plain_greedy(make):
+    """Past the sliding window too (16 positions on tiny_gemma3): masks count positions."""
+    engine = make_engine(make)
+    engine.drafters["tree"] = TopKTreeDrafter(make(0))
+    plain, _, _ = run(engine, REPETITIVE, speculation=False)
+    spec, steps, stats = run(engine, REPETITIVE, speculation=True, drafter="tree", draft_len=4,
+                             adaptive=False, tree_nodes=20)
+    assert [t.id for t in spec] == [t.id for t in plain]
+    kinds = collections.Counter(t.kind for t in spec)
+    assert kinds["accepted"] > 0 and kinds["resampled"] > 0 and kinds["bonus"] > 0
+    assert max(s.drafted for s in steps) > 4  # trees, not chains
+    assert stats.target_calls < len(plain) / 2
+    # the cache holds exactly the context but the newest token, in order
+    assert engine._cache_ids == TOK(REPETITIVE)["input_ids"] + [t.id for t in spec][:-1]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9)])
+def test_sampled_tree_speculation_replays_plain_sampling(make, sampling):
+    engine = make_engine(make)
+    sharp = make(0)
+    with torch.no_grad():  # sharper distributions, so trees are often right
+        sharp.lm_head.weight.mul_(20)
+        engine.model.lm_head.weight.mul_(20)
+    engine.drafters["tree"] = TopKTreeDrafter(sharp, noise=0.1)
+    plain, _, _ = run(engine, REPETITIVE, speculation=False, seed=5, **sampling)
+    spec, _, _ = run(engine, REPETITIVE, speculation=True, drafter="tree", draft_len=4,
+                     adaptive=False, seed=5, tree_nodes=20, **sampling)
+    assert [t.id for t in spec] == [t.id for t in plain]
+    assert collections.Counter(t.kind for t in spec)["accepted"] > 0

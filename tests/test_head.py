@@ -1,6 +1,7 @@
 """The EAGLE draft head: shapes, the reduced vocabulary, lossless verification with its q,
 greedy equivalence in the engine, a tiny training run, and refusing a head for another target."""
 
+import collections
 import itertools
 import json
 import operator
@@ -362,3 +363,61 @@ def test_gumbel_top_k_samples_the_tempered_top_k_distribution():
     want[top] = torch.softmax(logits[top] / 0.7, -1)
     assert freq[[2, 3, 5]].sum() == 0
     assert 0.5 * (freq - want).abs().sum() < 0.01
+
+
+def test_a_one_wide_tree_is_the_greedy_chain():
+    """Tree rows see the context and their ancestors, at the right positions: with one child a
+    node and one node expanded a level, the tree is exactly the chain the head drafts."""
+    target = tiny_gemma3(0, sliding_window=8)
+    head = random_head(target, vocab_ids=torch.arange(40, 44))
+    context, k = ids_of(TEXT), 6
+    chain, _ = HeadDrafter(head, target, len(TOK)).propose(context, k, SamplingParams(0.0), None)
+    tree = HeadDrafter(head, target, len(TOK), tree_width=1, tree_beam=1,
+                       tree_min_score=0.0).propose_tree(context, k, SamplingParams(0.0), k)
+    assert tree.parents == list(range(-1, k - 1))
+    assert tree.tokens.tolist() == chain.tolist()
+
+
+@pytest.mark.parametrize("nodes", [1, 5, 12])
+def test_head_tree_is_the_likeliest_nodes_parents_first(nodes):
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target, vocab_ids=torch.arange(40, 48)), target, len(TOK),
+                          tree_width=3, tree_beam=2, tree_min_score=0.0)
+    context = ids_of(TEXT)
+    tree = drafter.propose_tree(context, 4, SamplingParams(0.0), nodes)
+    assert len(tree) == nodes and 1 <= tree.depth <= 4
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert set(tree.tokens.tolist()) <= set(range(40, 48))
+    siblings = collections.defaultdict(list)
+    for token, p in zip(tree.tokens.tolist(), tree.parents):
+        siblings[p].append(token)
+    assert all(len(set(s)) == len(s) for s in siblings.values())
+    # The tree's rows are gone from the head cache: the next proposal matches a fresh drafter's.
+    assert drafter.cache[0].shape[2] == len(context) - 1
+    fresh = HeadDrafter(drafter.head, target, len(TOK), tree_width=3, tree_beam=2,
+                        tree_min_score=0.0)
+    again = drafter.propose_tree(context + [50], 4, SamplingParams(0.0), nodes)
+    other = fresh.propose_tree(context + [50], 4, SamplingParams(0.0), nodes)
+    assert again.tokens.tolist() == other.tokens.tolist() and again.parents == other.parents
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_head_tree_speculation_replays_plain_decoding(make, temperature):
+    target = make(0)
+    drafter = HeadDrafter(random_head(target, vocab_ids=torch.arange(40, 48)), target, len(TOK),
+                          tree_min_score=0.0)
+    engine = Engine(loaded(target, TOK), {"head": drafter,
+                                          "combined": CombinedDrafter(NgramDrafter(), drafter)})
+    cfg = dict(max_new_tokens=30, adaptive=False, temperature=temperature, seed=4)
+
+    def run(**more):
+        events = list(engine.stream(ids_of(TEXT), GenerateConfig(**cfg, **more)))
+        return [e.id for e in events if isinstance(e, TokenEvent)], events
+
+    plain, _ = run(speculation=False)
+    for name in ("head", "combined"):
+        spec, events = run(drafter=name, draft_len=4, tree_nodes=8)
+        assert spec == plain
+        assert max(getattr(e, "drafted", 0) for e in events) > 4  # trees were verified
+    assert drafter.computed == 0
