@@ -277,6 +277,7 @@ class Engine:
                                 seed=seed, prompt_tokens=len(prompt_ids))
         trees = bool(drafter and cfg.tree_nodes and self.trees_ok
                      and hasattr(drafter, "propose_tree"))
+        stats.tree_nodes = cfg.tree_nodes if trees else 0
         policy = self.policy(stats.drafter + "+tree" * trees, params.greedy) if drafter else None
         steps: list[StepRecord] = []
         reply = ReplyText(self.tokenizer, prompt_ids, cfg.stop)

@@ -66,6 +66,7 @@ class GenerationStats:
     speculation: bool = False
     drafter: str = "none"
     draft_len: int = 0  # the k asked for (the adaptive k may run lower)
+    tree_nodes: int = 0  # the most tokens of a draft tree (0: drafts were chains)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

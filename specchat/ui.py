@@ -30,7 +30,7 @@ from pathlib import Path
 import gradio as gr
 
 from specchat import ui_stats
-from specchat.engine import DRAFTER_PREFERENCE, Engine, GenerateConfig, LoadReport
+from specchat.engine import DRAFTER_PREFERENCE, TREE_NODES, Engine, GenerateConfig, LoadReport
 from specchat.events import ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord, \
     TokenEvent
 from specchat.models import ModelLoadError
@@ -408,7 +408,7 @@ class ChatApp:
                              speculation=bool(s.speculation) and bool(available),
                              drafter=drafter,
                              draft_len=min(max(int(s.draft_len or 1), 1), MAX_DRAFT_LEN),
-                             adaptive=bool(s.adaptive))
+                             adaptive=bool(s.adaptive), tree_nodes=TREE_NODES)
         return cfg, notes
 
     def system_prompt(self, s: Settings, notes: list[str]) -> str:
