@@ -70,6 +70,21 @@ def test_step_costs_alpha_c_and_verify_ratio():
     assert predicted_speedup_steps(steps, costs) < predicted_speedup(costs)
 
 
+def test_a_tree_step_counts_as_a_chain_as_deep_as_the_tree():
+    """12 nodes 3 levels deep: 3 tests along the path, 3 draft forwards, a 13-token verify."""
+    plain = [st(0, 0, 0.0, 0.1)] * 4
+    tree = [StepRecord(0, 12, 2, 3, 0.006, 0.15, 3), StepRecord(0, 12, 3, 4, 0.006, 0.15, 3)]
+    costs = step_costs(tree, plain)
+    assert costs["alpha"] == pytest.approx(5 / 6)  # the first path stopped short of the leaves
+    assert costs["acceptance_rate"] == pytest.approx(5 / 24)  # of the nodes drafted
+    assert costs["k_mean"] == pytest.approx(3.0)
+    assert costs["c"] == pytest.approx(0.002 / 0.1)  # per level, not per node
+    assert costs["verify_ratio_by_fed"] == pytest.approx({13: 1.5})
+    a = 5 / 6
+    expected = 2 * (1 - a ** 4) / (1 - a) / (2 * (0.02 * 3 + 1.5))
+    assert predicted_speedup_steps(tree, costs) == pytest.approx(expected)
+
+
 def test_prefill_dilutes_the_predicted_speedup_amdahl():
     assert with_prefill(2.0, 0.0) == pytest.approx(2.0)
     assert with_prefill(2.0, 0.5) == pytest.approx(1 / (0.5 + 0.25))  # 1.33x
