@@ -695,11 +695,16 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str) -> str:
     else:
         def piece(tokens):
             return html.escape(repr(tokens[diff].text)) if diff < len(tokens) else "(end)"
-        if cfg.temperature > 0 and cfg.drafter != "ngram":
+        # Sampled drafts (a draft model, the head's chains) use the random numbers their own
+        # way; one-hot drafts (n-gram lookup, the head's trees) replay plain sampling per seed.
+        sampled_drafts = cfg.drafter == "model" or (cfg.drafter in ("head", "combined")
+                                                     and not on.tree_nodes)
+        if cfg.temperature > 0 and sampled_drafts:
             why = ("At temperature > 0 both runs sample from the same distribution, but this "
                    "drafter samples its drafts, which uses the random numbers differently: the "
                    "texts may differ while being equally likely (lossless in distribution, not "
-                   "per seed; n-gram drafts, being one-hot, replay plain sampling per seed).")
+                   "per seed; n-gram drafts and draft trees, being one-hot, replay plain "
+                   "sampling per seed).")
         elif cfg.temperature > 0 and quantization == "none":
             why = ("One-hot drafts at temperature > 0 use the random numbers exactly as plain "
                    "sampling does, so the texts should match: this divergence is unexpected "

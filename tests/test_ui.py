@@ -10,10 +10,10 @@ from html.parser import HTMLParser
 import pytest
 
 from specchat.drafters import ModelDrafter, NgramDrafter
-from specchat.engine import Engine, LoadReport
+from specchat.engine import Engine, GenerateConfig, LoadReport
 from specchat.events import GenerationStats, TokenEvent
 from specchat.stats import StatsStore
-from specchat.ui import (ChatApp, Limits, ModelSlot, Session, Settings, first_difference,
+from specchat.ui import (ChatApp, Limits, ModelSlot, Session, Settings, ab_verdict, first_difference,
                          markup_ranges, render_tokens, status_html)
 from tiny import byte_tokenizer, loaded, tiny_llama
 
@@ -369,3 +369,21 @@ def test_launcher_auth_and_exposure_warning():
     args = launcher.build_parser().parse_args(["--preset", "embedded", "--max-new-tokens-cap",
                                                "64", "--share"])
     assert args.max_new_tokens_cap == 64 and args.share and args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("drafter, tree_nodes, replays", [
+    ("ngram", 0, True), ("combined", 10, True), ("head", 10, True), ("head", 0, False),
+    ("model", 0, False)])
+def test_ab_verdict_explains_a_sampled_difference_by_how_drafts_were_made(drafter, tree_nodes,
+                                                                          replays):
+    off = GenerationStats(new_tokens=2, seconds=1.0, tokens_per_s=2.0, stop_reason="length")
+    on = GenerationStats(new_tokens=2, seconds=0.5, tokens_per_s=4.0, stop_reason="length",
+                         drafter=drafter, tree_nodes=tree_nodes, speculation=True)
+    runs = {"off": ([TokenEvent(5, "a", "target", 1, 0, 0), TokenEvent(6, "b", "target", 2, 0, 0)],
+                    off),
+            "on": ([TokenEvent(5, "a", "target", 1, 0, 0), TokenEvent(7, "c", "bonus", 2, 1, 1)],
+                   on)}
+    cfg = GenerateConfig(temperature=0.7, drafter=drafter)
+    text = ab_verdict(runs, cfg, "none")
+    assert ("should match" in text) == replays
+    assert ("samples its drafts" in text) != replays
