@@ -13,8 +13,8 @@ from specchat.drafters import ModelDrafter, NgramDrafter
 from specchat.engine import Engine, GenerateConfig, LoadReport
 from specchat.events import GenerationStats, TokenEvent
 from specchat.stats import StatsStore
-from specchat.ui import (ChatApp, Limits, ModelSlot, Session, Settings, ab_verdict, first_difference,
-                         markup_ranges, render_tokens, status_html)
+from specchat.ui import (ChatApp, Limits, ModelSlot, Session, Settings, ab_verdict,
+                         first_difference, markup_ranges, render_tokens, status_html)
 from tiny import byte_tokenizer, loaded, tiny_llama
 
 import app as launcher
