@@ -26,7 +26,8 @@ Numbers (the pure functions below, tested on synthetic step records in tests/tes
   target step; verify ratio = seconds of a speculative step's target forward (k + 1 tokens fed)
   / the plain step's. A draft tree (tree.py) counts as a chain as long as its depth: k is the
   depth, alpha the chance the accepted path goes one level further, c the draft seconds per
-  level; its verify ratio is measured at its real width. Leviathan et al. 2022, expected walltime improvement:
+  level; its verify ratio is measured at its real width.
+  Leviathan et al. 2022, expected walltime improvement:
   (1 - alpha^(k+1)) / ((1 - alpha)(c k + verify_ratio)), where this engine's verify cost for
   k + 1 tokens is measured instead of assumed equal to one step's. The formula covers decoding
   only; "+prefill" adds the prompt's encoding, unchanged by speculation (Amdahl's law with the

@@ -8,7 +8,9 @@ One step = one target forward over [last token] + k drafts, then `sampling.verif
 speculation off (or when the drafter has nothing to propose) k = 0 and the very same code path
 is plain decoding. A drafter may propose a tree instead (`tree.DraftTree`, the head does): the
 forward then reads every node under a tree attention mask, `tree.verify_tree` walks the path the
-target agrees with, and the cache keeps that path (`kvcache.keep_fed`). The target's KV cache lives across steps and across requests: after each
+target agrees with, and the cache keeps that path (`kvcache.keep_fed`).
+
+The target's KV cache lives across steps and across requests: after each
 verification it is cropped to the accepted context, and a new request re-encodes only what its
 prompt does not share with the cached tokens (a chat's history is encoded once).
 
