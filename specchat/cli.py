@@ -11,7 +11,7 @@ import itertools
 import json
 import sys
 
-from specchat.engine import TREE_NODES
+from specchat.engine import TREE_NODES, default_tree_nodes
 from specchat.models import PRESETS
 
 
@@ -44,10 +44,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                         "draft head, or combined (ngram when it finds a continuation, else the "
                         "head). Default: model when a draft model is loaded, else ngram")
     g.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
-    g.add_argument("--tree-nodes", type=int, default=TREE_NODES,
+    g.add_argument("--tree-nodes", type=int, default=None,
                    help="the head (and combined, when it uses the head) drafts a tree of up to "
                         "this many tokens, verified in one forward; 0: a chain, sampled at T > 0 "
-                        "(default: %(default)s)")
+                        f"(default: {TREE_NODES} when greedy, 0 when sampling)")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -88,7 +88,8 @@ def config_from_args(args, report):
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           speculation=args.speculation == "on", drafter=drafter,
                           draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
-                          tree_nodes=args.tree_nodes)
+                          tree_nodes=default_tree_nodes(args.temperature)
+                          if args.tree_nodes is None else args.tree_nodes)
 
 
 def validate_sampling(args) -> str | None:
@@ -96,7 +97,7 @@ def validate_sampling(args) -> str | None:
         return "--max-new-tokens must be at least 1"
     if args.draft_len < 1 or args.draft_len > 16:
         return "--draft-len must be between 1 and 16"
-    if not 0 <= args.tree_nodes <= 64:
+    if args.tree_nodes is not None and not 0 <= args.tree_nodes <= 64:
         return "--tree-nodes must be between 0 and 64"
     if args.temperature < 0:
         return "--temperature must be >= 0"

@@ -30,7 +30,8 @@ from pathlib import Path
 import gradio as gr
 
 from specchat import ui_stats
-from specchat.engine import DRAFTER_PREFERENCE, TREE_NODES, Engine, GenerateConfig, LoadReport
+from specchat.engine import (DRAFTER_PREFERENCE, Engine, GenerateConfig, LoadReport,
+                             default_tree_nodes)
 from specchat.events import ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord, \
     TokenEvent
 from specchat.models import ModelLoadError
@@ -288,6 +289,8 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
                               "Speedup needs a plain reply at the same temperature in this "
                               "conversation: turn speculation off for a reply, or run A/B replay."))
         k = f"k≤{stats.draft_len}"
+        if stats.tree_nodes:
+            k += f", trees of ≤{stats.tree_nodes}"
         parts.append(chip(stats.drafter, f"drafter, {k}"))
     else:
         parts += [chip(str(stats.target_calls), "target passes"), chip("speculation off")]
@@ -401,14 +404,15 @@ class ChatApp:
             drafter = fallback
         seed = int(s.seed) if s.seed is not None and int(s.seed) >= 0 else \
             random.randrange(2**31 - 1)
-        cfg = GenerateConfig(max_new_tokens=max_new,
-                             temperature=min(max(float(s.temperature or 0.0), 0.0), 2.0),
+        temperature = min(max(float(s.temperature or 0.0), 0.0), 2.0)
+        cfg = GenerateConfig(max_new_tokens=max_new, temperature=temperature,
                              top_p=min(max(float(s.top_p or 1.0), 0.01), 1.0),
                              top_k=max(int(s.top_k or 0), 0), seed=seed,
                              speculation=bool(s.speculation) and bool(available),
                              drafter=drafter,
                              draft_len=min(max(int(s.draft_len or 1), 1), MAX_DRAFT_LEN),
-                             adaptive=bool(s.adaptive), tree_nodes=TREE_NODES)
+                             adaptive=bool(s.adaptive),
+                             tree_nodes=default_tree_nodes(temperature))
         return cfg, notes
 
     def system_prompt(self, s: Settings, notes: list[str]) -> str:
