@@ -47,6 +47,8 @@ def default_tree_nodes(temperature: float) -> int:
     draft passes Leviathan's test more often than a tree's one-hot nodes pass the target's draw
     (alpha 0.60 vs 0.54; combined 1.30x with chains vs 1.15x with trees)."""
     return TREE_NODES if temperature <= 0 else 0
+
+
 # Best first, by `python -m specchat bench` on the embedded target (README): a real draft model,
 # then n-gram lookup with the trained head behind it, lookup alone, the head alone.
 DRAFTER_PREFERENCE = ("model", "combined", "ngram", "head")
