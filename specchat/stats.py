@@ -53,7 +53,7 @@ INTERRUPTED_REASONS = ("stopped", "error")
 # Stats keys copied verbatim into a turn row (the derived ones are computed in `turn_row`).
 COPIED_STATS = ("speculation", "drafter", "draft_len", "temperature", "top_p", "top_k", "seed",
                 "new_tokens", "seconds", "ttft_s", "target_calls", "drafted", "accepted",
-                "draft_s", "verify_s", "stop_reason", "error")
+                "draft_s", "verify_s", "stop_reason", "error", "tree_nodes")
 
 
 def default_db_path() -> Path:
@@ -120,6 +120,12 @@ def m003_ab_baseline(db: Database) -> None:
     # on this schema; if a later migration changes its columns, freeze a copy of it here.)
     for row in list(db.query("SELECT id FROM conversations")):
         refresh_speedups(db, row["id"])
+
+
+@MIGRATIONS()
+def m004_tree_nodes(db: Database) -> None:
+    # The head's draft-tree size (0: chains); NULL on turns recorded before trees existed.
+    db["turns"].add_column("tree_nodes", int)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -208,7 +208,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
 
     store = StatsStore(path)
     assert [m.name for m in MIGRATIONS.applied(store.db)] == [
-        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline"]
+        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes"]
     assert store.db["conversations"].count == 3 and store.db["turns"].count == 30
     got = {t["prompt"]: t for c in conversations for t in store.turns(c["id"])}
     for i, old in enumerate(turns):
@@ -231,7 +231,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
     store.record_turn("c0", "new", "turn", spec_stats())
     store.close()
     again = StatsStore(path)
-    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 3
+    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 4
     again.close()
 
 
@@ -311,7 +311,7 @@ def test_connections_opening_a_new_file_at_once_migrate_it_once(tmp_path):
         t.join()
     assert errors == [] and len(stores) == 6
     assert [m.name for m in MIGRATIONS.applied(stores[0].db)] == [
-        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline"]
+        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes"]
     for store in stores:
         store.close()
 
@@ -516,3 +516,13 @@ def test_cli_reports_a_corrupt_db(tmp_path, capsys):
     path.write_bytes(b"\x01" * 5000)
     code, _ = run_cli("--db", str(path))
     assert code == 1 and "corrupt" in capsys.readouterr().err
+
+
+def test_a_turn_records_its_draft_tree_size(tmp_path):
+    from specchat.events import GenerationStats
+    store = StatsStore(tmp_path / "s.db")
+    conv = store.new_conversation("trees", target="target", quantization="nf4")
+    stats = GenerationStats(new_tokens=3, seconds=1.0, speculation=True, drafter="head",
+                            draft_len=4, tree_nodes=10, drafted=12, accepted=2)
+    store.record_turn(conv, "p", "r", stats)
+    assert [t["tree_nodes"] for t in store.turns(conv)] == [10]
