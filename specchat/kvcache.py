@@ -107,6 +107,7 @@ def tree_attention_mask(model, cache: DynamicCache, cached_len: int, visible: to
     return masks
 
 
+@torch.inference_mode()
 def keep_fed(cache: DynamicCache, fed: int, keep: list[int]) -> None:
     """After a forward that fed `fed` tokens, keep only those at indices `keep` (increasing) of
     the fed ones, in that order: the root and the accepted path of a draft tree. Then trim
@@ -117,10 +118,11 @@ def keep_fed(cache: DynamicCache, fed: int, keep: list[int]) -> None:
             continue
         if index is None or index.device != layer.keys.device:
             index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)
-        for name in ("keys", "values"):
+        for name in ("keys", "values"):  # in place: the cache owns these tensors
             states = getattr(layer, name)
-            setattr(layer, name, torch.cat([states[:, :, :-fed], states[:, :, -fed:]
-                                            .index_select(2, index)], dim=2))
+            start = states.shape[2] - fed
+            states[:, :, start:start + len(keep)] = states[:, :, start:].index_select(2, index)
+            setattr(layer, name, states[:, :, :start + len(keep)])
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length -= fed - len(keep)
     cache.crop(0)
