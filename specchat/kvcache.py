@@ -54,10 +54,12 @@ def crop_to(cache: DynamicCache, cached_len: int, keep: int) -> bool:
 
 def tree_masks_supported(model) -> bool:
     """Can this model's attention take an arbitrary mask (sdpa, eager; not flash), and does it
-    have only causal and sliding-window layers?"""
+    have only causal and sliding-window layers, named in `layer_types` when there is a window?"""
     config = model.config.get_text_config()
     impl = getattr(config, "_attn_implementation", None) or "eager"
     kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds and getattr(config, "sliding_window", None):
+        return False  # which layers slide is not said: keep to chains
     return impl in ("sdpa", "eager") and kinds <= {"full_attention", "sliding_attention"}
 
 
