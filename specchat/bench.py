@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specchat.engine import TREE_NODES
 from specchat.events import TARGET, GenerationStats, StepRecord, TokenEvent, summarize
 
 ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
@@ -73,7 +74,7 @@ class BenchSettings:
     draft_len: int = 4  # k for our engine (the most draft tokens per step)
     adaptive: bool = True  # let the engine adapt k (never above draft_len)
     hf_pld_tokens: int = 0  # prompt_lookup_num_tokens for hf-pld (0: the same as draft_len)
-    tree_nodes: int = 10  # draft-tree size of the "-tree" modes
+    tree_nodes: int = TREE_NODES  # draft-tree size of the "-tree" modes
     repeats: int = 1  # runs per (question, mode); timings are medians over them
     warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
     stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
@@ -788,8 +789,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
     p.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: the engine adapts k)")
-    p.add_argument("--tree-nodes", type=int, default=10, metavar="N",
-                   help="draft-tree size of the head-tree and combined-tree modes")
+    p.add_argument("--tree-nodes", type=int, default=TREE_NODES, metavar="N",
+                   help="draft-tree size of the head-tree and combined-tree modes "
+                        "(default: %(default)s)")
     p.add_argument("--hf-pld-tokens", type=int, default=0, metavar="N",
                    help="prompt_lookup_num_tokens for hf-pld (default: --draft-len)")
     p.add_argument("--repeats", type=int, default=1, help="runs per question and mode; "
