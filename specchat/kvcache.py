@@ -13,12 +13,64 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specchat.attention import NAME as ROW_EXACT
+from specchat.attention import is_row_exact
 
 
 def new_cache(model) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
+    if is_row_exact(model):
+        # Every token from slot 0 in every layer, sliding ones too (their mask applies the
+        # window): the row-exact attention needs each key at the same slot in every call.
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = PagedLayer
+    else:
+        cache = DynamicCache(config=model.config)
     cache.activate_past_recording()
     return cache
+
+
+class PagedLayer(DynamicLayer):
+    """A full-attention cache layer whose keys/values live in a zero-initialized buffer grown
+    `GROW` slots at a time. New states are written in place, where DynamicLayer concatenates
+    (a copy of the whole layer per forward). `keys` / `values` stay views of the cached tokens,
+    so everything that reads, crops or rewrites them works unchanged; the buffer's spare slots
+    let `attention.row_exact_sdpa` pad the keys to a page without copying them."""
+
+    GROW = 256  # slots; a multiple of attention.PAGE
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._buffers = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cached = self.get_seq_length()
+        total = cached + key_states.shape[-2]
+        buffers = self._buffers
+        if buffers is None or total > buffers[0].shape[-2] \
+                or (cached and self.keys.data_ptr() != buffers[0].data_ptr()):
+            # first use, full, or `keys` replaced by another tensor: a new buffer
+            shape = (*key_states.shape[:2], -(-total // self.GROW) * self.GROW + self.GROW,
+                     key_states.shape[-1])
+            buffers = tuple(torch.zeros(shape, dtype=s.dtype, device=s.device)
+                            for s in (key_states, value_states))
+            if cached:
+                buffers[0][:, :, :cached] = self.keys
+                buffers[1][:, :, :cached] = self.values
+            self._buffers = buffers
+        buffers[0][:, :, cached:total] = key_states
+        buffers[1][:, :, cached:total] = value_states
+        self.keys, self.values = buffers[0][:, :, :total], buffers[1][:, :, :total]
+        for view in (self.keys, self.values):
+            view._specchat_paged = True  # its buffer's spare slots are zeros or old states
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
 
 
 def can_crop(cache: DynamicCache, remove: int) -> bool:
@@ -60,7 +112,7 @@ def tree_masks_supported(model) -> bool:
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds and getattr(config, "sliding_window", None):
         return False  # which layers slide is not said: keep to chains
-    return impl in ("sdpa", "eager") and kinds <= {"full_attention", "sliding_attention"}
+    return impl in ("sdpa", "eager", ROW_EXACT) and kinds <= {"full_attention", "sliding_attention"}
 
 
 def tree_attention_mask(model, cache: DynamicCache, cached_len: int, visible: torch.Tensor,

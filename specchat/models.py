@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from specchat.attention import use_row_exact_attention
+
 EMBEDDED = "embedded"  # --target value (and default) meaning the packaged Gemma 3 270M
 EMBEDDED_NAME = "Gemma 3 270M (embedded, Gemma Terms of Use)"
 
@@ -169,6 +171,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         _release_freed_memory()
         fast_cpu_nf4(model)
         fast_lm_head(model)
+        use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit
     if name_or_path in ("", EMBEDDED):
         name_or_path = EMBEDDED_NAME
     return LoadedModel(model, tokenizer, name_or_path, label, dev, time.perf_counter() - start)

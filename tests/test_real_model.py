@@ -1,14 +1,33 @@
 """The embedded Gemma 3 270M, for real (slow: ~1-2 min; the first run converts the GGUF)."""
 
 import pytest
+import torch
+
+from specchat.attention import NAME as ROW_EXACT
 
 from specchat.engine import GenerateConfig, load_engine
 from specchat.events import KINDS, GenerationStats, TokenEvent
+from specchat.kvcache import new_cache
 from specchat.text import chat_prompt
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [{"role": "user", "content": "List the days of the week, then list them again."}]
+
+
+@torch.inference_mode()
+def logit_mismatches(model) -> int:
+    """Positions of 24 new tokens whose logits differ between one-token steps and 6-token
+    forwards (bit for bit), after a 30-token prompt."""
+    prompt, new = list(range(1000, 1030)), list(range(2000, 2024))
+    logits = []
+    for width in (1, 6):
+        cache = new_cache(model)
+        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        logits.append(torch.cat([
+            model(torch.tensor([new[i:i + width]]), past_key_values=cache,
+                  use_cache=True).logits[0] for i in range(0, len(new), width)]))
+    return int((logits[0] != logits[1]).any(-1).sum())
 
 
 def collect(engine, cfg):
@@ -28,6 +47,21 @@ def test_embedded_nf4_ngram_speculation_and_fp32_greedy_equivalence():
     reply = "".join(t.text for t in tokens)
     assert reply.strip()
     assert reply == nf4.tokenizer.decode([t.id for t in tokens], skip_special_tokens=False)
+
+    # Row-exact attention: speculation gives plain greedy's tokens on the NF4 target too.
+    cfg = dict(max_new_tokens=48, adaptive=False, draft_len=4)
+    plain, _ = collect(nf4, GenerateConfig(speculation=False, **cfg))
+    for drafter in ("ngram", "combined"):
+        spec, s = collect(nf4, GenerateConfig(speculation=True, drafter=drafter, **cfg))
+        assert [t.id for t in spec] == [t.id for t in plain], drafter
+        assert s.accepted > 0
+    model = nf4.model
+    assert logit_mismatches(model) == 0
+    model.set_attn_implementation("sdpa")  # transformers' own: wide forwards differ in the last bits
+    try:
+        assert logit_mismatches(model) > 0
+    finally:
+        model.set_attn_implementation(ROW_EXACT)
 
     fp32 = load_engine("embedded", quantization="none").engine
     cfg = dict(max_new_tokens=48, adaptive=False, draft_len=4)

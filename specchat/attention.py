@@ -1,0 +1,119 @@
+"""Attention whose every query row computes exactly what a one-token decoding step computes.
+
+Speculative decoding is lossless in distribution whatever the arithmetic, but a user toggling
+speculation expects the same greedy reply, and on a bf16 / NF4 target the stock attention does
+not give it: a verify forward (k + 1 query rows, a mask) and a decoding step (one row, no mask,
+GQA packed) take different kernel paths, their outputs differ in the last bits, and a near-tie
+between two tokens flips the reply after a few dozen tokens.
+
+On CPU, `torch.nn.functional.scaled_dot_product_attention` is exact per row once every call
+takes the same path: query heads packed onto their key/value head, a boolean mask, and keys
+padded with masked slots to a multiple of 64. Rows then give bit-identical outputs whatever the
+number of rows and however many masked slots follow (measured; tests/test_attention.py). On the
+embedded target the rest of the model is row-exact already (norms, MLPs, bitsandbytes' fused
+NF4 kernel, the bf16 LM head), so with this attention a verify forward's logits equal plain
+decoding's, bit for bit, and so does the reply (tests/test_real_model.py).
+
+Conditions:
+- Keys sit at the same slot in every call: the cache holds every token from slot 0, sliding-
+  window layers included (the mask applies their window), in `kvcache.PagedLayer`s, whose
+  spare slots give the padding without a copy. A decoding step costs what it did with sdpa.
+- Chunks of `WIDE` rows or more (prompts) take the stock path, with its faster causal kernel:
+  they are computed the same way with speculation on or off, so nothing needs to match them.
+  (So do verifies that wide, as are the NF4 layers' inputs: `models.WIDE_ROWS`.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "specchat_sdpa"
+PAGE = 64  # keys are padded to a multiple of this many slots
+WIDE = 64  # query rows from which the stock sdpa runs instead (prompt encoding)
+
+
+def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   is_causal=None, **kwargs):
+    """transformers' attention-function signature: query [B, H, Q, D], key/value [B, KV, S, D],
+    attention_mask bool [B, 1, Q, >=S] or None (causal). Returns ([B, Q, H, D], None)."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    if rows >= WIDE or kwargs.get("softcap") is not None or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    groups = heads // kv_heads
+    # [B, H, Q, D] -> [B, KV, G*Q, D]: each key/value head with its query heads' rows.
+    packed = query.reshape(batch, kv_heads, groups * rows, dim)
+    mask = _packed_mask(attention_mask, batch, rows, slots, groups, query.device)
+    if mask.shape[-1] > slots:
+        key, value = padded(key, mask.shape[-1]), padded(value, mask.shape[-1])
+    out = F.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, scale=scaling,
+        dropout_p=dropout if module.training else 0.0)
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+_masks: dict = {}  # the last forward's masks: every layer of a kind gets the same one
+
+
+def _packed_mask(attention_mask, batch: int, rows: int, slots: int, groups: int, device):
+    """[B, 1, G*Q, S padded to PAGE] bool: `attention_mask` (None: causal, the new rows being
+    the last `rows` slots) for the packed rows, the padding slots masked."""
+    key = (id(attention_mask), batch, rows, slots, groups, device)
+    hit = _masks.get(key)
+    if hit is not None and hit[0] is attention_mask:
+        return hit[1]
+    if attention_mask is None:
+        row = torch.arange(rows, device=device)[:, None]
+        slot = torch.arange(slots, device=device)[None, :]
+        mask = (slot <= slots - rows + row)[None, None]
+    else:
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"{NAME} takes boolean masks, got {attention_mask.dtype}")
+        mask = attention_mask[:, :, :, :slots]
+    mask = F.pad(mask, (0, -slots % PAGE), value=False)
+    mask = mask.expand(batch, 1, rows, mask.shape[-1]).repeat(1, 1, groups, 1)
+    if len(_masks) >= 8:
+        _masks.clear()
+    _masks[key] = (attention_mask, mask)  # holding the input keeps its id from being reused
+    return mask
+
+
+def padded(states: torch.Tensor, slots: int) -> torch.Tensor:
+    """`states` [B, H, S, D] extended to `slots` along S: a longer view of the same buffer when
+    it is a kvcache.PagedLayer's with room, else a zero-padded copy. The extra slots are
+    masked; what they hold only has to be finite (the layer's are zeros or older states)."""
+    size = (*states.shape[:2], slots, states.shape[3])
+    last = states.storage_offset() + sum((n - 1) * st for n, st in zip(size, states.stride()))
+    if states.stride(2) == states.shape[3] and states.stride(3) == 1 \
+            and last < states.untyped_storage().nbytes() // states.element_size() \
+            and getattr(states, "_specchat_paged", False):
+        return states.as_strided(size, states.stride())
+    return F.pad(states, (0, 0, 0, slots - states.shape[2]))
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, row_exact_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_row_exact_attention(model) -> bool:
+    """Switch a CPU model from sdpa to `row_exact_sdpa`. Returns whether it was switched.
+
+    Only on CPU (the exactness was measured there; CUDA's NF4 kernels differ by row count
+    anyway) and only from sdpa, which takes the same masks."""
+    config = model.config.get_text_config()
+    if getattr(config, "_attn_implementation", None) != "sdpa" or model.device.type != "cpu":
+        return False
+    register()
+    model.set_attn_implementation(NAME)
+    return True
+
+
+def is_row_exact(model) -> bool:
+    return getattr(model.config.get_text_config(), "_attn_implementation", None) == NAME
