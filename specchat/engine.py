@@ -32,7 +32,7 @@ from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats
 from specchat.kvcache import (crop_to, keep_fed, new_cache, tree_attention_mask,
                               tree_masks_supported)
 from specchat.sampling import SamplingParams, verify
-from specchat.text import ReplyText
+from specchat.text import ReplyText, tokens_until_stop
 from specchat.tree import DraftTree, verify_tree, visibility
 
 
@@ -352,6 +352,7 @@ class Engine:
                         draft = drafter.propose_tree(context, k, params, cfg.tree_nodes)
                     else:
                         draft = drafter.propose(context, k, params, generator)
+                        draft = _until_stop(self.tokenizer, context, draft, cfg.stop)
                     t1 = time.perf_counter()
                     tree = self._tree_step(context, draft, params, generator, wants) \
                         if isinstance(draft, DraftTree) else None
@@ -394,6 +395,17 @@ class Engine:
                 raise
             stats.seconds = time.perf_counter() - start
         yield summarize(steps, stats)
+
+
+def _until_stop(tokenizer, context, draft, stops):
+    """A chain draft without the tokens after a stop string (they could never be shown)."""
+    draft_ids, draft_probs = draft
+    if not stops or len(draft_ids) < 2:
+        return draft
+    keep = tokens_until_stop(tokenizer, context, draft_ids.tolist(), stops)
+    if keep == len(draft_ids):
+        return draft
+    return draft_ids[:keep], (draft_probs[:keep] if draft_probs is not None else None)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

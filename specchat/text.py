@@ -48,6 +48,30 @@ class Detokenizer:
         return after[len(before):]
 
 
+def tokens_until_stop(tokenizer, context: list[int], draft: list[int],
+                      stops: tuple[str, ...] | list[str]) -> int:
+    """How many of `draft`'s tokens can matter after `context`: up to and including the one
+    that completes a stop string, all of them when none does. The reply ends at a stop
+    string, so verifying drafts past it only widens the target's forward. (N-gram lookup meets
+    this at the end of nearly every reply: after a newline it copies the prompt's next
+    "User: ..." line.)"""
+    stops = [s for s in stops if s]
+    if not stops or not draft:
+        return len(draft)
+    tail = context[-max(len(s) for s in stops):]  # a stop spans at most len(stop) tokens
+
+    def ends_in_draft(ids: list[int]) -> bool:
+        text = tokenizer.decode(tail + ids, skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        return any(text.find(s, max(0, base - len(s) + 1)) >= 0 for s in stops)
+
+    base = len(tokenizer.decode(tail, skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False))
+    if not ends_in_draft(draft):  # the usual case: one decode
+        return len(draft)
+    return next(i for i in range(1, len(draft) + 1) if ends_in_draft(draft[:i]))
+
+
 class ReplyText:
     """Decides which token events can be shown, and with what text.
 

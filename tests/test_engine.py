@@ -12,6 +12,7 @@ from specchat.engine import Engine, GenerateConfig
 from specchat.events import GenerationStats, StepRecord, TokenEvent
 from specchat.models import vocab_mismatch
 from specchat.sampling import SamplingParams
+from specchat.text import tokens_until_stop
 from specchat.tree import DraftTree
 from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 
@@ -125,6 +126,40 @@ def test_stop_string_ends_the_reply_and_is_not_shown():
     assert stats.stop_reason == "stop_string"
     assert stats.new_tokens == len(cut)  # tokens of the stop string are not counted
     assert "".join(t.text for t in cut) == full[:full.find(stop)]
+
+
+def test_tokens_until_stop_keeps_drafts_up_to_the_stop_string():
+    ids = lambda text: TOK(text)["input_ids"]  # noqa: E731 (byte-level: a token a byte)
+    context = ids("Answer: yes")
+    assert tokens_until_stop(TOK, context, ids(" and no\nUser: why?"), ("\nUser:",)) == 13
+    assert tokens_until_stop(TOK, context, ids(" and no, why?"), ("\nUser:",)) == 13  # all
+    assert tokens_until_stop(TOK, context, ids(" and no\nUser: why?"), ()) == 18
+    # a stop string begun in the context and completed by the draft
+    assert tokens_until_stop(TOK, ids("yes\nUs"), ids("er: why?"), ("\nUser:",)) == 3
+    # one already in the context does not count (the prompt may hold stop strings)
+    assert tokens_until_stop(TOK, ids("\nUser:"), ids(" hi there"), ("\nUser:",)) == 9
+
+
+class ScriptedDrafter(NgramDrafter):
+    """Always proposes the same text (one-hot drafts)."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.ids = TOK(text)["input_ids"]
+
+    def propose(self, context, k, params, generator):
+        return torch.tensor(self.ids[:k], dtype=torch.long), None
+
+
+def test_drafts_are_cut_after_a_stop_string():
+    engine = make_engine()
+    engine.drafters["scripted"] = ScriptedDrafter("ab\nUser: more words")
+    _, steps, _ = run(engine, REPETITIVE, speculation=True, drafter="scripted", draft_len=12,
+                      adaptive=False, stop=("\nUser:",), max_new_tokens=30)
+    assert max(s.drafted for s in steps) == 8  # "ab\nUser:" (fewer near max_new_tokens)
+    _, steps, _ = run(engine, REPETITIVE, speculation=True, drafter="scripted", draft_len=12,
+                      adaptive=False, max_new_tokens=30)
+    assert max(s.drafted for s in steps) == 12
 
 
 def test_max_new_tokens_and_stop_event():
