@@ -47,7 +47,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-nodes", type=int, default=None,
                    help="the head (and combined, when it uses the head) drafts a tree of up to "
                         "this many tokens, verified in one forward; 0: a chain, sampled at T > 0 "
-                        f"(default: {TREE_NODES} when greedy, 0 when sampling)")
+                        f"(default: {TREE_NODES} for the head when greedy, else 0)")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -88,7 +88,7 @@ def config_from_args(args, report):
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           speculation=args.speculation == "on", drafter=drafter,
                           draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
-                          tree_nodes=default_tree_nodes(args.temperature)
+                          tree_nodes=default_tree_nodes(args.temperature, drafter)
                           if args.tree_nodes is None else args.tree_nodes)
 
 

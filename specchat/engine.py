@@ -41,12 +41,13 @@ _NO_DRAFTS = torch.zeros(0, dtype=torch.long)
 TREE_NODES = 10
 
 
-def default_tree_nodes(temperature: float) -> int:
-    """Trees when greedy, chains when sampling: by `bench` on 65 Spec-Bench questions, trees
-    beat the head's chains greedy (1.16x vs 1.09x) but not at T = 0.7, where a sampled chain
-    draft passes Leviathan's test more often than a tree's one-hot nodes pass the target's draw
-    (alpha 0.60 vs 0.54; combined 1.30x with chains vs 1.15x with trees)."""
-    return TREE_NODES if temperature <= 0 else 0
+def default_tree_nodes(temperature: float, drafter: str = "head") -> int:
+    """Trees for the head alone when greedy, chains otherwise. By `bench` on 65 Spec-Bench
+    questions (README): greedy, the head's trees tie or beat its chains (1.08x vs 1.09x, 1.16x
+    vs 1.09x in an earlier run), but `combined` is faster with chains (1.61x vs 1.57x, 1.68x vs
+    1.59x); at T = 0.7 a sampled chain draft passes Leviathan's test more often than a tree's
+    one-hot nodes pass the target's draw (alpha 0.60 vs 0.54; combined 1.30x vs 1.15x)."""
+    return TREE_NODES if temperature <= 0 and drafter == "head" else 0
 
 
 # Best first, by `python -m specchat bench` on the embedded target (README): a real draft model,

@@ -412,7 +412,7 @@ class ChatApp:
                              drafter=drafter,
                              draft_len=min(max(int(s.draft_len or 1), 1), MAX_DRAFT_LEN),
                              adaptive=bool(s.adaptive),
-                             tree_nodes=default_tree_nodes(temperature))
+                             tree_nodes=default_tree_nodes(temperature, drafter))
         return cfg, notes
 
     def system_prompt(self, s: Settings, notes: list[str]) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specchat.drafters import ModelDrafter, NgramDrafter
-from specchat.engine import Engine, GenerateConfig
+from specchat.engine import TREE_NODES, Engine, GenerateConfig, default_tree_nodes
 from specchat.events import GenerationStats, StepRecord, TokenEvent
 from specchat.models import vocab_mismatch
 from specchat.sampling import SamplingParams
@@ -375,3 +375,8 @@ def test_sampled_tree_speculation_replays_plain_sampling(make, sampling):
                      adaptive=False, seed=5, tree_nodes=20, **sampling)
     assert [t.id for t in spec] == [t.id for t in plain]
     assert collections.Counter(t.kind for t in spec)["accepted"] > 0
+
+
+def test_trees_by_default_only_for_the_head_alone_when_greedy():
+    assert default_tree_nodes(0.0, "head") == TREE_NODES
+    assert default_tree_nodes(0.0, "combined") == default_tree_nodes(0.7, "head") == 0
