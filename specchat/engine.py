@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.attention import is_row_exact
 from specchat.drafters import Drafter, _common_prefix_len
 from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, StepRecord,
                              TokenEvent, summarize)
@@ -177,6 +178,7 @@ class Engine:
         self._cache = None
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
         self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
+        self.row_exact = is_row_exact(self.model)  # verify logits = one-token logits, bit for bit
         self.trees_ok = tree_masks_supported(self.model)  # flash attention takes no tree mask
 
     # -- target forward -------------------------------------------------------------------

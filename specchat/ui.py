@@ -632,7 +632,7 @@ class ChatApp:
                 self._record(session, request, prompt, reply, stats, baseline_turn_id=plain_id)
             if stop.is_set() or stats.stop_reason == "error":
                 break
-        verdict = ab_verdict(runs, cfg, engine.target.quantization)
+        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact)
         # The plain run is a baseline for this conversation's speculative replies too.
         yield *panels(), verdict, render_history(session), session, notice
 
@@ -675,7 +675,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str) -> str:
+def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
+               row_exact: bool = False) -> str:
     (off_tokens, off), (on_tokens, on) = runs.get("off", ([], None)), runs.get("on", ([], None))
     if off is None or on is None:
         return '<div class="sc-verdict">Replay stopped before both runs finished.</div>'
@@ -709,18 +710,18 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str) -> str:
                    "texts may differ while being equally likely (lossless in distribution, not "
                    "per seed; n-gram drafts and draft trees, being one-hot, replay plain "
                    "sampling per seed).")
-        elif cfg.temperature > 0 and quantization == "none":
-            why = ("One-hot drafts at temperature > 0 use the random numbers exactly as plain "
-                   "sampling does, so the texts should match: this divergence is unexpected "
-                   "(a numerical near-tie or a bug).")
-        elif quantization != "none":
-            why = (f"Decoding on a {html.escape(quantization)} target: a verify pass over "
-                   "several tokens rounds slightly differently from one-token passes, so a "
-                   "near-tie can flip. Expected with quantized weights; on unquantized fp32 "
-                   "weights greedy texts match exactly.")
+        elif quantization == "none" or row_exact:
+            how = ("row-exact attention: a verify pass computes the same logits as one-token "
+                   "passes, bit for bit" if row_exact else "unquantized weights")
+            what = "one-hot drafts use the random numbers as plain sampling does" \
+                if cfg.temperature > 0 else "greedy decoding"
+            why = (f"With {how}, and {what}, the texts should match: this divergence is "
+                   "unexpected (a bug worth reporting).")
         else:
-            why = ("Greedy decoding on unquantized weights should give identical texts; "
-                   "this divergence is unexpected (numerical near-tie or a bug).")
+            why = (f"Decoding on a {html.escape(quantization)} target on this device: a verify "
+                   "pass over several tokens rounds slightly differently from one-token passes, "
+                   "so a near-tie can flip. Both texts are faithful samples of the model (on "
+                   "CPU, specchat's row-exact attention makes them match).")
         same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
                 f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
     return (f'<div class="sc-verdict"><b>Speedup: {speedup:.2f}×</b> '

@@ -75,29 +75,31 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
     assert (logits - reference).norm() < 0.02 * reference.norm()
 
 
-def test_one_token_logits_through_a_matrix_vector_product_are_bit_identical():
+def test_narrow_logits_through_weight_times_x_are_bit_identical():
     from transformers import Gemma3TextConfig
 
-    from specchat.models import _MatVecHead, fast_lm_head
+    from specchat.models import _NarrowHead, fast_lm_head
 
-    # The embedded target's width, 640: at widths like 32, mv and linear can round differently
+    # The embedded target's width, 640: at widths like 32, the two can round differently
     # (then the head keeps linear, which the checks are there to catch).
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=16, layer_types=["full_attention"])
     model = Gemma3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    n = _MatVecHead.CHECKS + 4  # past the checks: torch.mv in use for the last calls
+    n = _NarrowHead.CHECKS + 4  # past the checks: weight @ x.T alone for the last calls
     ids = torch.randint(0, 4096, (1, n))
     with torch.inference_mode():
         reference = [model(ids[:, :i + 1], logits_to_keep=1).logits[0, -1] for i in range(n)]
         assert fast_lm_head(model)
         fast = [model(ids[:, :i + 1], logits_to_keep=1).logits[0, -1] for i in range(n)]
-        wide = model(ids).logits[0]  # several rows: the ordinary linear, as before
-        assert torch.equal(wide, torch.nn.functional.linear(
-            model.model(ids).last_hidden_state, model.lm_head.weight)[0])
+        for rows in (1, 2, 5, n):  # one row or several: each row's logits as linear's
+            hidden = model.model(ids[:, :rows]).last_hidden_state
+            assert torch.equal(model(ids[:, :rows]).logits,
+                               torch.nn.functional.linear(hidden, model.lm_head.weight))
     for a, b in zip(fast, reference):
         assert torch.equal(a, b)
     assert model.lm_head.forward.checked
-    if not model.lm_head.forward.use_mv:
-        pytest.skip("torch.mv is not bit-identical to linear on this CPU: the head keeps linear")
+    if not model.lm_head.forward.fast:
+        pytest.skip("weight @ x.T is not bit-identical to linear on this CPU: the head keeps "
+                    "linear")

@@ -387,3 +387,6 @@ def test_ab_verdict_explains_a_sampled_difference_by_how_drafts_were_made(drafte
     text = ab_verdict(runs, cfg, "none")
     assert ("should match" in text) == replays
     assert ("samples its drafts" in text) != replays
+    greedy = GenerateConfig(temperature=0.0, drafter=drafter)
+    assert "should match" in ab_verdict(runs, greedy, "nf4", row_exact=True)
+    assert "near-tie can flip" in ab_verdict(runs, greedy, "nf4", row_exact=False)
