@@ -134,6 +134,9 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     local = Path(path).exists()
     if not local and "/" in path and path.startswith((".", "/", "~")):
         raise ModelLoadError(f"{path}: no such directory")
+    if local and Path(path).is_dir() and not (Path(path) / "config.json").exists():
+        raise ModelLoadError(f"{path} holds no model: it has no config.json (a model directory "
+                             "has config.json, the weights and the tokenizer's files)")
     compute = torch.bfloat16 if (dev.type == "cpu" or torch.cuda.is_bf16_supported()) \
         else torch.float16
     kwargs: dict = {}

@@ -79,6 +79,8 @@ def test_incompatible_draft_is_refused_with_the_difference(tiny_dirs):
 def test_bad_input_gets_a_clear_message(tiny_dirs, tmp_path):
     proc = generate("--target", str(tmp_path / "nope"), "--prompt", "hi", check=False)
     assert proc.returncode == 1 and "no such directory" in proc.stderr
+    proc = generate("--target", str(tmp_path), "--prompt", "hi", check=False)
+    assert proc.returncode == 1 and "holds no model: it has no config.json" in proc.stderr
     proc = generate("--target", tiny_dirs["target"], "--prompt", "   ", check=False)
     assert proc.returncode == 2 and "prompt is empty" in proc.stderr
     proc = generate("--target", "no-such-org/no-such-model", "--prompt", "hi", check=False)
