@@ -4,9 +4,12 @@ One small protocol, like transformers' candidate generators: the engine never kn
 drafts came from a model or from n-gram lookup.
 
     begin(prompt_ids)                      a new request starts from this context
-    propose(context, k, params, generator) -> (draft_ids [k'], draft_probs [k', vocab] | None)
-                                           k' <= k; None probs mean one-hot (deterministic) drafts;
-                                           or a tree.DraftTree at most k levels deep
+    propose(context, k, params, noise) -> (draft_ids [k'], draft_probs [k', vocab] | None)
+                                           k' <= k; None probs mean one-hot drafts (the target's
+                                           own draw decides); or a tree.DraftTree at most k
+                                           levels deep. Draft i is for reply position
+                                           len(context) + i: a drafter that samples uses
+                                           `noise` at that position (sampling.Noise).
     feedback(n_drafted, n_accepted)        called after each verification
 
 Optional: `draft_class(context)` names the kind of proposal coming next (the n-gram match length)
@@ -22,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from specchat.sampling import SamplingParams, sample_logits
+from specchat.sampling import Noise, SamplingParams, sample_logits
 
 
 class Drafter(Protocol):
@@ -31,7 +34,7 @@ class Drafter(Protocol):
     def begin(self, prompt_ids: list[int]) -> None: ...
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+                noise: Noise | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def feedback(self, n_drafted: int, n_accepted: int) -> None: ...
 
@@ -81,7 +84,7 @@ class NgramDrafter:
         are accepted far more often; the engine keeps acceptance per class to size k."""
         return self._match(context)[0] if len(context) >= 2 else 0
 
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, noise):
         if k <= 0 or len(context) < 2:
             return _EMPTY, None
         n, start = self._match(context)
@@ -136,14 +139,14 @@ class ModelDrafter:
         self.cached_ids.extend(ids)
         return out.logits[0, -1:, :self.vocab_size]  # [1, vocab], on the draft's device
 
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, noise):
         if k <= 0:
             return _EMPTY, None
         feed = self._sync(context)
         ids, probs = [], []
         for i in range(k):
             logits = self._forward(feed)
-            token, p = sample_logits(logits, params, generator)
+            token, p = sample_logits(logits, params, noise, len(context) + i)
             if params.greedy and self.min_confidence > 0 and i > 0:
                 if float(torch.softmax(logits.float(), -1).max()) < self.min_confidence:
                     break

@@ -32,7 +32,7 @@ from specchat.events import (ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats
                              TokenEvent, summarize)
 from specchat.kvcache import (crop_to, keep_fed, new_cache, tree_attention_mask,
                               tree_masks_supported)
-from specchat.sampling import SamplingParams, verify
+from specchat.sampling import Noise, SamplingParams, verify
 from specchat.text import ReplyText, tokens_until_stop
 from specchat.tree import DraftTree, verify_tree, visibility
 
@@ -236,12 +236,12 @@ class Engine:
                 d.observe(start, ids, features)
 
     def _tree_step(self, context: list[int], tree: DraftTree, params: SamplingParams,
-                   generator, wants: list):
+                   noise: Noise, wants: list):
         """Verify a draft tree in one forward and keep the accepted path in the cache.
         Returns (accepted tokens, verdict, tree depth)."""
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
-        verdict = verify_tree(tree, logits, params, generator)
+        verdict = verify_tree(tree, logits, params, noise, len(context))
         keep = [0] + [1 + i for i in verdict.path]  # the root and the accepted path
         keep_fed(self._cache, len(ids), keep)
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
@@ -284,7 +284,7 @@ class Engine:
                              f"{', '.join(self.drafters) or 'none'}")
         params = cfg.sampling
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        generator = torch.Generator().manual_seed(seed)
+        noise = Noise(seed)  # the draw at reply position t depends on (seed, t) alone
         stats = GenerationStats(speculation=drafter is not None,
                                 drafter=drafter.name if drafter else "none",
                                 draft_len=cfg.draft_len if drafter else 0,
@@ -304,7 +304,8 @@ class Engine:
             try:
                 logits, stats.prefill_tokens = self._prefill(prompt_ids)
                 stats.target_calls = 1
-                first = verify(_NO_DRAFTS, None, logits, params, generator).next_token
+                first = verify(_NO_DRAFTS, None, logits, params, noise,
+                               len(prompt_ids)).next_token
                 step_tokens: list[tuple[int, str]] = [(first, TARGET)]
                 record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
                 if drafter:
@@ -354,10 +355,10 @@ class Engine:
                     elif trees:
                         draft = drafter.propose_tree(context, k, params, cfg.tree_nodes)
                     else:
-                        draft = drafter.propose(context, k, params, generator)
+                        draft = drafter.propose(context, k, params, noise)
                         draft = _until_stop(self.tokenizer, context, draft, cfg.stop)
                     t1 = time.perf_counter()
-                    tree = self._tree_step(context, draft, params, generator, wants) \
+                    tree = self._tree_step(context, draft, params, noise, wants) \
                         if isinstance(draft, DraftTree) else None
                     if tree is not None:
                         accepted, verdict, levels = tree
@@ -367,7 +368,7 @@ class Engine:
                         k = levels = len(draft_ids)
                         target_logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
                         verdict = verify(draft_ids, draft_probs, target_logits, params,
-                                         generator)
+                                         noise, len(context))
                         n = verdict.n_accepted
                         accepted = draft_ids[:n].tolist()
                         # Every token but the newest is in the cache: drop the rejected drafts.

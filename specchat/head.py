@@ -14,9 +14,11 @@ tokens the target predicts most often, the token after it. Drafting k tokens fee
 predicted features forward. Only fc, the two input norms and the block are new weights (a few
 MB); the reduced head is tied to the target's rows and never saved.
 
-Verification stays lossless: a draft's q is the reduced-vocabulary distribution it was sampled
-from, scattered into a full-vocabulary row that is 0 everywhere else (the residual (p - q)+
-then covers every token the head cannot propose).
+Verification stays lossless whatever the head proposes: when sampling, the head draws its draft
+from its reduced-vocabulary q with the random numbers the target will use at that position
+(`sampling.race`), and the step checks it against the target's own draw there, so every
+emitted token is plain sampling's (tokens outside the reduced vocabulary simply never get
+drafted). Greedy, a draft passes when it is the target's argmax.
 
 Features come for free when the engine passes the hidden states of accepted positions to
 `HeadDrafter.observe` (read from a `FeatureTap` on the target's final norm). Without that the
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.sampling import SamplingParams, draw, nucleus
+from specchat.sampling import SamplingParams, nucleus, race
 from specchat.tree import DraftTree
 
 FORMAT = "specchat-head/1"
@@ -275,6 +277,7 @@ class HeadDrafter:
         self.cache = None  # head KV cache over positions 0..len(head_tokens)-2
         self.head_tokens: list[int] = []  # the tokens that cache was built from
         self.computed = 0  # features the drafter had to compute itself (no observe)
+        self.coupled = True  # sampled drafts verified one-hot (see _sample); False: with q
 
     def begin(self, prompt_ids):
         pass  # features and cache survive across requests: a chat's history is reused
@@ -332,7 +335,7 @@ class HeadDrafter:
         return pred[:, -1:], logits[:, -1:]
 
     @torch.inference_mode()
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, noise):
         L = len(context)
         if k <= 0 or L < 2:
             return _EMPTY, None
@@ -341,7 +344,7 @@ class HeadDrafter:
         p_all = 1.0  # the head's probability that every draft so far passes
         for i in range(k):
             reduced_logits = logits[0, -1:]  # [1, N]
-            token, q, p_token = self._sample(reduced_logits, params, generator)
+            token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
             p_all *= p_token
             if p_all < self.min_gain:
                 break
@@ -428,16 +431,23 @@ class HeadDrafter:
         ids = self.head.vocab_ids[torch.tensor([tokens[i] for i in best])].cpu()
         return DraftTree(ids, [new_index[parents[i]] if parents[i] >= 0 else -1 for i in best])
 
-    def _sample(self, reduced_logits, params: SamplingParams, generator):
-        """-> (full-vocab token id, full-vocab q row [vocab] or None when greedy, the token's
-        probability under the head: at temperature 1 when greedy, else under q)."""
+    def _sample(self, reduced_logits, params: SamplingParams, noise, position: int):
+        """-> (full-vocab token id, its q row [vocab] or None for a one-hot draft, the token's
+        probability under the head: at temperature 1 when greedy, else under q).
+
+        Sampled with the target's own keyed random numbers for this position (`sampling.race`):
+        the target's draw there is the same race over p, so the draft is the target's token
+        whenever the two races agree (Gumbel coupling), and the step verifies it as a one-hot
+        draft: the emitted tokens are plain sampling's, whatever the head proposed."""
         if params.greedy:
             p_top, index = torch.softmax(reduced_logits[0].float(), -1).max(-1)
             return int(self.head.vocab_ids[int(index)]), None, float(p_top)
         ids, probs = nucleus(reduced_logits[0], params)  # over the reduced vocabulary
-        i = draw(probs, generator)
         vocab_ids = self.head.vocab_ids.cpu()
         kept = vocab_ids if ids is None else vocab_ids[ids]
+        i = race(kept, probs, noise, position)
+        if self.coupled:
+            return int(kept[i]), None, float(probs[i])
         q = torch.zeros(self.vocab_size)  # tokens outside the reduced vocabulary: q = 0
         q[kept] = probs.float()
         return int(kept[i]), q, float(probs[i])
@@ -468,10 +478,10 @@ class CombinedDrafter:
         n = self.ngram.draft_class(context)
         return n if n >= self.min_match else "head"
 
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, noise):
         if self.draft_class(context) != "head":
-            return self.ngram.propose(context, k, params, generator)
-        return self.head.propose(context, k, params, generator)
+            return self.ngram.propose(context, k, params, noise)
+        return self.head.propose(context, k, params, noise)
 
     def propose_tree(self, context, depth, params, nodes):
         if self.draft_class(context) != "head":

@@ -8,7 +8,7 @@ agrees with. On this CPU a wider forward is nearly free (the 262k-row LM head do
 so a dozen nodes cost little more than a chain of three.
 
 Verification draws the target's token at each node exactly as plain decoding would (argmax, or
-`sample_row` with one uniform) and walks down while that token is one of the node's children.
+`sample_row` with the keyed random numbers of the node's reply position) and walks down while that token is one of the node's children.
 Every emitted token is therefore plain decoding's own draw, whatever the tree: lossless at any
 temperature, and a seeded reply is plain decoding's reply. (It is the one-hot coupling of
 `sampling.verify` applied per node; the children's probabilities under the drafter only shape
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.sampling import SamplingParams, sample_row
+from specchat.sampling import Noise, SamplingParams, sample_row
 
 
 @dataclass
@@ -67,8 +67,9 @@ class TreeVerdict:
 
 
 def verify_tree(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> TreeVerdict:
-    """target_logits [N + 1, vocab]: row 0 at the root, row 1 + i at node i."""
+                noise: Noise | None, position: int = 0) -> TreeVerdict:
+    """target_logits [N + 1, vocab]: row 0 at the root, row 1 + i at node i. The root's row
+    predicts the token at reply position `position`, a node's at position + its depth."""
     children: dict[int, dict[int, int]] = {}
     for i, (token, p) in enumerate(zip(tree.tokens.tolist(), tree.parents)):
         children.setdefault(p, {})[token] = i
@@ -77,7 +78,7 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, params: SamplingPa
     while True:
         row = node + 1
         y = argmax[row] if argmax is not None else sample_row(target_logits[row], params,
-                                                               generator)
+                                                               noise, position + len(path))
         kids = children.get(node)
         if not kids or y not in kids:
             return TreeVerdict(path, y, bonus=not kids)

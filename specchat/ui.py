@@ -700,20 +700,18 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
     else:
         def piece(tokens):
             return html.escape(repr(tokens[diff].text)) if diff < len(tokens) else "(end)"
-        # Sampled drafts (a draft model, the head's chains) use the random numbers their own
-        # way; one-hot drafts (n-gram lookup, the head's trees) replay plain sampling per seed.
-        sampled_drafts = cfg.drafter == "model" or (cfg.drafter in ("head", "combined")
-                                                     and not on.tree_nodes)
-        if cfg.temperature > 0 and sampled_drafts:
-            why = ("At temperature > 0 both runs sample from the same distribution, but this "
-                   "drafter samples its drafts, which uses the random numbers differently: the "
+        # Every drafter but a draft model replays plain sampling per seed: n-gram lookup and
+        # trees are one-hot, the head races with the target's own keyed numbers
+        # (sampling.Noise). A draft model's drafts take Leviathan's test, its own way.
+        if cfg.temperature > 0 and cfg.drafter == "model":
+            why = ("At temperature > 0 both runs sample from the same distribution, but a draft "
+                   "model's drafts pass Leviathan's test with random numbers of their own: the "
                    "texts may differ while being equally likely (lossless in distribution, not "
-                   "per seed; n-gram drafts and draft trees, being one-hot, replay plain "
-                   "sampling per seed).")
+                   "per seed; the other drafters replay plain sampling per seed).")
         elif quantization == "none" or row_exact:
             how = ("row-exact attention: a verify pass computes the same logits as one-token "
                    "passes, bit for bit" if row_exact else "unquantized weights")
-            what = "one-hot drafts use the random numbers as plain sampling does" \
+            what = "every emitted token being plain sampling's draw at its position" \
                 if cfg.temperature > 0 else "greedy decoding"
             why = (f"With {how}, and {what}, the texts should match: this divergence is "
                    "unexpected (a bug worth reporting).")

@@ -147,7 +147,7 @@ class ScriptedDrafter(NgramDrafter):
         super().__init__()
         self.ids = TOK(text)["input_ids"]
 
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, noise):
         return torch.tensor(self.ids[:k], dtype=torch.long), None
 
 
@@ -251,8 +251,8 @@ class ArgmaxDrafter(ModelDrafter):
     """One-hot drafts from a model: its argmax, as n-gram lookup drafts one-hot continuations."""
     name = "argmax"
 
-    def propose(self, context, k, params, generator):
-        ids, _ = super().propose(context, k, SamplingParams(), generator)
+    def propose(self, context, k, params, noise):
+        ids, _ = super().propose(context, k, SamplingParams(), noise)
         return ids, None
 
 
@@ -321,7 +321,7 @@ class TopKTreeDrafter:
     def feedback(self, n_drafted, n_accepted):
         pass
 
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, noise):
         raise AssertionError("asked for trees: the engine calls propose_tree")
 
     @torch.inference_mode()

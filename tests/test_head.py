@@ -11,12 +11,12 @@ import torch
 
 from specchat.drafters import NgramDrafter
 from specchat.engine import Engine, GenerateConfig
-from specchat.events import TokenEvent
+from specchat.events import StepRecord, TokenEvent
 from specchat.head import (CombinedDrafter, DraftHead, FeatureTap, HeadConfig, HeadDrafter,
                            HeadMismatchError, head_drafters, load_head, save_head,
                            target_features, target_identity)
 from specchat.kvcache import new_cache
-from specchat.sampling import SamplingParams, logits_to_probs, verify
+from specchat.sampling import Noise, SamplingParams, draw, logits_to_probs, sample_row, verify
 from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 
 TOK = byte_tokenizer()
@@ -64,7 +64,10 @@ def test_forward_shapes_and_reduced_head_is_the_targets(make):
 def test_drafts_stay_in_the_reduced_vocabulary_and_q_is_zero_outside():
     target = tiny_llama(0)
     drafter = HeadDrafter(random_head(target), target, len(TOK))
-    ids, q = drafter.propose(ids_of(TEXT), 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    ids, q = drafter.propose(ids_of(TEXT), 4, SamplingParams(1.0), Noise(0))
+    assert q is None and torch.isin(ids, VOCAB_IDS).all()  # coupled drafts: verified one-hot
+    drafter.coupled = False
+    ids, q = drafter.propose(ids_of(TEXT), 4, SamplingParams(1.0), Noise(0))
     assert ids.shape == (4,) and q.shape == (4, len(TOK))
     assert torch.isin(ids, VOCAB_IDS).all()
     outside = torch.ones(len(TOK), dtype=torch.bool)
@@ -84,14 +87,9 @@ def test_incremental_cache_and_rollback_match_a_fresh_drafter(make):
                 ids_of(TEXT[:20] + " something else"), ids_of(TEXT + "!")]
     for params in (SamplingParams(0.0), SamplingParams(0.9, top_p=0.95)):
         for ctx in contexts:
-            a = kept.propose(ctx, 4, params, torch.Generator().manual_seed(1))
-            b = HeadDrafter(head, target, len(TOK)).propose(ctx, 4, params,
-                                                             torch.Generator().manual_seed(1))
-            assert torch.equal(a[0], b[0])
-            if params.greedy:
-                assert a[1] is None
-            else:
-                assert torch.allclose(a[1], b[1], atol=1e-5)
+            a = kept.propose(ctx, 4, params, Noise(1))
+            b = HeadDrafter(head, target, len(TOK)).propose(ctx, 4, params, Noise(1))
+            assert torch.equal(a[0], b[0]) and a[1] is None and b[1] is None
 
 
 def test_observed_features_replace_the_extra_target_forward():
@@ -121,10 +119,13 @@ def tv(a, b):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)])
-def test_reduced_vocab_q_is_sampled_from_and_verification_stays_lossless(params):
-    """q rows are exactly the distribution the drafts were drawn from (zero outside the
-    reduced vocabulary), and verification with them emits the target's distribution, tokens
-    the head can never propose included (they come from the residual)."""
+def test_reduced_vocab_drafts_keep_verification_lossless(params):
+    """Coupled (the default): each draft is the race over the head's q with the target's own
+    numbers at that position, and the emitted token is the target's draw there, every time,
+    tokens the head can never propose included. With q (coupled = False): q rows are the
+    distribution the drafts were drawn from, zero outside the reduced vocabulary, and
+    Leviathan's test with them emits the target's distribution (the residual brings in the
+    tokens the head cannot propose)."""
     torch.manual_seed(0)
     target = tiny_llama(0)
     drafter = HeadDrafter(random_head(target, vocab_ids=torch.arange(40, 56)), target, len(TOK))
@@ -133,24 +134,41 @@ def test_reduced_vocab_q_is_sampled_from_and_verification_stays_lossless(params)
     target_logits = torch.full((1, len(TOK)), -30.0)
     support = torch.tensor([41, 44, 47, 50, 53, 55, 3, 20, 120, 180, 200, 250])
     target_logits[0, support] = torch.randn(12)
+    rows = torch.cat([target_logits, target_logits])
     want = logits_to_probs(target_logits, params)[0]
-    gen = torch.Generator().manual_seed(7)
-    # (a) The drafter samples its drafts from the q it returns.
+    assert want[support[6:]].sum() > 0.2
+    at = len(ctx)  # the draft is for reply position len(ctx)
+
+    drafter.coupled = False
     drafted, q0 = torch.zeros(len(TOK)), None
-    for _ in range(1500):
-        ids, q = drafter.propose(ctx, 1, params, gen)
+    for seed in range(1500):
+        ids, q = drafter.propose(ctx, 1, params, Noise(seed))
         q0 = q[0] if q0 is None else q0
         assert torch.allclose(q[0], q0, atol=1e-6)  # same context, same q
         drafted[ids[0]] += 1
-    assert tv(drafted / 1500, q0) < 0.06
-    # (b) Verifying drafts drawn from that q emits the target's distribution, including the
-    # tokens the head can never propose (they come from the residual (p - q)+).
-    assert want[support[6:]].sum() > 0.2
-    emitted, draws = torch.zeros(len(TOK)), 20000
-    for draft in torch.multinomial(q0, draws, replacement=True, generator=gen):
-        v = verify(draft[None], q0[None], torch.cat([target_logits, target_logits]), params, gen)
+    assert tv(drafted / 1500, q0) < 0.06  # drafts are drawn from the q returned
+    outside = torch.ones(len(TOK), dtype=torch.bool)
+    outside[40:56] = False
+    assert float(q0[outside].sum()) == 0.0
+    emitted, draws = torch.zeros(len(TOK)), 10000
+    for seed, draft in enumerate(torch.multinomial(q0, draws, replacement=True)):
+        v = verify(draft[None], q0[None], rows, params, Noise(seed), at)
         emitted[int(draft) if v.n_accepted else v.next_token] += 1
-    assert tv(emitted / draws, want) < 0.02, tv(emitted / draws, want)
+    assert tv(emitted / draws, want) < 0.03
+
+    drafter.coupled = True
+    kept = q0.nonzero()[:, 0]
+    emitted = torch.zeros(len(TOK))
+    for seed in range(draws):
+        if seed < 300:  # the head's draft is the race over q with the target's numbers
+            ids, q = drafter.propose(ctx, 1, params, Noise(seed))
+            assert q is None and int(ids[0]) == draw(kept, q0[kept], Noise(seed), at)
+        draft = draw(kept, q0[kept], Noise(seed), at)
+        v = verify(torch.tensor([draft]), None, rows, params, Noise(seed), at)
+        token = draft if v.n_accepted else v.next_token
+        assert token == sample_row(target_logits[0], params, Noise(seed), at)  # plain's draw
+        emitted[token] += 1
+    assert tv(emitted / draws, want) < 0.03
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
@@ -174,13 +192,43 @@ def test_greedy_speculation_with_a_random_head_equals_plain_greedy(make, k):
     assert drafter.computed == 0
 
 
+def test_sampled_speculation_with_a_random_head_replays_plain_sampling():
+    # The head races its drafts with the target's keyed numbers and the target's own draw
+    # decides: for a seed, chains and trees, head and combined, give plain sampling's reply.
+    target = tiny_llama(0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)  # sharper than a random model's: drafts sometimes pass
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    engine = Engine(loaded(target, TOK), {"head": drafter,
+                                          "combined": CombinedDrafter(NgramDrafter(), drafter)})
+    prompt = ids_of(TEXT)
+    accepted = 0
+
+    def run(**cfg):
+        nonlocal accepted
+        out = []
+        for e in engine.stream(prompt, GenerateConfig(max_new_tokens=40, seed=11, **cfg)):
+            if isinstance(e, TokenEvent):
+                out.append(e.id)
+            elif isinstance(e, StepRecord):
+                accepted += e.accepted
+        return out
+
+    for sampling in (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
+        plain = run(speculation=False, **sampling)
+        for name in ("head", "combined"):
+            for tree_nodes in (0, 6):
+                assert run(drafter=name, draft_len=3, tree_nodes=tree_nodes, **sampling) == plain
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)])
 def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_gain(params):
     target = tiny_llama(0)
     head = random_head(target, vocab_ids=torch.arange(40, 44))  # 4 tokens: confident enough
     context, k = ids_of(TEXT), 8
     full, _ = HeadDrafter(head, target, len(TOK)).propose(
-        context, k, params, torch.Generator().manual_seed(1))
+        context, k, params, Noise(1))
     assert len(full) == k  # min_gain 0: every draft asked for
 
     # Replay the drafts with the head's probabilities: the gated drafter keeps exactly the
@@ -189,14 +237,13 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
     chances = []
     spy = ungated._sample
     ungated._sample = lambda *a: (lambda r: (chances.append(r[2]), r)[1])(spy(*a))
-    ungated.propose(context, k, params, torch.Generator().manual_seed(1))
+    ungated.propose(context, k, params, Noise(1))
     running = list(itertools.accumulate(chances, operator.mul))
     for min_gain in (running[2], running[0] + 1e-6):
         gated, q = HeadDrafter(head, target, len(TOK), min_gain).propose(
-            context, k, params, torch.Generator().manual_seed(1))
+            context, k, params, Noise(1))
         keep = sum(r >= min_gain for r in running)
-        assert 0 <= keep < k and gated.tolist() == full[:keep].tolist()
-        assert q is None if params.greedy or not keep else q.shape == (keep, len(TOK))
+        assert 0 <= keep < k and gated.tolist() == full[:keep].tolist() and q is None
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -220,8 +267,7 @@ def test_gated_head_drafts_keep_speculation_lossless(temperature):
 
     spec = run(drafter="head", draft_len=4)
     assert any(0 < d < 4 for d in steps) and 0 in steps  # the gate cut some drafts short
-    if temperature == 0.0:
-        assert spec == run(speculation=False)
+    assert spec == run(speculation=False)  # seeded: plain decoding's reply, at any temperature
 
 
 def tiny_prompts(tmp_path):

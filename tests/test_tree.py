@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from specchat.sampling import SamplingParams, logits_to_probs, sample_row
+from specchat.sampling import Noise, SamplingParams, logits_to_probs, sample_row
 from specchat.tree import DraftTree, verify_tree, visibility
 
 #        root
@@ -61,14 +61,14 @@ def test_sampled_walk_emits_the_targets_own_draws():
     params = SamplingParams(temperature=1.0)
     want = logits_to_probs(logits[0:1], params)[0]
     first = collections.Counter()
-    gen = torch.Generator().manual_seed(1)
+    noise = Noise(1)
     draws = 20000
-    for _ in range(draws):
-        v = verify_tree(TREE, logits, params, gen)
+    for t in range(draws):
+        v = verify_tree(TREE, logits, params, noise, position=t)
         first[TREE.tokens[v.path[0]].item() if v.path else v.next_token] += 1
     got = torch.tensor([first[t] / draws for t in range(32)])
     assert 0.5 * (got - want).abs().sum() < 0.02
     for seed in range(5):
-        v = verify_tree(TREE, logits, params, torch.Generator().manual_seed(seed))
-        plain = sample_row(logits[0], params, torch.Generator().manual_seed(seed))
+        v = verify_tree(TREE, logits, params, Noise(seed), position=9)
+        plain = sample_row(logits[0], params, Noise(seed), 9)
         assert (TREE.tokens[v.path[0]].item() if v.path else v.next_token) == plain
