@@ -353,8 +353,8 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict
             costs["achieved_speedup"] = entry["overall"]["speedup"]
             entry["analysis"] = costs
         out_modes[mode] = entry
-    # Same text as plain: greedy, every mode should match (NF4 near-ties aside); sampled, the
-    # one-hot drafters (n-gram) should too, since they use plain sampling's random numbers.
+    # Same text as plain: greedy, every engine mode should match; sampled too, but for a draft
+    # model (its drafts take Leviathan's test with random numbers of their own).
     identical = greedy_identical(runs, modes)
     if plain:
         for mode in modes:

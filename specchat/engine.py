@@ -46,8 +46,8 @@ def default_tree_nodes(temperature: float, drafter: str = "head") -> int:
     """Trees for the head alone when greedy, chains otherwise. By `bench` on 65 Spec-Bench
     questions (README): greedy, the head's trees tie or beat its chains (1.08x vs 1.09x, 1.16x
     vs 1.09x in an earlier run), but `combined` is faster with chains (1.61x vs 1.57x, 1.68x vs
-    1.59x); at T = 0.7 a sampled chain draft passes Leviathan's test more often than a tree's
-    one-hot nodes pass the target's draw (alpha 0.60 vs 0.54; combined 1.30x vs 1.15x)."""
+    1.59x); at T = 0.7 `combined` chains and trees tie (1.30x vs 1.31x), so chains, the
+    simpler."""
     return TREE_NODES if temperature <= 0 and drafter == "head" else 0
 
 

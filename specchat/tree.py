@@ -8,7 +8,8 @@ agrees with. On this CPU a wider forward is nearly free (the 262k-row LM head do
 so a dozen nodes cost little more than a chain of three.
 
 Verification draws the target's token at each node exactly as plain decoding would (argmax, or
-`sample_row` with the keyed random numbers of the node's reply position) and walks down while that token is one of the node's children.
+`sample_row` with the keyed random numbers of the node's reply position) and walks down while
+that token is one of the node's children.
 Every emitted token is therefore plain decoding's own draw, whatever the tree: lossless at any
 temperature, and a seeded reply is plain decoding's reply. (It is the one-hot coupling of
 `sampling.verify` applied per node; the children's probabilities under the drafter only shape
