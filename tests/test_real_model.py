@@ -55,6 +55,14 @@ def test_embedded_nf4_ngram_speculation_and_fp32_greedy_equivalence():
         spec, s = collect(nf4, GenerateConfig(speculation=True, drafter=drafter, **cfg))
         assert [t.id for t in spec] == [t.id for t in plain], drafter
         assert s.accepted > 0
+    # Sampled too: with the keyed random numbers every drafter (the shipped head racing its
+    # drafts, n-gram lookup, trees) gives plain sampling's reply for a seed.
+    sampled = dict(cfg, temperature=0.7, top_p=0.95, seed=5)
+    plain, _ = collect(nf4, GenerateConfig(speculation=False, **sampled))
+    for drafter, tree_nodes in (("combined", 0), ("head", 0), ("head", 10)):
+        spec, s = collect(nf4, GenerateConfig(drafter=drafter, tree_nodes=tree_nodes, **sampled))
+        assert [t.id for t in spec] == [t.id for t in plain], (drafter, tree_nodes)
+        assert s.drafted > 0
     model = nf4.model
     assert logit_mismatches(model) == 0
     model.set_attn_implementation("sdpa")  # transformers' own: wide forwards differ in the last bits
