@@ -160,17 +160,32 @@ class DraftHead(nn.Module):
         self.lm_rows = rows.to(self.vocab_ids.device)
         return self
 
-    def forward(self, feats, embeds, pos, cache=None, mask=None):
+    def forward(self, feats, embeds, pos, cache=None, mask=None, last_only: bool = False):
         """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T], mask: see Block.
-        Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N], cache)."""
+        Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N] (T = 1:
+        the last position's only, with last_only), cache)."""
         x = self.fc(torch.cat([self.emb_norm(embeds), self.feat_norm(feats)], dim=-1))
         h, cache = self.block(x, pos, cache, mask)
         pred = rms_normalize(h, self.cfg.rms_eps) * self.norm_scale  # [B, T, d]
-        return pred, self.logits(pred), cache
+        return pred, self.logits(pred[:, -1:] if last_only else pred), cache
+
+    def quantize_rows(self) -> None:
+        """Drafting on a CPU: keep an int8 copy of the reduced LM head (a scale per row) for
+        one-row logits, the common case. Its 5 MB are read in 0.54 ms after the target's
+        forward has evicted them from the caches, the fp32 rows' 21 MB in 0.94 (interleaved
+        microbenchmark). The logits move by well under a percent; verification stays exact."""
+        scales = (self.lm_rows.abs().amax(1) / 127).clamp(min=1e-12)
+        rows = torch.round(self.lm_rows / scales[:, None]).to(torch.int8)
+        self._int8_rows = (rows, scales.to(torch.bfloat16))
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
-        logits = feats @ self.lm_rows.T
+        int8 = getattr(self, "_int8_rows", None)
+        if int8 is not None and feats.numel() == feats.shape[-1]:  # one row
+            logits = torch._weight_int8pack_mm(feats.reshape(1, -1).to(torch.bfloat16), *int8)
+            logits = logits.float().view(*feats.shape[:-1], -1)
+        else:
+            logits = feats @ self.lm_rows.T
         cap = self.cfg.logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -258,6 +273,8 @@ class HeadDrafter:
                  tree_width: int = 4, tree_beam: int = 4,
                  tree_min_score: float = 0.2):
         self.head = head.eval()
+        if head.vocab_ids.device.type == "cpu":
+            head.quantize_rows()
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam
@@ -271,6 +288,12 @@ class HeadDrafter:
         # head's probabilities track acceptance (EAGLE-2): measured over 26 Spec-Bench replies,
         # drafts it gave 0.1-0.2 passed 9% of the time, 0.5-0.6 48%, 0.9-1 90%.
         self.min_gain = min_gain
+        # And do not even run the head for the next draft once the product is under twice
+        # min_gain: that draft would need a probability of at least 1/2 to be kept, and the
+        # forward is usually spent for nothing. Replayed on 569 drafting steps of 39 Spec-Bench
+        # replies: 17% fewer head forwards, 3% fewer accepted drafts, tokens per unit of cost
+        # +1.2%.
+        self.lookahead = 2.0
         self.device = head.vocab_ids.device
         self.tokens: list[int] = []  # context tokens whose features are in self.feats[:len]
         self.feats = torch.zeros(0, head.cfg.hidden_size, device=self.device)  # [capacity, d]
@@ -330,7 +353,8 @@ class HeadDrafter:
         # Catch up on true positions h..L-2: inputs (f_t, x_{t+1}).
         pos = torch.arange(h, L - 1, device=self.device)
         pred, logits, self.cache = self.head(self.feats[h:L - 1][None],
-                                             self._embed(context[h + 1:L]), pos, self.cache)
+                                             self._embed(context[h + 1:L]), pos, self.cache,
+                                             last_only=True)
         self.head_tokens = list(context)
         return pred[:, -1:], logits[:, -1:]
 
@@ -351,7 +375,7 @@ class HeadDrafter:
             ids.append(token)
             if q is not None:
                 rows.append(q)
-            if i == k - 1:
+            if i == k - 1 or p_all < self.lookahead * self.min_gain:
                 break
             pos = torch.tensor([L - 1 + i], device=self.device)
             pred, logits, self.cache = self.head(pred[:, -1:], self._embed([token]), pos,

@@ -233,18 +233,27 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
     assert len(full) == k  # min_gain 0: every draft asked for
 
     # Replay the drafts with the head's probabilities: the gated drafter keeps exactly the
-    # prefix whose running product stays at or above min_gain.
+    # prefix whose running product stays at or above min_gain, and does not run the head for
+    # the draft after one whose product fell under lookahead x min_gain.
     ungated = HeadDrafter(head, target, len(TOK))
     chances = []
     spy = ungated._sample
     ungated._sample = lambda *a: (lambda r: (chances.append(r[2]), r)[1])(spy(*a))
     ungated.propose(context, k, params, Noise(1))
     running = list(itertools.accumulate(chances, operator.mul))
-    for min_gain in (running[2], running[0] + 1e-6):
-        gated, q = HeadDrafter(head, target, len(TOK), min_gain).propose(
-            context, k, params, Noise(1))
+    for min_gain, lookahead in ((running[2], 1.0), (running[0] + 1e-6, 1.0),
+                                (running[4], running[1] / running[4] * 1.001)):
+        gated = HeadDrafter(head, target, len(TOK), min_gain)
+        gated.lookahead = lookahead
+        forwards = []
+        hook = gated.head.register_forward_hook(lambda *_: forwards.append(1))
+        drafts, q = gated.propose(context, k, params, Noise(1))
+        hook.remove()
         keep = sum(r >= min_gain for r in running)
-        assert 0 <= keep < k and gated.tolist() == full[:keep].tolist() and q is None
+        ahead = 1 + sum(r >= lookahead * min_gain for r in running[:k - 1])
+        keep = min(keep, ahead)
+        assert 0 <= keep < k and drafts.tolist() == full[:keep].tolist() and q is None
+        assert len(forwards) == min(sum(r >= min_gain for r in running) + 1, ahead)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
