@@ -73,7 +73,7 @@ class HeadConfig:
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return F.rms_norm(x, x.shape[-1:], eps=eps)  # x / sqrt(mean(x^2) + eps), one fused op
 
 
 class RMSNorm(nn.Module):
@@ -83,17 +83,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x):
-        return rms_normalize(x, self.eps) * self.weight
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding, rotate-half layout. x [B, H, T, hd], pos [T]."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    angles = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+class Rope:
+    """Rotary position embedding, rotate-half layout, with its cos/sin tables kept and grown
+    as positions come (a one-token draft step would otherwise spend more on computing them
+    than on applying them)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
+                                        / head_dim)
+        self.cos = self.sin = torch.zeros(0, head_dim)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, hd], pos [T] -> x rotated by its positions."""
+        need = int(pos.max()) + 1
+        if need > self.cos.shape[0] or self.cos.device != x.device:
+            size = max(need, 2 * self.cos.shape[0], 256)
+            angles = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            self.cos = angles.cos().repeat(1, 2).to(x.device)
+            self.sin = angles.sin().repeat(1, 2).to(x.device)
+        cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Block(nn.Module):
@@ -102,6 +115,7 @@ class Block(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         d, self.n_heads, self.theta = cfg.hidden_size, cfg.num_heads, cfg.rope_theta
+        self.rope = Rope(d // self.n_heads, self.theta)
         self.attn_norm = RMSNorm(d, cfg.rms_eps)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
@@ -116,7 +130,7 @@ class Block(nn.Module):
         B, T, d = x.shape
         q, k, v = (self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, d // self.n_heads)
                    .permute(2, 0, 3, 1, 4))  # each [B, H, T, hd]
-        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+        q, k = self.rope(q, pos), self.rope(k, pos)
         past = 0
         if cache is not None:
             past = cache[0].shape[2]
