@@ -150,6 +150,32 @@ class Block(nn.Module):
         return x + self.down(F.silu(gate) * up), (k, v)
 
 
+def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] weight -> (int8 [n, k], bf16 scales [n]) for torch._weight_int8pack_mm."""
+    scales = (weight.abs().amax(1) / 127).clamp(min=1e-12)
+    return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
+
+
+class OneRowInt8(nn.Module):
+    """A Linear whose one-row calls read an int8 copy of its weight (DraftHead.
+    quantize_for_drafting); wider calls (training, the catch-up over accepted tokens, tree
+    levels) use the float weight."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+        self.qweight, self.scales = _int8(linear.weight.detach())
+
+    def forward(self, x):
+        if x.numel() != x.shape[-1]:
+            return self.linear(x)
+        y = torch._weight_int8pack_mm(x.reshape(1, -1).to(torch.bfloat16), self.qweight,
+                                      self.scales).float()
+        if self.linear.bias is not None:
+            y = y + self.linear.bias
+        return y.view(*x.shape[:-1], -1)
+
+
 class DraftHead(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
@@ -183,14 +209,19 @@ class DraftHead(nn.Module):
         pred = rms_normalize(h, self.cfg.rms_eps) * self.norm_scale  # [B, T, d]
         return pred, self.logits(pred[:, -1:] if last_only else pred), cache
 
-    def quantize_rows(self) -> None:
-        """Drafting on a CPU: keep an int8 copy of the reduced LM head (a scale per row) for
-        one-row logits, the common case. Its 5 MB are read in 0.54 ms after the target's
-        forward has evicted them from the caches, the fp32 rows' 21 MB in 0.94 (interleaved
-        microbenchmark). The logits move by well under a percent; verification stays exact."""
-        scales = (self.lm_rows.abs().amax(1) / 127).clamp(min=1e-12)
-        rows = torch.round(self.lm_rows / scales[:, None]).to(torch.int8)
-        self._int8_rows = (rows, scales.to(torch.bfloat16))
+    def quantize_for_drafting(self) -> None:
+        """Drafting on a CPU: one-row forwards (the common case, one draft token) read int8
+        copies of the weights, with a scale per output row: the reduced LM head and every
+        linear layer. Right after the target's forward has evicted them from the caches,
+        int8 rows are read about 1.4x faster than fp32 ones, 1.7x for the LM head (0.54 ms
+        against 0.94 for its 8192 rows; interleaved microbenchmark), and bf16 is slower than
+        fp32 here. Drafts move a little; verification stays exact."""
+        if getattr(self, "_int8_rows", None) is not None:
+            return
+        self._int8_rows = _int8(self.lm_rows)
+        self.fc = OneRowInt8(self.fc)
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(self.block, name, OneRowInt8(getattr(self.block, name)))
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
@@ -288,7 +319,7 @@ class HeadDrafter:
                  tree_min_score: float = 0.2):
         self.head = head.eval()
         if head.vocab_ids.device.type == "cpu":
-            head.quantize_rows()
+            head.quantize_for_drafting()
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam

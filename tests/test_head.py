@@ -140,6 +140,9 @@ def test_reduced_vocab_drafts_keep_verification_lossless(params):
     at = len(ctx)  # the draft is for reply position len(ctx)
 
     drafter.coupled = False
+    # The first call runs the head over the whole context; later ones re-feed one position,
+    # through the int8 one-row weights (quantize_for_drafting): q is the same from then on.
+    drafter.propose(ctx, 1, params, Noise(0))
     drafted, q0 = torch.zeros(len(TOK)), None
     for seed in range(1500):
         ids, q = drafter.propose(ctx, 1, params, Noise(seed))
@@ -477,3 +480,16 @@ def test_head_tree_speculation_replays_plain_decoding(make, temperature):
         assert spec == plain
         assert max(getattr(e, "drafted", 0) for e in events) > 4  # trees were verified
     assert drafter.computed == 0
+
+
+def test_one_row_int8_linear_is_close_and_wide_calls_stay_float():
+    from specchat.head import OneRowInt8
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    fast = OneRowInt8(linear)
+    x, wide = torch.randn(1, 1, 64), torch.randn(1, 3, 64)
+    with torch.no_grad():
+        exact = linear(x)
+        assert fast(x).shape == exact.shape
+        assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
+        assert torch.equal(fast(wide), linear(wide))
