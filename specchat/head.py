@@ -156,6 +156,12 @@ def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
 
 
+def _one_row_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., k] holding one row -> x @ weight.T [..., n] (float32) from an `_int8` copy."""
+    y = torch._weight_int8pack_mm(x.reshape(1, -1).to(torch.bfloat16), qweight, scales)
+    return y.float().view(*x.shape[:-1], -1)
+
+
 class OneRowInt8(nn.Module):
     """A Linear whose one-row calls read an int8 copy of its weight (DraftHead.
     quantize_for_drafting); wider calls (training, the catch-up over accepted tokens, tree
@@ -169,11 +175,8 @@ class OneRowInt8(nn.Module):
     def forward(self, x):
         if x.numel() != x.shape[-1]:
             return self.linear(x)
-        y = torch._weight_int8pack_mm(x.reshape(1, -1).to(torch.bfloat16), self.qweight,
-                                      self.scales).float()
-        if self.linear.bias is not None:
-            y = y + self.linear.bias
-        return y.view(*x.shape[:-1], -1)
+        y = _one_row_int8(x, self.qweight, self.scales)
+        return y + self.linear.bias if self.linear.bias is not None else y
 
 
 class DraftHead(nn.Module):
@@ -227,8 +230,7 @@ class DraftHead(nn.Module):
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
         int8 = getattr(self, "_int8_rows", None)
         if int8 is not None and feats.numel() == feats.shape[-1]:  # one row
-            logits = torch._weight_int8pack_mm(feats.reshape(1, -1).to(torch.bfloat16), *int8)
-            logits = logits.float().view(*feats.shape[:-1], -1)
+            logits = _one_row_int8(feats, *int8)
         else:
             logits = feats @ self.lm_rows.T
         cap = self.cfg.logit_softcap
