@@ -25,6 +25,8 @@ Conditions:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -117,3 +119,18 @@ def use_row_exact_attention(model) -> bool:
 
 def is_row_exact(model) -> bool:
     return getattr(model.config.get_text_config(), "_attn_implementation", None) == NAME
+
+
+@contextlib.contextmanager
+def stock_attention(model):
+    """transformers' sdpa while active, on a model switched to `row_exact_sdpa`: for batched
+    decoding (`batched.sample_with_features`), where no reply has to match another's bit for
+    bit, and the packed path's mask for 64 rows costs more than the step's matmuls."""
+    exact = is_row_exact(model)
+    if exact:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if exact:
+            model.set_attn_implementation(NAME)

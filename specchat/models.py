@@ -7,6 +7,7 @@ converted once into a plain HF checkpoint in the user's cache and then loaded li
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -319,6 +320,7 @@ class _CpuNF4Forward:
             self.state.nested, self.state.state2, self.state.offset = False, None, None
         self.kernel = None  # the C function, once checked against bitsandbytes' own path
         self.checked = False
+        self.dense_weight: torch.Tensor | None = None  # kept while `dense_nf4` is active
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module.training or x.requires_grad:
@@ -338,7 +340,8 @@ class _CpuNF4Forward:
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         from bitsandbytes.functional import dequantize_4bit
 
-        dense = dequantize_4bit(self.weight, self.state)  # [out, in] in the compute dtype
+        dense = self.dense_weight if self.dense_weight is not None \
+            else dequantize_4bit(self.weight, self.state)  # [out, in] in the compute dtype
         bias = self.module.bias.to(dense.dtype) if self.module.bias is not None else None
         rows = x.reshape(-1, x.shape[-1]).to(dense.dtype)
         out = torch.cat([_linear_bucketed(chunk, dense, bias) for chunk in rows.split(WIDE_CHUNK)])
@@ -357,6 +360,29 @@ class _CpuNF4Forward:
         if self.module.bias is not None:
             out += self.module.bias.to(torch.bfloat16)
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+@contextlib.contextmanager
+def dense_nf4(model):
+    """While active, every forward of the model's NF4 layers on CPU (see `fast_cpu_nf4`) reads
+    a dequantized bf16 copy of the weights, kept for the duration: batched decoding, where the
+    fused kernel pays per row and dequantizing at every call costs ~100 ms a step. The copies
+    take 2 bytes per weight (+200 MB for the embedded target) and are dropped on exit. The
+    outputs equal the fused kernel's up to bf16 rounding, as for prompts."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    layers = [m.forward for m in model.modules()
+              if isinstance(getattr(m, "forward", None), _CpuNF4Forward)]
+    saved = [f.min_rows for f in layers]
+    try:
+        for f in layers:
+            f.dense_weight = dequantize_4bit(f.weight, f.state)
+            f.min_rows = 1
+        yield len(layers)
+    finally:
+        for f, rows in zip(layers, saved):
+            f.dense_weight, f.min_rows = None, rows
+        _release_freed_memory()
 
 
 def _nf4_gemv_kernel(module):
