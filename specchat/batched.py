@@ -7,11 +7,13 @@ one token per row and hands back that token's feature with the next token's logi
 no second, teacher-forced pass over the replies.
 
 transformers' `generate` spends most of a batched CPU step outside the model: it builds the
-padding masks from scratch every step, concatenates the KV cache, and samples over the whole
-262k-token vocabulary. Here the masks grow by one column, the cache writes in place
-(`kvcache.PagedLayer`), and a row draws from the target's top-k logits with the Gumbel-max
-trick. On the embedded target (2-core CPU, 64 rows) a step took 0.36 s in `generate` and
-0.xx s here.
+padding masks from scratch every step, concatenates the KV cache, and its logits processors
+copy the whole 262k-token vocabulary per row. Here the masks grow by one column, the cache is
+written in place (`kvcache.PagedLayer`), and a row draws from the target's top-k logits with
+the Gumbel-max trick. The caller runs it on stock sdpa (`attention.stock_attention`) and dense
+bf16 weights (`models.dense_nf4`). On the embedded target (2-core CPU, 64 rows), a decoding
+step took 0.36 s in `generate` (on the same dense weights and attention) and 0.07 s here: 900
+tokens/s against 180.
 """
 
 from __future__ import annotations

@@ -493,3 +493,17 @@ def test_one_row_int8_linear_is_close_and_wide_calls_stay_float():
         assert fast(x).shape == exact.shape
         assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
         assert torch.equal(fast(wide), linear(wide))
+
+
+def test_head_cache_appends_in_place_and_equals_concatenation():
+    from specchat.head import appended
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(2, 3, n, 4) for n in (5, 1, 2))
+    ab = appended(a, b)  # a fresh tensor has no room: a new buffer with spare slots
+    assert torch.equal(ab, torch.cat([a, b], 2))
+    abc = appended(ab, c)  # written into ab's buffer: no copy of the cached slots
+    assert abc.data_ptr() == ab.data_ptr() and torch.equal(abc, torch.cat([a, b, c], 2))
+    cropped = appended(abc[:, :, :5], c)  # a crop keeps the buffer; later slots are rewritten
+    assert cropped.data_ptr() == ab.data_ptr() and torch.equal(cropped, torch.cat([a, c], 2))
+    v = torch.randn(2, 3, 4, 7).permute(0, 1, 3, 2)  # not a buffer's prefix: copied
+    assert torch.equal(appended(v, c), torch.cat([v, c], 2)) and v.shape == (2, 3, 7, 4)
