@@ -81,3 +81,12 @@ def test_sampled_rows_draw_from_the_tempered_top_k():
     assert torch.isin(firsts, top.indices).all()  # nothing outside the top 5
     freq = torch.stack([(firsts == i).float().mean() for i in top.indices])
     assert 0.5 * (freq - want).abs().sum() < 0.03
+
+
+def test_stock_attention_is_restored_to_row_exact_afterwards():
+    from specchat.attention import is_row_exact, stock_attention, use_row_exact_attention
+    model = tiny_gemma3(3).eval()
+    assert use_row_exact_attention(model) and is_row_exact(model)
+    with stock_attention(model):
+        assert not is_row_exact(model)
+    assert is_row_exact(model)

@@ -328,6 +328,31 @@ def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
     assert sum(isinstance(e, TokenEvent) for e in events) == 8
 
 
+def test_both_generation_paths_give_the_same_greedy_replies(tmp_path, monkeypatch):
+    """train-draft's phase 1: the batched loop with features (sdpa, eager) and transformers'
+    `generate` (other attention) write the same greedy replies; only the loop's are in the
+    feature shards already."""
+    from specchat import batched
+    from specchat import train_draft as td
+    model = tiny_llama(4).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    target = loaded(model, TOK)
+    prompts = [p for p in td.load_prompts([tiny_prompts(tmp_path)]) if not td._sampled(p["key"])]
+    replies = {}
+    for path in ("loop", "generate"):
+        monkeypatch.setattr(batched, "supported", lambda m, ok=(path == "loop"): ok)
+        cfg = td.TrainConfig(out=tmp_path / path, max_new_tokens=12, gen_batch=3)
+        cfg.out.mkdir()
+        assert td.generate_replies(target, prompts, cfg, deadline=float("inf")) == len(prompts)
+        rows = td.read_jsonl(cfg.out / "generated.jsonl")
+        replies[path] = {r["key"]: r["ids"] for r in rows}
+        shards = td.load_features(cfg.out)
+        assert len(shards) == (len(prompts) if path == "loop" else 0)
+    # The loop does not feed a reply's last token (cut at the cap): one token shorter.
+    assert {k: v[:-1] for k, v in replies["generate"].items()} == replies["loop"]
+
+
 def test_reduced_vocabulary_takes_predicted_tokens_first_then_fills():
     from specchat.train_draft import choose_vocab
     rec = {"ids": torch.tensor([50, 50, 60, 70], dtype=torch.int32),
