@@ -13,12 +13,7 @@ TOK = byte_tokenizer()
 PROMPTS = ["the cat sat on the mat", "a", "hello there, general kenobi. the dog sat on"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def greedy(model, ids, n):

@@ -24,13 +24,7 @@ TEXT = "the cat sat on the mat. the dog sat on the log. the cat"
 VOCAB_IDS = torch.arange(40, 104)  # a reduced vocabulary of 64 of the 259 byte tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is ~50x faster than two on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_head(target, seed=0, vocab_ids=VOCAB_IDS) -> DraftHead:
