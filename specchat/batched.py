@@ -18,6 +18,7 @@ tokens/s against 180.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,10 +94,13 @@ class _Masks:
 @torch.inference_mode()
 def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                          max_new_tokens: int, temperature: float, top_k: int, stop: set[int],
-                         pad: int, generator: torch.Generator | None = None) -> list[Sampled]:
+                         pad: int, generator: torch.Generator | None = None,
+                         ends: Callable[[list[int]], bool] | None = None) -> list[Sampled]:
     """Each prompt's reply (greedy where `sampled` is False, else softmax(top-k / T)), with
     the target's features and top-1 tokens along prompt and reply. Rows leave the batch when
-    they write a stop token."""
+    they write a stop token, or when `ends(reply)` says the token just written completes a stop
+    string (`text.stop_check`): the end of the turn in a plain chat format, where a base model
+    would go on to write the user's next message itself."""
     device = model.device
     batch, width = len(prompts), max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -133,7 +137,7 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                 if t in stop:
                     continue
                 replies[i].append(t)
-                if step + 1 < max_new_tokens:
+                if step + 1 < max_new_tokens and not (ends is not None and ends(replies[i])):
                     keep.append(r)
             if not keep:
                 break
@@ -157,7 +161,8 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
     results = []
     for i, p in enumerate(prompts):
         f = torch.cat(feats[i]).cpu()
-        ids = (p + replies[i])[:len(f)]  # the last token of a reply cut at the cap was not fed
+        # The last token of a reply cut at the cap or at a stop string was not fed.
+        ids = (p + replies[i])[:len(f)]
         t = torch.cat(top1[i])[:len(ids)]
         results.append(Sampled(ids=ids, prompt_len=len(p), feats=f[:len(ids)], top1=t))
     return results

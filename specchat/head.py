@@ -235,10 +235,15 @@ class DraftHead(nn.Module):
         """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T], mask: see Block.
         Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N] (T = 1:
         the last position's only, with last_only), cache)."""
+        pred, cache = self.predict(feats, embeds, pos, cache, mask)
+        return pred, self.logits(pred[:, -1:] if last_only else pred), cache
+
+    def predict(self, feats, embeds, pos, cache=None, mask=None):
+        """forward without the logits: (predicted f_{t+1} [B, T, d], cache). Training takes
+        the logits only where a position has a loss."""
         x = self.fc(torch.cat([self.emb_norm(embeds), self.feat_norm(feats)], dim=-1))
         h, cache = self.block(x, pos, cache, mask)
-        pred = rms_normalize(h, self.cfg.rms_eps) * self.norm_scale  # [B, T, d]
-        return pred, self.logits(pred[:, -1:] if last_only else pred), cache
+        return rms_normalize(h, self.cfg.rms_eps) * self.norm_scale, cache  # [B, T, d]
 
     def quantize_for_drafting(self) -> None:
         """Drafting on a CPU: one-row forwards (the common case, one draft token) read int8

@@ -72,6 +72,23 @@ def tokens_until_stop(tokenizer, context: list[int], draft: list[int],
     return next(i for i in range(1, len(draft) + 1) if ends_in_draft(draft[:i]))
 
 
+def stop_check(tokenizer, stops: tuple[str, ...] | list[str]):
+    """ends(ids) -> True when the last of `ids` completes one of the stop strings (None when
+    there are none). A stop string spans at most len(stop) tokens, so only the tail is decoded:
+    cheap enough to call for every row of a batched decoding step."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return None
+    n = max(map(len, stops)) + 1
+
+    def ends(ids: list[int]) -> bool:
+        text = tokenizer.decode(ids[-n:], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        return any(s in text for s in stops)
+
+    return ends
+
+
 class ReplyText:
     """Decides which token events can be shown, and with what text.
 

@@ -167,12 +167,12 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
     from specchat.attention import stock_attention
     from specchat.batched import sample_with_features
     from specchat.models import dense_nf4
-    from specchat.text import chat_prompt
+    from specchat.text import stop_check
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     stop = set(_eos(model, tok))
-    prompt_ids = {p["key"]: chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])[0]
-                  for p in todo}
+    prompt_ids, stops = _prompts(tok, todo)
+    ends = stop_check(tok, stops)
     # Round by round (a budget that runs out still covers every prompt), and within a round
     # prompts of similar lengths together: little left padding to encode.
     todo = sorted(todo, key=lambda p: (p.get("sample", 0), len(prompt_ids[p["key"]])))
@@ -191,7 +191,8 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
                 cfg.seed * 1_000_003 + zlib.crc32(part[0]["key"].encode()))
             results = sample_with_features(
                 model, [prompt_ids[p["key"]] for p in part], [_is_sampled(p) for p in part],
-                cfg.max_new_tokens, cfg.gen_temperature, GEN_TOP_K, stop, pad, generator)
+                cfg.max_new_tokens, cfg.gen_temperature, GEN_TOP_K, stop, pad, generator,
+                ends)
             records = []
             for p, r in zip(part, results):
                 n, first = min(len(r.ids), cfg.seq_len), r.prompt_len - 1  # as `sequences`
@@ -215,9 +216,10 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                    bar) -> int:
     """transformers' `generate`, for attention implementations that take no masks of ours
     (flash attention): text only, phase 2 extracts its features."""
-    from specchat.text import chat_prompt
+    from specchat.text import tokens_until_stop
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    formatted, stops = _prompts(tok, todo)
     size = gen_batch(cfg, target.device)
     made = 0
     with path.open("a") as f:
@@ -230,12 +232,13 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                 part = [p for p in batch if _is_sampled(p) == sampled]
                 if not part:
                     continue
-                ids = [chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])[0]
-                       for p in part]
+                ids = [formatted[p["key"]] for p in part]
                 width = max(map(len, ids))
                 input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
                 mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
                 kwargs = dict(do_sample=False)
+                if stops:
+                    kwargs.update(stop_strings=list(stops), tokenizer=tok)
                 if sampled:
                     kwargs["logits_processor"] = LogitsProcessorList(
                         [GumbelTopK(GEN_TOP_K, cfg.gen_temperature)])
@@ -250,6 +253,7 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                         if t in eos:
                             break
                         reply.append(t)
+                    reply = reply[:tokens_until_stop(tok, prompt_ids, reply, stops)]
                     f.write(json.dumps({"key": p["key"], "ids": prompt_ids + reply,
                                         "prompt_len": len(prompt_ids),
                                         "heldout": p["heldout"]}) + "\n")
@@ -257,6 +261,17 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                 f.flush()
                 bar.update(len(part))
     return made
+
+
+def _prompts(tok, todo: list[dict]) -> tuple[dict[str, list[int]], tuple[str, ...]]:
+    """Each prompt's chat-formatted ids by key, and the format's stop strings (a reply ends
+    at them, as in the app: a base model's plain "User:/Assistant:" format has no end-of-turn
+    token, and past the stop string it writes the user's next turn itself)."""
+    from specchat.text import chat_prompt
+    formatted = {p["key"]: chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])
+                 for p in todo}
+    stops = next(iter(formatted.values()), ([], ()))[1]
+    return {k: ids for k, (ids, _) in formatted.items()}, tuple(stops)
 
 
 GEN_TOP_K = 40  # sampled replies draw from the target's 40 most likely tokens
@@ -507,36 +522,39 @@ def head_loss(head: DraftHead, embed, batch: dict, cfg: TrainConfig, train: bool
     target's full-vocabulary top-1 (what greedy verification accepts)."""
     feats = batch["feats"]
     T = feats.shape[1] - 1
+    # Head positions with a loss (a reply's, next token real), packed: (row, t). Only they pay
+    # for the 8192-wide logits; prompt and padding positions are context for attention only.
+    rows, t = batch["trained"][:, :-1].nonzero(as_tuple=True)
     with torch.no_grad():
         emb = embed(batch["ids"][:, 1:]).float()  # [B, T, d]  embed(x_{t+1})
-        target_probs = torch.softmax(head.logits(feats[:, 1:]), -1)  # [B, T, N]
-    valid = batch["trained"][:, :-1]  # [B, T] head positions with a loss (next token real)
+        target_feats = feats[:, 1:][rows, t].float()  # [V, d]  f_{t+1}
+        target_probs = torch.softmax(head.logits(target_feats), -1)  # [V, N]
+        top1 = batch["top1"][:, 1:][rows, t]  # [V]  the target's full-vocabulary x_{t+2}
     inputs = feats[:, :-1]
     if train and cfg.noise:
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * cfg.noise * head.feat_std
     pos = torch.arange(T, device=feats.device)
     total, metrics = 0.0, {}
     for step in range(max(1, cfg.unroll)):
-        pred, logits, _ = head(inputs, emb, pos)
-        ce = -(target_probs * torch.log_softmax(logits, -1)).sum(-1)  # [B, T]
-        fl = smooth_l1(pred, feats[:, 1 + step:].float() if step else feats[:, 1:], head.feat_std)
-        per_position = cfg.ce_weight * ce + cfg.feature_weight * fl  # [B, T]
-        loss = per_position[valid].sum() / valid.sum().clamp(min=1)
+        # Unrolled step s: array position t - s predicts f_{t+1} and x_{t+2}, as at s = 0.
+        use = t >= step
+        if not bool(use.any()):
+            break
+        pred, _ = head.predict(inputs, emb, pos)  # [B, T - step, d]
+        at = pred[rows[use], t[use] - step]  # [V_s, d]
+        logits = head.logits(at)
+        ce = -(target_probs[use] * torch.log_softmax(logits, -1)).sum(-1)  # [V_s]
+        fl = smooth_l1(at, target_feats[use], head.feat_std)
+        loss = (cfg.ce_weight * ce + cfg.feature_weight * fl).mean()
         total = total + loss * (1.0 if step == 0 else 0.5 ** step)
-        known = valid & (batch["top1"][:, 1 + step:] >= 0)
-        agree = (head.vocab_ids[logits.argmax(-1)] == batch["top1"][:, 1 + step:]) & known
+        known = top1[use] >= 0
+        agree = (head.vocab_ids[logits.argmax(-1)] == top1[use]) & known
         metrics[f"top1@{step + 1}"] = (int(agree.sum()), int(known.sum()))
         if step == 0:
-            n = max(int(valid.sum()), 1)
-            metrics.update(ce=float(ce[valid].sum().detach()) / n,
-                           feat=float(fl[valid].sum().detach()) / n)
+            n = max(len(ce), 1)
+            metrics.update(ce=float(ce.sum().detach()) / n, feat=float(fl.sum().detach()) / n)
         # Next unroll step: position t reads the head's own prediction of f_t (made at t - 1).
-        if step + 1 < cfg.unroll and T - step - 1 > 0:
-            inputs, emb = pred[:, :-1], emb[:, 1:]
-            target_probs, valid = target_probs[:, 1:], valid[:, 1:]
-            pos = pos[1:]
-        else:
-            break
+        inputs, emb, pos = pred[:, :-1], emb[:, 1:], pos[1:]
     return total, metrics
 
 

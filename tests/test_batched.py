@@ -60,6 +60,26 @@ def test_rows_leave_at_a_stop_token_and_keep_every_fed_position():
         assert r.ids[len(p):] == want[:cut]
 
 
+def test_rows_leave_where_a_stop_string_is_complete():
+    """A base model's plain chat format ends a turn with a stop string ("\nUser:"), not a
+    token: the row leaves when its reply's text contains one."""
+    from specchat.text import stop_check
+    model = tiny_llama(0).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    prompts = [TOK(p)["input_ids"] for p in PROMPTS]
+    ref = [greedy(model, p, 12) for p in prompts]
+    text = TOK.decode(ref[0][1:3])  # the first row completes it with its 3rd token
+    assert len(text) == 2 and text not in TOK.decode(ref[0][:2])
+    out = sample_with_features(model, prompts, [False] * 3, 12, 1.0, 8, set(), 0,
+                               ends=stop_check(TOK, [text]))
+    assert out[0].ids[len(prompts[0]):] == ref[0][:2]  # the 3rd was written, never fed
+    assert len(out[0].feats) == len(out[0].ids)
+    for p, r, want in zip(prompts[1:], out[1:], ref[1:]):
+        cut = next((i for i in range(1, 12) if text in TOK.decode(want[:i])), 12)
+        assert r.ids[len(p):] == want[:cut - 1]
+
+
 def test_sampled_rows_draw_from_the_tempered_top_k():
     model = tiny_llama(2).eval()
     with torch.no_grad():
