@@ -37,7 +37,7 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specchat.models import WIDE_ROWS, load_model
+    from specchat.models import WIDE_ROWS, _CpuNF4Forward, load_model
     from tests.tiny import byte_tokenizer
 
     torch.manual_seed(0)  # NF4 blocks of 64 and bitsandbytes' CPU packing want multiples of 64
@@ -48,7 +48,7 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
     model = load_model(str(tmp_path), "nf4", "cpu").model
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert layers
-    routed = [m for m in layers if "forward" in vars(m)]
+    routed = [m for m in layers if isinstance(vars(m).get("forward"), _CpuNF4Forward)]
     if not routed:
         pytest.skip("no AVX512-BF16: bitsandbytes has no fused CPU kernel to route around")
 
@@ -103,3 +103,65 @@ def test_narrow_logits_through_weight_times_x_are_bit_identical():
     if not model.lm_head.forward.fast:
         pytest.skip("weight @ x.T is not bit-identical to linear on this CPU: the head keeps "
                     "linear")
+
+
+def _tiny_nf4(tmp_path, compute):
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+    return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
+                                                dtype=compute, device_map={"": "cpu"}).eval()
+
+
+def test_nf4_layers_dequantized_once_compute_what_bitsandbytes_computes(tmp_path):
+    """CPUs without the fused kernel: each NF4 layer keeps one dense copy of its (NF4) weight
+    instead of dequantizing it at every call; the model's outputs stay bitsandbytes' own."""
+    pytest.importorskip("bitsandbytes")
+    from specchat.models import _DenseForward, dense_cpu_nf4
+    model = _tiny_nf4(tmp_path, torch.float32)
+    ids = torch.randint(3, 259, (1, 12))
+    with torch.inference_mode():
+        reference = model(ids).logits
+        assert dense_cpu_nf4(model, share=1e-12) == 0  # copies larger than the RAM share
+        assert dense_cpu_nf4(model) == 14  # 7 per layer
+        layer = model.model.layers[0].mlp.down_proj
+        assert isinstance(layer.forward, _DenseForward)
+        assert layer.forward.weight.dtype == torch.float32
+        dense = model(ids).logits
+        # Decoding's and verifies' rows: each row the same bits alone or among up to 11.
+        x = torch.randn(11, layer.in_features)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
+        same = [torch.equal(layer(x[:n]), alone[:n]) for n in range(1, 12)]
+    assert torch.allclose(dense, reference, atol=1e-5, rtol=1e-4)
+    if layer.forward.exact:
+        assert all(same), same
+    assert torch.allclose(alone, torch.nn.functional.linear(x, layer.forward.weight), atol=1e-5)
+
+
+def test_float32_logits_are_the_same_bits_alone_or_among_drafts():
+    """A float32 LM head on a CPU: a row's logits do not depend on how many rows are verified
+    with it (so greedy speculation is plain greedy), and equal linear's up to rounding."""
+    from transformers import Gemma3TextConfig
+
+    from specchat.models import MAX_COLUMNS, _PaddedHead, fast_lm_head
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, layer_types=["full_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    if not fast_lm_head(model):
+        pytest.skip("float32 weight @ x.T differs by column count on this CPU: linear kept")
+    head = model.lm_head
+    assert isinstance(head.forward, _PaddedHead)
+    x = torch.randn(MAX_COLUMNS, 640)
+    with torch.inference_mode():
+        alone = [head(x[i:i + 1]) for i in range(MAX_COLUMNS)]
+        for rows in range(1, MAX_COLUMNS + 1):
+            together = head(x[None, :rows])[0]
+            for i in range(rows):
+                assert torch.equal(together[i:i + 1], alone[i]), (rows, i)
+        assert torch.allclose(head(x), torch.nn.functional.linear(x, head.weight), atol=1e-4)
