@@ -49,6 +49,10 @@ class TrainConfig:
     generate: bool = True  # phase 1 on (off: train on --data text only)
     gen_share: float = 0.5  # at most this share of the budget goes to generating text
     max_new_tokens: int = 256  # per generated reply
+    # Stop a reply at the chat format's stop string (a base model's "\nUser:"), as the app
+    # does. Off: the embedded target's replies then average 16 tokens, a tenth of the text;
+    # past the stop it writes its own follow-up turns, whose "Assistant:" parts are replies too.
+    stop_at_turn_end: bool = False
     gen_batch: int = 0  # prompts generated together (left padded); 0: `gen_batch`'s default
     gen_temperature: float = 0.7  # odd prompts are sampled at this temperature, even ones greedy
     samples: int = 3  # replies per prompt: the first as above, the others sampled (more text)
@@ -172,7 +176,7 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     stop = set(_eos(model, tok))
     prompt_ids, stops = _prompts(tok, todo)
-    ends = stop_check(tok, stops)
+    ends = stop_check(tok, stops) if cfg.stop_at_turn_end else None
     # Round by round (a budget that runs out still covers every prompt), and within a round
     # prompts of similar lengths together: little left padding to encode.
     todo = sorted(todo, key=lambda p: (p.get("sample", 0), len(prompt_ids[p["key"]])))
@@ -237,7 +241,7 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                 input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
                 mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
                 kwargs = dict(do_sample=False)
-                if stops:
+                if stops and cfg.stop_at_turn_end:
                     kwargs.update(stop_strings=list(stops), tokenizer=tok)
                 if sampled:
                     kwargs["logits_processor"] = LogitsProcessorList(
@@ -253,7 +257,8 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                         if t in eos:
                             break
                         reply.append(t)
-                    reply = reply[:tokens_until_stop(tok, prompt_ids, reply, stops)]
+                    if cfg.stop_at_turn_end:
+                        reply = reply[:tokens_until_stop(tok, prompt_ids, reply, stops)]
                     f.write(json.dumps({"key": p["key"], "ids": prompt_ids + reply,
                                         "prompt_len": len(prompt_ids),
                                         "heldout": p["heldout"]}) + "\n")
@@ -264,9 +269,8 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
 
 
 def _prompts(tok, todo: list[dict]) -> tuple[dict[str, list[int]], tuple[str, ...]]:
-    """Each prompt's chat-formatted ids by key, and the format's stop strings (a reply ends
-    at them, as in the app: a base model's plain "User:/Assistant:" format has no end-of-turn
-    token, and past the stop string it writes the user's next turn itself)."""
+    """Each prompt's chat-formatted ids by key, and the format's stop strings (where a base
+    model's plain "User:/Assistant:" turn ends: it has no end-of-turn token)."""
     from specchat.text import chat_prompt
     formatted = {p["key"]: chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])
                  for p in todo}
@@ -780,6 +784,7 @@ def cmd_train_draft(args) -> int:
     cfg = TrainConfig(out=out, minutes=args.minutes, prompt_files=[Path(p) for p in args.prompts],
                       data=[Path(p) for p in args.data], generate=not args.no_generate,
                       gen_share=args.gen_share, max_new_tokens=args.max_new_tokens,
+                      stop_at_turn_end=args.stop_at_turn_end,
                       gen_batch=args.gen_batch, samples=args.samples, seq_len=args.seq_len,
                       draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
                       batch_tokens=args.batch_tokens, lr=args.lr,
@@ -831,6 +836,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gen-share", type=float, default=0.5,
                    help="most of the budget spent generating text (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per generated reply")
+    p.add_argument("--stop-at-turn-end", action="store_true",
+                   help="end each generated reply at the chat format's stop string, as the "
+                        "app does (default: go on to the cap; the model's own follow-up turns "
+                        "are more text of the kind it writes)")
     p.add_argument("--gen-batch", type=int, default=0,
                    help="prompts generated together (default 0: 64 on a CPU, 16 on a GPU)")
     p.add_argument("--samples", type=int, default=3,

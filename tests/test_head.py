@@ -526,3 +526,37 @@ def test_head_cache_appends_in_place_and_equals_concatenation():
     assert cropped.data_ptr() == ab.data_ptr() and torch.equal(cropped, torch.cat([a, c], 2))
     v = torch.randn(2, 3, 4, 7).permute(0, 1, 3, 2)  # not a buffer's prefix: copied
     assert torch.equal(appended(v, c), torch.cat([v, c], 2)) and v.shape == (2, 3, 7, 4)
+
+
+def test_loss_at_trained_positions_only_equals_the_loss_over_full_logits():
+    """head_loss takes the logits only where a position has a loss (packed); the value is the
+    plain EAGLE loss over the full [B, T, N] logits, masked, unrolled steps included."""
+    from specchat import train_draft as td
+    from specchat.head import smooth_l1
+    target = tiny_llama(0).eval()
+    head = random_head(target)
+    embed = target.get_input_embeddings()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, start in ((20, 5), (13, 0), (9, 7)):
+        rows.append({"ids": torch.randint(3, 259, (n,), generator=gen),
+                     "feats": torch.randn(n, 32, generator=gen),
+                     "top1": torch.randint(40, 104, (n,), generator=gen), "start": start})
+    batch = td.collate(rows, "cpu")
+    cfg = td.TrainConfig(out=None, unroll=2, noise=0.0)
+    with torch.no_grad():
+        packed, metrics = td.head_loss(head, embed, batch, cfg, train=False)
+        feats, T = batch["feats"], batch["feats"].shape[1] - 1
+        emb = embed(batch["ids"][:, 1:]).float()
+        probs = torch.softmax(head.logits(feats[:, 1:]), -1)
+        valid = batch["trained"][:, :-1]
+        inputs, pos, want = feats[:, :-1], torch.arange(T), 0.0
+        for step in range(2):
+            pred, logits, _ = head(inputs, emb, pos)
+            ce = -(probs[:, step:] * torch.log_softmax(logits, -1)).sum(-1)
+            fl = smooth_l1(pred, feats[:, 1 + step:], head.feat_std)
+            v = valid[:, step:]
+            want += 0.5 ** step * (ce + 0.1 * fl)[v].mean()
+            inputs, emb, pos = pred[:, :-1], emb[:, 1:], pos[1:]
+    assert torch.allclose(packed, want, rtol=1e-5), (float(packed), float(want))
+    assert metrics["top1@1"][1] == int(valid.sum())
