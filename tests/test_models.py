@@ -113,8 +113,13 @@ def _tiny_nf4(tmp_path, compute):
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
-    return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
-                                                dtype=compute, device_map={"": "cpu"}).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
+                                                 dtype=compute, device_map={"": "cpu"}).eval()
+    import bitsandbytes as bnb
+    for m in model.modules():  # as on a CPU without AVX512-BF16, whatever this one has
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
 
 
 def test_nf4_layers_dequantized_once_compute_what_bitsandbytes_computes(tmp_path):
