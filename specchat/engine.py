@@ -105,6 +105,10 @@ class DraftLengthPolicy:
         self.step_s = 0.0  # EMA seconds of a 1-token (plain) step
         self.slope_prior = 0.05  # wide forwards are nearly free (LM-head/weight-read bound)
         self._fit = [0.0] * 5  # decayed sums: weight, x, y, x^2, xy for x = m - 1, y = ratio - 1
+        # The same y per width m, where measured often enough: costs need not lie on a line.
+        # With float32 products padded to 4 columns (models._padded_product), 2-4 tokens cost
+        # what one does (1.00-1.08 steps) and 5 tokens 1.6-1.9: the line misprices both.
+        self._width: dict[int, list[float]] = {}  # m -> decayed [weight, sum of y]
         self.draft_token_s = 0.0
         self.plain_streak = 0
 
@@ -125,7 +129,12 @@ class DraftLengthPolicy:
         successes, failures = self._tests.get(cls, (2.0, 1.0))  # prior 2/3, weight of 3 tests
         return successes / (successes + failures)
 
+    WIDTH_WEIGHT = 3.0  # decayed measurements of a width before its own mean replaces the line
+
     def _verify_cost(self, m: int) -> float:
+        seen = self._width.get(m)
+        if m > 1 and seen and seen[0] >= self.WIDTH_WEIGHT:
+            return (self.step_s or 1.0) * (1 + seen[1] / seen[0])
         fixed, slope = self.verify_line if m > 1 else (0.0, 0.0)
         return (self.step_s or 1.0) * (1 + fixed + slope * (m - 1))
 
@@ -154,6 +163,8 @@ class DraftLengthPolicy:
         else:
             x, y = fed - 1, min(max(verify_s / self.step_s - 1, 0.0), 3.0)
             self._fit = [0.95 * a + b for a, b in zip(self._fit, (1.0, x, y, x * x, x * y))]
+            seen = self._width.setdefault(fed, [0.0, 0.0])
+            seen[0], seen[1] = 0.9 * seen[0] + 1.0, 0.9 * seen[1] + y
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
             tests = self._tests.setdefault(cls, [2.0, 1.0])

@@ -304,6 +304,24 @@ def test_verify_cost_line_has_a_fixed_part():
     assert only_two._verify_cost(2) == pytest.approx(0.12, rel=0.02)
 
 
+def test_verify_costs_off_the_line_are_priced_per_width():
+    """Float32 products padded to 4 columns: 2-4 tokens cost one step, 5-8 about 1.8. The
+    line through them would price 4 tokens at ~1.3 steps; widths measured often enough are
+    priced by their own measurements, and k follows (here: 3 drafts; the line says 2)."""
+    from specchat.engine import DraftLengthPolicy
+    cost = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.02, 5: 1.8, 6: 1.85, 7: 1.9, 8: 1.95}
+    policy = DraftLengthPolicy(probe_every=1000)
+    for _ in range(20):
+        for m, c in cost.items():
+            policy.update(m, 0.10 * c, m - 1, (m - 1) // 2, 0.0)  # alpha ~0.66
+    fixed, slope = policy.verify_line
+    assert 1 + fixed + 3 * slope > 1.2  # the line's price of 4 tokens
+    assert policy._verify_cost(4) == pytest.approx(0.102, rel=0.02)
+    assert policy._verify_cost(5) == pytest.approx(0.18, rel=0.02)
+    assert policy._verify_cost(10) == pytest.approx(0.10 * (1 + fixed + 9 * slope))  # unseen
+    assert policy.choose(7) == 3
+
+
 class TopKTreeDrafter:
     """Draft trees from a model's own top-`width` tokens at each node, expanding two nodes a
     level, siblings shuffled. With the target's weights most levels hold the target's token
