@@ -381,6 +381,13 @@ def cpu_computes_bf16() -> bool:
 DENSE_SHARE = 0.25  # dense copies of NF4 layers may take at most this share of the RAM
 
 
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
     """On CPUs without bitsandbytes' fused NF4 kernel (no AVX512-BF16), dequantize each NF4
     layer once and keep the dense weight in the compute dtype. bitsandbytes' fallback
@@ -388,7 +395,8 @@ def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
     step's 330 ms on the embedded target. The weights are the NF4 model's own values, so the
     model computes the same function; only memory grows (4 bytes a weight in float32: +400 MB
     for the embedded target). Skipped when the copies would take more than `share` of the
-    machine's memory (a 7B target: 28 GB). Returns the layers changed."""
+    machine's memory (a 7B target: 28 GB). In float32 the copies are packed for oneDNN where
+    that is row-exact (`_pack`). Returns the layers changed."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -398,45 +406,37 @@ def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
     dtype = next((m.compute_dtype for m in layers if m.compute_dtype is not None),
                  torch.float32)
     size = sum(m.in_features * m.out_features for m in layers) * dtype.itemsize
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 0
+    ram = _ram_bytes()
     if not layers or (ram and size > share * ram):
         return 0
-    exact: dict[tuple, bool] = {}  # per weight shape: `_padded_product` row-exact here?
+    exact: dict[tuple, bool] = {}  # per weight shape: is the packed product row-exact here?
     for m in layers:
-        m.forward = _DenseForward(m, dtype)
-        shape = tuple(m.forward.weight.shape)
-        if dtype == torch.float32 and shape not in exact:
-            exact[shape] = _columns_agree(m.forward.weight)
-        m.forward.exact = exact.get(shape, False)
+        m.forward = _DenseForward(m, dtype, exact)
     return len(layers)
 
 
 class _DenseForward:
     """The forward of one NF4 layer from a dequantized copy of its weight (`dense_cpu_nf4`).
-    In float32, decoding steps and verifies (at most MAX_COLUMNS rows) go through
-    `_padded_product` where it is row-exact: `linear` rounds one row differently from two or
-    from four (see `_PaddedHead`), and a greedy speculative reply would then leave the plain
-    one at near-ties."""
+    In float32 the copy is packed for oneDNN (`_pack`) where each row's result is then the
+    same bits whatever rows come with it: `linear` rounds one row differently from two or from
+    four, and a greedy speculative reply would then leave the plain one at near-ties."""
 
-    def __init__(self, module, dtype: torch.dtype):
+    def __init__(self, module, dtype: torch.dtype, exact: dict[tuple, bool]):
         from bitsandbytes.functional import dequantize_4bit
 
-        self.weight = dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+        weight = dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
         self.bias = module.bias.data.to(dtype) if module.bias is not None else None
-        self.exact = False
+        self.fallback = module.forward  # bitsandbytes' own, for gradients
+        self.packed = _pack(weight, exact)
+        self.weight = None if self.packed is not None else weight  # one copy, not two
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[:-1].numel()
-        if not self.exact or rows > MAX_COLUMNS or x.requires_grad:
+        if x.requires_grad:
+            return self.fallback(x)
+        if self.packed is None:
             return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight,
                                               self.bias).to(x.dtype)
-        out = _padded_product(self.weight, x.reshape(rows, -1).to(self.weight.dtype))
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+        return _packed_product(self.packed, x.to(torch.float32), self.bias).to(x.dtype)
 
 
 @contextlib.contextmanager
@@ -476,13 +476,10 @@ def _nf4_gemv_kernel(module):
         return None
 
 
-def fast_lm_head(model) -> bool:
-    """Logits for a few rows (decoding, verifies) as `weight @ x.T` instead of `linear`. On
-    this CPU a bf16 [M, d] x [V, d] linear reads the weight at ~10-15 GB/s whatever M; the
-    product the other way round, with two or more columns, at up to memory speed. The embedded
-    target's 262k x 640 head (335 MB): a verify's 5-11 rows 21-22 ms instead of 28-30, one row
-    (computed as two) 22 ms, as fast as `torch.mv` (33 ms with linear). Used only while its
-    logits are bit-identical to `linear`'s: the first `_NarrowHead.CHECKS` calls compute both.
+def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
+    """A faster LM head for CPU inference. bf16: logits for a few rows (decoding, verifies) as
+    `weight @ x.T` instead of `linear` (`_NarrowHead`). float32: a copy packed for oneDNN
+    (`_PackedHead`), where that is row-exact and the copy takes at most `share` of the RAM.
     Returns whether the head was changed."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None \
@@ -491,61 +488,67 @@ def fast_lm_head(model) -> bool:
     if head.weight.dtype == torch.bfloat16:
         head.forward = _NarrowHead(head)
         return True
-    if head.weight.dtype == torch.float32 and _columns_agree(head.weight):
-        head.forward = _PaddedHead(head)
-        return True
+    ram = _ram_bytes()
+    if head.weight.dtype == torch.float32 and not (ram and head.weight.nbytes > share * ram):
+        packed = _pack(head.weight.detach(), {})
+        if packed is not None:
+            head.forward = _PackedHead(head, packed)
+            return True
     return False
 
 
-PAD_COLUMNS = 4  # float32 `weight @ x.T` on MKL: columns in whole blocks of 4 ...
-CHUNK_COLUMNS = 8  # ... of a product of at most 8 columns come out the same bits
 MAX_COLUMNS = 11  # a verify of 10 drafted tokens
 
 
-def _padded_product(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """rows [n, d] -> rows @ weight.T [n, V], as products of at most CHUNK_COLUMNS columns,
-    each padded (last row repeated) to a multiple of PAD_COLUMNS."""
-    out = []
-    for chunk in rows.split(CHUNK_COLUMNS):
-        n = len(chunk)
-        if n % PAD_COLUMNS:
-            chunk = torch.cat([chunk, chunk[-1:].expand(PAD_COLUMNS - n % PAD_COLUMNS, -1)])
-        out.append(torch.matmul(weight, chunk.T).T[:n])
-    return torch.cat(out)
+def _pack(weight: torch.Tensor, exact: dict[tuple, bool]) -> torch.Tensor | None:
+    """A float32 weight [out, in] reordered into oneDNN's blocked layout, or None where oneDNN
+    is missing or where a row's result through it would depend on the rows beside it (checked
+    once per weight shape; `exact` remembers the answers).
+
+    On a 2-core AVX2 EPYC, MKL's float32 products of a few rows ran far below memory speed
+    and jumped in cost at 5 and 9 rows, and `linear` rounded a row differently alone, among
+    2-3 rows and among 4 or more. oneDNN's packed product (the kernel `torch.compile` uses
+    for linear layers on CPU) gives each row the same bits among 1 to MAX_COLUMNS rows, and is
+    faster: the embedded target's 262k x 640 LM head took 47 / 33 / 54 / 87 ms for 1 / 4 / 8 /
+    11 rows with MKL (padded to whole blocks of 4 columns for exactness), 25 / 33 / 43 / 49 ms
+    packed. For 64 rows (batched generation) 279 ms became 195."""
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (AttributeError, RuntimeError):
+        return None
+    shape = tuple(weight.shape)
+    if shape not in exact:
+        x = torch.randn(MAX_COLUMNS, shape[1], generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            alone = torch.cat([_packed_product(packed, x[i:i + 1]) for i in range(MAX_COLUMNS)])
+            exact[shape] = all(torch.equal(_packed_product(packed, x[:n]), alone[:n])
+                               for n in range(2, MAX_COLUMNS + 1))
+    return packed if exact[shape] else None
 
 
-def _columns_agree(weight: torch.Tensor) -> bool:
-    """Whether `_padded_product` gives each row the same bits alone and among up to
-    MAX_COLUMNS rows (checked once, at load: ~1 s for the embedded target's head)."""
-    x = torch.randn(MAX_COLUMNS, weight.shape[1], dtype=weight.dtype,
-                    generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        alone = torch.cat([_padded_product(weight, x[i:i + 1]) for i in range(MAX_COLUMNS)])
-        return all(torch.equal(_padded_product(weight, x[:n]), alone[:n])
-                   for n in range(2, MAX_COLUMNS + 1))
+def _packed_product(packed: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [..., in] @ weight.T (+ bias) through a weight packed by `_pack`."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class _PaddedHead:
-    """A float32 LM head on a CPU without native bf16 (see `cpu_computes_bf16`): the rows of
-    decoding steps and verifies as `_padded_product`. On a 2-core AVX2 EPYC, the embedded
-    target's 262k x 640 head took 53 ms for one row with `linear` and 47 ms this way;
-    117 / 135 / 175 ms for 2 / 5 / 11 rows with `linear`, 47 / 70 / 89 ms this way
-    (medians of 7, interleaved). And a
-    row's logits are the same bits whether it is decoded alone or verified among up to 10
-    drafts, which `linear` does not give here (1, 2-3 and 4+ rows take different kernels, and
-    in one product, columns past the last whole block of 4 are rounded differently): greedy
-    speculation stays plain greedy."""
+class _PackedHead:
+    """A float32 LM head on a CPU without native bf16 (see `cpu_computes_bf16`), through a copy
+    packed for oneDNN (`_pack`): a row's logits are the same bits whether it is decoded alone
+    or verified among up to 10 drafts (greedy speculation stays plain greedy), and one row
+    costs 25 ms instead of 47 on the embedded target. The copy takes as much memory again as
+    the head (+670 MB there): the tied input embeddings still need the plain weight."""
 
-    def __init__(self, head: torch.nn.Linear):
-        self.head = head
+    def __init__(self, head: torch.nn.Linear, packed: torch.Tensor):
+        self.head, self.packed = head, packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.head.weight
-        rows = x.shape[:-1].numel()
-        if rows > MAX_COLUMNS or x.dtype != weight.dtype or x.requires_grad:
-            return torch.nn.functional.linear(x, weight)
-        out = _padded_product(weight, x.reshape(rows, -1))
-        return out.reshape(*x.shape[:-1], -1)
+        if x.dtype != torch.float32 or x.requires_grad:
+            return torch.nn.functional.linear(x, self.head.weight)
+        return _packed_product(self.packed, x)
 
 
 class _NarrowHead:
