@@ -178,3 +178,20 @@ def test_float32_logits_are_the_same_bits_alone_or_among_drafts():
             for i in range(rows):
                 assert torch.equal(together[i:i + 1], alone[i]), (rows, i)
         assert torch.allclose(head(x), torch.nn.functional.linear(x, head.weight), atol=1e-4)
+
+
+def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch):
+    """Where a row's bits would depend on how many rows come with it, `_pack` keeps `linear`
+    (checked once per weight shape), so a verify never silently computes other logits."""
+    import specchat.models as models
+    weight = torch.randn(256, 64)
+    if models._pack(weight, {}) is None:
+        pytest.skip("no row-exact packed product on this CPU to break")
+    exact = models._packed_product
+    monkeypatch.setattr(models, "_packed_product",
+                        lambda packed, x, bias=None: exact(packed, x) + 1e-3 * len(x))
+    answers: dict = {}
+    assert models._pack(weight, answers) is None
+    assert answers == {(256, 64): False}
+    assert models._pack(torch.randn(256, 64), answers) is None  # the shape's answer is kept
+    assert models._pack(weight.to(torch.bfloat16), {}) is None  # float32 only
