@@ -177,8 +177,11 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     if dev.type == "cpu":
         _copy_out_of_file_mapping(model)
         _release_freed_memory()
-        if quantization == "nf4" and not fast_cpu_nf4(model) and dense_cpu_nf4(model):
-            how = f"dequantized once to {str(compute).removeprefix('torch.')}"
+        if quantization == "nf4" and not fast_cpu_nf4(model):
+            if kernel_cpu_nf4(model):
+                how = "specchat's AVX2 NF4 kernel"
+            if dense_cpu_nf4(model):  # layers the kernel does not take, if any
+                how = how or f"dequantized once to {str(compute).removeprefix('torch.')}"
         fast_lm_head(model)
         use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit
     if name_or_path in ("", EMBEDDED):
@@ -388,6 +391,98 @@ def _ram_bytes() -> int:
         return 0
 
 
+def _cpu_nf4_layers(model) -> list:
+    """The model's NF4 layers on CPU that nothing has routed yet."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+            and m.weight.device.type == "cpu" and "forward" not in vars(m)]
+
+
+def kernel_cpu_nf4(model) -> int:
+    """On x86 CPUs with AVX2 but no native bf16, where bitsandbytes has no fused NF4 kernel,
+    compute each NF4 layer with specchat's own kernel (`cpu_kernels.c`), which reads the
+    4-bit weights and decodes them in registers: the weights a step reads are 8x smaller than
+    float32 copies. Each layer is checked at load against bitsandbytes' dequantized weight.
+    Returns the layers changed (0 where the kernel cannot be built)."""
+    from specchat import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None:
+        return 0
+    exact: dict[tuple, bool] = {}
+    changed = 0
+    for m in _cpu_nf4_layers(model):
+        forward = _NF4KernelForward(m, lib)
+        if forward.usable(exact):
+            m.forward = forward
+            changed += 1
+    return changed
+
+
+class _NF4KernelForward:
+    """The forward of one NF4 layer through `cpu_kernels.nf4_matmul` (see `kernel_cpu_nf4`).
+    A row's result is the same bits alone or among any number of rows."""
+
+    def __init__(self, module, lib):
+        from bitsandbytes.functional import dequantize_blockwise
+
+        state = module.weight.quant_state
+        self.module, self.lib, self.state = module, lib, state
+        absmax = state.absmax
+        if state.nested:  # double quantization: undo it once here, not at every call
+            absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+        self.absmax = absmax.to(torch.float32).contiguous()
+        self.table = state.code.to(torch.float32).contiguous()
+        self.codes = module.weight.data
+        self.out_features, self.in_features = state.shape
+        self.bias = module.bias.data.to(torch.float32) if module.bias is not None else None
+        self.fallback = module.forward  # bitsandbytes' own, for gradients
+
+    def usable(self, exact: dict[tuple, bool]) -> bool:
+        """Whether the kernel takes this layer's layout and computes what bitsandbytes does."""
+        from bitsandbytes.functional import dequantize_4bit
+
+        state, n_in = self.state, self.in_features
+        if state.quant_type != "nf4" or getattr(state, "packing_format_for_cpu", False) \
+                or self.codes.dtype != torch.uint8 or not self.codes.is_contiguous() \
+                or self.codes.numel() * 2 != self.out_features * n_in \
+                or self.table.numel() != 16 or n_in % state.blocksize or state.blocksize % 8 \
+                or n_in > self.lib.max_in():
+            return False
+        x = torch.randn(MAX_COLUMNS, n_in, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            weight = dequantize_4bit(self.codes, state).to(torch.float32)
+            got, want = self._product(x), torch.nn.functional.linear(x, weight)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                return False
+            shape = tuple(weight.shape)
+            if shape not in exact:
+                exact[shape] = _rows_independent(self._product, x)
+        return exact[shape]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        from specchat import cpu_kernels
+        return cpu_kernels.nf4_matmul(self.lib, x, self.codes, self.absmax,
+                                      self.state.blocksize, self.table, self.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            return self.fallback(x)
+        out = self._product(x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+def _rows_independent(product, x: torch.Tensor) -> bool:
+    """Whether `product` gives each row of x the same bits alone and among up to all rows."""
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    return all(torch.equal(product(x[:n]), alone[:n]) for n in range(2, len(x) + 1))
+
+
 def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
     """On CPUs without bitsandbytes' fused NF4 kernel (no AVX512-BF16), dequantize each NF4
     layer once and keep the dense weight in the compute dtype. bitsandbytes' fallback
@@ -397,12 +492,7 @@ def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
     for the embedded target). Skipped when the copies would take more than `share` of the
     machine's memory (a 7B target: 28 GB). In float32 the copies are packed for oneDNN where
     that is row-exact (`_pack`). Returns the layers changed."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
-              and m.weight.device.type == "cpu" and "forward" not in vars(m)]
+    layers = _cpu_nf4_layers(model)
     dtype = next((m.compute_dtype for m in layers if m.compute_dtype is not None),
                  torch.float32)
     size = sum(m.in_features * m.out_features for m in layers) * dtype.itemsize
@@ -488,8 +578,14 @@ def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
     if head.weight.dtype == torch.bfloat16:
         head.forward = _NarrowHead(head)
         return True
+    if head.weight.dtype != torch.float32:
+        return False
+    bf16 = _Bf16KernelHead.build(head)
+    if bf16 is not None:
+        head.forward = bf16
+        return True
     ram = _ram_bytes()
-    if head.weight.dtype == torch.float32 and not (ram and head.weight.nbytes > share * ram):
+    if not (ram and head.weight.nbytes > share * ram):
         packed = _pack(head.weight.detach(), {})
         if packed is not None:
             head.forward = _PackedHead(head, packed)
@@ -522,9 +618,7 @@ def _pack(weight: torch.Tensor, exact: dict[tuple, bool]) -> torch.Tensor | None
     if shape not in exact:
         x = torch.randn(MAX_COLUMNS, shape[1], generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            alone = torch.cat([_packed_product(packed, x[i:i + 1]) for i in range(MAX_COLUMNS)])
-            exact[shape] = all(torch.equal(_packed_product(packed, x[:n]), alone[:n])
-                               for n in range(2, MAX_COLUMNS + 1))
+            exact[shape] = _rows_independent(lambda rows: _packed_product(packed, rows), x)
     return packed if exact[shape] else None
 
 
@@ -533,6 +627,46 @@ def _packed_product(packed: torch.Tensor, x: torch.Tensor, bias=None) -> torch.T
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _Bf16KernelHead:
+    """A float32 LM head whose weights are bf16 values (checkpoints saved in bf16, like the
+    embedded target's), through `cpu_kernels.bf16_matmul` from a bf16 copy: the same products
+    in float32 from half the bytes. On a 2-core AVX2 EPYC the embedded target's 262k x 640 head
+    took 15 / 23 / 33 / 41 ms for 1 / 4 / 8 / 11 rows (oneDNN packed float32: 34 / 43 / 40 /
+    47), and a row's logits are the same bits among any number of rows."""
+
+    def __init__(self, head: torch.nn.Linear, weight: torch.Tensor, lib):
+        self.head, self.weight, self.lib = head, weight, lib
+
+    @classmethod
+    def build(cls, head: torch.nn.Linear) -> "_Bf16KernelHead | None":
+        from specchat import cpu_kernels
+
+        lib = cpu_kernels.load()
+        weight = head.weight.detach()
+        if lib is None or weight.shape[1] % 8 or weight.shape[1] > lib.max_in():
+            return None
+        compact = weight.to(torch.bfloat16)
+        if not torch.equal(compact.to(torch.float32), weight):
+            return None  # not bf16 values: a bf16 copy would change the model
+        made = cls(head, compact, lib)
+        x = torch.randn(MAX_COLUMNS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            got, want = made._product(x), torch.nn.functional.linear(x, weight)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())) \
+                    or not _rows_independent(made._product, x):
+                return None
+        return made
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        from specchat import cpu_kernels
+        return cpu_kernels.bf16_matmul(self.lib, x, self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.requires_grad:
+            return torch.nn.functional.linear(x, self.head.weight)
+        return self._product(x)
 
 
 class _PackedHead:

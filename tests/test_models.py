@@ -195,3 +195,92 @@ def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch)
     assert answers == {(256, 64): False}
     assert models._pack(torch.randn(256, 64), answers) is None  # the shape's answer is kept
     assert models._pack(weight.to(torch.bfloat16), {}) is None  # float32 only
+
+
+def _kernels():
+    from specchat import cpu_kernels
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.skip("specchat's CPU kernels cannot be built here (no gcc, or no AVX2/FMA)")
+    return lib
+
+
+def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tmp_path):
+    """specchat's AVX2 kernel reads the NF4 codes and block scales directly: the model's logits
+    are bitsandbytes' own (up to float32 rounding), each row's output is the same bits alone or
+    among up to 11 rows, and gradients still flow through bitsandbytes' path."""
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import dequantize_4bit
+
+    from specchat.models import _NF4KernelForward, kernel_cpu_nf4
+    _kernels()
+    model = _tiny_nf4(tmp_path, torch.float32)
+    ids = torch.randint(3, 259, (1, 12))
+    with torch.inference_mode():
+        reference = model(ids).logits
+        assert kernel_cpu_nf4(model) == 14  # 7 per layer
+        layer = model.model.layers[1].self_attn.o_proj
+        assert isinstance(layer.forward, _NF4KernelForward)
+        logits = model(ids).logits
+        x = torch.randn(11, layer.in_features)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
+        together = [layer(x[:n]) for n in range(1, 12)]
+        weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    assert torch.allclose(logits, reference, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(logits, reference)  # another path really ran
+    for n, out in enumerate(together, 1):
+        assert torch.equal(out, alone[:n]), n
+    assert torch.allclose(alone, torch.nn.functional.linear(x, weight), atol=1e-5)
+    with_grad = layer(x.clone().requires_grad_())
+    assert with_grad.requires_grad and torch.allclose(with_grad, alone, atol=1e-5)
+
+
+def test_nf4_kernel_refuses_a_layer_it_would_compute_wrongly(tmp_path):
+    """Checked at load against bitsandbytes' dequantized weight: a layout the kernel misreads
+    (here, the NF4 table reversed) keeps bitsandbytes' path."""
+    pytest.importorskip("bitsandbytes")
+    from specchat.models import _NF4KernelForward
+    lib = _kernels()
+    model = _tiny_nf4(tmp_path, torch.float32)
+    layer = model.model.layers[0].mlp.up_proj
+    forward = _NF4KernelForward(layer, lib)
+    assert forward.usable({})
+    forward.table = forward.table.flip(0).contiguous()
+    assert not forward.usable({})
+
+
+def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
+    """A float32 LM head holding bf16 values (a bf16 checkpoint loaded in float32) is computed
+    from a bf16 copy: the same logits up to rounding, each row the same bits among 1 to 11.
+    A head with other values keeps its float32 weights."""
+    from transformers import Gemma3TextConfig
+
+    from specchat.models import MAX_COLUMNS, _Bf16KernelHead, fast_lm_head
+    _kernels()
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, layer_types=["full_attention"])
+    model = Gemma3ForCausalLM(cfg).to(torch.bfloat16).to(torch.float32).eval()
+    assert fast_lm_head(model)
+    head = model.lm_head
+    assert isinstance(head.forward, _Bf16KernelHead)
+    assert head.forward.weight.dtype == torch.bfloat16
+    x = torch.randn(MAX_COLUMNS, 640)
+    with torch.inference_mode():
+        alone = torch.cat([head(x[i:i + 1]) for i in range(MAX_COLUMNS)])
+        for rows in range(2, MAX_COLUMNS + 1):
+            assert torch.equal(head(x[None, :rows])[0], alone[:rows]), rows
+        assert torch.allclose(alone, torch.nn.functional.linear(x, head.weight), atol=1e-4)
+
+    other = Gemma3ForCausalLM(cfg).eval()  # float32 values: no bf16 copy
+    with torch.no_grad():
+        other.lm_head.weight.add_(1e-6)
+    fast_lm_head(other)
+    assert not isinstance(vars(other.lm_head).get("forward"), _Bf16KernelHead)
+
+
+def test_kernels_are_not_used_without_a_compiler(monkeypatch):
+    from specchat import cpu_kernels
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert cpu_kernels.load.__wrapped__() is None
