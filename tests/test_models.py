@@ -280,7 +280,15 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     assert not isinstance(vars(other.lm_head).get("forward"), _Bf16KernelHead)
 
 
-def test_kernels_are_not_used_without_a_compiler(monkeypatch):
+def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch):
     from specchat import cpu_kernels
+    _kernels()
+    monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
+    lib = cpu_kernels.load.__wrapped__()  # compiles the C file afresh
+    built = list((tmp_path / "kernels").iterdir())
+    assert lib is not None and [p.suffix for p in built] == [".so"]
+    x, weight = torch.randn(3, 64), torch.randn(43, 64).to(torch.bfloat16)  # tails of both tiles
+    assert torch.allclose(cpu_kernels.bf16_matmul(lib, x, weight), x @ weight.float().T,
+                          atol=1e-5)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert cpu_kernels.load.__wrapped__() is None
