@@ -67,11 +67,11 @@ static void rows(int no, const float *w, const float *x, int64_t n, int64_t in, 
 // one row) scaled by its absmax. Requires in % blocksize == 0 and blocksize % 8 == 0.
 void nf4_matmul(const float *x, int64_t n, int64_t in, const uint8_t *codes,
                 const float *absmax, int64_t blocksize, const float *table, float *y,
-                int64_t out) {
+                int64_t out, int threads) {
     const __m256 lo = _mm256_loadu_ps(table), hi = _mm256_loadu_ps(table + 8);
     const __m256i shifts = _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24);
     const __m256i nibble = _mm256_set1_epi32(15);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
         float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
         int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;
@@ -94,8 +94,8 @@ void nf4_matmul(const float *x, int64_t n, int64_t in, const uint8_t *codes,
 
 // bf16 weights [out, in]. Requires in % 8 == 0.
 void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
-                 int64_t out) {
-#pragma omp parallel for schedule(static)
+                 int64_t out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
         float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
         int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;

@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -37,8 +38,11 @@ def _cpu_has_avx2_fma() -> bool:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot run here."""
+    if not _cpu_has_avx2_fma() or os.environ.get("SPECCHAT_NO_KERNELS"):
+        return None
     compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if not compiler or not _cpu_has_avx2_fma() or os.environ.get("SPECCHAT_NO_KERNELS"):
+    if not compiler:
+        _say(f"no C compiler ({os.environ.get('CC', 'gcc')}) to build specchat's AVX2 kernels")
         return None
     from specchat.models import cache_dir
 
@@ -52,19 +56,28 @@ def load() -> ctypes.CDLL | None:
             subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True,
                            capture_output=True, timeout=120)
             partial.replace(lib_path)  # atomic: another process may be compiling too
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError) as e:
             partial.unlink(missing_ok=True)
+            detail = getattr(e, "stderr", b"") or str(e).encode()
+            _say(f"could not build specchat's AVX2 kernels with {compiler}: "
+                 f"{detail.decode(errors='replace').strip().splitlines()[0]}")
             return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-    except OSError:
+    except OSError as e:
+        _say(f"could not load specchat's AVX2 kernels ({lib_path}): {e}")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64]
-    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+    lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     lib.nf4_matmul.restype = lib.bf16_matmul.restype = None
     lib.max_in.restype = ctypes.c_int
     return lib
+
+
+def _say(why: str) -> None:
+    print(f"specchat: {why}; NF4 layers use float32 copies instead (slower, more memory)",
+          file=sys.stderr)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +91,8 @@ def nf4_matmul(lib, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
     rows = _rows(x)
     y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     lib.nf4_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
-                   absmax.data_ptr(), blocksize, table.data_ptr(), y.data_ptr(), out_features)
+                   absmax.data_ptr(), blocksize, table.data_ptr(), y.data_ptr(), out_features,
+                   torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -87,5 +101,5 @@ def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
     lib.bf16_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
-                    y.data_ptr(), weight.shape[0])
+                    y.data_ptr(), weight.shape[0], torch.get_num_threads())
     return y.reshape(*x.shape[:-1], weight.shape[0])

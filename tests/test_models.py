@@ -280,7 +280,8 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     assert not isinstance(vars(other.lm_head).get("forward"), _Bf16KernelHead)
 
 
-def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch):
+def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch,
+                                                                         capsys):
     from specchat import cpu_kernels
     _kernels()
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
@@ -290,5 +291,18 @@ def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path
     x, weight = torch.randn(3, 64), torch.randn(43, 64).to(torch.bfloat16)  # tails of both tiles
     assert torch.allclose(cpu_kernels.bf16_matmul(lib, x, weight), x @ weight.float().T,
                           atol=1e-5)
+    threads = torch.get_num_threads()
+    try:  # each output is one thread's work: the thread count changes no bits
+        torch.set_num_threads(1)
+        one = cpu_kernels.bf16_matmul(lib, x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, cpu_kernels.bf16_matmul(lib, x, weight))
+
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert cpu_kernels.load.__wrapped__() is None
+    assert "no C compiler (/nonexistent/cc)" in capsys.readouterr().err
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "other"))
+    assert cpu_kernels.load.__wrapped__() is None
+    assert "could not build specchat's AVX2 kernels" in capsys.readouterr().err
