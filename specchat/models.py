@@ -183,6 +183,8 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             if dense_cpu_nf4(model):  # layers the kernel does not take, if any
                 how = how or f"dequantized once to {str(compute).removeprefix('torch.')}"
         fast_lm_head(model)
+        if compute == torch.float32 and kernel_cpu_linears(model):
+            how = how or "float32 from bf16 copies, specchat's AVX2 kernel"
         use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit
     if name_or_path in ("", EMBEDDED):
         name_or_path = EMBEDDED_NAME
@@ -568,7 +570,8 @@ def _nf4_gemv_kernel(module):
 
 def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
     """A faster LM head for CPU inference. bf16: logits for a few rows (decoding, verifies) as
-    `weight @ x.T` instead of `linear` (`_NarrowHead`). float32: a copy packed for oneDNN
+    `weight @ x.T` instead of `linear` (`_NarrowHead`). float32: specchat's bf16 kernel where
+    the weights are bf16 values (`_Bf16KernelLinear`), else a copy packed for oneDNN
     (`_PackedHead`), where that is row-exact and the copy takes at most `share` of the RAM.
     Returns whether the head was changed."""
     head = model.get_output_embeddings()
@@ -580,7 +583,7 @@ def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
         return True
     if head.weight.dtype != torch.float32:
         return False
-    bf16 = _Bf16KernelHead.build(head)
+    bf16 = _Bf16KernelLinear.build(head)
     if bf16 is not None:
         head.forward = bf16
         return True
@@ -629,45 +632,63 @@ def _packed_product(packed: torch.Tensor, x: torch.Tensor, bias=None) -> torch.T
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class _Bf16KernelHead:
-    """A float32 LM head whose weights are bf16 values (checkpoints saved in bf16, like the
-    embedded target's), through `cpu_kernels.bf16_matmul` from a bf16 copy: the same products
-    in float32 from half the bytes. On a 2-core AVX2 EPYC the embedded target's 262k x 640 head
-    took 15 / 23 / 33 / 41 ms for 1 / 4 / 8 / 11 rows (oneDNN packed float32: 34 / 43 / 40 /
-    47), and a row's logits are the same bits among any number of rows."""
+def kernel_cpu_linears(model) -> int:
+    """float32 `nn.Linear` layers whose weights are bf16 values (a bf16 checkpoint loaded in
+    float32: `--quantization none` on a CPU without native bf16, draft models) computed by
+    specchat's bf16 kernel from a bf16 copy (`_Bf16KernelLinear`): half the bytes read, and
+    each row the same bits among any number of rows, which `linear` does not give. Returns the
+    layers changed."""
+    changed = 0
+    for m in model.modules():
+        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" \
+                and "forward" not in vars(m):
+            forward = _Bf16KernelLinear.build(m)
+            if forward is not None:
+                m.forward = forward
+                changed += 1
+    return changed
 
-    def __init__(self, head: torch.nn.Linear, weight: torch.Tensor, lib):
-        self.head, self.weight, self.lib = head, weight, lib
+
+class _Bf16KernelLinear:
+    """A float32 linear layer whose weights are bf16 values, through `cpu_kernels.bf16_matmul`
+    from a bf16 copy: the same products in float32 from half the bytes. On a 2-core AVX2 EPYC
+    the embedded target's 262k x 640 LM head took 15 / 23 / 33 / 41 ms for 1 / 4 / 8 / 11 rows
+    this way (oneDNN packed float32: 34 / 43 / 40 / 47), and a row's result is the same bits
+    among any number of rows. The float32 weight stays (tied embeddings, gradients)."""
+
+    def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor, lib):
+        self.linear, self.weight, self.lib = linear, weight, lib
+        self.bias = linear.bias.detach() if linear.bias is not None else None
 
     @classmethod
-    def build(cls, head: torch.nn.Linear) -> "_Bf16KernelHead | None":
+    def build(cls, linear: torch.nn.Linear) -> "_Bf16KernelLinear | None":
         from specchat import cpu_kernels
 
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32 or weight.shape[1] % 8:
+            return None
         lib = cpu_kernels.load()
-        weight = head.weight.detach()
-        if lib is None or weight.shape[1] % 8 or weight.shape[1] > lib.max_in():
+        if lib is None or weight.shape[1] > lib.max_in():
             return None
         compact = weight.to(torch.bfloat16)
         if not all(torch.equal(a.to(torch.float32), b)  # in chunks: no float32 copy at once
                    for a, b in zip(compact.split(16384), weight.split(16384))):
             return None  # not bf16 values: a bf16 copy would change the model
-        made = cls(head, compact, lib)
+        made = cls(linear, compact, lib)
         x = torch.randn(MAX_COLUMNS, weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            got, want = made._product(x), torch.nn.functional.linear(x, weight)
+            got, want = made(x), torch.nn.functional.linear(x, weight, linear.bias)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())) \
-                    or not _rows_independent(made._product, x):
+                    or not _rows_independent(made, x):
                 return None
         return made
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        from specchat import cpu_kernels
-        return cpu_kernels.bf16_matmul(self.lib, x, self.weight)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.requires_grad:
-            return torch.nn.functional.linear(x, self.head.weight)
-        return self._product(x)
+            return torch.nn.functional.linear(x, self.linear.weight, self.linear.bias)
+        from specchat import cpu_kernels
+        out = cpu_kernels.bf16_matmul(self.lib, x, self.weight)
+        return out + self.bias if self.bias is not None else out
 
 
 class _PackedHead:

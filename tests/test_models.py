@@ -255,7 +255,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     A head with other values keeps its float32 weights."""
     from transformers import Gemma3TextConfig
 
-    from specchat.models import MAX_COLUMNS, _Bf16KernelHead, fast_lm_head
+    from specchat.models import MAX_COLUMNS, _Bf16KernelLinear, fast_lm_head
     _kernels()
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
@@ -264,7 +264,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     model = Gemma3ForCausalLM(cfg).to(torch.bfloat16).to(torch.float32).eval()
     assert fast_lm_head(model)
     head = model.lm_head
-    assert isinstance(head.forward, _Bf16KernelHead)
+    assert isinstance(head.forward, _Bf16KernelLinear)
     assert head.forward.weight.dtype == torch.bfloat16
     x = torch.randn(MAX_COLUMNS, 640)
     with torch.inference_mode():
@@ -277,7 +277,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     with torch.no_grad():
         other.lm_head.weight.add_(1e-6)
     fast_lm_head(other)
-    assert not isinstance(vars(other.lm_head).get("forward"), _Bf16KernelHead)
+    assert not isinstance(vars(other.lm_head).get("forward"), _Bf16KernelLinear)
 
 
 def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch,
@@ -306,3 +306,43 @@ def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "other"))
     assert cpu_kernels.load.__wrapped__() is None
     assert "could not build specchat's AVX2 kernels" in capsys.readouterr().err
+
+
+def test_float32_linears_holding_bf16_values_go_through_the_bf16_kernel(tmp_path):
+    """`--quantization none` on a CPU without native bf16 (and draft models): a bf16 checkpoint
+    loaded in float32 computes every linear layer from bf16 copies, as before up to rounding,
+    each row the same bits alone or among others; layers with other values keep `linear`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specchat.models import _Bf16KernelLinear, cpu_computes_bf16, kernel_cpu_linears, load_model
+    from tests.tiny import byte_tokenizer
+    _kernels()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, eos_token_id=2,
+                      attention_bias=True)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).to(torch.float32).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.add_(1e-7)  # no longer bf16 values
+    ids = torch.randint(3, 259, (1, 12))
+    with torch.inference_mode():
+        reference = model(ids).logits
+        assert kernel_cpu_linears(model) == 2 * 7 + 1 - 1  # the changed layer keeps linear
+        logits = model(ids).logits
+        q = model.model.layers[0].self_attn.q_proj  # with a bias
+        assert isinstance(q.forward, _Bf16KernelLinear) and q.bias is not None
+        x = torch.randn(11, 128)
+        alone = torch.cat([q(x[i:i + 1]) for i in range(11)])
+        for n in range(2, 12):
+            assert torch.equal(q(x[:n]), alone[:n]), n
+    assert "forward" not in vars(model.model.layers[1].mlp.down_proj)
+    assert torch.allclose(logits, reference, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(alone, torch.nn.functional.linear(x, q.weight, q.bias), atol=1e-5)
+
+    if not cpu_computes_bf16():  # the loader does it on such CPUs
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+        byte_tokenizer().save_pretrained(tmp_path)
+        loaded = load_model(str(tmp_path), "none", "cpu")
+        assert "specchat's AVX2 kernel" in loaded.label
+        assert isinstance(vars(loaded.model.lm_head)["forward"], _Bf16KernelLinear)
