@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from specchat import cpu_kernels
 from specchat.attention import use_row_exact_attention
 
 EMBEDDED = "embedded"  # --target value (and default) meaning the packaged Gemma 3 270M
@@ -409,8 +410,6 @@ def kernel_cpu_nf4(model) -> int:
     4-bit weights and decodes them in registers: the weights a step reads are 8x smaller than
     float32 copies. Each layer is checked at load against bitsandbytes' dequantized weight.
     Returns the layers changed (0 where the kernel cannot be built)."""
-    from specchat import cpu_kernels
-
     lib = cpu_kernels.load()
     if lib is None:
         return 0
@@ -466,7 +465,6 @@ class _NF4KernelForward:
         return exact[shape]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        from specchat import cpu_kernels
         return cpu_kernels.nf4_matmul(self.lib, x, self.codes, self.absmax,
                                       self.state.blocksize, self.table, self.out_features)
 
@@ -662,8 +660,6 @@ class _Bf16KernelLinear:
 
     @classmethod
     def build(cls, linear: torch.nn.Linear) -> "_Bf16KernelLinear | None":
-        from specchat import cpu_kernels
-
         weight = linear.weight.detach()
         if weight.dtype != torch.float32 or weight.shape[1] % 8:
             return None
@@ -686,7 +682,6 @@ class _Bf16KernelLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.requires_grad:
             return torch.nn.functional.linear(x, self.linear.weight, self.linear.bias)
-        from specchat import cpu_kernels
         out = cpu_kernels.bf16_matmul(self.lib, x, self.weight)
         return out + self.bias if self.bias is not None else out
 
