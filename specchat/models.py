@@ -457,7 +457,7 @@ class _NF4KernelForward:
         with torch.inference_mode():
             weight = dequantize_4bit(self.codes, state).to(torch.float32)
             got, want = self._product(x), torch.nn.functional.linear(x, weight)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            if not _agrees(got, want):
                 return False
             shape = tuple(weight.shape)
             if shape not in exact:
@@ -475,6 +475,11 @@ class _NF4KernelForward:
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype)
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A kernel's product against torch's, up to float32 rounding of a different sum order."""
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def _rows_independent(product, x: torch.Tensor) -> bool:
@@ -674,8 +679,7 @@ class _Bf16KernelLinear:
         x = torch.randn(MAX_COLUMNS, weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             got, want = made(x), torch.nn.functional.linear(x, weight, linear.bias)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())) \
-                    or not _rows_independent(made, x):
+            if not _agrees(got, want) or not _rows_independent(made, x):
                 return None
         return made
 
