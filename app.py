@@ -16,9 +16,12 @@ import ipaddress
 import os
 import sys
 
-from specchat.cli import add_model_arguments, load_from_args, model_choice
-from specchat.stats import StatsStore, add_db_argument
-from specchat.ui import Limits, ModelSlot, build_ui, launch, warm_up
+from specchat.args import add_model_arguments, load_from_args, model_choice
+from specchat.stats.cli import add_db_argument
+from specchat.stats.store import StatsStore
+from specchat.ui.handlers import warm_up
+from specchat.ui.page import build_ui, launch
+from specchat.ui.state import Limits, ModelSlot
 
 AUTH_ENV = "SPECCHAT_AUTH"  # "user:pass" (or "u1:p1,u2:p2"), the same as --auth
 

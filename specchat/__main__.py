@@ -1,3 +1,5 @@
+"""`python -m specchat`: the headless commands (specchat/cli.py)."""
+
 import sys
 
 from specchat.cli import main

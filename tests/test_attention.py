@@ -4,13 +4,13 @@ import collections
 
 import pytest
 import torch
-
-from specchat.attention import is_row_exact, padded, use_row_exact_attention
-from specchat.drafters import NgramDrafter
-from specchat.engine import Engine
-from specchat.kvcache import PagedLayer, new_cache
 from test_engine import REPETITIVE, TOK, TopKTreeDrafter, run
 from tiny import loaded, tiny_gemma3, tiny_llama
+
+from specchat.core.attention import is_row_exact, padded, row_exact_sdpa, use_row_exact_attention
+from specchat.core.engine import Engine
+from specchat.core.kvcache import PagedLayer, new_cache
+from specchat.drafters.ngram import NgramDrafter
 
 
 class RowByRowHead(torch.nn.Module):
@@ -65,9 +65,19 @@ def test_wide_forwards_give_one_token_logits_bit_for_bit(make):
     assert mismatches(bf16(make)) == 0
 
 
-def test_stock_sdpa_in_bf16_is_not_row_exact():
-    """What the row-exact attention is for: the same check fails with transformers' sdpa."""
-    assert mismatches(bf16(tiny_llama, exact=False)) > 0
+def test_the_check_catches_attention_whose_rows_depend_on_their_neighbours():
+    """The comparison above can fail: an attention whose output for a row moves with the number
+    of rows fed beside it (as a blocked product's rounding can) is caught."""
+    from transformers import AttentionInterface
+
+    def row_dependent(module, query, *args, **kwargs):
+        out, weights = row_exact_sdpa(module, query, *args, **kwargs)
+        return out + 1e-2 * (query.shape[2] - 1), weights
+
+    AttentionInterface.register("row_dependent_test", row_dependent)
+    model = bf16(tiny_llama, exact=False)
+    model.set_attn_implementation("row_dependent_test")
+    assert mismatches(model) > 0
 
 
 def test_only_sdpa_models_on_cpu_are_switched():

@@ -4,10 +4,10 @@ sampled rows draw from softmax(top-k / T)."""
 
 import pytest
 import torch
-
-from specchat.batched import sample_with_features
-from specchat.head import target_features
 from tiny import byte_tokenizer, tiny_gemma3, tiny_llama
+
+from specchat.models.eagle import target_features
+from specchat.train.batched import sample_with_features
 
 TOK = byte_tokenizer()
 PROMPTS = ["the cat sat on the mat", "a", "hello there, general kenobi. the dog sat on"]
@@ -63,7 +63,7 @@ def test_rows_leave_at_a_stop_token_and_keep_every_fed_position():
 def test_rows_leave_where_a_stop_string_is_complete():
     """A base model's plain chat format ends a turn with a stop string ("\nUser:"), not a
     token: the row leaves when its reply's text contains one."""
-    from specchat.text import stop_check
+    from specchat.core.text import stop_check
     model = tiny_llama(0).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
@@ -99,7 +99,7 @@ def test_sampled_rows_draw_from_the_tempered_top_k():
 
 
 def test_stock_attention_is_restored_to_row_exact_afterwards():
-    from specchat.attention import is_row_exact, stock_attention, use_row_exact_attention
+    from specchat.core.attention import is_row_exact, stock_attention, use_row_exact_attention
     model = tiny_gemma3(3).eval()
     assert use_row_exact_attention(model) and is_row_exact(model)
     with stock_attention(model):

@@ -10,14 +10,27 @@ import math
 import pytest
 import torch
 
-from specchat import bench as bench_mod
-from specchat.bench import (ALL_MODES, BenchSettings, Run, bench, default_questions_path,
-                            format_report, greedy_identical, hf_steps, leviathan_speedup,
-                            load_questions, metrics, predicted_speedup, predicted_speedup_steps,
-                            prefill_share, step_costs, summarize_bench, with_prefill)
-from specchat.drafters import ModelDrafter, NgramDrafter
-from specchat.engine import Engine
-from specchat.events import StepRecord
+from specchat.bench import cli as bench_cli
+from specchat.bench import run as bench_run
+from specchat.bench.config import ALL_MODES, BenchSettings, Run
+from specchat.bench.metrics import (
+    greedy_identical,
+    leviathan_speedup,
+    metrics,
+    predicted_speedup,
+    predicted_speedup_steps,
+    prefill_share,
+    step_costs,
+    summarize_bench,
+    with_prefill,
+)
+from specchat.bench.questions import default_questions_path, load_questions
+from specchat.bench.report import format_report
+from specchat.bench.run import bench, hf_steps
+from specchat.core.engine import Engine
+from specchat.core.events import StepRecord
+from specchat.drafters.model import ModelDrafter
+from specchat.drafters.ngram import NgramDrafter
 from tests.tiny import byte_tokenizer, loaded, tiny_llama
 
 KEYS = {"tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len",
@@ -222,7 +235,7 @@ def test_cli_registers_bench():
     from specchat.cli import build_parser
     args = build_parser().parse_args(["bench", "--modes", "plain,hf-pld", "--turns", "all",
                                       "--limit-per-category", "2", "--quantization", "none"])
-    assert args.func is bench_mod.cmd_bench
+    assert args.func is bench_cli.cmd_bench
     assert args.modes == ("plain", "hf-pld") and args.turns == "all"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--modes", "plain,warp-drive"])
@@ -272,7 +285,7 @@ def test_bench_smoke_on_a_tiny_pair():
 
 def test_bench_ctrl_c_reports_whole_questions(monkeypatch):
     engine, _ = tiny_engine()
-    real, calls = bench_mod.run_hf_mode, []
+    real, calls = bench_run.run_hf_mode, []
 
     def interrupt_on_second_question(*args, **kwargs):
         calls.append(1)
@@ -280,7 +293,7 @@ def test_bench_ctrl_c_reports_whole_questions(monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench_mod, "run_hf_mode", interrupt_on_second_question)
+    monkeypatch.setattr(bench_run, "run_hf_mode", interrupt_on_second_question)
     settings = BenchSettings(modes=("plain", "hf-plain"), max_new_tokens=4, warmup_tokens=1)
     result = bench(engine, QUESTIONS, settings, progress=False, log=lambda msg: None)
     assert result["config"]["interrupted"] and result["config"]["questions_done"] == 1

@@ -14,12 +14,14 @@ import socket
 from pathlib import Path
 
 import pytest
-
-from specchat.drafters import ModelDrafter, NgramDrafter
-from specchat.engine import Engine
-from specchat.stats import StatsStore
-from specchat.ui import Settings, build_ui, launch
 from tiny import byte_tokenizer, loaded, tiny_llama
+
+from specchat.core.engine import Engine
+from specchat.drafters.model import ModelDrafter
+from specchat.drafters.ngram import NgramDrafter
+from specchat.stats.store import StatsStore
+from specchat.ui.page import build_ui, launch
+from specchat.ui.state import Settings
 
 # gradio's queue monitoring trips pandas 3 deprecations; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny import byte_tokenizer, tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

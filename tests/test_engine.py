@@ -6,15 +6,17 @@ import threading
 
 import pytest
 import torch
-
-from specchat.drafters import ModelDrafter, NgramDrafter
-from specchat.engine import TREE_NODES, Engine, GenerateConfig, default_tree_nodes
-from specchat.events import GenerationStats, StepRecord, TokenEvent
-from specchat.models import vocab_mismatch
-from specchat.sampling import SamplingParams
-from specchat.text import tokens_until_stop
-from specchat.tree import DraftTree
 from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
+
+from specchat.core.drafter import Drafter
+from specchat.core.engine import TREE_NODES, Engine, GenerateConfig, default_tree_nodes
+from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.sampling import SamplingParams
+from specchat.core.text import tokens_until_stop
+from specchat.core.tree import DraftTree
+from specchat.drafters.model import ModelDrafter
+from specchat.drafters.ngram import NgramDrafter
+from specchat.models.vocab import vocab_mismatch
 
 TOK = byte_tokenizer()
 REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat sat on"
@@ -107,7 +109,7 @@ def test_texts_concatenate_to_the_reply_and_multibyte_is_never_split():
     # A random model emits arbitrary bytes; whatever they are, the texts add up to the reply.
     assert "".join(t.text for t in tokens) == TOK.decode([t.id for t in tokens])
     # Valid UTF-8 fed one byte-token at a time: no delta ever holds half a character.
-    from specchat.text import Detokenizer
+    from specchat.core.text import Detokenizer
     text = "héllo wörld ✓ 日本語 🙂"
     detok = Detokenizer(TOK, TOK("x")["input_ids"])
     deltas = [detok.add(i) for i in TOK(text)["input_ids"]]
@@ -205,7 +207,7 @@ def test_mismatched_tokenizers_are_refused_with_the_difference():
 def test_draft_length_policy_sizes_k_per_draft_class():
     """Reliable 3-token n-gram matches earn long drafts while 1-token matches, which fail here,
     fall back to plain steps: acceptance is kept per class, the cost curve is shared."""
-    from specchat.engine import DraftLengthPolicy
+    from specchat.core.policy import DraftLengthPolicy
     policy = DraftLengthPolicy(probe_every=1000)
     for _ in range(30):
         policy.update(1, 0.10, 0, 0, 0.0)  # plain steps: 0.1 s
@@ -230,7 +232,7 @@ def test_ngram_draft_class_is_the_match_length():
 def test_draft_length_policy_does_not_draft_for_a_marginal_gain():
     """Drafting that is expected to beat plain decoding by less than the margin is not worth the
     risk: the policy decodes plainly (and probes now and then) instead."""
-    from specchat.engine import DraftLengthPolicy
+    from specchat.core.policy import DraftLengthPolicy
     policy = DraftLengthPolicy(probe_every=1000, margin=0.05)
     for _ in range(30):
         policy.update(1, 0.10, 0, 0, 0.0)
@@ -287,7 +289,7 @@ def test_verify_cost_line_has_a_fixed_part():
     """A 2-token verify costing 1.2 steps and an 11-token one 1.9 (this CPU: the one-token
     step's LM head is a cheaper matrix-vector product) is a line with a fixed part, not a
     line through the one-token step."""
-    from specchat.engine import DraftLengthPolicy
+    from specchat.core.policy import DraftLengthPolicy
     policy = DraftLengthPolicy()
     for _ in range(20):
         policy.update(1, 0.10, 0, 0, 0.0)
@@ -308,7 +310,7 @@ def test_verify_costs_off_the_line_are_priced_per_width():
     """Float32 products padded to 4 columns: 2-4 tokens cost one step, 5-8 about 1.8. The
     line through them would price 4 tokens at ~1.3 steps; widths measured often enough are
     priced by their own measurements, and k follows (here: 3 drafts; the line says 2)."""
-    from specchat.engine import DraftLengthPolicy
+    from specchat.core.policy import DraftLengthPolicy
     cost = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.02, 5: 1.8, 6: 1.85, 7: 1.9, 8: 1.95}
     policy = DraftLengthPolicy(probe_every=1000)
     for _ in range(20):
@@ -322,22 +324,17 @@ def test_verify_costs_off_the_line_are_priced_per_width():
     assert policy.choose(7) == 3
 
 
-class TopKTreeDrafter:
+class TopKTreeDrafter(Drafter):
     """Draft trees from a model's own top-`width` tokens at each node, expanding two nodes a
     level, siblings shuffled. With the target's weights most levels hold the target's token
     somewhere; `noise` replaces a level's tokens at random so paths also break early."""
 
     name = "tree"
+    supports_trees = True
 
     def __init__(self, model, width=3, depth=4, noise=0.3, seed=0):
         self.model, self.width, self.depth, self.noise = model, width, depth, noise
         self.rng = random.Random(seed)
-
-    def begin(self, prompt_ids):
-        pass
-
-    def feedback(self, n_drafted, n_accepted):
-        pass
 
     def propose(self, context, k, params, noise):
         raise AssertionError("asked for trees: the engine calls propose_tree")
@@ -398,3 +395,14 @@ def test_sampled_tree_speculation_replays_plain_sampling(make, sampling):
 def test_trees_by_default_only_for_the_head_alone_when_greedy():
     assert default_tree_nodes(0.0, "head") == TREE_NODES
     assert default_tree_nodes(0.0, "combined") == default_tree_nodes(0.7, "head") == 0
+
+
+def test_prompt_past_the_context_window_is_refused_and_replies_stop_at_it():
+    model = tiny_gemma3(0)
+    model.config.max_position_embeddings = 40
+    engine = Engine(loaded(model))
+    with pytest.raises(ValueError, match="the prompt is 40 tokens; tiny reads at most 40"):
+        list(engine.stream([5] * 40, GenerateConfig(max_new_tokens=8, speculation=False)))
+    events = list(engine.stream([5] * 36, GenerateConfig(max_new_tokens=50, speculation=False)))
+    stats = events[-1]
+    assert stats.new_tokens <= 4 and stats.stop_reason in ("length", "eos")

@@ -8,16 +8,28 @@ import operator
 
 import pytest
 import torch
+from tiny import byte_tokenizer, dense_probs, loaded, tiny_gemma3, tiny_llama
 
-from specchat.drafters import NgramDrafter
-from specchat.engine import Engine, GenerateConfig
-from specchat.events import StepRecord, TokenEvent
-from specchat.head import (CombinedDrafter, DraftHead, FeatureTap, HeadConfig, HeadDrafter,
-                           HeadMismatchError, head_drafters, load_head, save_head,
-                           target_features, target_identity)
-from specchat.kvcache import new_cache
-from specchat.sampling import Noise, SamplingParams, draw, logits_to_probs, sample_row, verify
-from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
+from specchat.bench.config import BenchSettings
+from specchat.bench.run import available_modes
+from specchat.bench.run import bench as run_bench
+from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.events import StepRecord, TokenEvent
+from specchat.core.features import FeatureTap
+from specchat.core.kvcache import new_cache
+from specchat.core.sampling import Noise, SamplingParams, draw, sample_row, verify
+from specchat.drafters.combined import CombinedDrafter
+from specchat.drafters.head import HeadDrafter
+from specchat.drafters.ngram import NgramDrafter
+from specchat.loader import head_drafters
+from specchat.models.eagle import DraftHead, HeadConfig, target_features
+from specchat.models.eagle_files import HeadMismatchError, load_head, save_head, target_identity
+from specchat.train import cli as train_cli
+from specchat.train import config as train_config
+from specchat.train import data as train_data
+from specchat.train import features as train_features
+from specchat.train import fit as train_fit
+from specchat.train import replies as train_replies
 
 TOK = byte_tokenizer()
 TEXT = "the cat sat on the mat. the dog sat on the log. the cat"
@@ -129,7 +141,7 @@ def test_reduced_vocab_drafts_keep_verification_lossless(params):
     support = torch.tensor([41, 44, 47, 50, 53, 55, 3, 20, 120, 180, 200, 250])
     target_logits[0, support] = torch.randn(12)
     rows = torch.cat([target_logits, target_logits])
-    want = logits_to_probs(target_logits, params)[0]
+    want = dense_probs(target_logits, params)[0]
     assert want[support[6:]].sum() > 0.2
     at = len(ctx)  # the draft is for reply position len(ctx)
 
@@ -287,32 +299,31 @@ def tiny_prompts(tmp_path):
 
 
 def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
-    from specchat import train_draft as td
     torch.manual_seed(0)
     model = tiny_llama(0)
     with torch.no_grad():  # a random model is nearly uniform: give it something to teach
         model.lm_head.weight.mul_(20)
     target = loaded(model, TOK)
-    cfg = td.TrainConfig(out=tmp_path / "run", minutes=5, prompt_files=[tiny_prompts(tmp_path)],
+    cfg = train_config.TrainConfig(out=tmp_path / "run", minutes=5, prompt_files=[tiny_prompts(tmp_path)],
                          max_new_tokens=24, gen_batch=4, seq_len=512, draft_vocab=48,
                          batch_tokens=256, lr=3e-3, warmup_steps=5, max_steps=40, noise=0.0)
-    path, summary = td.run(target, cfg, progress=lambda m: None)
+    path, summary = train_cli.run(target, cfg, progress=lambda m: None)
     assert summary["steps"] == 40 and summary["train_positions"] > 200
     head = load_head(path, target.model, TOK)
-    records = td.load_features(cfg.out)
-    batch = td.collate([r for r in records if not r["heldout"]][:8], target.device)
+    records = train_features.load_features(cfg.out)
+    batch = train_fit.collate([r for r in records if not r["heldout"]][:8], target.device)
     embed = target.model.get_input_embeddings()
     fresh = DraftHead(head.cfg)
     fresh.load_state_dict({k: v for k, v in head.state_dict().items()
                            if k in ("vocab_ids", "norm_scale", "feat_std")}, strict=False)
     fresh.attach(target.model)
     with torch.no_grad():
-        before, _ = td.head_loss(fresh, embed, batch, cfg, train=False)
-        after, _ = td.head_loss(head, embed, batch, cfg, train=False)
+        before, _ = train_fit.head_loss(fresh, embed, batch, cfg, train=False)
+        after, _ = train_fit.head_loss(head, embed, batch, cfg, train=False)
     assert float(after) < 0.7 * float(before), (float(before), float(after))
     # Resumable: the same command again continues from the checkpoint.
-    again = td.TrainConfig(**{**cfg.__dict__, "max_steps": 45})
-    _, summary2 = td.run(target, again, progress=lambda m: None)
+    again = train_config.TrainConfig(**{**cfg.__dict__, "max_steps": 45})
+    _, summary2 = train_cli.run(target, again, progress=lambda m: None)
     assert summary2["steps"] == 45
     # The saved head drafts in the engine (found through head_drafters with an explicit path).
     drafters, notes = head_drafters(target, NgramDrafter(), path)
@@ -326,29 +337,28 @@ def test_both_generation_paths_give_the_same_greedy_replies(tmp_path, monkeypatc
     """train-draft's phase 1: the batched loop with features (sdpa, eager) and transformers'
     `generate` (other attention) write the same greedy replies; only the loop's are in the
     feature shards already."""
-    from specchat import batched
-    from specchat import train_draft as td
+    from specchat.train import batched
     model = tiny_llama(4).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     target = loaded(model, TOK)
-    prompts = [p for p in td.load_prompts([tiny_prompts(tmp_path)]) if not td._sampled(p["key"])]
+    prompts = [p for p in train_data.load_prompts([tiny_prompts(tmp_path)]) if not train_data._sampled(p["key"])]
     replies = {}
     for path in ("loop", "generate"):
         monkeypatch.setattr(batched, "supported", lambda m, ok=(path == "loop"): ok)
-        cfg = td.TrainConfig(out=tmp_path / path, max_new_tokens=12, gen_batch=3)
+        cfg = train_config.TrainConfig(out=tmp_path / path, max_new_tokens=12, gen_batch=3)
         cfg.out.mkdir()
-        assert td.generate_replies(target, prompts, cfg, deadline=float("inf")) == len(prompts)
-        rows = td.read_jsonl(cfg.out / "generated.jsonl")
+        assert train_replies.generate_replies(target, prompts, cfg, deadline=float("inf")) == len(prompts)
+        rows = train_data.read_jsonl(cfg.out / "generated.jsonl")
         replies[path] = {r["key"]: r["ids"] for r in rows}
-        shards = td.load_features(cfg.out)
+        shards = train_features.load_features(cfg.out)
         assert len(shards) == (len(prompts) if path == "loop" else 0)
     # The loop does not feed a reply's last token (cut at the cap): one token shorter.
     assert {k: v[:-1] for k, v in replies["generate"].items()} == replies["loop"]
 
 
 def test_reduced_vocabulary_takes_predicted_tokens_first_then_fills():
-    from specchat.train_draft import choose_vocab
+    from specchat.train.fit import choose_vocab
     rec = {"ids": torch.tensor([50, 50, 60, 70], dtype=torch.int32),
            "top1": torch.tensor([60, 60, 80, -1], dtype=torch.int32), "start": 0}
     vocab, coverage = choose_vocab([rec], 3)
@@ -379,13 +389,14 @@ def test_a_head_for_another_target_is_refused(tmp_path):
 def test_identity_ignores_quantization_and_dtype():
     a = tiny_llama(0)
     b = tiny_llama(0).to(torch.bfloat16)
-    from specchat.head import identity_problem
+    from specchat.models.eagle_files import identity_problem
     assert identity_problem(target_identity(a, TOK), target_identity(b, TOK)) is None
 
 
 def test_train_draft_command_line():
     import argparse
-    from specchat.train_draft import add_cli
+
+    from specchat.train.cli import add_cli
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train-draft", "--minutes", "2", "--out", "x", "--data", "a.txt"])
@@ -394,20 +405,16 @@ def test_train_draft_command_line():
 
 
 def test_bench_runs_the_head_modes():
-    """With the bench's HEAD_MODES (see the integration patch), head and combined are bench
-    modes, and greedy they write plain's text."""
-    bench = pytest.importorskip("specchat.bench")
-    if not hasattr(bench, "HEAD_MODES"):
-        pytest.skip("bench without head modes (integration patch not applied)")
+    """head and combined are bench modes, and greedy they write plain's text."""
     target = tiny_llama(0)
     drafter = HeadDrafter(random_head(target), target, len(TOK))
     engine = Engine(loaded(target, TOK), {"ngram": NgramDrafter(), "head": drafter,
                                           "combined": CombinedDrafter(NgramDrafter(), drafter)})
-    assert {"head", "combined"} <= set(bench.available_modes(engine, None))
+    assert {"head", "combined"} <= set(available_modes(engine, None))
     questions = [{"question_id": 1, "category": "qa", "turns": ["Repeat: abc abc abc abc"]}]
-    settings = bench.BenchSettings(modes=("plain", "head", "combined"), max_new_tokens=10,
+    settings = BenchSettings(modes=("plain", "head", "combined"), max_new_tokens=10,
                                    warmup_tokens=2)
-    result = bench.bench(engine, questions, settings, progress=False)
+    result = run_bench(engine, questions, settings, progress=False)
     assert set(result["modes"]) == {"plain", "head", "combined"}
     assert result["greedy_identical"] == {"plain": 1.0, "head": 1.0, "combined": 1.0}
 
@@ -430,7 +437,7 @@ def test_combined_drafter_uses_lookup_for_matches_of_two_tokens_and_the_head_oth
 def test_gumbel_top_k_samples_the_tempered_top_k_distribution():
     """train-draft's sampler: argmax of top-k logits / T plus Gumbel noise is a draw from
     softmax(top-k logits / T), and nothing outside the top k is ever drawn."""
-    from specchat.train_draft import GumbelTopK
+    from specchat.train.replies import GumbelTopK
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.5, 0.3, -1.0, 1.0, 0.0])
     draws = 40000
@@ -502,7 +509,7 @@ def test_head_tree_speculation_replays_plain_decoding(make, temperature):
 
 
 def test_one_row_int8_linear_is_close_and_wide_calls_stay_float():
-    from specchat.head import OneRowInt8
+    from specchat.models.eagle import OneRowInt8
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     fast = OneRowInt8(linear)
@@ -515,7 +522,7 @@ def test_one_row_int8_linear_is_close_and_wide_calls_stay_float():
 
 
 def test_head_cache_appends_in_place_and_equals_concatenation():
-    from specchat.head import appended
+    from specchat.models.eagle import appended
     torch.manual_seed(0)
     a, b, c = (torch.randn(2, 3, n, 4) for n in (5, 1, 2))
     ab = appended(a, b)  # a fresh tensor has no room: a new buffer with spare slots
@@ -531,8 +538,7 @@ def test_head_cache_appends_in_place_and_equals_concatenation():
 def test_loss_at_trained_positions_only_equals_the_loss_over_full_logits():
     """head_loss takes the logits only where a position has a loss (packed); the value is the
     plain EAGLE loss over the full [B, T, N] logits, masked, unrolled steps included."""
-    from specchat import train_draft as td
-    from specchat.head import smooth_l1
+    from specchat.train.fit import smooth_l1
     target = tiny_llama(0).eval()
     head = random_head(target)
     embed = target.get_input_embeddings()
@@ -542,10 +548,10 @@ def test_loss_at_trained_positions_only_equals_the_loss_over_full_logits():
         rows.append({"ids": torch.randint(3, 259, (n,), generator=gen),
                      "feats": torch.randn(n, 32, generator=gen),
                      "top1": torch.randint(40, 104, (n,), generator=gen), "start": start})
-    batch = td.collate(rows, "cpu")
-    cfg = td.TrainConfig(out=None, unroll=2, noise=0.0)
+    batch = train_fit.collate(rows, "cpu")
+    cfg = train_config.TrainConfig(out=None, unroll=2, noise=0.0)
     with torch.no_grad():
-        packed, metrics = td.head_loss(head, embed, batch, cfg, train=False)
+        packed, metrics = train_fit.head_loss(head, embed, batch, cfg, train=False)
         feats, T = batch["feats"], batch["feats"].shape[1] - 1
         emb = embed(batch["ids"][:, 1:]).float()
         probs = torch.softmax(head.logits(feats[:, 1:]), -1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
-from specchat.models import _copy_out_of_file_mapping, _file_mappings
+from specchat.models.memory import _copy_out_of_file_mapping, _file_mappings
 from tests.tiny import tiny_gemma3
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -37,7 +37,8 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specchat.models import WIDE_ROWS, _CpuNF4Forward, load_model
+    from specchat.models.cpu import WIDE_ROWS, _CpuNF4Forward
+    from specchat.models.load import load_model
     from tests.tiny import byte_tokenizer
 
     torch.manual_seed(0)  # NF4 blocks of 64 and bitsandbytes' CPU packing want multiples of 64
@@ -78,7 +79,7 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
 def test_narrow_logits_through_weight_times_x_are_bit_identical():
     from transformers import Gemma3TextConfig
 
-    from specchat.models import _NarrowHead, fast_lm_head
+    from specchat.models.cpu import _NarrowHead, fast_lm_head
 
     # The embedded target's width, 640: at widths like 32, the two can round differently
     # (then the head keeps linear, which the checks are there to catch).
@@ -128,7 +129,7 @@ def test_nf4_layers_dequantized_once_compute_what_bitsandbytes_computes(tmp_path
     pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
-    from specchat.models import _DenseForward, dense_cpu_nf4
+    from specchat.models.cpu import _DenseForward, dense_cpu_nf4
     model = _tiny_nf4(tmp_path, torch.float32)
     ids = torch.randint(3, 259, (1, 12))
     with torch.inference_mode():
@@ -158,7 +159,7 @@ def test_float32_logits_are_the_same_bits_alone_or_among_drafts():
     with it (so greedy speculation is plain greedy), and equal linear's up to rounding."""
     from transformers import Gemma3TextConfig
 
-    from specchat.models import MAX_COLUMNS, _PackedHead, fast_lm_head
+    from specchat.models.cpu import MAX_COLUMNS, _PackedHead, fast_lm_head
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -183,7 +184,7 @@ def test_float32_logits_are_the_same_bits_alone_or_among_drafts():
 def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch):
     """Where a row's bits would depend on how many rows come with it, `_pack` keeps `linear`
     (checked once per weight shape), so a verify never silently computes other logits."""
-    import specchat.models as models
+    import specchat.models.cpu as models
     weight = torch.randn(256, 64)
     if models._pack(weight, {}) is None:
         pytest.skip("no row-exact packed product on this CPU to break")
@@ -198,8 +199,8 @@ def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch)
 
 
 def _kernels():
-    from specchat import cpu_kernels
-    lib = cpu_kernels.load()
+    from specchat.models import kernels
+    lib = kernels.load()
     if lib is None:
         pytest.skip("specchat's CPU kernels cannot be built here (no gcc, or no AVX2/FMA)")
     return lib
@@ -212,7 +213,7 @@ def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tm
     pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
-    from specchat.models import _NF4KernelForward, kernel_cpu_nf4
+    from specchat.models.cpu import _NF4KernelForward, kernel_cpu_nf4
     _kernels()
     model = _tiny_nf4(tmp_path, torch.float32)
     ids = torch.randint(3, 259, (1, 12))
@@ -239,7 +240,7 @@ def test_nf4_kernel_refuses_a_layer_it_would_compute_wrongly(tmp_path):
     """Checked at load against bitsandbytes' dequantized weight: a layout the kernel misreads
     (here, the NF4 table reversed) keeps bitsandbytes' path."""
     pytest.importorskip("bitsandbytes")
-    from specchat.models import _NF4KernelForward
+    from specchat.models.cpu import _NF4KernelForward
     lib = _kernels()
     model = _tiny_nf4(tmp_path, torch.float32)
     layer = model.model.layers[0].mlp.up_proj
@@ -255,7 +256,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     A head with other values keeps its float32 weights."""
     from transformers import Gemma3TextConfig
 
-    from specchat.models import MAX_COLUMNS, _Bf16KernelLinear, fast_lm_head
+    from specchat.models.cpu import MAX_COLUMNS, _Bf16KernelLinear, fast_lm_head
     _kernels()
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
@@ -282,29 +283,29 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
 
 def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch,
                                                                          capsys):
-    from specchat import cpu_kernels
+    from specchat.models import kernels
     _kernels()
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
-    lib = cpu_kernels.load.__wrapped__()  # compiles the C file afresh
+    lib = kernels.load.__wrapped__()  # compiles the C file afresh
     built = list((tmp_path / "kernels").iterdir())
     assert lib is not None and [p.suffix for p in built] == [".so"]
     x, weight = torch.randn(3, 64), torch.randn(43, 64).to(torch.bfloat16)  # tails of both tiles
-    assert torch.allclose(cpu_kernels.bf16_matmul(lib, x, weight), x @ weight.float().T,
+    assert torch.allclose(kernels.bf16_matmul(lib, x, weight), x @ weight.float().T,
                           atol=1e-5)
     threads = torch.get_num_threads()
     try:  # each output is one thread's work: the thread count changes no bits
         torch.set_num_threads(1)
-        one = cpu_kernels.bf16_matmul(lib, x, weight)
+        one = kernels.bf16_matmul(lib, x, weight)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, cpu_kernels.bf16_matmul(lib, x, weight))
+    assert torch.equal(one, kernels.bf16_matmul(lib, x, weight))
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert cpu_kernels.load.__wrapped__() is None
+    assert kernels.load.__wrapped__() is None
     assert "no C compiler (/nonexistent/cc)" in capsys.readouterr().err
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "other"))
-    assert cpu_kernels.load.__wrapped__() is None
+    assert kernels.load.__wrapped__() is None
     assert "could not build specchat's AVX2 kernels" in capsys.readouterr().err
 
 
@@ -314,7 +315,8 @@ def test_float32_linears_holding_bf16_values_go_through_the_bf16_kernel(tmp_path
     each row the same bits alone or among others; layers with other values keep `linear`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specchat.models import _Bf16KernelLinear, cpu_computes_bf16, kernel_cpu_linears, load_model
+    from specchat.models.cpu import _Bf16KernelLinear, cpu_computes_bf16, kernel_cpu_linears
+    from specchat.models.load import load_model
     from tests.tiny import byte_tokenizer
     _kernels()
     torch.manual_seed(0)

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from specchat.attention import NAME as ROW_EXACT
-
-from specchat.engine import GenerateConfig, load_engine
-from specchat.events import KINDS, GenerationStats, TokenEvent
-from specchat.kvcache import new_cache
-from specchat.text import chat_prompt
+from specchat.core.attention import NAME as ROW_EXACT
+from specchat.core.engine import GenerateConfig
+from specchat.core.events import KINDS, GenerationStats, TokenEvent
+from specchat.core.kvcache import new_cache
+from specchat.core.text import chat_prompt
+from specchat.loader import load_engine
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from tiny import dense_probs
 
-from specchat.sampling import Noise, SamplingParams, draw, logits_to_probs, sample_row, verify
+from specchat.core.sampling import Noise, SamplingParams, draw, sample_row, verify
 
 GREEDY = SamplingParams(temperature=0.0)
 T1 = SamplingParams(temperature=1.0)
@@ -49,7 +50,6 @@ def test_no_drafts_is_plain_sampling():
 
 def test_draft_probs_used_in_ratio():
     # p(x)=0.25, q(x)=1.0 -> accept with probability 0.25; u is the seed's ACCEPT number.
-    vocab = 4
     target = torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.25] * 4]))
     q = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     accepted = sum(verify(torch.tensor([0]), q, target, T1, Noise(s))
@@ -91,9 +91,9 @@ def test_emitted_distribution_equals_target(params, one_hot):
     vocab = 8
     target_logits = torch.randn(2, vocab) * 1.5
     draft_logits = torch.randn(2, vocab) * 1.5
-    draft_probs = None if one_hot else logits_to_probs(draft_logits, params)
+    draft_probs = None if one_hot else dense_probs(draft_logits, params)
     got = emitted_first_token_distribution(target_logits, draft_probs, params)
-    want = logits_to_probs(target_logits[:1], params)[0]
+    want = dense_probs(target_logits[:1], params)[0]
     assert tv(got, want) < 0.025, (got, want)
 
 
@@ -106,7 +106,7 @@ def test_logits_to_probs_matches_reference_top_p_top_k():
             (SamplingParams(0.7, 0.95, 0), SamplingParams(1.0, 0.5, 50),
              SamplingParams(1.0, 1.0, 20), SamplingParams(2.0, 0.999, 0),
              SamplingParams(0.5, 1.0, 0), SamplingParams(0.3, 0.9, 400))):
-        got = logits_to_probs(logits, params)
+        got = dense_probs(logits, params)
         # Reference: full sort, as transformers' TopK then TopP warpers.
         x = logits / params.temperature
         if params.top_k:
@@ -169,8 +169,8 @@ def test_a_sampled_draft_raced_with_the_targets_numbers_is_coupled_and_lossless(
     torch.manual_seed(0)
     vocab, params = 12, SamplingParams(1.0)
     target_logits = torch.randn(2, vocab) * 2
-    p = logits_to_probs(target_logits[:1], params)[0]
-    q = logits_to_probs(target_logits[:1] + torch.randn(1, vocab) * 0.5, params)[0]
+    p = dense_probs(target_logits[:1], params)[0]
+    q = dense_probs(target_logits[:1] + torch.randn(1, vocab) * 0.5, params)[0]
     emitted, accepted, n = torch.zeros(vocab), 0, 8000
     for i in range(n):
         noise = Noise(i)

@@ -13,15 +13,15 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from sqlite_utils import Database
 
-from specchat import stats as stats_mod
-from specchat.events import GenerationStats
-from specchat.stats import MIGRATIONS, StatsStore, add_cli, default_db_path, turn_row
+from specchat.core.events import GenerationStats
+from specchat.stats import store as stats_mod
+from specchat.stats.cli import add_cli
+from specchat.stats.store import MIGRATIONS, StatsStore, default_db_path, turn_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,14 +96,6 @@ def test_speedup_against_a_recorded_ab_baseline(store):
     row = store.turns(cid)[1]
     assert row["id"] == spec and row["baseline_turn_id"] == plain
     assert row["speedup"] == pytest.approx(2.5)
-    # A baseline replayed after the turn is linked afterwards.
-    later = store.record_turn(cid, "Q2", "A2", spec_stats(new_tokens=30, seconds=1.0))
-    replay = store.record_turn(cid, "Q2", "A2", plain_stats(new_tokens=12, seconds=1.0))
-    assert store.set_baseline(later, replay) == pytest.approx(30 / 12)
-    assert store.turns(cid)[2]["speedup"] == pytest.approx(30 / 12)
-    # The explicit A/B numbers are not overwritten by later plain turns.
-    store.record_turn(cid, "Q3", "A3", plain_stats(new_tokens=100, seconds=1.0))
-    assert [t["speedup"] for t in store.turns(cid)[1:3]] == pytest.approx([2.5, 30 / 12])
 
 
 def test_speedup_against_the_conversations_plain_turns(store):
@@ -360,7 +352,7 @@ def test_write_waits_out_a_lock_held_past_the_busy_timeout(tmp_path, monkeypatch
 
 CRASH_SCRIPT = """
 import sys
-from specchat.stats import StatsStore
+from specchat.stats.store import StatsStore
 store = StatsStore(sys.argv[1])
 cid = store.new_conversation("crash")
 i = 0
@@ -519,7 +511,7 @@ def test_cli_reports_a_corrupt_db(tmp_path, capsys):
 
 
 def test_a_turn_records_its_draft_tree_size(tmp_path):
-    from specchat.events import GenerationStats
+    from specchat.core.events import GenerationStats
     store = StatsStore(tmp_path / "s.db")
     conv = store.new_conversation("trees", target="target", quantization="nf4")
     stats = GenerationStats(new_tokens=3, seconds=1.0, speculation=True, drafter="head",

@@ -6,9 +6,10 @@ import collections
 
 import pytest
 import torch
+from tiny import dense_probs
 
-from specchat.sampling import Noise, SamplingParams, logits_to_probs, sample_row
-from specchat.tree import DraftTree, verify_tree, visibility
+from specchat.core.sampling import Noise, SamplingParams, sample_row
+from specchat.core.tree import DraftTree, verify_tree, visibility
 
 #        root
 #       /    \
@@ -59,7 +60,7 @@ def test_sampled_walk_emits_the_targets_own_draws():
     logits = torch.randn(len(TREE) + 1, 32) * 2
     logits[0, 10] += 2.0  # make node a likely, so walks often go down
     params = SamplingParams(temperature=1.0)
-    want = logits_to_probs(logits[0:1], params)[0]
+    want = dense_probs(logits[0:1], params)[0]
     first = collections.Counter()
     noise = Noise(1)
     draws = 20000

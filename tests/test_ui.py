@@ -8,16 +8,18 @@ import threading
 from html.parser import HTMLParser
 
 import pytest
-
-from specchat.drafters import ModelDrafter, NgramDrafter
-from specchat.engine import Engine, GenerateConfig, LoadReport
-from specchat.events import GenerationStats, TokenEvent
-from specchat.stats import StatsStore
-from specchat.ui import (ChatApp, Limits, ModelSlot, Session, Settings, ab_verdict,
-                         first_difference, markup_ranges, render_tokens, status_html)
 from tiny import byte_tokenizer, loaded, tiny_llama
 
 import app as launcher
+from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.events import GenerationStats, TokenEvent
+from specchat.drafters.model import ModelDrafter
+from specchat.drafters.ngram import NgramDrafter
+from specchat.loader import LoadReport
+from specchat.stats.store import StatsStore
+from specchat.ui.handlers import ChatApp, ab_verdict, first_difference
+from specchat.ui.render import markup_ranges, render_tokens, status_html
+from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +343,7 @@ def test_page_while_loading_and_after_a_failed_load(engine):
     failed = ModelSlot()
 
     def bad(progress):
-        from specchat.models import ModelLoadError
+        from specchat.models.loaded import ModelLoadError
         raise ModelLoadError("Could not load 'nope/nope': offline.")
 
     failed.load(bad).join(10)
@@ -351,7 +353,8 @@ def test_page_while_loading_and_after_a_failed_load(engine):
 
 
 def test_warm_up_and_build_ui(engine):
-    from specchat.ui import build_ui, warm_up
+    from specchat.ui.handlers import warm_up
+    from specchat.ui.page import build_ui
     warm_up(engine)  # the launcher runs it right after loading
     assert build_ui(engine) is not None
 

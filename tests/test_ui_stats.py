@@ -10,9 +10,9 @@ import gradio as gr
 import pytest
 from gradio.state_holder import SessionState
 
-from specchat import ui_stats
-from specchat.events import GenerationStats
-from specchat.stats import StatsStore
+from specchat.core.events import GenerationStats
+from specchat.stats.store import StatsStore
+from specchat.ui import stats_tab
 
 
 def spec(new_tokens, seconds=1.0, drafted_by=(4, 3), accepted_by=(3, 1), stop="eos"):
@@ -48,8 +48,8 @@ def seeded():
 
 def test_conversation_table_for_the_owner(seeded):
     store, a, b, mine = seeded
-    table = ui_stats.conversation_table(store, owner=None)
-    assert list(table.columns) == ui_stats.CONVERSATION_COLUMNS
+    table = stats_tab.conversation_table(store, owner=None)
+    assert list(table.columns) == stats_tab.CONVERSATION_COLUMNS
     assert list(table["id"]) == [mine, b, a]  # newest first
     row = table.set_index("id").loc[a]
     assert row["title"] == "A's chat" and row["models"] == "Qwen2.5-7B + Qwen2.5-0.5B"
@@ -63,8 +63,8 @@ def test_conversation_table_for_the_owner(seeded):
 
 def test_turn_table_and_plots(seeded):
     store, a, _, _ = seeded
-    turns = ui_stats.turn_table(store, None, a)
-    assert list(turns.columns) == ui_stats.TURN_COLUMNS
+    turns = stats_tab.turn_table(store, None, a)
+    assert list(turns.columns) == stats_tab.TURN_COLUMNS
     assert list(turns["turn"]) == [1, 2, 3, 4, 5]
     assert list(turns["speculation"]) == ["off", "on", "on", "off", "on"]
     assert list(turns["tokens/s"]) == ["10.0", "25.0", "15.0", "12.0", "30.0"]
@@ -72,7 +72,7 @@ def test_turn_table_and_plots(seeded):
     assert turns["stop"][2] == "stopped (interrupted)"
     assert turns["acceptance"][1] == f"{100 * 4 / 7:.1f}%"
 
-    frames = ui_stats.plot_frames(store, None, a)
+    frames = stats_tab.plot_frames(store, None, a)
     assert list(frames.speedup["turn"]) == [2, 3, 5]
     assert list(frames.speedup["speedup"]) == pytest.approx([25 / 11, 15 / 11, 2.5], abs=0.005)
     # Pooled over the turns: position 1 accepted 3+2+3 of 4+2+4, position 2: 1+0+1 of 3+2+3.
@@ -82,13 +82,13 @@ def test_turn_table_and_plots(seeded):
     assert list(frames.tokens_per_s["speculation"]) == ["off", "on", "on", "off", "on"]
     assert list(frames.tokens_per_s["tokens/s"]) == pytest.approx([10, 25, 15, 12, 30])
 
-    empty = ui_stats.plot_frames(store, None, None)
+    empty = stats_tab.plot_frames(store, None, None)
     assert empty.speedup.empty and empty.acceptance.empty and empty.tokens_per_s.empty
 
 
 def test_reopened_conversation_is_chatbot_messages(seeded):
     store, a, _, _ = seeded
-    messages = ui_stats.chat_history(store, None, a)
+    messages = stats_tab.chat_history(store, None, a)
     assert len(messages) == 10
     assert [m["role"] for m in messages[:2]] == ["user", "assistant"]
     assert messages[0]["content"] == "What is 2+2?"
@@ -99,20 +99,20 @@ def test_reopened_conversation_is_chatbot_messages(seeded):
 
 def test_visitor_isolation(seeded):
     store, a, b, mine = seeded
-    assert list(ui_stats.conversation_table(store, "sess-a")["id"]) == [a]
-    assert [v for _, v in ui_stats.conversation_choices(store, "sess-a")] == [a]
+    assert list(stats_tab.conversation_table(store, "sess-a")["id"]) == [a]
+    assert [v for _, v in stats_tab.conversation_choices(store, "sess-a")] == [a]
     # A asks for B's conversation by id: nothing comes back.
-    assert ui_stats.turn_table(store, "sess-a", b).empty
-    assert ui_stats.chat_history(store, "sess-a", b) == []
-    assert ui_stats.plot_frames(store, "sess-a", b).tokens_per_s.empty
-    assert ui_stats.export_csv(store, "sess-a", b) is None
-    assert "not yours" in ui_stats.delete_conversation(store, "sess-a", b)
-    assert ui_stats.delete_conversation(store, "sess-a", mine).startswith("Nothing deleted")
+    assert stats_tab.turn_table(store, "sess-a", b).empty
+    assert stats_tab.chat_history(store, "sess-a", b) == []
+    assert stats_tab.plot_frames(store, "sess-a", b).tokens_per_s.empty
+    assert stats_tab.export_csv(store, "sess-a", b) is None
+    assert "not yours" in stats_tab.delete_conversation(store, "sess-a", b)
+    assert stats_tab.delete_conversation(store, "sess-a", mine).startswith("Nothing deleted")
     assert {c["id"] for c in store.conversations()} == {a, b, mine}
     # A request without a session sees nothing.
-    assert ui_stats.conversation_table(store, ui_stats.NOBODY).empty
+    assert stats_tab.conversation_table(store, stats_tab.NOBODY).empty
     # Each visitor can delete their own.
-    assert ui_stats.delete_conversation(store, "sess-b", b) == "Conversation deleted."
+    assert stats_tab.delete_conversation(store, "sess-b", b) == "Conversation deleted."
     assert {c["id"] for c in store.conversations()} == {a, mine}
 
 
@@ -120,31 +120,31 @@ def test_owner_resolution_from_requests():
     visitor = gr.Request(session_hash="sess-a")
     owner = gr.Request(username="alice", session_hash="sess-o")
     is_owner = lambda request: request.username is not None  # noqa: E731 (authenticated = owner)
-    assert ui_stats.viewer_owner(visitor, is_owner) == "sess-a"
-    assert ui_stats.viewer_owner(owner, is_owner) is None
-    assert ui_stats.viewer_owner(None, is_owner) == ui_stats.NOBODY
-    assert ui_stats.viewer_owner(gr.Request(), is_owner) == ui_stats.NOBODY
-    assert ui_stats.conversation_owner(visitor, is_owner) == "sess-a"
-    assert ui_stats.conversation_owner(owner, is_owner) == "alice"
-    assert ui_stats.conversation_owner(None, is_owner) == "local"
+    assert stats_tab.viewer_owner(visitor, is_owner) == "sess-a"
+    assert stats_tab.viewer_owner(owner, is_owner) is None
+    assert stats_tab.viewer_owner(None, is_owner) == stats_tab.NOBODY
+    assert stats_tab.viewer_owner(gr.Request(), is_owner) == stats_tab.NOBODY
+    assert stats_tab.conversation_owner(visitor, is_owner) == "sess-a"
+    assert stats_tab.conversation_owner(owner, is_owner) == "alice"
+    assert stats_tab.conversation_owner(None, is_owner) == "local"
 
 
 def test_export_csv_file(seeded):
     store, a, _, _ = seeded
-    path = ui_stats.export_csv(store, "sess-a", a)
+    path = stats_tab.export_csv(store, "sess-a", a)
     assert path.endswith(f"specchat-{a[:8]}.csv")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["idx"] for r in rows] == ["1", "2", "3", "4", "5"]
-    everything = ui_stats.export_csv(store, None, None)
+    everything = stats_tab.export_csv(store, None, None)
     with open(everything, newline="") as f:
         assert len(list(csv.DictReader(f))) == 6
 
 
 def test_disabled_store_shows_why():
     store = StatsStore.open_or_disabled("off")
-    assert "off" in ui_stats.status_text(store)
-    assert ui_stats.conversation_table(store, None).empty
+    assert "off" in stats_tab.status_text(store)
+    assert stats_tab.conversation_table(store, None).empty
 
 
 def test_tab_wiring_runs_the_handlers_per_request(seeded):
@@ -153,9 +153,9 @@ def test_tab_wiring_runs_the_handlers_per_request(seeded):
     store, a, b, mine = seeded
     with gr.Blocks() as demo:
         with gr.Tab("Stats") as tab:
-            stats_tab = ui_stats.build_stats_tab(
+            tab_ui = stats_tab.build_stats_tab(
                 store, lambda request: request.username == "owner", demo)
-        stats_tab.refresh_on(tab.select)
+        tab_ui.refresh_on(tab.select)
     fns = {fn.name: fn for fn in demo.fns.values()}
     sessions = {}  # session hash -> its browser state (e.g. the picker's current choices)
 

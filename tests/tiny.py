@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
-from specchat.models import LoadedModel
+from specchat.core.sampling import nucleus
+from specchat.models.loaded import LoadedModel
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
@@ -48,3 +54,14 @@ def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16) -> Gemma3
 def loaded(model, tokenizer=None, name="tiny") -> LoadedModel:
     return LoadedModel(model, tokenizer or byte_tokenizer(), name, "none",
                        torch.device("cpu"), 0.0)
+
+
+def dense_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature/top-k/top-p:
+    the reference distribution the sampler's draws must follow."""
+    rows = []
+    for row in logits:
+        ids, probs = nucleus(row, params)
+        rows.append(probs.float() if ids is None
+                    else torch.zeros(logits.shape[-1]).index_put_((ids,), probs.float()))
+    return torch.stack(rows)

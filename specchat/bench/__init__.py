@@ -1,0 +1,1 @@
+"""`python -m specchat bench`: Spec-Bench questions in several modes side by side."""

@@ -1,0 +1,55 @@
+"""Bench settings, modes and the record of one run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specchat.core.engine import TREE_NODES
+from specchat.core.events import StepRecord
+
+ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
+HF_MODES = ("hf-plain", "hf-pld", "hf-assisted")
+ALL_MODES = (*ENGINE_MODES, *HF_MODES)
+HEAD_MODES = ("head", "combined",  # engine drafters that exist once `train-draft` made a head
+              "head-tree", "combined-tree")  # ... drafting trees of --tree-nodes (tree.py)
+NEEDS_DRAFT = ("model", "hf-assisted")
+
+
+@dataclass
+class BenchSettings:
+    modes: tuple[str, ...] = ("plain", "ngram", "hf-plain", "hf-pld")
+    turns: str = "first"  # first | all
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # the same seed for every run: repeats decode the same text
+    draft_len: int = 4  # k for our engine (the most draft tokens per step)
+    adaptive: bool = True  # let the engine adapt k (never above draft_len)
+    hf_pld_tokens: int = 0  # prompt_lookup_num_tokens for hf-pld (0: the same as draft_len)
+    tree_nodes: int = TREE_NODES  # draft-tree size of the "-tree" modes
+    repeats: int = 1  # runs per (question, mode); timings are medians over them
+    warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
+    stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
+
+
+@dataclass
+class Run:
+    """One mode on one turn of one question, one repeat."""
+    question_id: int | str
+    category: str
+    turn: int  # from 1
+    mode: str
+    repeat: int
+    new_tokens: int
+    seconds: float  # request to last token, prefill included
+    ttft_s: float  # request to first token
+    prompt_tokens: int
+    prefill_tokens: int  # prompt tokens actually encoded (the rest came from the prefix cache)
+    target_calls: int  # target forwards, prefill included
+    forward_s: float  # seconds inside the target's forward (hooks)
+    steps: list[StepRecord] = field(default_factory=list)  # decode steps, prefill excluded
+    text: str = ""
+    stop_reason: str = ""
+    error: str = ""
+    prefill_s: float = 0.0  # seconds of the first target forward: the prompt's encoding

@@ -1,0 +1,226 @@
+"""Bench metrics: speedups, acceptance, costs, and the speedup the measured costs predict."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+
+from specchat.bench.config import ENGINE_MODES, HEAD_MODES, Run
+from specchat.core.events import GenerationStats, StepRecord, summarize
+
+# ---------------------------------------------------------------------------------------------
+# Arithmetic: pure functions over runs and step records
+
+
+def spec_counts(steps: list[StepRecord]) -> GenerationStats:
+    """drafted, accepted, rejections, alpha, acceptance rate... of a list of steps."""
+    return summarize(steps, GenerationStats())
+
+
+def leviathan_speedup(alpha: float, k: float, c: float, verify_ratio: float = 1.0) -> float:
+    """Expected speedup of k drafts per step over plain decoding: Leviathan et al. 2022's
+    walltime improvement factor, with the target's cost for k + 1 tokens measured
+    (`verify_ratio` plain steps) instead of assumed equal to one step's."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    cost = c * k + verify_ratio
+    return tokens / cost if cost > 0 else 0.0
+
+
+def step_costs(steps: list[StepRecord], plain_steps: list[StepRecord]) -> dict:
+    """Measured cost model of a speculative mode, in units of one plain target step.
+
+    steps:       the mode's decode steps (with and without drafts)
+    plain_steps: steps of plain decoding (speculation off) on the same target
+    """
+    spec = [s for s in steps if s.drafted > 0]
+    counts = spec_counts(steps)
+    base = [s.verify_s + s.draft_s for s in plain_steps if s.drafted == 0]
+    plain_s = sum(base) / len(base) if base else 0.0
+    out = {"alpha": counts.alpha if spec else None,
+           "acceptance_rate": counts.acceptance_rate if spec else None,
+           "plain_step_s": plain_s, "spec_steps": len(spec), "steps": len(steps),
+           "k_mean": sum(s.levels for s in spec) / len(spec) if spec else 0.0,
+           "c": None, "verify_ratio": None, "verify_ratio_by_fed": {}}
+    if not spec or plain_s <= 0:
+        return out
+    out["c"] = sum(s.draft_s for s in spec) / sum(s.levels for s in spec) / plain_s
+    out["verify_ratio"] = sum(s.verify_s for s in spec) / len(spec) / plain_s
+    by_fed = defaultdict(list)
+    for s in steps:
+        by_fed[s.drafted + 1].append(s.verify_s)
+    out["verify_ratio_by_fed"] = {m: sum(v) / len(v) / plain_s for m, v in sorted(by_fed.items())}
+    return out
+
+
+def predicted_speedup(costs: dict) -> float | None:
+    """Leviathan's formula at the mode's measured alpha, mean k, c and verify ratio."""
+    if costs.get("alpha") is None or costs.get("c") is None:
+        return None
+    return leviathan_speedup(costs["alpha"], costs["k_mean"], costs["c"], costs["verify_ratio"])
+
+
+def predicted_speedup_steps(steps: list[StepRecord], costs: dict) -> float | None:
+    """The same model applied step by step: each step with k_i drafts is expected to emit
+    (1 - alpha^(k_i+1)) / (1 - alpha) tokens at a cost of c k_i + verify_ratio(k_i + 1) plain
+    steps; steps with nothing to draft (k_i = 0) emit one token at about one step's cost. Fairer
+    than the one-k formula when the drafter often has nothing to propose or k adapts."""
+    alpha, c, ratios = costs.get("alpha"), costs.get("c"), costs.get("verify_ratio_by_fed")
+    if alpha is None or c is None or not steps:
+        return None
+    tokens = cost = 0.0
+    for s in steps:
+        k = s.levels
+        tokens += k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        cost += c * k + ratios.get(s.drafted + 1, 1.0)
+    return tokens / cost if cost > 0 else None
+
+
+def with_prefill(speedup: float | None, prefill_share: float | None) -> float | None:
+    """Amdahl's law on a decoding speedup: speculation leaves the prompt's encoding as it is, so
+    a reply whose plain time is a fraction `prefill_share` prefill ends up only
+    1 / (share + (1 - share) / speedup) faster. Predicts end-to-end tokens/s, as measured."""
+    if speedup is None or prefill_share is None or speedup <= 0:
+        return None
+    return 1.0 / (prefill_share + (1.0 - prefill_share) / speedup)
+
+
+def prefill_share(runs: list[Run]) -> float | None:
+    """Fraction of these runs' time (medians per item) spent encoding prompts."""
+    med = [_median_item(rs) for rs in group_items(runs).values()]
+    seconds = sum(m["seconds"] for m in med)
+    return sum(m["prefill_s"] for m in med) / seconds if seconds > 0 else None
+
+
+def _median_item(runs: list[Run]) -> dict:
+    return {"new_tokens": statistics.median(r.new_tokens for r in runs),
+            "seconds": statistics.median(r.seconds for r in runs),
+            "ttft_s": statistics.median(r.ttft_s for r in runs),
+            "forward_s": statistics.median(r.forward_s for r in runs),
+            "prefill_s": statistics.median(r.prefill_s for r in runs)}
+
+
+def group_items(runs: list[Run]) -> dict[tuple, list[Run]]:
+    """(mode, question_id, turn) -> the runs of that item, one per repeat."""
+    items: dict[tuple, list[Run]] = defaultdict(list)
+    for r in runs:
+        items[(r.mode, r.question_id, r.turn)].append(r)
+    return items
+
+
+def metrics(runs: list[Run], plain_runs: list[Run] | None = None) -> dict:
+    """The per-category / overall numbers of one mode (see the module docstring)."""
+    items = group_items(runs)
+    med = {key[1:]: _median_item(rs) for key, rs in items.items()}
+    tokens = sum(m["new_tokens"] for m in med.values())
+    seconds = sum(m["seconds"] for m in med.values())
+    tps = tokens / seconds if seconds > 0 else 0.0
+    speedup = None
+    if plain_runs is not None:
+        plain_med = {key[1:]: _median_item(rs) for key, rs in group_items(plain_runs).items()}
+        shared = [k for k in med if k in plain_med]
+        p_tok = sum(plain_med[k]["new_tokens"] for k in shared)
+        p_sec = sum(plain_med[k]["seconds"] for k in shared)
+        m_tok = sum(med[k]["new_tokens"] for k in shared)
+        m_sec = sum(med[k]["seconds"] for k in shared)
+        if p_tok and p_sec > 0 and m_sec > 0:
+            speedup = (m_tok / m_sec) / (p_tok / p_sec)
+    steps = [s for r in runs for s in r.steps]
+    counts = spec_counts(steps)
+    all_tokens = sum(r.new_tokens for r in runs)
+    first = [m for (q, turn), m in med.items() if turn == 1]
+    second = [(q, turn) for (q, turn) in med if turn == 2]
+    out = {
+        "tokens_per_s": tps,
+        "speedup": speedup,
+        "acceptance_rate": counts.acceptance_rate if counts.drafted else None,
+        "mean_accepted_len": counts.mean_accepted_len if counts.drafted else None,
+        "target_calls_per_token": (sum(r.target_calls for r in runs) / all_tokens
+                                   if all_tokens else None),
+        "ttft_s": statistics.mean(m["ttft_s"] for m in first) if first else None,
+        "alpha": counts.alpha if counts.drafted else None,
+        "questions": len({q for q, _ in med}),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "overhead_ms_per_token": (1000 * (seconds - sum(m["forward_s"] for m in med.values()))
+                                  / tokens if tokens else None),
+    }
+    if second:
+        t2 = [rs for key, rs in items.items() if key[2] == 2]
+        out["turn2_ttft_s"] = statistics.mean(_median_item(rs)["ttft_s"] for rs in t2)
+        out["turn2_prompt_tokens"] = statistics.mean(rs[0].prompt_tokens for rs in t2)
+        out["turn2_prefill_tokens"] = statistics.mean(rs[0].prefill_tokens for rs in t2)
+    return out
+
+
+def greedy_identical(runs: list[Run], modes: Iterable[str]) -> dict[str, float | None]:
+    """Fraction of questions whose reply texts (every turn, first repeat) equal plain's."""
+    texts: dict[tuple, dict[int, str]] = defaultdict(dict)
+    for r in runs:
+        if r.repeat == 0:
+            texts[(r.mode, r.question_id)][r.turn] = r.text
+    out = {}
+    for mode in modes:
+        qids = [q for (m, q) in texts if m == mode and ("plain", q) in texts]
+        out[mode] = (sum(texts[(mode, q)] == texts[("plain", q)] for q in qids) / len(qids)
+                     if qids else None)
+    return out
+
+
+def same_text_speedup(runs: list[Run], plain_runs: list[Run]) -> dict:
+    """Speedup over the items whose reply text equals plain's. Greedy NF4 replies can diverge
+    between modes (see README); a diverged reply of another length moves tokens/s through the
+    fixed cost of prefill alone, so this is the like-for-like view of decoding speed."""
+    texts = {(r.question_id, r.turn): r.text for r in plain_runs if r.repeat == 0}
+    same = {(r.question_id, r.turn) for r in runs
+            if r.repeat == 0 and texts.get((r.question_id, r.turn)) == r.text}
+    keep = [r for r in runs if (r.question_id, r.turn) in same]
+    base = [r for r in plain_runs if (r.question_id, r.turn) in same]
+    return {"same_text_items": len(same),
+            "same_text_speedup": metrics(keep, base)["speedup"] if same else None}
+
+
+def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict:
+    """The report: {"config", "modes": {MODE: {"overall", "by_category", "analysis"}},
+    "greedy_identical": {MODE: fraction}} (see issue 5 for the shape)."""
+    modes = list(modes)
+    by_mode: dict[str, list[Run]] = defaultdict(list)
+    for r in runs:
+        by_mode[r.mode].append(r)
+    plain = by_mode.get("plain")
+    categories = list(dict.fromkeys(r.category for r in runs))  # file order
+    plain_steps = [s for r in (plain or []) for s in r.steps]
+    out_modes = {}
+    for mode in modes:
+        mruns = by_mode.get(mode, [])
+        entry = {"overall": metrics(mruns, plain),
+                 "by_category": {}}
+        for cat in categories:
+            cruns = [r for r in mruns if r.category == cat]
+            if cruns:
+                entry["by_category"][cat] = metrics(
+                    cruns, [r for r in plain if r.category == cat] if plain else None)
+        steps = [s for r in mruns for s in r.steps]
+        if mode not in ("plain", "hf-plain") and any(s.drafted for s in steps):
+            costs = step_costs(steps, plain_steps if mode in ENGINE_MODES + HEAD_MODES else
+                               [s for r in by_mode.get("hf-plain", []) for s in r.steps])
+            costs["predicted_speedup"] = predicted_speedup(costs)
+            costs["predicted_speedup_steps"] = predicted_speedup_steps(steps, costs)
+            base = plain if mode in ENGINE_MODES + HEAD_MODES else by_mode.get("hf-plain")
+            qids = {r.question_id for r in mruns}
+            costs["prefill_share"] = prefill_share([r for r in base or [] if r.question_id in qids])
+            costs["predicted_speedup_e2e"] = with_prefill(costs["predicted_speedup_steps"],
+                                                          costs["prefill_share"])
+            costs["achieved_speedup"] = entry["overall"]["speedup"]
+            entry["analysis"] = costs
+        out_modes[mode] = entry
+    # Same text as plain: greedy, every engine mode should match; sampled too, but for a draft
+    # model (its drafts take Leviathan's test with random numbers of their own).
+    identical = greedy_identical(runs, modes)
+    if plain:
+        for mode in modes:
+            out_modes[mode]["overall"].update(same_text_speedup(by_mode.get(mode, []), plain))
+    greedy = config.get("temperature", 0.0) <= 0
+    return {"config": config, "modes": out_modes,
+            "greedy_identical": identical if greedy else {m: None for m in modes},
+            "identical_to_plain": identical}

@@ -1,0 +1,341 @@
+"""`python -m specchat bench`: Spec-Bench style benchmark of the engine against transformers.
+
+    python -m specchat bench --limit-per-category 5 --max-new-tokens 128 \
+        --modes plain,ngram,hf-plain,hf-pld --json out/bench.json
+
+Every mode runs on the same loaded target, interleaved per question (the mode order rotates from
+one question to the next) so machine drift hits all modes alike:
+  plain        our engine, speculation off (the very same decode loop with k = 0)
+  ngram/model  our engine, speculation on with that drafter
+  hf-plain     transformers `generate`, no assistance
+  hf-pld       transformers `generate(prompt_lookup_num_tokens=...)` (prompt lookup decoding)
+  hf-assisted  transformers `generate(assistant_model=...)`, when a draft model is loaded
+All modes get the same prompt ids and the same stop condition (max new tokens, EOS, and the chat
+format's stop string unless --ignore-stop-strings), and their tokens are counted alike: the tokens
+shown to the user (the engine's `new_tokens`; transformers' output goes through the engine's own
+ReplyText, so EOS and a stop string's tokens do not count). Every first turn starts from an empty
+KV cache, so prefill is paid by every mode; with `--turns all` a follow-up turn reuses the
+engine's cached history (what the chat does) and its time to first token is reported separately.
+
+Numbers (the pure functions below, tested on synthetic step records in tests/test_bench.py):
+- tokens/s of a category = sum of new tokens / sum of seconds over its (question, turn) items,
+  each item's tokens and seconds being medians over `--repeats`; speedup = that over `plain`'s on
+  the same items. Counts (drafted, accepted, target calls) pool every repeat.
+- alpha = accepted / (accepted + rejections): the per-position acceptance estimate of Leviathan et
+  al. 2022 (DESIGN.md's definition); c = draft seconds per drafted token / seconds of a plain
+  target step; verify ratio = seconds of a speculative step's target forward (k + 1 tokens fed)
+  / the plain step's. A draft tree (tree.py) counts as a chain as long as its depth: k is the
+  depth, alpha the chance the accepted path goes one level further, c the draft seconds per
+  level; its verify ratio is measured at its real width.
+  Leviathan et al. 2022, expected walltime improvement:
+  (1 - alpha^(k+1)) / ((1 - alpha)(c k + verify_ratio)), where this engine's verify cost for
+  k + 1 tokens is measured instead of assumed equal to one step's. The formula covers decoding
+  only; "+prefill" adds the prompt's encoding, unchanged by speculation (Amdahl's law with the
+  share of plain's time spent in the first forward), to predict the end-to-end speedup measured.
+- Time inside the target's forward is measured with forward hooks for every mode, so "overhead per
+  token" (wall time outside the model's forward) compares the two decode loops directly.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from specchat.bench.config import (
+    ALL_MODES,
+    ENGINE_MODES,
+    HEAD_MODES,
+    NEEDS_DRAFT,
+    BenchSettings,
+    Run,
+)
+from specchat.bench.metrics import summarize_bench
+from specchat.core.events import TARGET, GenerationStats, StepRecord, TokenEvent
+
+# ---------------------------------------------------------------------------------------------
+# Running the modes
+
+
+class _Probe:
+    """Times the target's forward (hooks) and, as a transformers streamer, when tokens come out."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: list[tuple[int, float]] = []  # (tokens fed, seconds in forward)
+        self.puts: list[tuple[int, float]] = []  # (tokens streamed, perf_counter)
+        self._prompt_seen = False
+        self._t = 0.0
+        self._fed = 0
+
+    def attach(self, model) -> list:
+        return [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def _pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._fed = int(ids.shape[-1]) if ids is not None else 0
+        self._t = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        self.calls.append((self._fed, time.perf_counter() - self._t))
+
+    # transformers' BaseStreamer protocol: the prompt first, then each step's new tokens
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.puts.append((int(value.numel()), time.perf_counter()))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_steps(calls: list[tuple[int, float]], puts: list[tuple[int, float]],
+             prompt_len: int) -> list[StepRecord]:
+    """Step records of a transformers `generate` call, from its target forwards (tokens fed) and
+    what it streamed after each (accepted + 1 tokens). The first call (prefill, which in assisted
+    generation may also verify drafts) is left out, like the engine's prefill."""
+    if len(calls) != len(puts):
+        return []  # not one stream per forward: no per-step view
+    steps = []
+    for i in range(1, len(calls)):
+        fed, forward_s = calls[i]
+        drafted = fed - 1
+        emitted = puts[i][0]
+        steps.append(StepRecord(i, drafted, max(0, min(drafted, emitted - 1)), emitted, 0.0,
+                                forward_s))
+    return steps
+
+
+class _StopText:
+    """transformers stopping criterion: the reply so far contains a stop string."""
+
+    def __init__(self, tokenizer, stops, prompt_len: int):
+        self.tokenizer, self.prompt_len = tokenizer, prompt_len
+        self.stops = [s for s in stops if s]
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+        text = self.tokenizer.decode(input_ids[0, self.prompt_len:].tolist(),
+                                     skip_special_tokens=False)
+        hit = any(s in text for s in self.stops)
+        return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
+
+
+def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: BenchSettings,
+                    fresh: bool, max_new_tokens: int | None = None) -> dict:
+    from specchat.core.engine import GenerateConfig
+    if fresh:
+        engine.reset_cache()  # every first turn pays its prefill, as generate() does
+    cfg = GenerateConfig(max_new_tokens=max_new_tokens or s.max_new_tokens,
+                         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                         speculation=mode != "plain",
+                         drafter=mode.removesuffix("-tree") if mode != "plain" else "ngram",
+                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
+                         tree_nodes=s.tree_nodes if mode.endswith("-tree") else 0)
+    probe.reset()
+    text, steps, stats = [], [], None
+    for ev in engine.stream(ids, cfg):
+        if isinstance(ev, TokenEvent):
+            text.append(ev.text)
+        elif isinstance(ev, StepRecord):
+            steps.append(ev)
+        elif isinstance(ev, GenerationStats):
+            stats = ev
+    return dict(new_tokens=stats.new_tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
+                prompt_tokens=stats.prompt_tokens, prefill_tokens=stats.prefill_tokens,
+                target_calls=stats.target_calls, forward_s=sum(t for _, t in probe.calls),
+                prefill_s=probe.calls[0][1] if probe.calls else 0.0,
+                steps=steps, text="".join(text), stop_reason=stats.stop_reason,
+                error=stats.error)
+
+
+def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: BenchSettings,
+                assistant=None, max_new_tokens: int | None = None) -> dict:
+    """transformers `generate` on the engine's target with the same prompt and stop condition."""
+    import torch
+
+    from specchat.core.text import ReplyText
+
+    model, tok = engine.model, engine.tokenizer
+    input_ids = torch.tensor([ids], device=engine.device)
+    eos = sorted(engine.eos_ids)
+    kwargs: dict = dict(max_new_tokens=max_new_tokens or s.max_new_tokens,
+                        do_sample=s.temperature > 0, eos_token_id=eos,
+                        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0],
+                        attention_mask=torch.ones_like(input_ids), streamer=probe)
+    if s.temperature > 0:
+        kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if stops:
+        # Not generate(stop_strings=...): assisted generation hands those to the assistant's own
+        # generate(), which then refuses to run without a tokenizer of its own.
+        from transformers import StoppingCriteriaList
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_StopText(tok, stops, len(ids))])
+    if mode == "hf-pld":
+        kwargs["prompt_lookup_num_tokens"] = s.hf_pld_tokens or s.draft_len
+    elif mode == "hf-assisted":
+        kwargs["assistant_model"] = assistant
+    probe.reset()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if s.temperature > 0:
+            torch.manual_seed(s.seed)
+        out = model.generate(input_ids, **kwargs)
+    seconds = time.perf_counter() - start
+    # Count and cut exactly as the engine does: tokens shown to the user (not EOS, not a stop
+    # string's), text through the engine's own ReplyText.
+    reply, shown, hit, stop_reason = ReplyText(tok, ids, stops), [], False, "length"
+    for t in out[0, len(ids):].tolist():
+        if t in engine.eos_ids:
+            stop_reason = "eos"
+            break
+        released, hit = reply.push(TokenEvent(t, "", TARGET, 0, 0, 0))
+        shown.extend(released)
+        if hit:
+            stop_reason = "stop_string"
+            break
+    if not hit:
+        shown.extend(reply.finish())
+    ttft = probe.puts[0][1] - start if probe.puts else seconds
+    return dict(new_tokens=len(shown), seconds=seconds, ttft_s=ttft, prompt_tokens=len(ids),
+                prefill_tokens=len(ids), target_calls=len(probe.calls),
+                forward_s=sum(t for _, t in probe.calls),
+                prefill_s=probe.calls[0][1] if probe.calls else 0.0,
+                steps=hf_steps(probe.calls, probe.puts, len(ids)),
+                text="".join(e.text for e in shown),
+                stop_reason=stop_reason, error="")
+
+
+def available_modes(engine, assistant) -> list[str]:
+    return [m for m in ALL_MODES
+            if m not in NEEDS_DRAFT or ("model" in engine.drafters and assistant is not None)] \
+        + [m for m in HEAD_MODES if m.removesuffix("-tree") in engine.drafters]
+
+
+def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
+          progress: bool = True, log: Callable[[str], None] | None = None,
+          extra_config: dict | None = None) -> dict:
+    """Run every mode on every question (interleaved), return summarize_bench's report.
+    Ctrl-C stops early and returns what was measured: whole questions only, so every mode is
+    compared on the same ones."""
+    from tqdm import tqdm
+
+    from specchat.core.text import chat_prompt
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    for m in s.modes:
+        if m not in ALL_MODES + HEAD_MODES:
+            raise ValueError(f"unknown mode {m!r}; modes: {', '.join(ALL_MODES + HEAD_MODES)}")
+        if m in HEAD_MODES and m.removesuffix("-tree") not in engine.drafters:
+            raise ValueError(f"mode {m!r} needs a draft head for this target: "
+                             f"python -m specchat train-draft")
+        if m in ENGINE_MODES[1:] and m not in engine.drafters:
+            raise ValueError(f"mode {m!r} needs the {m!r} drafter (load a --draft-model)")
+        if m == "hf-assisted" and assistant is None:
+            raise ValueError("mode 'hf-assisted' needs a draft model (--draft-model)")
+    probe, draft_probe = _Probe(), _Probe()
+    hooks = probe.attach(engine.model) + (draft_probe.attach(assistant) if assistant is not None
+                                          else [])
+    runs: list[Run] = []
+    bar = None
+    done = 0
+    interrupted = False
+    started = time.time()
+
+    def run_mode(mode, ids, stops, fresh, max_new=None) -> dict:
+        if mode in ENGINE_MODES + HEAD_MODES:
+            return run_engine_mode(engine, probe, ids, stops, mode, s, fresh, max_new)
+        draft_probe.reset()
+        r = run_hf_mode(engine, probe, ids, stops, mode, s, assistant, max_new)
+        if mode == "hf-assisted":  # spread the assistant's forward time over the drafts
+            drafted = sum(st.drafted for st in r["steps"])
+            per_token = sum(t for _, t in draft_probe.calls) / drafted if drafted else 0.0
+            for st in r["steps"]:
+                st.draft_s = st.drafted * per_token
+        return r
+
+    try:
+        if s.warmup_tokens and questions:
+            ids, stops = chat_prompt(engine.tokenizer,
+                                     [{"role": "user", "content": questions[0]["turns"][0]}])
+            for mode in s.modes:
+                run_mode(mode, ids, stops, True, s.warmup_tokens)
+        bar = tqdm(questions, desc="bench", unit="question", file=sys.stderr, disable=not progress,
+                   dynamic_ncols=True)
+        for qi, q in enumerate(bar):
+            turns = q["turns"] if s.turns == "all" else q["turns"][:1]
+            q_runs: list[Run] = []
+            for rep in range(s.repeats):
+                shift = (qi + rep) % len(s.modes)
+                for mode in s.modes[shift:] + s.modes[:shift]:
+                    bar.set_postfix_str(f"{q['category']} {mode}", refresh=False)
+                    messages: list[dict] = []
+                    for ti, user in enumerate(turns):
+                        messages.append({"role": "user", "content": user})
+                        ids, stops = chat_prompt(engine.tokenizer, messages)
+                        r = run_mode(mode, ids, stops if s.stop_strings else (), fresh=ti == 0)
+                        if r["error"]:
+                            log(f"bench: {mode} on question {q['question_id']}: {r['error']}")
+                        q_runs.append(Run(q["question_id"], q["category"], ti + 1, mode, rep,
+                                          **r))
+                        messages.append({"role": "assistant", "content": r["text"]})
+            runs.extend(q_runs)
+            done += 1
+        bar.close()
+    except KeyboardInterrupt:
+        interrupted = True
+        if bar is not None:
+            bar.close()
+        log("bench: interrupted; reporting the questions measured so far")
+    finally:
+        for h in hooks:
+            h.remove()
+    config = {**asdict(s), "modes": list(s.modes),
+              "questions_planned": len(questions), "questions_done": done,
+              "interrupted": interrupted, "wall_s": time.time() - started,
+              "peak_rss_mb": peak_rss_mb(), **(extra_config or {})}
+    return summarize_bench(runs, s.modes, config) | {"runs": [_run_json(r) for r in runs]}
+
+
+def _run_json(r: Run) -> dict:
+    d = asdict(r)
+    # compact: [drafted, accepted, draft_s, verify_s(, tree depth)] per step
+    d["steps"] = [[st["drafted"], st["accepted"], round(st["draft_s"], 6),
+                   round(st["verify_s"], 6)] + ([st["tree_depth"]] if st["tree_depth"] else [])
+                  for st in d["steps"]]
+    return d
+
+
+def peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024  # bytes vs KiB
+
+
+def current_rss_mb() -> float | None:
+    """Resident memory now (Linux), to tell a loading spike from what decoding holds."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def machine_config() -> dict:
+    import os
+
+    import torch
+    import transformers
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -1,0 +1,79 @@
+"""The drafter contract: whatever proposes the next few tokens for the target to verify.
+
+The engine speaks only to this base class, so it never knows whether drafts come from a model,
+from n-gram lookup or from a trained head. A drafter overrides `propose`; everything else has a
+default that does nothing.
+
+    begin(prompt_ids)                      a new request starts from this context
+    propose(context, k, params, noise) -> (draft_ids [k'], draft_probs [k', vocab] | None)
+                                           k' <= k; None probs mean one-hot drafts (the target's
+                                           own draw decides). Draft i is for reply position
+                                           len(context) + i: a drafter that samples uses
+                                           `noise` at that position (sampling.Noise).
+    feedback(n_drafted, n_accepted)        called after each verification
+    draft_class(context)                   names the kind of proposal coming next (the n-gram
+                                           match length) so the engine sizes k per kind
+    supports_trees / propose_tree(context, depth, params, nodes) -> DraftTree or a chain
+                                           a draft tree verified in one forward (the head)
+    needs_features / observe(start, ids, features)
+                                           the target's hidden states of accepted positions,
+                                           for drafters that read them (the EAGLE head)
+
+`context` is the full token list so far (prompt + emitted reply); it only grows within a request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.core.sampling import Noise, SamplingParams
+
+# An empty proposal: the step is a plain target step.
+NO_DRAFT = torch.zeros(0, dtype=torch.long)
+
+Chain = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+class Drafter:
+    name: str = ""
+    # The drafter wants `observe` calls with the target's features (a hook on its final norm).
+    needs_features: bool = False
+    # The drafter implements `propose_tree`.
+    supports_trees: bool = False
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new request starts from `prompt_ids`."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                noise: Noise | None) -> Chain:
+        raise NotImplementedError
+
+    def propose_tree(self, context: list[int], depth: int, params: SamplingParams, nodes: int):
+        """A `tree.DraftTree` of at most `nodes` nodes and `depth` levels, or a chain as
+        `propose` returns it (the engine verifies either)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no trees")
+
+    def draft_class(self, context: list[int]) -> object:
+        """The kind of the next proposal; the engine keeps acceptance (and so k) per kind."""
+        return None
+
+    def observe(self, start: int, token_ids: list[int], features: torch.Tensor) -> None:
+        """The target's features [n, d] of accepted context positions start..start+n-1."""
+
+    def feedback(self, n_drafted: int, n_accepted: int) -> None:
+        """Called after each verification."""
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    # Fast path: the usual case is "b extends a" or "differs only near the end".
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search for the first difference on prefix equality
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,378 @@
+"""The streaming speculative-decoding engine.
+
+    engine = Engine(target, drafters={"ngram": NgramDrafter()})
+    for event in engine.stream(prompt_ids, GenerateConfig(speculation=True, drafter="ngram")):
+        ...  # TokenEvent as tokens are decided, StepRecord per step, GenerationStats last
+
+One step = one target forward over [last token] + k drafts, then `sampling.verify`. With
+speculation off (or when the drafter has nothing to propose) k = 0 and the very same code path
+is plain decoding. A drafter may propose a tree instead (`tree.DraftTree`, the head does): the
+forward then reads every node under a tree attention mask, `tree.verify_tree` walks the path the
+target agrees with, and the cache keeps that path (`kvcache.keep_fed`).
+
+The target's KV cache lives across steps and across requests: after each
+verification it is cropped to the accepted context, and a new request re-encodes only what its
+prompt does not share with the cached tokens (a chat's history is encoded once).
+
+Invariant between steps: the cache holds every context token but the newest one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat.core.attention import is_row_exact
+from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
+from specchat.core.events import (
+    ACCEPTED,
+    BONUS,
+    RESAMPLED,
+    TARGET,
+    GenerationStats,
+    StepRecord,
+    TokenEvent,
+    summarize,
+)
+from specchat.core.features import FeatureTap
+from specchat.core.kvcache import (
+    crop_to,
+    keep_fed,
+    new_cache,
+    tree_attention_mask,
+    tree_masks_supported,
+)
+from specchat.core.policy import DraftLengthPolicy
+from specchat.core.sampling import Noise, SamplingParams, verify
+from specchat.core.text import ReplyText, tokens_until_stop
+from specchat.core.tree import DraftTree, verify_tree, visibility
+
+# Draft-tree size for the head in the app and the CLI (`GenerateConfig.tree_nodes`).
+TREE_NODES = 10
+
+
+def default_tree_nodes(temperature: float, drafter: str = "head") -> int:
+    """Trees for the head alone when greedy, chains otherwise. By `bench` on 65 Spec-Bench
+    questions (README): greedy, the head's trees tie or beat its chains (1.08x vs 1.09x, 1.16x
+    vs 1.09x in an earlier run), but `combined` is faster with chains (1.61x vs 1.57x, 1.68x vs
+    1.59x); at T = 0.7 `combined` chains and trees tie (1.30x vs 1.31x), so chains, the
+    simpler."""
+    return TREE_NODES if temperature <= 0 and drafter == "head" else 0
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = 0  # None: a fresh random seed per request
+    speculation: bool = True  # False: plain decoding, same code path with k = 0
+    drafter: str = "ngram"  # key into Engine.drafters
+    draft_len: int = 4  # k: the most draft tokens per step
+    adaptive: bool = True  # let k follow measured acceptance and cost (never above draft_len)
+    # Drafters that can (the head) draft a tree of up to this many tokens, k levels deep,
+    # verified in one forward (tree.py). 0: chains.
+    tree_nodes: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (not included in the reply)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class _Request:
+    """What the steps of one reply share."""
+    cfg: GenerateConfig
+    drafter: Drafter | None  # None: speculation off
+    params: SamplingParams
+    noise: Noise
+    stats: GenerationStats
+    policy: DraftLengthPolicy | None
+    trees: bool  # the drafter drafts trees for this reply
+    max_new: int
+    reply: ReplyText
+    context: list[int]  # prompt + reply so far
+    wants: list = field(default_factory=list)  # drafters that read the target's features
+
+
+class Engine:
+    def __init__(self, target, drafters: dict[str, Drafter] | None = None):
+        self.target = target  # models.LoadedModel (model, tokenizer, device, ...)
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.device = target.device
+        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.vocab_size = len(self.tokenizer)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.lock = threading.Lock()  # one generation at a time on one model
+        self._policies: dict[tuple[str, bool], DraftLengthPolicy] = {}
+        self._cache = None
+        self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
+        self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
+        self.row_exact = is_row_exact(self.model)  # verify logits = one-token logits, bit for bit
+        self.trees_ok = tree_masks_supported(self.model)  # flash attention takes no tree mask
+
+    # -- target forward -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], n_logits: int) -> torch.Tensor:
+        """Feed `ids` after the cached tokens; return the last n_logits rows [n, vocab]
+        (on the model's device and dtype: sampling moves them to CPU only when it needs them)."""
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
+                         use_cache=True, logits_to_keep=n_logits)
+        self._cache_ids.extend(ids)
+        return out.logits[0, :, :self.vocab_size]
+
+    @torch.inference_mode()
+    def _forward_tree(self, ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Feed the root ids[0] and a draft tree ids[1:] (node i a child of parents[i], -1 the
+        root) after the cached tokens, with a tree attention mask. Returns logits [len(ids),
+        vocab]."""
+        cached = len(self._cache_ids)
+        visible = visibility(parents)
+        positions = cached + visible.sum(-1).to(self.device) - 1  # depth = ancestors seen
+        mask = tree_attention_mask(self.model, self._cache, cached, visible, positions)
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
+                         attention_mask=mask, position_ids=positions[None], use_cache=True,
+                         logits_to_keep=len(ids))
+        self._cache_ids.extend(ids)
+        return out.logits[0, :, :self.vocab_size]
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Encode the prompt, reusing the cached prefix it shares with the last request.
+        Returns the logits of the last prompt position [1, vocab] and the tokens encoded."""
+        keep = min(common_prefix_len(self._cache_ids, prompt_ids), len(prompt_ids) - 1)
+        if self._cache is None or not crop_to(self._cache, len(self._cache_ids), keep):
+            self._cache, keep = new_cache(self.model), 0
+        self._cache_ids = self._cache_ids[:keep]
+        return self._forward(prompt_ids[keep:], 1), len(prompt_ids) - keep
+
+    def _feature_drafters(self) -> list:
+        """Drafters that draft from the target's features (the EAGLE head). They get them for
+        free: a hook on the target's final norm keeps the hidden states of each forward."""
+        wants = [d for d in self.drafters.values() if d.needs_features]
+        if wants and self._tap is None:
+            self._tap = FeatureTap(self.model)
+        return wants
+
+    def _observe(self, wants: list, start: int, ids: list[int],
+                 rows: list[int] | None = None) -> None:
+        """Positions `rows` of the latest forward (default: its first len(ids)) were accepted,
+        tokens `ids` at context positions start.. . Sent whichever drafter is active, so
+        switching drafters costs nothing."""
+        if wants:
+            features = self._tap.features(len(ids), rows)  # [len(ids), d]
+            for d in wants:
+                d.observe(start, ids, features)
+
+    @property
+    def context_window(self) -> int | None:
+        """The most tokens (prompt + reply) the target reads: its position embeddings."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    def reset_cache(self) -> None:
+        self._cache, self._cache_ids = None, []
+
+    def policy(self, drafter: str, greedy: bool) -> DraftLengthPolicy:
+        return self._policies.setdefault((drafter, greedy), DraftLengthPolicy())
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _chain_step(self, run: _Request, draft) -> tuple[list[int], object, int]:
+        """Verify a chain of drafts in one forward; crop the rejected ones from the cache.
+        Returns (accepted tokens, verdict, drafts tested)."""
+        context = run.context
+        draft_ids, draft_probs = draft
+        k = len(draft_ids)
+        logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
+        verdict = verify(draft_ids, draft_probs, logits, run.params, run.noise, len(context))
+        n = verdict.n_accepted
+        # Every token but the newest is in the cache: drop the rejected drafts.
+        crop_to(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
+        self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
+        accepted = draft_ids[:n].tolist()
+        self._observe(run.wants, len(context) - 1, [context[-1], *accepted])
+        return accepted, verdict, k
+
+    def _tree_step(self, run: _Request, tree: DraftTree) -> tuple[list[int], object, int]:
+        """Verify a draft tree in one forward and keep the accepted path in the cache.
+        Returns (accepted tokens, verdict, tree depth)."""
+        context = run.context
+        ids = [context[-1], *tree.tokens.tolist()]
+        logits = self._forward_tree(ids, tree.parents)
+        verdict = verify_tree(tree, logits, run.params, run.noise, len(context))
+        keep = [0] + [1 + i for i in verdict.path]  # the root and the accepted path
+        keep_fed(self._cache, len(ids), keep)
+        self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
+        accepted = [ids[j] for j in keep[1:]]
+        self._observe(run.wants, len(context) - 1, [context[-1], *accepted], keep)
+        return accepted, verdict, tree.depth
+
+    def _draft(self, run: _Request, generated: int):
+        """Ask the drafter for this step's proposal: a chain (ids, probs) or a DraftTree.
+        Returns (draft, draft class)."""
+        drafter, cfg = run.drafter, run.cfg
+        if drafter is None:
+            return (NO_DRAFT, None), None
+        cls = drafter.draft_class(run.context)
+        k = run.policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
+        k = min(k, run.max_new - generated - 1)  # never past max_new_tokens (+1: the target's)
+        if k <= 0:
+            return (NO_DRAFT, None), cls
+        if run.trees:
+            return drafter.propose_tree(run.context, k, run.params, cfg.tree_nodes), cls
+        draft = drafter.propose(run.context, k, run.params, run.noise)
+        return _until_stop(self.tokenizer, run.context, draft, cfg.stop), cls
+
+    def _step(self, run: _Request, number: int, generated: int
+              ) -> tuple[list[tuple[int, str]], StepRecord]:
+        """Draft, verify, keep the cache and the policy up to date. Returns the step's tokens
+        with their kinds, and its record."""
+        t0 = time.perf_counter()
+        draft, cls = self._draft(run, generated)
+        t1 = time.perf_counter()
+        if isinstance(draft, DraftTree):
+            accepted, verdict, levels = self._tree_step(run, draft)
+        else:
+            accepted, verdict, levels = self._chain_step(run, draft)
+        t2 = time.perf_counter()
+        k, n = len(draft) if isinstance(draft, DraftTree) else levels, len(accepted)
+        run.stats.target_calls += 1
+        if run.drafter:
+            run.drafter.feedback(k, n)
+            # A tree counts as its depth: one draft forward and one test per level.
+            run.policy.update(k + 1, t2 - t1, levels, n, t1 - t0, cls)
+        last_kind = TARGET if k == 0 else (BONUS if verdict.bonus else RESAMPLED)
+        tokens = [(int(t), ACCEPTED) for t in accepted] + [(verdict.next_token, last_kind)]
+        record = StepRecord(number, k, n, len(tokens), t1 - t0, t2 - t1,
+                            levels if isinstance(draft, DraftTree) else 0)
+        return tokens, record
+
+    # -- the decode loop ------------------------------------------------------------------
+
+    def _request(self, prompt_ids: list[int], cfg: GenerateConfig) -> _Request:
+        """Check a request and set up what its steps share."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        window = self.context_window
+        if window and len(prompt_ids) >= window:
+            raise ValueError(f"the prompt is {len(prompt_ids):,} tokens; {self.target.name} reads "
+                             f"at most {window:,} (prompt and reply together): shorten it")
+        max_new = min(cfg.max_new_tokens, window - len(prompt_ids)) if window \
+            else cfg.max_new_tokens
+        drafter = self.drafters.get(cfg.drafter) if cfg.speculation else None
+        if cfg.speculation and drafter is None:
+            raise ValueError(f"unknown drafter {cfg.drafter!r}; available: "
+                             f"{', '.join(self.drafters) or 'none'}")
+        params = cfg.sampling
+        seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        stats = GenerationStats(speculation=drafter is not None,
+                                drafter=drafter.name if drafter else "none",
+                                draft_len=cfg.draft_len if drafter else 0,
+                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                seed=seed, prompt_tokens=len(prompt_ids))
+        trees = bool(drafter and cfg.tree_nodes and self.trees_ok and drafter.supports_trees)
+        stats.tree_nodes = cfg.tree_nodes if trees else 0
+        policy = self.policy(stats.drafter + "+tree" * trees, params.greedy) if drafter else None
+        # Noise: the draw at reply position t depends on (seed, t) alone.
+        return _Request(cfg, drafter, params, Noise(seed), stats, policy, trees, max_new,
+                        ReplyText(self.tokenizer, prompt_ids, cfg.stop), list(prompt_ids))
+
+    def _emit(self, run: _Request, tokens: list[tuple[int, str]], record: StepRecord,
+              generated: int, start: float) -> Iterator[TokenEvent]:
+        """Emit a step's tokens one by one, watching for the end: EOS, a stop string, the token
+        limit. Sets `run.stats.stop_reason` when the reply ends; returns the tokens generated."""
+        stats = run.stats
+        for token, kind in tokens:
+            run.context.append(token)
+            if token in self.eos_ids:
+                stats.stop_reason = "eos"
+                break
+            generated += 1
+            event = TokenEvent(token, "", kind, record.step, record.drafted, record.accepted)
+            released, hit = run.reply.push(event)
+            for ev in released:
+                stats.ttft_s = stats.ttft_s or time.perf_counter() - start
+                stats.new_tokens += 1  # tokens shown: a stop string's are not
+                yield ev
+            if hit:
+                stats.stop_reason = "stop_string"
+                break
+            if generated >= run.max_new:
+                stats.stop_reason = "length"
+                break
+        return generated
+
+    def stream(self, prompt_ids: list[int], cfg: GenerateConfig,
+               stop_event: threading.Event | None = None,
+               ) -> Iterator[TokenEvent | StepRecord | GenerationStats]:
+        """Generate a reply: TokenEvents as tokens are decided, a StepRecord after each step's
+        tokens, the GenerationStats last."""
+        run = self._request(prompt_ids, cfg)
+        stats, steps = run.stats, []
+        with self.lock:
+            start = time.perf_counter()
+            run.wants = self._feature_drafters()
+            try:
+                logits, stats.prefill_tokens = self._prefill(prompt_ids)
+                stats.target_calls = 1
+                first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
+                tokens = [(first.next_token, TARGET)]
+                record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
+                if run.drafter:
+                    run.drafter.begin(prompt_ids)
+                fed = stats.prefill_tokens
+                self._observe(run.wants, len(prompt_ids) - fed, prompt_ids[len(prompt_ids) - fed:])
+                generated = 0
+                while True:
+                    generated = yield from self._emit(run, tokens, record, generated, start)
+                    if record.step:
+                        steps.append(record)
+                        yield record
+                    if stats.stop_reason:
+                        break
+                    if stop_event is not None and stop_event.is_set():
+                        stats.stop_reason = "stopped"
+                        break
+                    tokens, record = self._step(run, record.step + 1, generated)
+                if stats.stop_reason != "stop_string":
+                    for ev in run.reply.finish():
+                        stats.new_tokens += 1
+                        yield ev
+            except torch.OutOfMemoryError as e:
+                self.reset_cache()
+                stats.stop_reason, stats.error = "error", f"out of memory: {e}"
+            except Exception:  # (not GeneratorExit: at a yield the cache is consistent)
+                self.reset_cache()  # a half-done step leaves the cache unknown: start clean
+                raise
+            stats.seconds = time.perf_counter() - start
+        yield summarize(steps, stats)
+
+
+def _until_stop(tokenizer, context, draft, stops):
+    """A chain draft without the tokens after a stop string (they could never be shown)."""
+    draft_ids, draft_probs = draft
+    if not stops or len(draft_ids) < 2:
+        return draft
+    keep = tokens_until_stop(tokenizer, context, draft_ids.tolist(), stops)
+    if keep == len(draft_ids):
+        return draft
+    return draft_ids[:keep], (draft_probs[:keep] if draft_probs is not None else None)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,101 @@
+"""The adaptive draft length: k per step from measured acceptance and measured costs."""
+
+from __future__ import annotations
+
+
+class DraftLengthPolicy:
+    """Picks k for the next step to maximize expected tokens per second.
+
+    With per-position acceptance alpha, a step with k drafts emits (1 - alpha^(k+1)) / (1 - alpha)
+    tokens on average (Leviathan et al.) and costs verify(k + 1) + k * draft_token seconds, both
+    measured as we go. k = 0 is plain decoding: chosen when drafting does not pay, with a probe
+    every `probe_every` steps so a change in the text can switch drafting back on.
+
+    Alpha is kept per draft class when the drafter tells one (`Drafter.draft_class`): an n-gram
+    drafter's 3-token matches are far more reliable than its 1-token matches, so each earns its
+    own k. The cost curve is shared.
+    """
+
+    def __init__(self, probe_every: int = 8, margin: float = 0.05):
+        self.probe_every = probe_every
+        # Draft only when that is expected to beat plain decoding by this fraction: estimates are
+        # noisy, and a draft that merely breaks even costs more than the model sees (the lookup,
+        # a wider sampling step), so a marginal gain is not worth the risk of a loss.
+        self.margin = margin
+        self._tests: dict[object, list[float]] = {}  # class -> [successes, failures]
+        # Verify cost for m > 1 tokens fed: step_s * (1 + fixed + slope * (m - 1)). A wider
+        # forward pays a fixed price (on this CPU a one-token step's LM head is a matrix-vector
+        # product; two rows or more take the slower matrix path: 2 tokens cost 1.2 steps) and
+        # then a little per token (11 tokens: 1.9). One line fitted from every step's (m, cost),
+        # so a single noisy measurement at some m cannot lock k low for good.
+        self.step_s = 0.0  # EMA seconds of a 1-token (plain) step
+        self.slope_prior = 0.05  # wide forwards are nearly free (LM-head/weight-read bound)
+        self._fit = [0.0] * 5  # decayed sums: weight, x, y, x^2, xy for x = m - 1, y = ratio - 1
+        # The same y per width m, where measured often enough: costs need not lie on a line.
+        # With MKL's float32 products on an AVX2 CPU, 2-4 tokens cost what one did (1.00-1.08
+        # steps) and 5 tokens 1.6-1.9: the line mispriced both.
+        self._width: dict[int, list[float]] = {}  # m -> decayed [weight, sum of y]
+        self.draft_token_s = 0.0
+        self.plain_streak = 0
+
+    @property
+    def verify_line(self) -> tuple[float, float]:
+        """(fixed, slope) of the verify cost line, from the fit (or the prior)."""
+        w, sx, sy, sxx, sxy = self._fit
+        if w < 1e-9:
+            return 0.0, self.slope_prior
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        # One width only (or nearly): the data fixes the level there, the prior the slope.
+        slope = (sxy / w - mx * my) / var if var > 0.25 else self.slope_prior
+        slope = min(max(slope, 0.0), 1.0)
+        return max(0.0, my - slope * mx), slope
+
+    def alpha(self, cls=None) -> float:
+        successes, failures = self._tests.get(cls, (2.0, 1.0))  # prior 2/3, weight of 3 tests
+        return successes / (successes + failures)
+
+    WIDTH_WEIGHT = 3.0  # decayed measurements of a width before its own mean replaces the line
+
+    def _verify_cost(self, m: int) -> float:
+        seen = self._width.get(m)
+        if m > 1 and seen and seen[0] >= self.WIDTH_WEIGHT:
+            return (self.step_s or 1.0) * (1 + seen[1] / seen[0])
+        fixed, slope = self.verify_line if m > 1 else (0.0, 0.0)
+        return (self.step_s or 1.0) * (1 + fixed + slope * (m - 1))
+
+    def expected_rate(self, k: int, cls=None) -> float:
+        a = min(self.alpha(cls), 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (self._verify_cost(k + 1) + k * self.draft_token_s)
+
+    def choose(self, k_max: int, cls=None) -> int:
+        best = max(range(k_max + 1), key=lambda k: self.expected_rate(k, cls))
+        if best and self.expected_rate(best, cls) < (1 + self.margin) * self.expected_rate(0, cls):
+            best = 0
+        if best == 0 and k_max > 0:
+            self.plain_streak += 1
+            if self.plain_streak % self.probe_every == 0:
+                return 1  # probe: keep alpha fresh
+        else:
+            self.plain_streak = 0
+        return best
+
+    def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float,
+               cls=None):
+        decay = 0.9
+        if fed == 1 or not self.step_s:
+            self.step_s = verify_s if not self.step_s else decay * self.step_s + (1 - decay) * verify_s
+        else:
+            x, y = fed - 1, min(max(verify_s / self.step_s - 1, 0.0), 3.0)
+            self._fit = [0.95 * a + b for a, b in zip(self._fit, (1.0, x, y, x * x, x * y))]
+            seen = self._width.setdefault(fed, [0.0, 0.0])
+            seen[0], seen[1] = 0.9 * seen[0] + 1.0, 0.9 * seen[1] + y
+        if drafted:
+            # Per-position tests: `accepted` successes, then one failure unless all passed.
+            tests = self._tests.setdefault(cls, [2.0, 1.0])
+            tests[0] = decay * tests[0] + accepted
+            tests[1] = decay * tests[1] + (1 if accepted < drafted else 0)
+            per_token = draft_s / drafted
+            self.draft_token_s = (per_token if not self.draft_token_s
+                                  else decay * self.draft_token_s + (1 - decay) * per_token)

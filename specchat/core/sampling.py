@@ -1,0 +1,282 @@
+"""Logits -> probabilities, sampling, and the lossless speculative verification step.
+
+Leviathan et al. 2022 / Chen et al. 2023: draft token x_i (drawn from the draft's q_i) is kept
+with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the target emits a token
+from normalize(max(0, p_i - q_i)); if all k drafts pass it emits a bonus token from p_{k+1}.
+The emitted tokens are then distributed exactly as if sampled from the target alone.
+
+Both distributions go through the same `SamplingParams` transform (temperature, top-k, top-p)
+before the test, so q is the distribution the draft really sampled from and p is the
+distribution plain decoding would sample from. Temperature 0 is greedy: the test becomes
+"draft == target argmax" and every draw is an argmax.
+
+One-hot drafts (n-gram lookup, the draft head, trees: q(x) = 1 for the proposed token) need no
+separate test: keep x with probability p(x), else emit a token from p without x. A single draw
+y ~ p does both (P(y = x) = p(x), and given y != x, y is distributed as p without x), and it is
+the very draw plain decoding makes at that position. Every emitted token is then plain
+decoding's own draw, whatever was drafted.
+
+Random numbers are keyed, not drawn in order (`Noise`, a counter-based generator like JAX's):
+the draw at position t of a reply is a function of (seed, t, token id) alone, an exponential
+race: each candidate token x gets E_x ~ Exp(1) and the token with the least E_x / p(x) wins
+(the Gumbel-max trick; it picks x with probability p(x)). So a seeded reply is the same text
+with speculation on or off, whatever the drafter and however many positions a step verified.
+A drafter that samples its proposal from its own q with the same E_x (the head:
+`race` over q) proposes exactly the target's token whenever the two races agree, which for
+close distributions is most of the time (Gumbel coupling; Daliri et al. 2024, "Coupling without
+communication and drafter-invariant speculative decoding"). Drafts that come with their q (a
+draft model) take Leviathan's test above, with their own keyed uniforms.
+
+Only the tokens within a few nats of the most likely one (`_SPANS`) race at first: with real
+logits, a few dozen to a thousand of Gemma's 262k, and they hold the whole top-p nucleus and
+top-k set (checked every draw; wider spans or the full vocabulary are used when they do not).
+Without truncation the other tokens race as one entrant holding their total mass, and only when
+it wins (rarely: under 3% of the mass at T = 0.7) do they race one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Candidates: tokens whose logit (after temperature) is within a span of the largest; the
+# narrowest span that holds the whole top-p nucleus / top-k set is used. A token 8 nats down
+# has 1/3000 of the top token's probability; on Gemma's logits at T = 0.7 the tokens within 8
+# nats held at least 97.6% of the mass, and a few dozen to a thousand tokens of 262k.
+_SPANS = (8.0, 16.0)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept (1 = off)
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None,
+                                                                    torch.Tensor]:
+    """One row of logits [vocab] -> (ids [m], probs [m] float64 summing to 1): the tokens
+    sampling can pick after temperature, top-k and top-p, and their probabilities. ids None:
+    the whole vocabulary, in order (no truncation).
+
+    Exact: a token is kept iff the reference (sort everything) implementation keeps it, up to
+    the order of exact ties.
+    """
+    x, z, top, total = _scaled(logits, params)
+    vocab = x.shape[-1]
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if not top_k and params.top_p >= 1.0:
+        return None, z.double() / total
+
+    ids, mass = _candidates(x, z, top, total, top_k, params.top_p)
+    if top_k:
+        top_logits, order = torch.topk(x[ids], top_k)  # sorted descending
+        ids = ids[order]
+        probs = torch.softmax(top_logits.double(), -1)  # top-k renormalizes before top-p
+    else:
+        probs, order = torch.sort(mass, descending=True)
+        ids = ids[order]
+    if params.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        keep = int(((torch.cumsum(probs, 0) - probs) < params.top_p).sum())
+        ids, probs = ids[:keep], probs[:keep]
+    return ids, probs / probs.sum()
+
+
+def _scaled(logits: torch.Tensor, params: SamplingParams):
+    """-> (x = logits / temperature [vocab] float32, exp(x - max x), max x, their sum)."""
+    x = logits.float().cpu() / max(params.temperature, 1e-5)
+    top = float(x.max())
+    z = torch.exp(x - top)
+    return x, z, top, float(z.sum())
+
+
+def _candidates(x, z, top: float, total: float, top_k: int, top_p: float):
+    """Every token within the narrowest span of the top logit that holds the top-k set (at
+    least top_k tokens) or the top-p nucleus (at least top_p of the mass), else all of them:
+    -> (ids [m], their probabilities [m] float64)."""
+    for span in _SPANS:
+        ids = (x >= top - span).nonzero()[:, 0]
+        mass = z[ids].double() / total
+        if (len(ids) >= top_k) if top_k else (float(mass.sum()) >= top_p):
+            return ids, mass
+    return torch.arange(x.shape[-1]), z.double() / total
+
+
+# Independent streams of keyed numbers at one position.
+DRAW, ACCEPT, RESIDUAL, TAIL = range(4)
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A bijection of 32-bit integers that scatters nearby inputs (lowbias32, C. Wellons), on a
+    Python int or a uint32 numpy array (whose products wrap mod 2^32 by themselves)."""
+    if isinstance(x, int):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & _M32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & _M32
+        return x ^ (x >> 16)
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+class Noise:
+    """Uniforms keyed by (seed, position, stream, token id): the same key always gives the same
+    number, and different keys give independent-looking ones. The engine samples the token at
+    reply position t from the keys (seed, t, DRAW, every candidate id), so what a step drafted
+    or how many positions it verified never shifts the random numbers of later positions."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+
+    def _keys(self, position: int, stream: int) -> tuple[int, int]:
+        k = _mix32(_mix32(self.seed & _M32) ^ (self.seed >> 32))
+        k = _mix32(k ^ (position & _M32))
+        k = _mix32(k ^ (((stream + 1) * 0x9E3779B9) & _M32))
+        return k, _mix32(k ^ 0x85EBCA6B)
+
+    def uniforms(self, position: int, ids: torch.Tensor, stream: int = DRAW) -> torch.Tensor:
+        """ids [m] (token ids, >= 0) -> [m] float64 uniforms in (0, 1), 53 random bits each."""
+        k1, k2 = (np.uint32(k) for k in self._keys(position, stream))
+        x = ids.cpu().numpy().astype(np.uint32)
+        # Keyed twice: one xor-then-mix leaves pairs of keys' outputs slightly correlated.
+        hi = _mix32(_mix32(x ^ k1) ^ k1) >> np.uint32(11)  # 21 bits
+        lo = _mix32(_mix32(x ^ k2) ^ k2)  # 32 bits
+        u = (hi.astype(np.float64) * 2.0 ** 32 + lo + 0.5) * 2.0 ** -53
+        return torch.from_numpy(u)
+
+    def exponentials(self, position: int, ids: torch.Tensor, stream: int = DRAW) -> torch.Tensor:
+        return -torch.log(self.uniforms(position, ids, stream))
+
+    def uniform(self, position: int, stream: int) -> float:
+        return float(self.uniforms(position, _ZERO, stream)[0])
+
+
+_ZERO = torch.zeros(1, dtype=torch.long)
+
+
+def race(ids: torch.Tensor, probs: torch.Tensor, noise: Noise, position: int,
+         stream: int = DRAW) -> int:
+    """The index i in [m] of the token that wins the exponential race among ids [m] with
+    probabilities probs [m] (any positive scale): least E / p, E ~ Exp(1) keyed by token id. Index
+    i wins with probability probs[i] / probs.sum(); a token without mass never wins."""
+    times = noise.exponentials(position, ids, stream) / probs.double()  # p = 0: inf
+    return int(times.argmin())
+
+
+def draw(ids: torch.Tensor | None, probs: torch.Tensor, noise: Noise, position: int,
+         stream: int = DRAW) -> int:
+    """A token id drawn from probs over ids (None: probs covers the whole vocabulary)."""
+    if ids is None:
+        ids = torch.arange(probs.shape[-1])
+    return int(ids[race(ids, probs, noise, position, stream)])
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, noise: Noise,
+               position: int) -> int:
+    """One row of logits [vocab] -> the token plain decoding draws at reply position
+    `position`, from the transformed distribution."""
+    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1]:
+        return _sample_untruncated(logits, params, noise, position)
+    ids, probs = nucleus(logits, params)
+    return draw(ids, probs, noise, position)
+
+
+def _sample_untruncated(logits, params, noise: Noise, position: int) -> int:
+    """Temperature only: the whole vocabulary can come out. The likely tokens race one by one;
+    the other ~262k as one entrant with their total mass m (its time is Exp(m), from its own
+    key), and only if that entrant wins do they race among themselves. The winner is distributed
+    exactly as in a race of every token (an exponential race's least time and its winner are
+    independent), at the cost of a thousand keyed numbers, not 262k."""
+    x, z, top, total = _scaled(logits, params)
+    inside = x >= top - _SPANS[0]
+    ids = inside.nonzero()[:, 0]
+    times = noise.exponentials(position, ids) * total / z[ids].double()
+    best = int(times.argmin())
+    rest = total - float(z[ids].double().sum())
+    if len(ids) < len(x) and rest > 0:
+        tail_time = float(noise.exponentials(position, _ZERO, TAIL)[0]) * total / rest
+        if tail_time < float(times[best]):
+            tail = (~inside).nonzero()[:, 0]
+            return draw(tail, z[tail], noise, position)
+    return int(ids[best])
+
+
+def _dense(ids: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    if ids is None:
+        return probs.float()
+    return torch.zeros(vocab).index_put_((ids,), probs.float())
+
+
+def sample_logits(logits: torch.Tensor, params: SamplingParams, noise: Noise,
+                  position: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[n, vocab] logits for reply positions position.. -> ([n] ids, [n, vocab] probs they were
+    drawn from; None when greedy)."""
+    if params.greedy:
+        return logits.argmax(-1).cpu(), None
+    tokens, rows = [], []
+    for r, row in enumerate(logits):
+        ids, probs = nucleus(row, params)
+        tokens.append(draw(ids, probs, noise, position + r))
+        rows.append(_dense(ids, probs, logits.shape[-1]))
+    return torch.tensor(tokens), torch.stack(rows)
+
+
+@dataclass
+class Verdict:
+    n_accepted: int  # drafts kept, 0..k
+    next_token: int  # the token the target adds after them (resampled, or bonus)
+    bonus: bool  # True when all k drafts passed and next_token came from p_{k+1}
+
+
+def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+           target_logits: torch.Tensor, params: SamplingParams, noise: Noise | None,
+           position: int = 0) -> Verdict:
+    """One speculative step over k draft positions (k = 0: plain decoding).
+
+    draft_ids:     [k]            tokens the drafter proposed, for reply positions position..
+    draft_probs:   [k, vocab]     q the drafts were sampled from, or None for one-hot drafts
+                                  (n-gram lookup, the head: the target's own draw decides)
+    target_logits: [k + 1, vocab] the target's logits at the k draft positions and the next one
+    noise:         the request's keyed random numbers (unused when greedy)
+    """
+    k = draft_ids.shape[0]
+    if params.greedy:  # argmax where the logits are (GPU or CPU); move k + 1 ids, not k+1 rows
+        target_ids = target_logits.argmax(-1).cpu()  # [k + 1]
+        mismatch = (draft_ids != target_ids[:k]).int()
+        n = int(mismatch.argmax()) if bool(mismatch.any()) else k
+        return Verdict(n, int(target_ids[n]), bonus=n == k)
+
+    if draft_probs is None:  # one-hot drafts: plain decoding's draw y ~ p per position
+        for i in range(k + 1):
+            token = sample_row(target_logits[i], params, noise, position + i)
+            if i == k or token != int(draft_ids[i]):
+                return Verdict(i, token, bonus=i == k)
+
+    # Sampled drafts: row by row, so a step pays for the target rows it reaches, not all k + 1.
+    vocab = target_logits.shape[-1]
+    for i in range(k):
+        ids, probs = nucleus(target_logits[i], params)
+        x = int(draft_ids[i])
+        p = float(probs[x]) if ids is None else float(probs[ids == x].sum())
+        u = noise.uniform(position + i, ACCEPT)
+        if u * float(draft_probs[i, x]) <= p:  # u < p/q  <=>  accept
+            continue
+        target_probs = _dense(ids, probs, vocab)
+        residual = torch.clamp(target_probs - draft_probs[i].float(), min=0.0)  # (p - q)+
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had ~0 probability
+            residual = target_probs
+        support = residual.nonzero()[:, 0]
+        token = draw(support, residual[support], noise, position + i, RESIDUAL)
+        return Verdict(i, token, bonus=False)
+    return Verdict(k, sample_row(target_logits[k], params, noise, position + k), bonus=True)

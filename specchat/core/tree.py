@@ -1,0 +1,87 @@
+"""Draft trees: several candidate continuations verified in one target forward (SpecInfer,
+Miao et al. 2023; EAGLE-2, Li et al. 2024).
+
+A chain of drafts is lost from its first wrong token on. A tree keeps a few alternatives where the
+drafter is unsure: the target reads every node in one forward, each node attending to the context
+and its own ancestors only (a tree attention mask), and the step keeps the longest path the target
+agrees with. On this CPU a wider forward is nearly free (the 262k-row LM head dominates a step),
+so a dozen nodes cost little more than a chain of three.
+
+Verification draws the target's token at each node exactly as plain decoding would (argmax, or
+`sample_row` with the keyed random numbers of the node's reply position) and walks down while
+that token is one of the node's children.
+Every emitted token is therefore plain decoding's own draw, whatever the tree: lossless at any
+temperature, and a seeded reply is plain decoding's reply. (It is the one-hot coupling of
+`sampling.verify` applied per node; the children's probabilities under the drafter only shape
+the tree, never the test.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specchat.core.sampling import Noise, SamplingParams, sample_row
+
+
+@dataclass
+class DraftTree:
+    """Node i is token tokens[i], a child of node parents[i] (-1: of the context's newest token,
+    the root). Parents come before their children."""
+
+    tokens: torch.Tensor  # [N] long
+    parents: list[int]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root: 1)."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths(), default=0)
+
+
+def visibility(parents: list[int]) -> torch.Tensor:
+    """[N + 1, N + 1] bool: row i sees column j iff j is i or an ancestor of i, over the root
+    (index 0) followed by the nodes (index 1 + node)."""
+    n = len(parents) + 1
+    vis = torch.zeros(n, n, dtype=torch.bool)
+    vis[0, 0] = True
+    for i, p in enumerate(parents, start=1):
+        vis[i] = vis[p + 1]
+        vis[i, i] = True
+    return vis
+
+
+@dataclass
+class TreeVerdict:
+    path: list[int]  # accepted nodes, root to leaf
+    next_token: int  # the target's token after the path
+    bonus: bool  # the path ends at a leaf: every draft on it passed
+
+
+def verify_tree(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
+                noise: Noise | None, position: int = 0) -> TreeVerdict:
+    """target_logits [N + 1, vocab]: row 0 at the root, row 1 + i at node i. The root's row
+    predicts the token at reply position `position`, a node's at position + its depth."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, p) in enumerate(zip(tree.tokens.tolist(), tree.parents)):
+        children.setdefault(p, {})[token] = i
+    argmax = target_logits.argmax(-1).tolist() if params.greedy else None
+    node, path = -1, []
+    while True:
+        row = node + 1
+        y = argmax[row] if argmax is not None else sample_row(target_logits[row], params,
+                                                               noise, position + len(path))
+        kids = children.get(node)
+        if not kids or y not in kids:
+            return TreeVerdict(path, y, bonus=not kids)
+        node = kids[y]
+        path.append(node)

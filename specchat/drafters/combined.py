@@ -1,0 +1,45 @@
+"""N-gram lookup where it has a good match, the trained head elsewhere."""
+
+from __future__ import annotations
+
+from specchat.core.drafter import Drafter
+from specchat.drafters.head import HeadDrafter
+from specchat.drafters.ngram import NgramDrafter
+
+
+class CombinedDrafter(Drafter):
+    """Prompt lookup when it finds a continuation of a match of at least `min_match` tokens, the
+    head otherwise: a 1-token match is a weak guess that the head usually beats."""
+
+    name = "combined"
+    needs_features = True
+    supports_trees = True
+
+    def __init__(self, ngram: NgramDrafter, head: HeadDrafter, min_match: int = 2):
+        self.ngram, self.head, self.min_match = ngram, head, min_match
+
+    def begin(self, prompt_ids):
+        self.ngram.begin(prompt_ids)
+        self.head.begin(prompt_ids)
+
+    def observe(self, start, token_ids, features):
+        self.head.observe(start, token_ids, features)
+
+    def draft_class(self, context):
+        """The n-gram match length when lookup will draft, else "head"."""
+        n = self.ngram.draft_class(context)
+        return n if n >= self.min_match else "head"
+
+    def propose(self, context, k, params, noise):
+        if self.draft_class(context) != "head":
+            return self.ngram.propose(context, k, params, noise)
+        return self.head.propose(context, k, params, noise)
+
+    def propose_tree(self, context, depth, params, nodes):
+        if self.draft_class(context) != "head":
+            return self.ngram.propose(context, depth, params, None)
+        return self.head.propose_tree(context, depth, params, nodes)
+
+    def feedback(self, n_drafted, n_accepted):
+        self.ngram.feedback(n_drafted, n_accepted)
+        self.head.feedback(n_drafted, n_accepted)

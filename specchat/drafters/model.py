@@ -1,0 +1,62 @@
+"""A draft model: a small causal LM sharing the target's vocabulary."""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
+from specchat.core.sampling import sample_logits
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM sharing the target's vocabulary, with its own KV cache.
+
+    It samples with the same SamplingParams transform as the target, so the q it returns is the
+    distribution each draft token was really drawn from (required for losslessness).
+    """
+
+    name = "model"
+
+    def __init__(self, model, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's logits width; the draft's is cut/padded to it
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
+
+    def begin(self, prompt_ids):
+        from specchat.core.kvcache import new_cache
+        self.cache = new_cache(self.model)
+        self.cached_ids = []
+
+    def _sync(self, context: list[int]) -> list[int]:
+        """Crop the cache to the longest prefix it shares with `context`; return the rest."""
+        from specchat.core.kvcache import crop_to
+        keep = common_prefix_len(self.cached_ids, context)
+        keep = min(keep, len(context) - 1)  # always feed at least one token to get logits
+        crop_to(self.cache, len(self.cached_ids), keep)
+        self.cached_ids = self.cached_ids[:keep]
+        return context[keep:]
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        self.cached_ids.extend(ids)
+        return out.logits[0, -1:, :self.vocab_size]  # [1, vocab], on the draft's device
+
+    def propose(self, context, k, params, noise):
+        if k <= 0:
+            return NO_DRAFT, None
+        feed = self._sync(context)
+        ids, probs = [], []
+        for i in range(k):
+            logits = self._forward(feed)
+            token, p = sample_logits(logits, params, noise, len(context) + i)
+            ids.append(int(token))
+            if p is not None:
+                probs.append(p[0])
+            feed = [int(token)]
+        draft_ids = torch.tensor(ids, dtype=torch.long)
+        return draft_ids, (torch.stack(probs) if probs else None)
+

@@ -1,0 +1,84 @@
+"""Wires models and drafters into an Engine: the target, every drafter that can work with it,
+and what the user should know about what was refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specchat.core.engine import Engine
+from specchat.drafters.combined import CombinedDrafter
+from specchat.drafters.head import HeadDrafter
+from specchat.models.eagle_files import (
+    HeadMismatchError,
+    any_heads,
+    find_head,
+    load_head,
+    target_identity,
+)
+
+
+@dataclass
+class LoadReport:
+    engine: Engine
+    draft: object | None  # models.LoadedModel of the draft, when one loaded and fits
+    notes: list[str]  # things the user should know (fallbacks, refused drafts)
+
+
+def load_engine(target: str = "embedded", draft_model: str = "", quantization: str = "nf4",
+                draft_quantization: str = "none", device: str | None = None,
+                progress=print, head: str | None = None) -> LoadReport:
+    """Load a target (and optionally a draft model) and build an Engine with every drafter that
+    can work: n-gram lookup always, the draft model when its vocabulary matches the target's,
+    `head` and `combined` when a draft head trained for this target exists (`head`: a file
+    from `train-draft`; default: the one trained or shipped for this target, if any)."""
+    from specchat.drafters.model import ModelDrafter
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.models.load import load_model
+    from specchat.models.vocab import vocab_mismatch
+
+    tgt = load_model(target, quantization, device, progress)
+    engine = Engine(tgt, {"ngram": NgramDrafter()})
+    notes: list[str] = []
+    found, head_notes = head_drafters(tgt, NgramDrafter(), head or None)
+    engine.drafters.update(found)  # "head", "combined"
+    notes += head_notes
+    draft = None
+    if draft_model:
+        draft = load_model(draft_model, draft_quantization, device, progress)
+        problem = vocab_mismatch(tgt.tokenizer, draft.tokenizer, _logits_width(tgt.model),
+                                 _logits_width(draft.model))
+        if problem:
+            notes.append(f"Draft model {draft.name} refused, n-gram drafter used instead: "
+                         f"its vocabulary does not match the target's ({problem}).")
+            draft = None
+        else:
+            engine.drafters["model"] = ModelDrafter(draft.model, engine.vocab_size)
+    return LoadReport(engine, draft, notes)
+
+
+def _logits_width(model) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+# A draft token costs a head step (c ~ 0.07 target steps here) and widens the verify (~0.05);
+# below this estimated chance of passing it does not pay for itself.
+MIN_GAIN = 0.15
+
+
+def head_drafters(target, ngram, path: str | Path | None = None,
+                  min_gain: float = MIN_GAIN) -> tuple[dict, list[str]]:
+    """Drafters `head` and `combined` for a models.LoadedModel target, when a head for it exists
+    (or `path` names one). Returns (drafters, notes for the user)."""
+    if path is None and not any_heads():
+        return {}, []
+    identity = target_identity(target.model, target.tokenizer, target.name)
+    path = path or find_head(identity)
+    if path is None:
+        return {}, []
+    try:
+        head = load_head(path, target.model, target.tokenizer, identity)
+    except HeadMismatchError as e:
+        return {}, [f"Draft head refused: {e}"]
+    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
+    return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, []

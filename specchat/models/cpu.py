@@ -1,0 +1,482 @@
+"""Faster exact CPU paths for NF4 targets and float32 layers.
+
+Each path computes what it replaces: NF4 layers decode bitsandbytes' codes exactly (checked per
+layer at load), and products used by verification are row-exact (a row's result is the same
+bits alone or among other rows, checked per shape at load), so speculative verification gives
+the one-token steps' logits. docs/cpu.md explains each path."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+
+import torch
+
+from specchat.models import kernels
+from specchat.models.memory import _release_freed_memory
+
+# Rows (tokens) from which dequantize-then-matmul beats bitsandbytes' fused CPU kernel. Measured
+# over the embedded target's 126 NF4 layers (2-core Xeon with AMX): dequantizing them all costs
+# ~100 ms whatever the rows; the fused kernel costs 35 ms at 1 row, 105 ms at 32, 280 ms at 94,
+# 570 ms at 200, and the bf16 matmuls after dequantizing 35-60 ms up to 94 rows. Speculative
+# verifies (k + 1 <= 11 rows) stay fused.
+WIDE_ROWS = 64
+WIDE_CHUNK = 256  # rows per matmul, padded to a multiple of 64: at most 4 shapes per weight.
+# oneDNN keeps a primitive (and its buffers) per matmul shape; one shape per prompt length grew
+# resident memory by ~300 MB over 30 prompt lengths.
+
+
+def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
+    """Give the model's NF4 layers a faster forward on CPUs with AVX512-BF16 (bitsandbytes'
+    fused kernel). Returns the layers changed. Must run before the model's first forward.
+
+    - Inputs of `min_rows` tokens or more (prefill, feature extraction) go through the dense
+      weight: dequantize to bf16, then plain matmuls. The fused kernel is fast for one token
+      but pays per row: prompts of 94 / 300 / 800 tokens took 0.30 / 0.84 / 2.47 s to encode
+      on the embedded target, 0.20 / 0.33 / 0.84 s this way. Each layer keeps its weight in
+      bitsandbytes' canonical layout for this (+50 MB for the embedded target), taken before
+      bitsandbytes repacks it. Outputs match the fused kernel up to bf16 rounding.
+    - Narrower inputs (decoding, verifies) call the fused kernel's C function directly, once it
+      gave bit-identical output through bitsandbytes' own path. That path spends ~0.07 ms of
+      Python per call (checks, two dispatches, dtype casts): 9 ms of a 70 ms decoding step
+      over the embedded target's 126 layers.
+    The model is the same NF4 model either way, and transformers' `generate` gets it too.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit) or module.weight.device.type != "cpu" \
+                or not getattr(module, "support_avx512bf16_for_cpu", False) \
+                or getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+            continue  # no fused CPU kernel here (or already repacked: its layout is not ours)
+        module.forward = _CpuNF4Forward(module, min_rows)
+        changed += 1
+    return changed
+
+
+class _CpuNF4Forward:
+    """The forward of one bitsandbytes Linear4bit on CPU: see `fast_cpu_nf4`."""
+
+    def __init__(self, module, min_rows: int):
+        import copy
+
+        from bitsandbytes.functional import dequantize_blockwise
+
+        self.module, self.min_rows = module, min_rows
+        self.fused = module.forward  # bitsandbytes' own: repacks the weight at its first call
+        self.weight, self.state = module.weight.data, copy.deepcopy(module.weight.quant_state)
+        if self.state.nested:  # double quantization: undo it once here, not at every call
+            self.state.absmax = (dequantize_blockwise(self.state.absmax, self.state.state2)
+                                 + self.state.offset)
+            self.state.nested, self.state.state2, self.state.offset = False, None, None
+        self.kernel = None  # the C function, once checked against bitsandbytes' own path
+        self.checked = False
+        self.dense_weight: torch.Tensor | None = None  # kept while `dense_nf4` is active
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.module.training or x.requires_grad:
+            return self.fused(x)
+        if x.shape[:-1].numel() >= self.min_rows:
+            return self._dense(x)
+        if self.kernel is not None:
+            return self._direct(x)
+        out = self.fused(x)
+        if not self.checked:  # first narrow call: the weight is repacked now
+            self.checked = True
+            self.kernel = _nf4_gemv_kernel(self.module)
+            if self.kernel is not None and not torch.equal(self._direct(x), out):
+                self.kernel = None  # another kernel is in use (e.g. kernels-community's)
+        return out
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        from bitsandbytes.functional import dequantize_4bit
+
+        dense = self.dense_weight if self.dense_weight is not None \
+            else dequantize_4bit(self.weight, self.state)  # [out, in] in the compute dtype
+        bias = self.module.bias.to(dense.dtype) if self.module.bias is not None else None
+        rows = x.reshape(-1, x.shape[-1]).to(dense.dtype)
+        out = torch.cat([_linear_bucketed(chunk, dense, bias) for chunk in rows.split(WIDE_CHUNK)])
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    def _direct(self, x: torch.Tensor) -> torch.Tensor:
+        from bitsandbytes.functional import get_ptr
+
+        weight, state = self.module.weight.data, self.module.weight.quant_state  # repacked
+        a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        out = torch.empty(a.shape[0], state.shape[0], dtype=torch.bfloat16)
+        i64 = ctypes.c_int64
+        self.kernel(i64(a.shape[0]), i64(state.shape[0]), i64(a.shape[1]), get_ptr(a),
+                    get_ptr(weight), get_ptr(state.absmax), get_ptr(out), i64(state.blocksize),
+                    i64(a.stride(0)), i64(out.stride(0)))
+        if self.module.bias is not None:
+            out += self.module.bias.to(torch.bfloat16)
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has native bf16 (AVX512-BF16, AMX). Without it oneDNN emulates bf16
+    matmuls: on a 2-core AVX2 EPYC an 11-row [2048 x 640] linear took 1.8 ms in bf16 and
+    0.65 ms in float32, so there the model computes in float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+DENSE_SHARE = 0.25  # dense copies of NF4 layers may take at most this share of the RAM
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _cpu_nf4_layers(model) -> list:
+    """The model's NF4 layers on CPU that nothing has routed yet."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+            and m.weight.device.type == "cpu" and "forward" not in vars(m)]
+
+
+def kernel_cpu_nf4(model) -> int:
+    """On x86 CPUs with AVX2 but no native bf16, where bitsandbytes has no fused NF4 kernel,
+    compute each NF4 layer with specchat's own kernel (`cpu_kernels.c`), which reads the
+    4-bit weights and decodes them in registers: the weights a step reads are 8x smaller than
+    float32 copies. Each layer is checked at load against bitsandbytes' dequantized weight.
+    Returns the layers changed (0 where the kernel cannot be built)."""
+    lib = kernels.load()
+    if lib is None:
+        return 0
+    exact: dict[tuple, bool] = {}
+    changed = 0
+    for m in _cpu_nf4_layers(model):
+        forward = _NF4KernelForward(m, lib)
+        if forward.usable(exact):
+            m.forward = forward
+            changed += 1
+    return changed
+
+
+class _NF4KernelForward:
+    """The forward of one NF4 layer through `kernels.nf4_matmul` (see `kernel_cpu_nf4`).
+    A row's result is the same bits alone or among any number of rows."""
+
+    def __init__(self, module, lib):
+        from bitsandbytes.functional import dequantize_blockwise
+
+        state = module.weight.quant_state
+        self.module, self.lib, self.state = module, lib, state
+        absmax = state.absmax
+        if state.nested:  # double quantization: undo it once here, not at every call
+            absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+        self.absmax = absmax.to(torch.float32).contiguous()
+        self.table = state.code.to(torch.float32).contiguous()
+        self.codes = module.weight.data
+        self.out_features, self.in_features = state.shape
+        self.bias = module.bias.data.to(torch.float32) if module.bias is not None else None
+        self.fallback = module.forward  # bitsandbytes' own, for gradients
+
+    def usable(self, exact: dict[tuple, bool]) -> bool:
+        """Whether the kernel takes this layer's layout and computes what bitsandbytes does."""
+        from bitsandbytes.functional import dequantize_4bit
+
+        state, n_in = self.state, self.in_features
+        if state.quant_type != "nf4" or getattr(state, "packing_format_for_cpu", False) \
+                or self.codes.dtype != torch.uint8 or not self.codes.is_contiguous() \
+                or self.codes.numel() * 2 != self.out_features * n_in \
+                or self.table.numel() != 16 or n_in % state.blocksize or state.blocksize % 8 \
+                or n_in > self.lib.max_in():
+            return False
+        x = torch.randn(MAX_COLUMNS, n_in, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            weight = dequantize_4bit(self.codes, state).to(torch.float32)
+            got, want = self._product(x), torch.nn.functional.linear(x, weight)
+            if not _agrees(got, want):
+                return False
+            shape = tuple(weight.shape)
+            if shape not in exact:
+                exact[shape] = _rows_independent(self._product, x)
+        return exact[shape]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.nf4_matmul(self.lib, x, self.codes, self.absmax,
+                                      self.state.blocksize, self.table, self.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            return self.fallback(x)
+        out = self._product(x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A kernel's product against torch's, up to float32 rounding of a different sum order."""
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def _rows_independent(product, x: torch.Tensor) -> bool:
+    """Whether `product` gives each row of x the same bits alone and among up to all rows."""
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    return all(torch.equal(product(x[:n]), alone[:n]) for n in range(2, len(x) + 1))
+
+
+def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
+    """On CPUs without bitsandbytes' fused NF4 kernel (no AVX512-BF16), dequantize each NF4
+    layer once and keep the dense weight in the compute dtype. bitsandbytes' fallback
+    dequantizes every weight at every call: on a 2-core AVX2 EPYC that was 190 of a decoding
+    step's 330 ms on the embedded target. The weights are the NF4 model's own values, so the
+    model computes the same function; only memory grows (4 bytes a weight in float32: +400 MB
+    for the embedded target). Skipped when the copies would take more than `share` of the
+    machine's memory (a 7B target: 28 GB). In float32 the copies are packed for oneDNN where
+    that is row-exact (`_pack`). Returns the layers changed."""
+    layers = _cpu_nf4_layers(model)
+    dtype = next((m.compute_dtype for m in layers if m.compute_dtype is not None),
+                 torch.float32)
+    size = sum(m.in_features * m.out_features for m in layers) * dtype.itemsize
+    ram = _ram_bytes()
+    if not layers or (ram and size > share * ram):
+        return 0
+    exact: dict[tuple, bool] = {}  # per weight shape: is the packed product row-exact here?
+    for m in layers:
+        m.forward = _DenseForward(m, dtype, exact)
+    return len(layers)
+
+
+class _DenseForward:
+    """The forward of one NF4 layer from a dequantized copy of its weight (`dense_cpu_nf4`).
+    In float32 the copy is packed for oneDNN (`_pack`) where each row's result is then the
+    same bits whatever rows come with it: `linear` rounds one row differently from two or from
+    four, and a greedy speculative reply would then leave the plain one at near-ties."""
+
+    def __init__(self, module, dtype: torch.dtype, exact: dict[tuple, bool]):
+        from bitsandbytes.functional import dequantize_4bit
+
+        weight = dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+        self.bias = module.bias.data.to(dtype) if module.bias is not None else None
+        self.fallback = module.forward  # bitsandbytes' own, for gradients
+        self.packed = _pack(weight, exact)
+        self.weight = None if self.packed is not None else weight  # one copy, not two
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            return self.fallback(x)
+        if self.packed is None:
+            return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight,
+                                              self.bias).to(x.dtype)
+        return _packed_product(self.packed, x.to(torch.float32), self.bias).to(x.dtype)
+
+
+@contextlib.contextmanager
+def dense_nf4(model):
+    """While active, every forward of the model's NF4 layers on CPU (see `fast_cpu_nf4`) reads
+    a dequantized bf16 copy of the weights, kept for the duration: batched decoding, where the
+    fused kernel pays per row and dequantizing at every call costs ~100 ms a step. The copies
+    take 2 bytes per weight (+200 MB for the embedded target) and are dropped on exit. The
+    outputs equal the fused kernel's up to bf16 rounding, as for prompts."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    layers = [m.forward for m in model.modules()
+              if isinstance(getattr(m, "forward", None), _CpuNF4Forward)]
+    saved = [f.min_rows for f in layers]
+    try:
+        for f in layers:
+            f.dense_weight = dequantize_4bit(f.weight, f.state)
+            f.min_rows = 1
+        yield len(layers)
+    finally:
+        for f, rows in zip(layers, saved):
+            f.dense_weight, f.min_rows = None, rows
+        _release_freed_memory()
+
+
+def _nf4_gemv_kernel(module):
+    """bitsandbytes' C function behind its fused NF4 CPU kernel, or None where the layer is not
+    in the layout it expects (repacked NF4, bf16 block scales) or the library lacks it."""
+    state = module.weight.quant_state
+    if not getattr(state, "packing_format_for_cpu", False) or state.quant_type != "nf4" \
+            or state.absmax.dtype != torch.bfloat16 or module.weight.dtype != torch.uint8:
+        return None
+    try:
+        from bitsandbytes.cextension import lib
+        return lib.gemv_4bit_inference_cpu_nf4_bf16
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
+    """A faster LM head for CPU inference. bf16: logits for a few rows (decoding, verifies) as
+    `weight @ x.T` instead of `linear` (`_NarrowHead`). float32: specchat's bf16 kernel where
+    the weights are bf16 values (`_Bf16KernelLinear`), else a copy packed for oneDNN
+    (`_PackedHead`), where that is row-exact and the copy takes at most `share` of the RAM.
+    Returns whether the head was changed."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None \
+            or head.weight.device.type != "cpu":
+        return False
+    if head.weight.dtype == torch.bfloat16:
+        head.forward = _NarrowHead(head)
+        return True
+    if head.weight.dtype != torch.float32:
+        return False
+    bf16 = _Bf16KernelLinear.build(head)
+    if bf16 is not None:
+        head.forward = bf16
+        return True
+    ram = _ram_bytes()
+    if not (ram and head.weight.nbytes > share * ram):
+        packed = _pack(head.weight.detach(), {})
+        if packed is not None:
+            head.forward = _PackedHead(head, packed)
+            return True
+    return False
+
+
+MAX_COLUMNS = 11  # a verify of 10 drafted tokens
+
+
+def _pack(weight: torch.Tensor, exact: dict[tuple, bool]) -> torch.Tensor | None:
+    """A float32 weight [out, in] reordered into oneDNN's blocked layout, or None where oneDNN
+    is missing or where a row's result through it would depend on the rows beside it (checked
+    once per weight shape; `exact` remembers the answers).
+
+    On a 2-core AVX2 EPYC, MKL's float32 products of a few rows ran far below memory speed
+    and jumped in cost at 5 and 9 rows, and `linear` rounded a row differently alone, among
+    2-3 rows and among 4 or more. oneDNN's packed product (the kernel `torch.compile` uses
+    for linear layers on CPU) gives each row the same bits among 1 to MAX_COLUMNS rows, and is
+    faster: the embedded target's 262k x 640 LM head took 47 / 33 / 54 / 87 ms for 1 / 4 / 8 /
+    11 rows with MKL (padded to whole blocks of 4 columns for exactness), 25 / 33 / 43 / 49 ms
+    packed. For 64 rows (batched generation) 279 ms became 195."""
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (AttributeError, RuntimeError):
+        return None
+    shape = tuple(weight.shape)
+    if shape not in exact:
+        x = torch.randn(MAX_COLUMNS, shape[1], generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            exact[shape] = _rows_independent(lambda rows: _packed_product(packed, rows), x)
+    return packed if exact[shape] else None
+
+
+def _packed_product(packed: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [..., in] @ weight.T (+ bias) through a weight packed by `_pack`."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def kernel_cpu_linears(model) -> int:
+    """float32 `nn.Linear` layers whose weights are bf16 values (a bf16 checkpoint loaded in
+    float32: `--quantization none` on a CPU without native bf16, draft models) computed by
+    specchat's bf16 kernel from a bf16 copy (`_Bf16KernelLinear`): half the bytes read, and
+    each row the same bits among any number of rows, which `linear` does not give. Returns the
+    layers changed."""
+    changed = 0
+    for m in model.modules():
+        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" \
+                and "forward" not in vars(m):
+            forward = _Bf16KernelLinear.build(m)
+            if forward is not None:
+                m.forward = forward
+                changed += 1
+    return changed
+
+
+class _Bf16KernelLinear:
+    """A float32 linear layer whose weights are bf16 values, through `kernels.bf16_matmul`
+    from a bf16 copy: the same products in float32 from half the bytes. On a 2-core AVX2 EPYC
+    the embedded target's 262k x 640 LM head took 15 / 23 / 33 / 41 ms for 1 / 4 / 8 / 11 rows
+    this way (oneDNN packed float32: 34 / 43 / 40 / 47), and a row's result is the same bits
+    among any number of rows. The float32 weight stays (tied embeddings, gradients)."""
+
+    def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor, lib):
+        self.linear, self.weight, self.lib = linear, weight, lib
+        self.bias = linear.bias.detach() if linear.bias is not None else None
+
+    @classmethod
+    def build(cls, linear: torch.nn.Linear) -> "_Bf16KernelLinear | None":
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32 or weight.shape[1] % 8:
+            return None
+        lib = kernels.load()
+        if lib is None or weight.shape[1] > lib.max_in():
+            return None
+        compact = weight.to(torch.bfloat16)
+        if not all(torch.equal(a.to(torch.float32), b)  # in chunks: no float32 copy at once
+                   for a, b in zip(compact.split(16384), weight.split(16384))):
+            return None  # not bf16 values: a bf16 copy would change the model
+        made = cls(linear, compact, lib)
+        x = torch.randn(MAX_COLUMNS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            got, want = made(x), torch.nn.functional.linear(x, weight, linear.bias)
+            if not _agrees(got, want) or not _rows_independent(made, x):
+                return None
+        return made
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.requires_grad:
+            return torch.nn.functional.linear(x, self.linear.weight, self.linear.bias)
+        out = kernels.bf16_matmul(self.lib, x, self.weight)
+        return out + self.bias if self.bias is not None else out
+
+
+class _PackedHead:
+    """A float32 LM head on a CPU without native bf16 (see `cpu_computes_bf16`), through a copy
+    packed for oneDNN (`_pack`): a row's logits are the same bits whether it is decoded alone
+    or verified among up to 10 drafts (greedy speculation stays plain greedy), and one row
+    costs 25 ms instead of 47 on the embedded target. The copy takes as much memory again as
+    the head (+670 MB there): the tied input embeddings still need the plain weight."""
+
+    def __init__(self, head: torch.nn.Linear, packed: torch.Tensor):
+        self.head, self.packed = head, packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.requires_grad:
+            return torch.nn.functional.linear(x, self.head.weight)
+        return _packed_product(self.packed, x)
+
+
+class _NarrowHead:
+    CHECKS = 8  # calls computed both ways before trusting weight @ x.T
+    ROWS = 64  # more rows (prompts): linear, which is fast enough there
+
+    def __init__(self, head: torch.nn.Linear):
+        self.head, self.checks_left, self.fast = head, self.CHECKS, False
+
+    @property
+    def checked(self) -> bool:
+        return self.checks_left == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.head.weight
+        rows = x.shape[:-1].numel()
+        if rows > self.ROWS or x.dtype != weight.dtype or x.requires_grad \
+                or not (self.fast or self.checks_left):
+            return torch.nn.functional.linear(x, weight)
+        flat = x.reshape(rows, -1)
+        both = flat.repeat(2, 1) if rows == 1 else flat  # one column takes a slow path
+        out = torch.matmul(weight, both.T).T[:rows].contiguous().reshape(*x.shape[:-1], -1)
+        if self.checks_left:
+            same = torch.equal(out, torch.nn.functional.linear(x, weight))
+            self.checks_left = self.checks_left - 1 if same else 0
+            self.fast = same and self.checks_left == 0
+        return out
+
+
+def _linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    pad = -x.shape[0] % 64
+    padded = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+    return torch.nn.functional.linear(padded, weight, bias)[:x.shape[0]]

@@ -1,0 +1,105 @@
+"""specchat's own CPU kernels (`kernels.c`): products with weights kept compact, for x86
+CPUs with AVX2 and FMA but no native bf16, where bitsandbytes has no fused NF4 kernel.
+
+The C file is compiled once with the system's C compiler (`$CC`, else `gcc`) into specchat's
+cache and loaded with ctypes; its OpenMP loops run on torch's own OpenMP runtime, whose library
+is already loaded. Where it cannot be built (no compiler, another CPU), `load()` returns None
+and the caller keeps its other path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot run here."""
+    if not _cpu_has_avx2_fma() or os.environ.get("SPECCHAT_NO_KERNELS"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if not compiler:
+        _say(f"no C compiler ({os.environ.get('CC', 'gcc')}) to build specchat's AVX2 kernels")
+        return None
+    from specchat.paths import cache_dir
+
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:12]
+    lib_path = cache_dir() / "kernels" / f"cpu_kernels-{tag}.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = lib_path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True,
+                           capture_output=True, timeout=120)
+            partial.replace(lib_path)  # atomic: another process may be compiling too
+        except (OSError, subprocess.SubprocessError) as e:
+            partial.unlink(missing_ok=True)
+            detail = getattr(e, "stderr", b"") or str(e).encode()
+            _say(f"could not build specchat's AVX2 kernels with {compiler}: "
+                 f"{detail.decode(errors='replace').strip().splitlines()[0]}")
+            return None
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:
+        _say(f"could not load specchat's AVX2 kernels ({lib_path}): {e}")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.nf4_matmul.restype = lib.bf16_matmul.restype = None
+    lib.max_in.restype = ctypes.c_int
+    return lib
+
+
+def _say(why: str) -> None:
+    print(f"specchat: {why}; NF4 layers use float32 copies instead (slower, more memory)",
+          file=sys.stderr)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+
+
+def nf4_matmul(lib, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
+               blocksize: int, table: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., in] @ W.T for W [out, in] in bitsandbytes' NF4 layout: `codes` its packed uint8
+    weight, `absmax` one float32 scale per block, `table` the 16 NF4 values."""
+    rows = _rows(x)
+    y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    lib.nf4_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
+                   absmax.data_ptr(), blocksize, table.data_ptr(), y.data_ptr(), out_features,
+                   torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight.T in float32, for a contiguous bf16 weight [out, in]."""
+    rows = _rows(x)
+    y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+    lib.bf16_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
+                    y.data_ptr(), weight.shape[0], torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,1 @@
+"""Per-turn statistics in SQLite (sqlite-utils). Imports no model code."""

@@ -1,0 +1,39 @@
+"""Numbers and tables as the Stats tab and the CLI show them."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------
+# Formatting shared by the CLI and the Stats tab, so both show the same numbers.
+
+def models_label(target: str | None, draft: str | None) -> str:
+    return f"{target or '?'} + {draft}" if draft else (target or "?")
+
+
+def fmt_speedup(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def fmt_percent(value: float | None) -> str:
+    return f"{100 * value:.1f}%" if value is not None else "-"
+
+
+def fmt_number(value: float | None, digits: int = 1) -> str:
+    return f"{value:.{digits}f}" if value is not None else "-"
+
+
+def fmt_date(iso: str | None) -> str:
+    """'2026-05-01T12:34:56+00:00' -> '2026-05-01 12:34 UTC'."""
+    return f"{iso[:10]} {iso[11:16]} UTC" if iso else ""
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    """A plain fixed-width text table."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip()
+                     for line in lines)
+
+
+def _clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -1,0 +1,473 @@
+"""Per-conversation speedup statistics in SQLite, and the `specchat stats` command.
+
+The chat UI and `specchat generate --db` call `StatsStore.record_turn` once per reply with the
+engine's `GenerationStats.to_json()` dict; the Stats tab and `specchat stats` read it back.
+This module imports nothing from the engine or from gradio: it only sees plain dicts.
+
+Durability (issue 4): WAL journal, every turn written in one `BEGIN IMMEDIATE` transaction, a
+busy timeout plus a bounded retry so concurrent writers (two app processes, gradio's worker
+threads) wait for each other instead of failing, and `StatsStore.open_or_disabled` which turns a
+corrupt or unwritable file into a clear message while the chat keeps working.
+
+Speedup of a speculative turn = its tokens/s divided by
+- the tokens/s of its A/B baseline turn (the same prompt replayed with speculation off), when
+  `baseline_turn_id` is given; otherwise
+- the mean tokens/s of the conversation's finished plain turns at the same temperature. These
+  speedups are re-derived each time a turn is recorded, so a plain turn recorded later fills in
+  (and refreshes) the speedup of earlier speculative turns that have no A/B baseline.
+Plain turns have no speedup (NULL), so a conversation's mean speedup averages speculative turns.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import os
+import random
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import platformdirs
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+from specchat.stats.format import models_label
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DB_ENV_VAR = "SPECCHAT_DB"
+OFF_VALUES = ("off", "none")  # `--db off` / SPECCHAT_DB=off: run without stats
+BUSY_TIMEOUT_S = 2.0  # SQLite's own wait for a lock, per attempt
+WRITE_ATTEMPTS = 8  # then give up: worst case about 8 * 2 s + backoff, bounded
+INTERRUPTED_REASONS = ("stopped", "error")
+
+# Stats keys copied verbatim into a turn row (the derived ones are computed in `turn_row`).
+COPIED_STATS = ("speculation", "drafter", "draft_len", "temperature", "top_p", "top_k", "seed",
+                "new_tokens", "seconds", "ttft_s", "target_calls", "drafted", "accepted",
+                "draft_s", "verify_s", "stop_reason", "error", "tree_nodes")
+
+
+def default_db_path() -> Path:
+    """$SPECCHAT_DB, else the platform's per-user data dir (~/.local/share/specchat/stats.db)."""
+    if os.environ.get(DB_ENV_VAR):
+        return Path(os.environ[DB_ENV_VAR]).expanduser()
+    return platformdirs.user_data_path("specchat", appauthor=False) / "stats.db"
+
+
+def resolve_db_path(path: str | os.PathLike | None) -> str:
+    """The `--db` value if given, else the default; "off" passes through (stats disabled)."""
+    return str(Path(path).expanduser()) if path else str(default_db_path())
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema: sqlite-utils migrations, applied in order, each recorded in _sqlite_migrations.
+# Never edit a migration that has shipped; add a new one. m001 is the v1 schema as first released.
+MIGRATIONS = Migrations("specchat.stats")
+
+
+@MIGRATIONS()
+def m001_initial(db: Database) -> None:
+    db["conversations"].create({
+        "id": str, "title": str, "created": str,
+        "target": str, "draft": str, "quantization": str, "device": str,
+    }, pk="id")
+    db["turns"].create({
+        "id": int, "conversation_id": str, "idx": int, "created": str,
+        "prompt": str, "reply": str,
+        "speculation": bool, "drafter": str, "k": int,
+        "temperature": float, "top_p": float, "top_k": int, "seed": int,
+        "new_tokens": int, "seconds": float, "tokens_per_s": float, "target_calls": int,
+        "drafted": int, "accepted": int, "acceptance_rate": float, "mean_accepted_len": float,
+        "stop_reason": str,
+    }, pk="id", foreign_keys=[("conversation_id", "conversations", "id")])
+
+
+@MIGRATIONS()
+def m002_owner_timing_positions(db: Database) -> None:
+    # Shared demo links: a visitor sees only their own browser session's conversations.
+    db["conversations"].add_column("owner", str, not_null_default="local")
+    turns = db["turns"]
+    turns.transform(rename={"k": "draft_len"})  # the UI and the engine call it draft_len
+    for name, col_type in [("ttft_s", float), ("alpha", float), ("draft_s", float),
+                           ("verify_s", float), ("accepted_by_position", str),
+                           ("drafted_by_position", str), ("error", str)]:
+        turns.add_column(name, col_type)
+    turns.add_column("interrupted", bool, not_null_default=0)
+    db.execute("UPDATE turns SET interrupted = stop_reason IN ('stopped', 'error')")
+    turns.create_index(["conversation_id", "idx"])
+    db["conversations"].create_index(["owner"])
+
+
+@MIGRATIONS()
+def m003_ab_baseline(db: Database) -> None:
+    # baseline_turn_id: the A/B plain replay (same prompt, speculation off) it is timed against.
+    db["turns"].add_column("baseline_turn_id", int)
+    db["turns"].add_column("speedup", float)
+    # Old spec turns get a speedup from their plain turns. (refresh_speedups must keep working
+    # on this schema; if a later migration changes its columns, freeze a copy of it here.)
+    for row in list(db.query("SELECT id FROM conversations")):
+        refresh_speedups(db, row["id"])
+
+
+@MIGRATIONS()
+def m004_tree_nodes(db: Database) -> None:
+    # The head's draft-tree size (0: chains); NULL on turns recorded before trees existed.
+    db["turns"].add_column("tree_nodes", int)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (no connection): what a turn row holds, and how the numbers derive.
+
+def turn_row(conversation_id: str, prompt: str, reply: str, stats: Mapping | Any) -> dict:
+    """One `turns` row from a `GenerationStats` (dataclass or its to_json() dict)."""
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        stats = dataclasses.asdict(stats)
+    row = {key: stats.get(key) for key in COPIED_STATS}
+    row.update(conversation_id=conversation_id, created=now_iso(), prompt=prompt, reply=reply)
+    row["speculation"] = bool(row["speculation"])
+    drafted = int(stats.get("drafted") or 0)
+    accepted = int(stats.get("accepted") or 0)
+    rejections = int(stats.get("rejections") or 0)
+    drafted_by_pos = list(stats.get("drafted_by_position") or [])
+    new_tokens, seconds = int(stats.get("new_tokens") or 0), float(stats.get("seconds") or 0.0)
+    # Re-derived from the counts so every reader agrees on one definition (DESIGN.md):
+    # acceptance_rate = accepted / drafted, alpha = accepted / (accepted + rejections).
+    # NULL, not 0, where nothing was drafted: averages then skip plain turns.
+    row["acceptance_rate"] = accepted / drafted if drafted else None
+    tested = accepted + rejections
+    row["alpha"] = accepted / tested if tested else None
+    # Every speculative step drafts at least one token, so drafted_by_position[0] counts them;
+    # each step emits its accepted tokens plus one from the target.
+    steps = drafted_by_pos[0] if drafted_by_pos else 0
+    row["mean_accepted_len"] = ((accepted + steps) / steps if steps
+                                else stats.get("mean_accepted_len") or None)
+    row["tokens_per_s"] = new_tokens / seconds if seconds > 0 else float(
+        stats.get("tokens_per_s") or 0.0)
+    row["accepted_by_position"] = json.dumps(list(stats.get("accepted_by_position") or []))
+    row["drafted_by_position"] = json.dumps(drafted_by_pos)
+    row["interrupted"] = row["stop_reason"] in INTERRUPTED_REASONS
+    return row
+
+
+def refresh_speedups(db: Database, conversation_id: str) -> None:
+    """Speedup of the conversation's spec turns without an A/B baseline: their tokens/s over
+    the mean tokens/s of its finished plain turns at the same temperature (NULL when none)."""
+    db.execute("""
+        UPDATE turns SET speedup = (
+            SELECT NULLIF(turns.tokens_per_s, 0) / AVG(plain.tokens_per_s) FROM turns AS plain
+            WHERE plain.conversation_id = turns.conversation_id
+              AND NOT plain.speculation AND NOT plain.interrupted AND plain.tokens_per_s > 0
+              AND ROUND(plain.temperature, 4) IS ROUND(turns.temperature, 4))
+        WHERE conversation_id = ? AND speculation AND baseline_turn_id IS NULL
+    """, [conversation_id])
+
+
+def _decode_turn(row: dict) -> dict:
+    row = dict(row)
+    row["speculation"] = bool(row["speculation"])
+    row["interrupted"] = bool(row["interrupted"])
+    for key in ("accepted_by_position", "drafted_by_position"):
+        row[key] = json.loads(row[key]) if row[key] else []
+    return row
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    text = str(error).lower()
+    return "locked" in text or "busy" in text
+
+
+def describe_error(path: str, error: BaseException, opening: bool = True) -> str:
+    """A message a user can act on, for a database we cannot open (or, with opening=False,
+    a write that failed on a database that opened fine)."""
+    text = str(error)
+    low = text.lower()
+    if "not a database" in low or "malformed" in low or "corrupt" in low:
+        what = f"is corrupt ({text})"
+        fix = "Move the file away to start fresh."
+    elif isinstance(error, OSError) or "readonly" in low or "unable to open" in low:
+        what = f"cannot be written ({text})"
+        fix = "Check the file and folder permissions, or pass --db PATH."
+    elif "locked" in low or "busy" in low:
+        what = f"stayed locked by another process ({text})"
+        fix = "Close other specchat processes using it, or pass --db PATH."
+    else:
+        what = f"failed ({text})"
+        fix = "Pass --db PATH to use another file."
+    consequence = "stats are off" if opening else "this turn's stats were not saved"
+    return f"Stats database {path} {what}; chat works, {consequence}. {fix}"
+
+
+# ---------------------------------------------------------------------------------------------
+
+class StatsStore:
+    """Conversations and turns in one SQLite file (or ":memory:").
+
+    One connection per store, shared by gradio's worker threads under a lock (so ":memory:"
+    works too); other processes are kept apart by SQLite's file locks. With `quiet=True`
+    (what `open_or_disabled` gives the app) no method raises on a database error: the store
+    records nothing, reads return empty, and `.error` says why.
+    """
+
+    def __init__(self, path: str | os.PathLike = ":memory:", *, quiet: bool = False):
+        self.path = str(path)
+        self.quiet = quiet
+        self.error = ""  # human message when stats are off or the last write failed
+        self.db: Database | None = None
+        self._lock = threading.RLock()
+        if self.path.lower() in OFF_VALUES:
+            self.error = "Stats are off (--db off): nothing is recorded."
+            return
+        try:
+            self.db = self._retry(lambda: _open(self.path))
+        except (sqlite3.Error, OSError) as error:
+            if not quiet:
+                raise
+            self.error = describe_error(self.path, error)
+            log.warning("%s", self.error)
+
+    @classmethod
+    def open_or_disabled(cls, path: str | os.PathLike | None = None) -> StatsStore:
+        """The app's way in: never raises; a store with `.enabled` False and `.error` set
+        when the file is corrupt, unwritable or locked."""
+        return cls(resolve_db_path(path), quiet=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.db is not None
+
+    def close(self) -> None:
+        with self._lock:
+            if self.db is not None:
+                self.db.close()
+                self.db = None
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def new_conversation(self, title: str = "", owner: str = "local", target: str = "",
+                         draft: str = "", quantization: str = "", device: str = "") -> str:
+        """Create a conversation; returns its id (an id even when disabled, so callers can
+        key on it)."""
+        row = {"id": uuid.uuid4().hex, "title": title.strip() or "Untitled", "created": now_iso(),
+               "owner": owner or "local", "target": target, "draft": draft,
+               "quantization": quantization, "device": device}
+        self._write(lambda db: db["conversations"].insert(row), None)
+        return row["id"]
+
+    def record_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
+                    baseline_turn_id: int | None = None) -> int | None:
+        """Store one finished (or stopped, or failed) reply; returns the turn id."""
+        row = turn_row(conversation_id, prompt, reply, stats)
+        row["baseline_turn_id"] = baseline_turn_id
+
+        def write(db: Database) -> int:
+            if not db["conversations"].count_where("id = ?", [conversation_id]):
+                raise KeyError(f"no conversation {conversation_id!r}")
+            # Inside the write lock, so two writers never take the same index.
+            row["idx"] = db.execute("SELECT COALESCE(MAX(idx), 0) + 1 FROM turns "
+                                    "WHERE conversation_id = ?", [conversation_id]).fetchone()[0]
+            row["speedup"] = _speedup_against(db, row["tokens_per_s"], baseline_turn_id)
+            turn_id = db["turns"].insert(row).last_pk
+            refresh_speedups(db, conversation_id)
+            return turn_id
+
+        return self._write(write, None)
+
+    def delete_conversation(self, conversation_id: str, owner: str | None = None) -> bool:
+        """Delete a conversation and its turns; `owner` (None = anyone) must match."""
+        def write(db: Database) -> bool:
+            if not self._visible(db, conversation_id, owner):
+                return False
+            turn_ids = "SELECT id FROM turns WHERE conversation_id = ?"
+            # Keep the speedup numbers that were measured against these turns, drop the link.
+            db.execute(f"UPDATE turns SET baseline_turn_id = NULL "
+                       f"WHERE baseline_turn_id IN ({turn_ids})", [conversation_id])
+            db.execute("DELETE FROM turns WHERE conversation_id = ?", [conversation_id])
+            db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
+            return True
+
+        return self._write(write, False)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def conversations(self, owner: str | None = None) -> list[dict]:
+        """Conversations, newest first, with turn count, mean speedup (speculative turns with a
+        baseline) and acceptance (all accepted / all drafted). `owner` None = everyone's."""
+        sql = """
+            SELECT c.id, c.title, c.created, c.owner, c.target, c.draft, c.quantization, c.device,
+                   COUNT(t.id) AS turns,
+                   AVG(t.speedup) AS mean_speedup,
+                   CAST(SUM(t.accepted) AS REAL) / NULLIF(SUM(t.drafted), 0) AS acceptance,
+                   AVG(CASE WHEN t.speculation THEN t.tokens_per_s END) AS spec_tokens_per_s,
+                   AVG(CASE WHEN NOT t.speculation THEN t.tokens_per_s END) AS plain_tokens_per_s
+            FROM conversations AS c LEFT JOIN turns AS t ON t.conversation_id = c.id
+            WHERE :owner IS NULL OR c.owner = :owner
+            GROUP BY c.id ORDER BY c.created DESC, c.rowid DESC
+        """
+        return self._read(lambda db: list(db.query(sql, {"owner": owner})), [])
+
+    def conversation(self, conversation_id: str, owner: str | None = None) -> dict | None:
+        """One row of `conversations(owner)`, or None when missing or not the owner's."""
+        return next((c for c in self.conversations(owner) if c["id"] == conversation_id), None)
+
+    def turns(self, conversation_id: str, owner: str | None = None) -> list[dict]:
+        """A conversation's turns in order (position lists decoded); [] if not the owner's."""
+        def read(db: Database) -> list[dict]:
+            if not self._visible(db, conversation_id, owner):
+                return []
+            rows = db.query("SELECT * FROM turns WHERE conversation_id = ? ORDER BY idx",
+                            [conversation_id])
+            return [_decode_turn(row) for row in rows]
+
+        return self._read(read, [])
+
+    def find_conversation(self, id_or_prefix: str, owner: str | None = None) -> str | None:
+        """Full id from a unique prefix (the CLI shows 8 characters)."""
+        matches = [c["id"] for c in self.conversations(owner) if c["id"].startswith(id_or_prefix)]
+        return matches[0] if len(matches) == 1 else None
+
+    def summary_rows(self, owner: str | None = None) -> list[dict]:
+        """What the Stats tab's table and `specchat stats` show, one dict per conversation."""
+        return [{"id": c["id"], "title": c["title"], "created": c["created"], "owner": c["owner"],
+                 "target": c["target"], "draft": c["draft"],
+                 "models": models_label(c["target"], c["draft"]), "turns": c["turns"],
+                 "mean_speedup": c["mean_speedup"], "acceptance": c["acceptance"],
+                 "spec_tokens_per_s": c["spec_tokens_per_s"],
+                 "plain_tokens_per_s": c["plain_tokens_per_s"]}
+                for c in self.conversations(owner)]
+
+    def export_csv(self, path_or_file: str | os.PathLike | IO[str],
+                   conversation_id: str | None = None, owner: str | None = None) -> int:
+        """Write one CSV row per turn (with its conversation's columns); returns the row count."""
+        conversations = self.conversations(owner)
+        if conversation_id is not None:
+            conversations = [c for c in conversations if c["id"] == conversation_id]
+        rows = [{"conversation_id": c["id"], "conversation_title": c["title"],
+                 "target": c["target"], "draft": c["draft"], "quantization": c["quantization"],
+                 "device": c["device"], "owner": c["owner"], **turn}
+                for c in conversations for turn in self.turns(c["id"], owner)]
+        columns = list(rows[0]) if rows else ["conversation_id", "conversation_title"]
+        if isinstance(path_or_file, (str, os.PathLike)):
+            with open(path_or_file, "w", newline="", encoding="utf-8") as f:
+                _write_csv(f, columns, rows)
+        else:
+            _write_csv(path_or_file, columns, rows)
+        return len(rows)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _visible(db: Database, conversation_id: str, owner: str | None) -> bool:
+        where, params = "id = ?", [conversation_id]
+        if owner is not None:
+            where, params = "id = ? AND owner = ?", [conversation_id, owner]
+        return bool(db["conversations"].count_where(where, params))
+
+    def _write(self, fn: Callable[[Database], T], default: T) -> T:
+        """fn(db) in one transaction that holds the write lock from its first statement."""
+        def attempt() -> T:
+            with self._lock:
+                # BEGIN IMMEDIATE, not BEGIN: a deferred transaction that reads and then writes
+                # gets SQLITE_BUSY at once (no busy wait) if another process wrote meanwhile.
+                self.db.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    result = fn(self.db)
+                    self.db.conn.execute("COMMIT")
+                except BaseException:
+                    self.db.rollback()
+                    raise
+                return result
+
+        return self._guarded(attempt, default)
+
+    def _read(self, fn: Callable[[Database], T], default: T) -> T:
+        def attempt() -> T:
+            with self._lock:
+                return fn(self.db)
+
+        return self._guarded(attempt, default)
+
+    def _guarded(self, attempt: Callable[[], T], default: T) -> T:
+        if self.db is None:
+            return default
+        try:
+            return self._retry(attempt)
+        except (sqlite3.Error, LookupError) as error:
+            # LookupError: an unknown conversation or turn id, e.g. because creating the
+            # conversation failed earlier; the chat must not fail over it either.
+            if not self.quiet:
+                raise
+            self.error = describe_error(self.path, error, opening=False)
+            log.warning("%s", self.error)
+            return default
+
+    @staticmethod
+    def _retry(attempt: Callable[[], T]) -> T:
+        """Retry while another connection holds the lock longer than the busy timeout."""
+        for n in range(1, WRITE_ATTEMPTS + 1):
+            try:
+                return attempt()
+            except sqlite3.OperationalError as error:
+                if not _is_busy(error) or n == WRITE_ATTEMPTS:
+                    raise
+                # Jittered backoff so writers that collided do not collide again.
+                time.sleep(min(0.05 * 2 ** n, 1.0) * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable")
+
+
+def _open(path: str) -> Database:
+    """Connect, switch to WAL and bring the schema up to date (in one write transaction, so two
+    processes opening a new file at once do not both create the tables)."""
+    if path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    # timeout= is SQLite's busy_timeout; check_same_thread=False because gradio calls us from
+    # worker threads (the store's lock serializes them).
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+    try:
+        db = Database(conn)
+        if path != ":memory:":
+            db.enable_wal()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            MIGRATIONS.apply(db)
+            # A file we may read but not write opens fine and BEGIN IMMEDIATE passes; a write
+            # statement (even one touching no row) fails now rather than at the first reply.
+            conn.execute("DELETE FROM conversations WHERE 0")
+            conn.execute("COMMIT")
+        except BaseException:
+            db.rollback()
+            raise
+        return db
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _speedup_against(db: Database, tokens_per_s: float, baseline_turn_id: int | None
+                     ) -> float | None:
+    if baseline_turn_id is None:
+        return None
+    rows = list(db.query("SELECT tokens_per_s FROM turns WHERE id = ?", [baseline_turn_id]))
+    if not rows:
+        raise KeyError(f"no baseline turn {baseline_turn_id}")
+    baseline = rows[0]["tokens_per_s"] or 0.0
+    return tokens_per_s / baseline if baseline > 0 and tokens_per_s > 0 else None
+
+
+def _write_csv(f: IO[str], columns: list[str], rows: list[dict]) -> None:
+    writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})

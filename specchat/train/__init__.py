@@ -1,0 +1,2 @@
+"""`python -m specchat train-draft`: trains an EAGLE-style draft head for a target
+(docs/training.md)."""

@@ -1,0 +1,231 @@
+"""`python -m specchat train-draft`: train an EAGLE draft head (specchat.head) for a target.
+
+Four resumable phases, all under one time budget (--minutes), in one work directory (--out,
+by default next to the target's cache, where the app finds the head):
+
+1. generate  the target answers a prompt set the project wrote (specchat/prompts/, never the
+             benchmark questions): self-distillation, so the head learns the target's own text.
+             Files given with --data add prompts ({"prompt": ...} lines) or plain text.
+2. extract   teacher-forced target forwards over every sequence: the features f_t (output of the
+             final norm) and the target's top-1 token at every position, in shards.
+3. vocab     the N tokens the target predicts most often become the head's reduced vocabulary.
+4. train     EAGLE's loss (Li et al. 2024): smooth-L1 between predicted and true next features
+             plus cross-entropy against the target's distribution (read off the true features
+             through the same frozen reduced LM head), AdamW(0.9, 0.95), gradient clipping,
+             noise on input features; checkpoints every few minutes, resumes where it stopped.
+
+Every ~10th prompt is held out: its sequences measure top-1 agreement (teacher forced), and
+--evaluate runs the engine on held-out prompts to measure alpha and speed against plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specchat.models.eagle_files import default_head_dir, save_head, target_identity
+from specchat.train.config import TrainConfig
+from specchat.train.data import load_data, load_prompts, sequences, with_samples
+from specchat.train.features import extract_features, load_features
+from specchat.train.fit import train_head
+from specchat.train.replies import generate_replies
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
+    """All phases for a loaded target (models.LoadedModel). Returns (head path, summary)."""
+    t0 = time.time()
+    deadline = t0 + cfg.minutes * 60
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    identity = target_identity(target.model, target.tokenizer, target.name)
+    (cfg.out / "target.json").write_text(json.dumps(identity, indent=1))
+    extra_prompts, texts = load_data(cfg.data)
+    prompts = (load_prompts(cfg.prompt_files) if cfg.generate else []) + extra_prompts
+    if prompts and cfg.generate:
+        generate_replies(target, with_samples(prompts, cfg.samples), cfg,
+                         t0 + cfg.gen_share * cfg.minutes * 60)
+    seqs = sequences(cfg, texts, target.tokenizer, prompts)
+    # Extraction may use the budget up to where 30% of it is left for training.
+    extract_features(target, seqs, cfg, deadline - 0.3 * cfg.minutes * 60)
+    records = load_features(cfg.out, seqs)
+    head, summary = train_head(target, records, cfg, deadline, identity)
+    path = cfg.out / "head.safetensors"
+    summary.update(minutes_total=round((time.time() - t0) / 60, 2),
+                   config={k: (str(v) if isinstance(v, Path) else v)
+                           for k, v in asdict(cfg).items() if k not in ("prompt_files", "data")})
+    save_head(path, head, identity, meta=summary)
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return path, summary
+
+
+def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens: int,
+                    draft_len: int = 4, modes: tuple[str, ...] = ("plain", "head", "combined")
+                    ) -> dict:
+    """Greedy decoding of held-out prompts, plain vs the head's drafters (fixed k): alpha,
+    acceptance, tokens per target call, tokens/s, and c = seconds per drafted token over
+    seconds per plain target step (as the engine measures them)."""
+    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.events import GenerationStats, StepRecord
+    from specchat.core.text import chat_prompt
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.loader import head_drafters
+    drafters, notes = head_drafters(target, NgramDrafter(), head_path)
+    if not drafters:
+        raise SystemExit("train-draft: " + ("; ".join(notes) or f"no head at {head_path}"))
+    engine = Engine(target, {"ngram": NgramDrafter(), **drafters})
+    keys = ("new_tokens", "seconds", "drafted", "accepted", "rejections", "target_calls")
+    totals = {m: dict.fromkeys(keys + ("draft_s", "step_s", "steps"), 0.0) for m in modes}
+    for p in prompts:
+        ids, stops = chat_prompt(target.tokenizer, [{"role": "user", "content": p["prompt"]}])
+        for mode in modes:
+            cfg = GenerateConfig(max_new_tokens=max_new_tokens, speculation=mode != "plain",
+                                 drafter=mode if mode != "plain" else "ngram",
+                                 draft_len=draft_len, adaptive=False, stop=stops)
+            engine.reset_cache()
+            t = totals[mode]
+            for e in engine.stream(ids, cfg):
+                if isinstance(e, StepRecord):
+                    t["draft_s"] += e.draft_s
+                    t["step_s"] += e.verify_s
+                    t["steps"] += 1
+                elif isinstance(e, GenerationStats):
+                    for k in keys:
+                        t[k] += getattr(e, k)
+    plain_step = totals["plain"]["step_s"] / max(totals["plain"]["steps"], 1) \
+        if "plain" in totals else 0.0
+    out = {}
+    for mode, t in totals.items():
+        rate = t["new_tokens"] / max(t["seconds"], 1e-9)
+        out[mode] = {
+            "tokens_per_s": round(rate, 2),
+            "alpha": round(t["accepted"] / max(t["accepted"] + t["rejections"], 1), 4),
+            "acceptance_rate": round(t["accepted"] / max(t["drafted"], 1), 4),
+            "tokens_per_target_call": round(t["new_tokens"] / max(t["target_calls"], 1), 3),
+            "c": round(t["draft_s"] / max(t["drafted"], 1) / max(plain_step, 1e-9), 4),
+            **{k: round(t[k], 3) for k in keys}}
+    if "plain" in out:
+        for mode in out:
+            out[mode]["speedup"] = round(out[mode]["tokens_per_s"]
+                                         / max(out["plain"]["tokens_per_s"], 1e-9), 3)
+    return out
+
+
+def cmd_train_draft(args) -> int:
+    from specchat.models.load import load_model
+    from specchat.models.loaded import ModelLoadError
+    if args.json:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    log = (lambda m: print(m, file=sys.stderr))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target = load_model(args.target, args.quantization,
+                            None if args.device == "auto" else args.device, log)
+    except ModelLoadError as e:
+        print(f"specchat: {e}", file=sys.stderr)
+        return 1
+    identity = target_identity(target.model, target.tokenizer, target.name)
+    out = Path(args.out) if args.out else default_head_dir(identity)
+    cfg = TrainConfig(out=out, minutes=args.minutes, prompt_files=[Path(p) for p in args.prompts],
+                      data=[Path(p) for p in args.data], generate=not args.no_generate,
+                      gen_share=args.gen_share, max_new_tokens=args.max_new_tokens,
+                      stop_at_turn_end=args.stop_at_turn_end,
+                      gen_batch=args.gen_batch, samples=args.samples, seq_len=args.seq_len,
+                      draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
+                      batch_tokens=args.batch_tokens, lr=args.lr,
+                      ce_weight=args.ce_weight, feature_weight=args.feature_weight,
+                      noise=args.noise, unroll=args.unroll, max_steps=args.max_steps,
+                      bf16=not args.fp32, seed=args.seed)
+    summary: dict = {}
+    path = out / "head.safetensors"
+    if args.minutes > 0:
+        log(f"train-draft: target {target.label}, work directory {out}, "
+            f"budget {args.minutes:g} min")
+        path, summary = run(target, cfg, log)
+        log(f"train-draft: head saved to {path}")
+        if args.out:
+            log("train-draft: the app looks for heads next to the target's cache "
+                f"({default_head_dir(identity)}); pass this one with --head {path}")
+    if args.evaluate:
+        held = [p for p in load_prompts(cfg.prompt_files) if p["heldout"]][:args.evaluate]
+        summary["engine_eval"] = evaluate_engine(target, path, held, args.eval_tokens)
+    print(json.dumps(summary, indent=None if args.json else 1))
+    return 0
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train-draft", help="train a draft head (EAGLE) for a target, on text the target writes",
+        description="Self-distillation: the target answers a prompt set, then an EAGLE-style "
+                    "draft head is trained on the target's features. Resumable (run the same "
+                    "command again to continue), bounded by --minutes, CPU or CUDA. The head is "
+                    "saved with the target's identity; the app loads it as drafter 'head'.")
+    p.add_argument("--target", default="embedded",
+                   help="hub id or local directory (default: the embedded Gemma 3 270M)")
+    p.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
+                   help="load the target as the app will (features depend on it)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
+    p.add_argument("--data", nargs="*", default=[],
+                   help="extra JSONL ({'prompt'}/{'turns'} = prompts, {'text'} = text) or "
+                        ".txt/.md/.rst files or directories")
+    p.add_argument("--prompts", nargs="*", default=[],
+                   help="prompt set JSONL files (default: specchat/prompts/*.jsonl)")
+    p.add_argument("--no-generate", action="store_true",
+                   help="skip self-distillation: train on --data text only")
+    p.add_argument("--minutes", type=float, default=30.0,
+                   help="time budget for the whole command (default 30); 0 with --evaluate "
+                        "evaluates an existing head")
+    p.add_argument("--out", default=None,
+                   help="work directory and head location (default: next to the target's "
+                        "cache, where the app finds it)")
+    p.add_argument("--gen-share", type=float, default=0.5,
+                   help="most of the budget spent generating text (default 0.5)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per generated reply")
+    p.add_argument("--stop-at-turn-end", action="store_true",
+                   help="end each generated reply at the chat format's stop string, as the "
+                        "app does (default: go on to the cap; the model's own follow-up turns "
+                        "are more text of the kind it writes)")
+    p.add_argument("--gen-batch", type=int, default=0,
+                   help="prompts generated together (default 0: 64 on a CPU, 16 on a GPU)")
+    p.add_argument("--samples", type=int, default=3,
+                   help="replies per prompt (the extra ones sampled): more text from the same "
+                        "prompts (default 3)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="reduced vocabulary size N")
+    p.add_argument("--intermediate-size", type=int, default=0,
+                   help="MLP width of the head's block (default 0: the target's); narrower "
+                        "drafts faster and makes a smaller file")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--feature-weight", type=float, default=0.1)
+    p.add_argument("--noise", type=float, default=0.1,
+                   help="uniform noise on input features, in feature std units")
+    p.add_argument("--unroll", type=int, default=1,
+                   help=">1: also train on the head's own predicted features")
+    p.add_argument("--fp32", action="store_true",
+                   help="train in float32 throughout (default: bf16 autocast where fast)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop training after this many optimizer steps in total (0: only the "
+                        "clock); makes a run reproducible on machines of any speed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--evaluate", type=int, default=0, metavar="N",
+                   help="afterwards, decode N held-out prompts with the head vs plain and "
+                        "report alpha and speed")
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--json", action="store_true", help="summary as one JSON line")
+    p.set_defaults(func=cmd_train_draft)
+    return p
+
+
+__all__ = ["TrainConfig", "add_cli", "run", "evaluate_engine"]

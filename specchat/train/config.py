@@ -1,0 +1,50 @@
+"""train-draft's settings."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TrainConfig:
+    out: Path  # work directory: generated text, feature shards, checkpoint, head.safetensors
+    minutes: float = 30.0  # the whole command's time budget (all phases)
+    prompt_files: list[Path] = field(default_factory=list)  # JSONL prompt sets (default: ours)
+    data: list[Path] = field(default_factory=list)  # extra prompts / plain text, files or dirs
+    generate: bool = True  # phase 1 on (off: train on --data text only)
+    gen_share: float = 0.5  # at most this share of the budget goes to generating text
+    max_new_tokens: int = 256  # per generated reply
+    # Stop a reply at the chat format's stop string (a base model's "\nUser:"), as the app
+    # does. Off: the embedded target's replies then average 16 tokens, a tenth of the text;
+    # past the stop it writes its own follow-up turns, whose "Assistant:" parts are replies too.
+    stop_at_turn_end: bool = False
+    gen_batch: int = 0  # prompts generated together (left padded); 0: `gen_batch`'s default
+    gen_temperature: float = 0.7  # odd prompts are sampled at this temperature, even ones greedy
+    samples: int = 3  # replies per prompt: the first as above, the others sampled (more text)
+    seq_len: int = 512  # tokens per training sequence (longer ones are cut in windows)
+    extract_batch_tokens: int = 4096  # tokens per teacher-forced target forward
+    top1_tokens: int = 5000  # training positions that get the target's full-vocabulary top-1
+    # (for choosing the reduced vocabulary; held-out ones always do). The full LM head costs as
+    # much as the rest of the forward, so not every position pays for it.
+    draft_vocab: int = 8192  # N: rows of the reduced LM head
+    intermediate_size: int = 0  # MLP width of the head's block (0: the target's)
+    batch_tokens: int = 4096  # tokens per optimizer step
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ce_weight: float = 1.0
+    feature_weight: float = 0.1  # the issue measured: CE-dominant beats feature-dominant here
+    noise: float = 0.1  # uniform noise on input features, in units of the feature std
+    unroll: int = 1  # >1: also train on the head's own predicted features (training-time test)
+    bf16: bool = True  # train under bf16 autocast where the device computes bf16 fast
+    checkpoint_minutes: float = 3.0
+    max_steps: int = 0  # stop training after this many optimizer steps (0: only the clock)
+    seed: int = 0
+
+
+def _bar(**kw):
+    from tqdm.auto import tqdm
+    return tqdm(dynamic_ncols=True, file=sys.stderr, **kw)

@@ -1,0 +1,122 @@
+"""train-draft's prompts and the token sequences built from the target's replies."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+from specchat.train.config import TrainConfig
+
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+HOLDOUT_EVERY = 10  # prompt i is held out when i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def load_prompts(files: list[Path]) -> list[dict]:
+    """Prompt records {"key", "prompt", "category", "heldout"} from JSONL prompt sets."""
+    files = files or sorted(PROMPTS_DIR.glob("*.jsonl"))
+    out = []
+    for path in files:
+        for i, line in enumerate(Path(path).read_text().splitlines()):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            prompt = row.get("prompt") or (row.get("turns") or [""])[0]
+            if prompt:
+                out.append({"key": f"{Path(path).stem}:{i}", "prompt": prompt,
+                            "category": row.get("category", ""),
+                            "heldout": i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1})
+    return out
+
+
+def load_data(paths: list[Path]) -> tuple[list[dict], list[dict]]:
+    """--data: (extra prompts, plain texts {"key", "text"}). JSONL lines with "prompt" or
+    "turns" are prompts, with "text" are text; .txt/.md/.rst files (or directories of them) are
+    text."""
+    prompts, texts = [], []
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES + (".jsonl",)) \
+            if p.is_dir() else [p]
+    for f in files:
+        if f.suffix == ".jsonl":
+            for i, line in enumerate(f.read_text(errors="replace").splitlines()):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                key = f"{f}:{i}"
+                if row.get("text"):
+                    texts.append({"key": key, "text": row["text"]})
+                elif row.get("prompt") or row.get("turns"):
+                    prompts.append({"key": key, "prompt": row.get("prompt") or row["turns"][0],
+                                    "category": row.get("category", ""),
+                                    "heldout": i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1})
+        else:
+            texts.append({"key": str(f), "text": f.read_text(errors="replace")})
+    return prompts, texts
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by a kill: generated again
+    return rows
+
+
+def _prompts(tok, todo: list[dict]) -> tuple[dict[str, list[int]], tuple[str, ...]]:
+    """Each prompt's chat-formatted ids by key, and the format's stop strings (where a base
+    model's plain "User:/Assistant:" turn ends: it has no end-of-turn token)."""
+    from specchat.core.text import chat_prompt
+    formatted = {p["key"]: chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])
+                 for p in todo}
+    stops = next(iter(formatted.values()), ([], ()))[1]
+    return {k: ids for k, (ids, _) in formatted.items()}, tuple(stops)
+
+
+def with_samples(prompts: list[dict], samples: int) -> list[dict]:
+    """Each prompt `samples` times: the first reply keeps its key, the others (always sampled)
+    get "#j". Ordered round by round, so a budget that runs out still covers every prompt."""
+    return [p if j == 0 else {**p, "key": f"{p['key']}#{j}", "sample": j}
+            for j in range(max(1, samples)) for p in prompts]
+
+
+def _sampled(key: str) -> bool:
+    """Half the prompts are answered greedily, half sampled (varied text, greedy habits)."""
+    return zlib.crc32(key.encode()) % 2 == 1
+
+
+def sequences(cfg: TrainConfig, texts: list[dict], tokenizer, prompts: list[dict]
+              ) -> list[dict]:
+    """Everything to extract: generated sequences and --data texts, cut to seq_len windows.
+    "start" is the first head position that is trained and measured: the head drafts replies,
+    so on generated sequences it starts where the reply does (head position t predicts token
+    t + 2; the target itself emits the reply's first token)."""
+    from specchat.core.text import chat_prompt
+    by_key = {p["key"]: p for p in prompts}
+    out = []
+    for row in read_jsonl(cfg.out / "generated.jsonl"):
+        prompt_len = row.get("prompt_len")
+        if prompt_len is None and row["key"] in by_key:  # rows written before prompt_len
+            prompt_len = len(chat_prompt(tokenizer, [{"role": "user",
+                                                      "content": by_key[row["key"]]["prompt"]}])[0])
+        start = max(0, (prompt_len or 1) - 1)
+        if start < min(len(row["ids"]), cfg.seq_len) - 2:  # else no reply within seq_len
+            out.append({"key": row["key"], "ids": row["ids"][:cfg.seq_len], "start": start,
+                        "heldout": row["heldout"]})
+    for i, t in enumerate(texts):
+        ids = tokenizer(t["text"], add_special_tokens=True)["input_ids"]
+        for j in range(0, len(ids), cfg.seq_len):
+            window = ids[j:j + cfg.seq_len]
+            if len(window) >= 16:
+                out.append({"key": f"{t['key']}@{j}", "ids": window, "start": 0,
+                            "heldout": i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1})
+    return out

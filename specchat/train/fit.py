@@ -1,0 +1,259 @@
+"""Training the head: its reduced vocabulary, batches, the loss, the held-out check."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from specchat.models.eagle import DraftHead, HeadConfig, norm_scale_of
+from specchat.train.config import TrainConfig, _bar
+
+
+def smooth_l1(pred: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.smooth_l1_loss(pred / scale, target / scale, reduction="none").mean(-1)
+
+
+def choose_vocab(records: list[dict], n: int, tokenizer=None) -> tuple[torch.Tensor, float]:
+    """The n tokens the target predicts most often, then the most frequent input tokens, then
+    (a small data set predicts only a few thousand distinct tokens) the tokenizer's lowest
+    ids, which BPE and SentencePiece vocabularies order roughly by frequency. Predictions: the
+    computed top-1s and the tokens the target wrote itself (replies).
+    Returns (vocab_ids [<= n], share of computed top-1s they cover)."""
+    top1 = torch.cat([r["top1"].long() for r in records])
+    top1 = top1[top1 >= 0]  # positions whose top-1 was computed
+    written = torch.cat([r["ids"][r["start"] + 1:].long() for r in records
+                         if r.get("start", 0) > 0] + [torch.zeros(0, dtype=torch.long)])
+    predicted = torch.cat([top1, written])
+    inputs = torch.cat([r["ids"].long() for r in records])
+    counts = torch.bincount(predicted).float()
+    in_counts = torch.bincount(inputs, minlength=len(counts)).float()
+    counts = torch.cat([counts, torch.zeros(max(0, len(in_counts) - len(counts)))])
+    score = counts * (len(inputs) + 1) + in_counts  # predicted tokens first, by count
+    order = torch.argsort(score, descending=True)
+    order = order[score[order] > 0][:n]
+    if tokenizer is not None and len(order) < n:
+        order = torch.cat([order, fill_ids(tokenizer, n - len(order), exclude=order)])
+    coverage = float(torch.isin(top1, order).float().mean())
+    return order.sort().values, coverage
+
+
+def fill_ids(tokenizer, n: int, exclude: torch.Tensor) -> torch.Tensor:
+    """The n lowest token ids that are not special (added) tokens and not in `exclude`."""
+    special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    taken = set(exclude.tolist()) | special
+    out = [i for i in range(len(tokenizer)) if i not in taken][:n]
+    return torch.tensor(out, dtype=torch.long)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+class Batches:
+    """Random batches of feature sequences, padded right; each row a window of <= seq_len."""
+
+    def __init__(self, records: list[dict], batch_tokens: int, seq_len: int, seed: int):
+        self.records = [r for r in records if len(r["ids"]) - r.get("start", 0) >= 3]
+        self.batch_tokens, self.seq_len = batch_tokens, seq_len
+        self.rng = random.Random(seed)
+
+    def __next__(self) -> list[dict]:
+        rows, used = [], 0
+        while used < self.batch_tokens:
+            r = self.rng.choice(self.records)
+            n = len(r["ids"])
+            first = min(r.get("start", 0), n - self.seq_len) if n > self.seq_len else 0
+            start = self.rng.randrange(0, first + 1)  # windows keep trained positions
+            row = {k: (v[start:start + self.seq_len] if torch.is_tensor(v) else v)
+                   for k, v in r.items()}
+            row["start"] = max(0, r.get("start", 0) - start)
+            rows.append(row)
+            used += min(n, self.seq_len)
+        return rows
+
+
+def collate(rows: list[dict], device) -> dict:
+    width = max(len(r["ids"]) for r in rows)
+    d = rows[0]["feats"].shape[-1]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    top1 = torch.zeros(len(rows), width, dtype=torch.long)
+    feats = torch.zeros(len(rows), width, d)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)  # real tokens
+    trained = torch.zeros(len(rows), width, dtype=torch.bool)  # head positions with a loss
+    for i, r in enumerate(rows):
+        n = len(r["ids"])
+        ids[i, :n], top1[i, :n], feats[i, :n] = r["ids"], r["top1"], r["feats"].float()
+        mask[i, :n] = True
+        trained[i, r.get("start", 0):n - 1] = True
+    return {k: v.to(device) for k, v in
+            {"ids": ids, "top1": top1, "feats": feats, "mask": mask,
+             "trained": trained}.items()}
+
+
+def head_loss(head: DraftHead, embed, batch: dict, cfg: TrainConfig, train: bool = True
+              ) -> tuple[torch.Tensor, dict]:
+    """EAGLE loss over a batch. Head position t reads (f_t, x_{t+1}) and predicts f_{t+1} and
+    the target's distribution of x_{t+2}, which softmax(LM(f_{t+1})) is (restricted to the
+    reduced vocabulary). Returns (loss, metrics); metrics["top1"] counts agreement with the
+    target's full-vocabulary top-1 (what greedy verification accepts)."""
+    feats = batch["feats"]
+    T = feats.shape[1] - 1
+    # Head positions with a loss (a reply's, next token real), packed: (row, t). Only they pay
+    # for the 8192-wide logits; prompt and padding positions are context for attention only.
+    rows, t = batch["trained"][:, :-1].nonzero(as_tuple=True)
+    with torch.no_grad():
+        emb = embed(batch["ids"][:, 1:]).float()  # [B, T, d]  embed(x_{t+1})
+        target_feats = feats[:, 1:][rows, t].float()  # [V, d]  f_{t+1}
+        target_probs = torch.softmax(head.logits(target_feats), -1)  # [V, N]
+        top1 = batch["top1"][:, 1:][rows, t]  # [V]  the target's full-vocabulary x_{t+2}
+    inputs = feats[:, :-1]
+    if train and cfg.noise:
+        inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * cfg.noise * head.feat_std
+    pos = torch.arange(T, device=feats.device)
+    total, metrics = 0.0, {}
+    for step in range(max(1, cfg.unroll)):
+        # Unrolled step s: array position t - s predicts f_{t+1} and x_{t+2}, as at s = 0.
+        use = t >= step
+        if not bool(use.any()):
+            break
+        pred, _ = head.predict(inputs, emb, pos)  # [B, T - step, d]
+        at = pred[rows[use], t[use] - step]  # [V_s, d]
+        logits = head.logits(at)
+        ce = -(target_probs[use] * torch.log_softmax(logits, -1)).sum(-1)  # [V_s]
+        fl = smooth_l1(at, target_feats[use], head.feat_std)
+        loss = (cfg.ce_weight * ce + cfg.feature_weight * fl).mean()
+        total = total + loss * (1.0 if step == 0 else 0.5 ** step)
+        known = top1[use] >= 0
+        agree = (head.vocab_ids[logits.argmax(-1)] == top1[use]) & known
+        metrics[f"top1@{step + 1}"] = (int(agree.sum()), int(known.sum()))
+        if step == 0:
+            n = max(len(ce), 1)
+            metrics.update(ce=float(ce.sum().detach()) / n, feat=float(fl.sum().detach()) / n)
+        # Next unroll step: position t reads the head's own prediction of f_t (made at t - 1).
+        inputs, emb, pos = pred[:, :-1], emb[:, 1:], pos[1:]
+    return total, metrics
+
+
+def autocast(device, cfg: TrainConfig):
+    """bf16 autocast for the head's forward: weights and optimizer stay float32. On this CPU
+    (AMX) a training step of 4096 tokens unrolled twice took 3.4 s instead of 5.9; on CPUs
+    without native bf16 it would be slower, so there it stays off, as on GPUs without bf16."""
+    device = torch.device(device)
+    fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() if device.type == "cpu" \
+        else device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and fast)
+
+
+def evaluate_holdout(head: DraftHead, embed, records: list[dict], device, cfg: TrainConfig
+                     ) -> dict:
+    """Teacher-forced top-1 agreement with the target on held-out sequences: @1 with true
+    features, @2 with the head's own predicted feature one step back (unrolled)."""
+    if not records:
+        return {}
+    was = head.training
+    head.eval()
+    sums: dict[str, list[int]] = {}
+    eval_cfg = TrainConfig(**{**asdict(cfg), "unroll": 2, "noise": 0.0})
+    with torch.no_grad():
+        for i in range(0, len(records), 8):
+            _, m = head_loss(head, embed, collate(records[i:i + 8], device), eval_cfg, False)
+            for k, v in m.items():
+                if isinstance(v, tuple):
+                    s = sums.setdefault(k, [0, 0])
+                    s[0] += v[0]
+                    s[1] += v[1]
+    head.train(was)
+    return {k: round(a / max(b, 1), 4) for k, (a, b) in sums.items()}
+
+
+def train_head(target, records: list[dict], cfg: TrainConfig, deadline: float,
+               identity: dict) -> tuple[DraftHead, dict]:
+    """Phase 3-4: vocabulary, then training until the deadline. Resumes from train.pt."""
+    device = target.device
+    train_recs = [r for r in records if not r["heldout"]]
+    held = [r for r in records if r["heldout"]]
+    if not train_recs:
+        raise SystemExit("train-draft: no training data (generation or extraction got nothing "
+                         "done in the time given); run again with more --minutes")
+    ckpt_path = cfg.out / "train.pt"
+    state = torch.load(ckpt_path, weights_only=True) if ckpt_path.exists() else None
+    if state is not None and state["identity_key"] != identity["key"]:
+        raise SystemExit(f"train-draft: {ckpt_path} belongs to another target; use another --out")
+    if state is not None:
+        head = DraftHead(HeadConfig(**json.loads(state["config"])))
+        head.load_state_dict(state["head"])
+        coverage = state["coverage"]
+    else:
+        vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
+        head = DraftHead(HeadConfig.for_target(target.model, len(vocab),
+                                               cfg.intermediate_size or None))
+        head.vocab_ids = vocab
+        head.norm_scale = norm_scale_of(target.model)
+        sample = torch.cat([r["feats"].float() for r in train_recs[:64]])
+        head.feat_std = sample.std().reshape(())
+    head = head.to(device).attach(target.model).train()
+    embed = target.model.get_input_embeddings()
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
+                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step, seen, trained_s = 0, 0, 0.0
+    if state is not None:
+        opt.load_state_dict(state["opt"])
+        step, seen, trained_s = state["step"], state["seen"], state["trained_s"]
+    batches = Batches(train_recs, cfg.batch_tokens, cfg.seq_len, cfg.seed + step)
+    torch.manual_seed(cfg.seed + step)
+
+    def checkpoint():
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "config": json.dumps(asdict(head.cfg)),
+                    "opt": opt.state_dict(), "step": step, "seen": seen,
+                    "trained_s": trained_s, "coverage": coverage,
+                    "identity_key": identity["key"]}, tmp)
+        tmp.replace(ckpt_path)
+
+    start = time.time()
+    budget = max(0.0, deadline - start)
+    last_ckpt = start
+    bar = _bar(total=round(budget), desc="train", unit="s",
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s [{elapsed}<{remaining}{postfix}]")
+    ema: dict[str, float] = {}
+    while time.time() < deadline and not (cfg.max_steps and step >= cfg.max_steps):
+        frac = max((time.time() - start) / max(budget, 1e-9),
+                   step / cfg.max_steps if cfg.max_steps else 0.0)
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * max(0.1, 1.0 - frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = collate(next(batches), device)
+        with autocast(device, cfg):
+            loss, m = head_loss(head, embed, batch, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        seen += int(batch["mask"].sum())
+        a, b = m["top1@1"]
+        for k, v in (("loss", loss.item()), ("ce", m["ce"])) + ((("top1", a / b),) if b else ()):
+            ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
+        now = time.time()
+        bar.n = min(round(now - start), bar.total)
+        bar.set_postfix(step=step, loss=f"{ema['loss']:.3f}", top1=f"{ema.get('top1', 0):.3f}",
+                        refresh=False)
+        bar.refresh()
+        if now - last_ckpt > cfg.checkpoint_minutes * 60:
+            trained_s += now - last_ckpt
+            last_ckpt = now
+            checkpoint()
+    bar.close()
+    trained_s += time.time() - last_ckpt
+    checkpoint()
+    result = {"steps": step, "tokens_seen": seen, "train_seconds": round(trained_s),
+              "train_positions": sum(len(r["ids"]) - 1 - r.get("start", 0)
+                                     for r in train_recs),
+              "vocab_coverage": round(coverage, 4), "final_loss_ema": round(ema.get("loss", 0), 4),
+              **{f"holdout_{k}": v for k, v in
+                 evaluate_holdout(head, embed, held, device, cfg).items()}}
+    return head.eval(), result

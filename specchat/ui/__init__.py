@@ -1,0 +1,1 @@
+"""The Gradio page: state, rendering, handlers, the page itself, the Stats tab."""

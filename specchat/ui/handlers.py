@@ -1,0 +1,415 @@
+"""The chat page: streaming replies colored by how each token was produced, A/B replay, stats.
+
+    demo = build_ui(engine_or_report_or_slot, store=StatsStore.open_or_disabled(None))
+    launch(demo, server_port=7860)
+
+The engine yields events (TokenEvent, StepRecord, GenerationStats); this module renders them.
+Handlers are plain methods of `ChatApp` over a per-browser `Session` (a `gr.State`), so tests
+drive them without a browser (gradio's chatbot_streaming pattern: `submit(user).then(bot)`).
+Nothing here touches torch or transformers: model code stays behind `specchat.engine`.
+
+Rendering: the Chatbot runs with render_markdown=False and gets our own HTML, one span per token
+(`tk tk-<kind>` plus a title tooltip). Token text is HTML-escaped; fenced code, inline code and
+**bold** are recognized on the reply text and styled by splitting token spans at their edges, so
+markup never hides a token and a token never breaks the markup.
+"""
+
+from __future__ import annotations
+
+import html
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import gradio as gr
+
+from specchat.core.engine import Engine, GenerateConfig, default_tree_nodes
+from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.text import chat_prompt
+from specchat.drafters import LABELS as DRAFTER_LABELS
+from specchat.drafters import NAMES as DRAFTER_NAMES
+from specchat.loader import LoadReport
+from specchat.stats.store import StatsStore
+from specchat.ui import stats_tab
+from specchat.ui.render import ab_panel, ab_placeholders, render_history
+from specchat.ui.state import MAX_DRAFT_LEN, Limits, ModelSlot, Session, Settings, Turn
+
+# ---------------------------------------------------------------------------------------------
+# The app: handlers over (Session, Settings)
+
+class ChatApp:
+    def __init__(self, source: Engine | LoadReport | ModelSlot, store: StatsStore | None = None,
+                 limits: Limits | None = None, is_owner_fn: Callable[[gr.Request], bool] | None
+                 = None, min_interval: float = 0.05):
+        self.slot = ModelSlot.of(source)
+        self.store = store or StatsStore.open_or_disabled("off")
+        self.limits = limits or Limits()
+        self.is_owner_fn = is_owner_fn or (lambda request: True)
+        self.min_interval = min_interval  # seconds between repaints while streaming
+        self._stops: dict[str, threading.Event] = {}  # session key -> the running reply's flag
+        self._stops_lock = threading.Lock()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(request: gr.Request | None) -> str:
+        return (getattr(request, "session_hash", None) or "local") if request else "local"
+
+    def _stop_event(self, request) -> threading.Event:
+        event = threading.Event()
+        with self._stops_lock:
+            self._stops[self._key(request)] = event
+        return event
+
+    def _release(self, request, event: threading.Event) -> None:
+        with self._stops_lock:
+            if self._stops.get(self._key(request)) is event:
+                del self._stops[self._key(request)]
+
+    def stop(self, request: gr.Request | None = None) -> str:
+        """Ask this browser's running reply (or A/B replay) to end after the current step."""
+        with self._stops_lock:
+            event = self._stops.get(self._key(request))
+        if event is None or event.is_set():
+            return ""
+        event.set()
+        return "Stopping after the current step…"
+
+    def drafters(self) -> list[str]:
+        """Loaded drafters, best first."""
+        engine = self.slot.engine
+        if engine is None:
+            return []
+        return sorted(engine.drafters, key=lambda d: (DRAFTER_NAMES + (d,)).index(d))
+
+    def config(self, s: Settings) -> tuple[GenerateConfig, list[str]]:
+        """Settings -> GenerateConfig, clamped server-side; notes say which caps applied."""
+        notes = []
+        cap = self.limits.max_new_tokens_cap
+        max_new = int(s.max_new_tokens or 1)
+        if max_new > cap:
+            notes.append(f"Max new tokens capped at {cap} by the server (asked {max_new}).")
+        max_new = max(1, min(max_new, cap))
+        available = self.drafters()
+        drafter = s.drafter
+        if s.speculation and drafter not in available:
+            fallback = available[0] if available else "ngram"
+            if drafter:
+                notes.append(f"Drafter {DRAFTER_LABELS.get(drafter, drafter)!r} is not loaded: "
+                             f"using {DRAFTER_LABELS.get(fallback, fallback)}.")
+            drafter = fallback
+        seed = int(s.seed) if s.seed is not None and int(s.seed) >= 0 else \
+            random.randrange(2**31 - 1)
+        temperature = min(max(float(s.temperature or 0.0), 0.0), 2.0)
+        cfg = GenerateConfig(max_new_tokens=max_new, temperature=temperature,
+                             top_p=min(max(float(s.top_p or 1.0), 0.01), 1.0),
+                             top_k=max(int(s.top_k or 0), 0), seed=seed,
+                             speculation=bool(s.speculation) and bool(available),
+                             drafter=drafter,
+                             draft_len=min(max(int(s.draft_len or 1), 1), MAX_DRAFT_LEN),
+                             adaptive=bool(s.adaptive),
+                             tree_nodes=default_tree_nodes(temperature, drafter))
+        return cfg, notes
+
+    def system_prompt(self, s: Settings, notes: list[str]) -> str:
+        """The system prompt, cut to the message cap (a note says so)."""
+        system, cap = (s.system or "").strip(), self.limits.max_input_chars
+        if len(system) > cap:
+            notes.append(f"System prompt cut to {cap:,} characters (server limit).")
+            system = system[:cap]
+        return system
+
+    def prompt_messages(self, session: Session, upto: int, system: str) -> tuple[list[dict], int]:
+        """Chat messages for the reply to turn `upto`: the system prompt, earlier turns (oldest
+        dropped past the history cap), the user message. Returns (messages, turns left out)."""
+        turns = session.turns[:upto]
+        budget = self.limits.max_history_chars - len(session.turns[upto].user) - len(system)
+        kept: list[Turn] = []
+        for turn in reversed(turns):
+            if not turn.reply:
+                continue  # a failed or empty reply: leave the exchange out
+            budget -= len(turn.user) + len(turn.reply)
+            if budget < 0:
+                break
+            kept.insert(0, turn)
+        dropped = sum(1 for t in turns if t.reply) - len(kept)
+        messages = [{"role": "system", "content": system}] if system.strip() else []
+        for turn in kept:
+            messages += [{"role": "user", "content": turn.user},
+                         {"role": "assistant", "content": turn.reply}]
+        messages.append({"role": "user", "content": session.turns[upto].user})
+        return messages, dropped
+
+    def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
+               tokens: list[TokenEvent]) -> Iterator[GenerationStats | None]:
+        """One generation: appends TokenEvents to `tokens`, yields None when a repaint is due,
+        the GenerationStats last. An engine error becomes stats with `error` set."""
+        engine = self.slot.engine
+        last, stats, error = 0.0, None, ""
+        try:
+            for event in engine.stream(ids, cfg, stop_event=stop):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event)
+                elif isinstance(event, StepRecord):
+                    now = time.monotonic()
+                    if now - last >= self.min_interval:
+                        last = now
+                        yield None
+                elif isinstance(event, GenerationStats):
+                    stats = event
+        except Exception as e:  # keep the app alive; the engine's cache may be inconsistent
+            engine.reset_cache()
+            stats, error = None, f"{type(e).__name__}: {e}"
+        if stats is None:
+            stats = GenerationStats(new_tokens=len(tokens), speculation=cfg.speculation,
+                                    drafter=cfg.drafter if cfg.speculation else "none",
+                                    draft_len=cfg.draft_len if cfg.speculation else 0,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    seed=cfg.seed, stop_reason="error",
+                                    error=error or "the engine ended without a result")
+        if stats.error:
+            stats.error = readable_error(stats.error)
+        yield stats
+
+    def _record(self, session: Session, request, prompt: str, reply: str,
+                stats: GenerationStats, baseline_turn_id: int | None = None) -> int | None:
+        if not self.store.enabled or (stats.stop_reason == "error" and not reply):
+            return None
+        if session.conversation_id is None:
+            engine, report = self.slot.engine, self.slot.report
+            owner = stats_tab.conversation_owner(request, self.is_owner_fn)
+            session.conversation_id = self.store.new_conversation(
+                prompt[:60], owner, engine.target.name,
+                report.draft.name if report.draft is not None else "",
+                engine.target.quantization, engine.device.type)
+        return self.store.record_turn(session.conversation_id, prompt, reply, stats.to_json(),
+                                      baseline_turn_id=baseline_turn_id)
+
+    def _not_ready(self) -> str:
+        if self.slot.state == "failed":
+            return "⚠ The models failed to load, so the chat cannot answer: " + self.slot.error
+        return "The models are still loading; your message is kept, send it when ready."
+
+    # -- chat handlers -------------------------------------------------------------------------
+
+    def user(self, text: str, session: Session, request: gr.Request | None = None):
+        """Echo a message into the chat (instant), or say why not and keep it in the box.
+        -> (box, chat, session, notice)"""
+        text = text or ""
+        if not text.strip():
+            return text, render_history(session), session, _notice(
+                "Type a message first: an empty message was not sent.", request)
+        if len(text) > self.limits.max_input_chars:
+            return text, render_history(session), session, _notice(
+                f"Your message is {len(text):,} characters; the limit here is "
+                f"{self.limits.max_input_chars:,}. Shorten it and send again "
+                "(it is still in the box).", request)
+        if self.slot.state != "ready":
+            return text, render_history(session), session, _notice(self._not_ready(), request)
+        session.pending = text
+        return "", render_history(session), session, ""
+
+    def bot(self, session: Session, settings: Settings, request: gr.Request | None = None):
+        """Stream the reply to the pending message. Yields (chat, session, notice)."""
+        if session.pending is None or self.slot.engine is None:
+            yield render_history(session), session, gr.skip()
+            return
+        turn = Turn(session.pending)
+        session.pending = None
+        session.turns.append(turn)
+        yield from self._reply(session, turn, settings, request)
+
+    def _reply(self, session: Session, turn: Turn, settings: Settings, request):
+        engine = self.slot.engine
+        cfg, turn.notes = self.config(settings)
+        system = self.system_prompt(settings, turn.notes)
+        messages, dropped = self.prompt_messages(session, len(session.turns) - 1, system)
+        if dropped:
+            turn.notes.append(f"{dropped} older exchange(s) left out of the prompt "
+                              f"(history limit {self.limits.max_history_chars:,} characters).")
+        notice = " ".join(turn.notes)
+        ids, stops = chat_prompt(engine.tokenizer, messages)
+        cfg.stop = tuple(stops)
+        stop = self._stop_event(request)
+        try:
+            yield render_history(session, streaming=True), session, notice
+            for result in self._drive(ids, cfg, stop, turn.tokens):
+                if result is None:
+                    yield render_history(session, streaming=True), session, gr.skip()
+                else:
+                    turn.stats = result
+        finally:
+            self._release(request, stop)
+        turn.turn_id = self._record(session, request, turn.user, turn.reply, turn.stats)
+        yield render_history(session), session, notice
+
+    def retry(self, session: Session):
+        """Drop the last reply and queue its message again. -> (chat, session, notice)"""
+        if not session.turns:
+            return render_history(session), session, "Nothing to retry yet."
+        session.pending = session.turns.pop().user
+        return render_history(session), session, ""
+
+    def undo(self, session: Session):
+        """Remove the last exchange; its message goes back into the box.
+        -> (box, chat, session, notice)"""
+        if not session.turns:
+            return gr.skip(), render_history(session), session, "Nothing to undo."
+        turn = session.turns.pop()
+        return turn.user, render_history(session), session, ""
+
+    def new_conversation(self, session: Session | None = None):
+        """-> (box, chat, session, notice, A/B off, A/B on, verdict)"""
+        fresh = Session()
+        return ("", [], fresh, "", *ab_placeholders())
+
+    # -- A/B replay ------------------------------------------------------------------------
+
+    def ab_replay(self, session: Session, settings: Settings, request: gr.Request | None = None):
+        """Replay the last prompt with speculation off, then on (same seed and settings).
+        Yields (off panel, on panel, verdict, chat, session, notice)."""
+        if self.slot.engine is None:
+            yield *ab_placeholders(), gr.skip(), session, self._not_ready()
+            return
+        if not session.turns:
+            yield (*ab_placeholders(), gr.skip(), session,
+                   "Send a message first: A/B replays the last prompt.")
+            return
+        engine = self.slot.engine
+        cfg, notes = self.config(replace(settings, speculation=True))
+        if not cfg.speculation:
+            yield (*ab_placeholders(), gr.skip(), session,
+                   "No drafter is available, so there is nothing to compare.")
+            return
+        last = len(session.turns) - 1
+        prompt = session.turns[last].user
+        messages, _ = self.prompt_messages(session, last, self.system_prompt(settings, notes))
+        ids, stops = chat_prompt(engine.tokenizer, messages)
+        cfg.stop = tuple(stops)
+        stop = self._stop_event(request)
+        notice = " ".join(notes)
+        try:
+            yield from self._ab_runs(session, request, prompt, ids, cfg, stop, notice)
+        finally:
+            self._release(request, stop)
+
+    def _ab_runs(self, session, request, prompt, ids, cfg, stop, notice):
+        engine = self.slot.engine
+        runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
+
+        def panels(live: str | None = None):
+            return (ab_panel("Speculation off", *runs.get("off", ([], None)), live == "off"),
+                    ab_panel(f"Speculation on ({cfg.drafter}, k≤{cfg.draft_len})",
+                             *runs.get("on", ([], None)), live == "on"))
+
+        plain_id = None
+        for name, speculation in (("off", False), ("on", True)):
+            tokens: list[TokenEvent] = []
+            runs[name] = (tokens, None)
+            run_cfg = replace(cfg, speculation=speculation)
+            yield (*panels(name), f'<div class="sc-verdict">Replaying with speculation {name}…'
+                   "</div>", gr.skip(), session, gr.skip())
+            for result in self._drive(ids, run_cfg, stop, tokens):
+                if result is None:
+                    yield *panels(name), gr.skip(), gr.skip(), session, gr.skip()
+                else:
+                    runs[name] = (tokens, result)
+            yield *panels(), gr.skip(), gr.skip(), session, notice
+            reply = "".join(t.text for t in tokens)
+            stats = runs[name][1]
+            if name == "off":
+                plain_id = self._record(session, request, prompt, reply, stats)
+                if stats.stop_reason not in ("stopped", "error"):
+                    session.ab_plain.append(stats)
+            else:
+                self._record(session, request, prompt, reply, stats, baseline_turn_id=plain_id)
+            if stop.is_set() or stats.stop_reason == "error":
+                break
+        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact)
+        # The plain run is a baseline for this conversation's speculative replies too.
+        yield *panels(), verdict, render_history(session), session, notice
+
+
+def readable_error(error: str) -> str:
+    """An engine error as a sentence a user can act on; the chat goes on after it."""
+    if "out of memory" in error.lower():
+        return (f"Out of memory while generating ({error}). The reply so far is kept; try fewer "
+                "max new tokens, a shorter conversation (New conversation), or a smaller model.")
+    return f"Engine error: {error}. The reply so far is kept; you can retry or go on chatting."
+
+
+def _notice(message: str, request) -> str:
+    if request is not None and message:
+        gr.Warning(message)  # a toast as well as the line under the box
+    return message
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, None when the sequences are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
+               row_exact: bool = False) -> str:
+    (off_tokens, off), (on_tokens, on) = runs.get("off", ([], None)), runs.get("on", ([], None))
+    if off is None or on is None:
+        return '<div class="sc-verdict">Replay stopped before both runs finished.</div>'
+    speedup = on.tokens_per_s / off.tokens_per_s if off.tokens_per_s > 0 else 0.0
+    rows = [("", "speculation off", "speculation on"),
+            ("latency", f"{off.seconds:.2f} s", f"{on.seconds:.2f} s"),
+            ("first token", f"{off.ttft_s:.2f} s", f"{on.ttft_s:.2f} s"),
+            ("tokens/s", f"{off.tokens_per_s:.1f}", f"{on.tokens_per_s:.1f}"),
+            ("tokens", str(off.new_tokens), str(on.new_tokens)),
+            ("target passes", str(off.target_calls), str(on.target_calls))]
+    # A grid of divs, not a <table>: the theme's table styles fight ours.
+    table = "".join(f'<span class="{"sc-h" if i == 0 or j == 0 else ""}">{html.escape(c)}</span>'
+                    for i, row in enumerate(rows) for j, c in enumerate(row))
+    off_ids, on_ids = [t.id for t in off_tokens], [t.id for t in on_tokens]
+    diff = first_difference(off_ids, on_ids)
+    if "stopped" in (off.stop_reason, on.stop_reason):
+        same = "One run was stopped, so the texts are not compared."
+    elif diff is None:
+        same = ('<span class="sc-same">✓ Identical texts</span>: speculation changed the '
+                "speed, not the output.")
+    else:
+        def piece(tokens):
+            return html.escape(repr(tokens[diff].text)) if diff < len(tokens) else "(end)"
+        # Every drafter but a draft model replays plain sampling per seed: n-gram lookup and
+        # trees are one-hot, the head races with the target's own keyed numbers
+        # (sampling.Noise). A draft model's drafts take Leviathan's test, its own way.
+        if cfg.temperature > 0 and cfg.drafter == "model":
+            why = ("At temperature > 0 both runs sample from the same distribution, but a draft "
+                   "model's drafts pass Leviathan's test with random numbers of their own: the "
+                   "texts may differ while being equally likely (lossless in distribution, not "
+                   "per seed; the other drafters replay plain sampling per seed).")
+        elif quantization == "none" or row_exact:
+            how = ("row-exact attention: a verify pass computes the same logits as one-token "
+                   "passes, bit for bit" if row_exact else "unquantized weights")
+            what = "every emitted token being plain sampling's draw at its position" \
+                if cfg.temperature > 0 else "greedy decoding"
+            why = (f"With {how}, and {what}, the texts should match: this divergence is "
+                   "unexpected (a bug worth reporting).")
+        else:
+            why = (f"Decoding on a {html.escape(quantization)} target on this device: a verify "
+                   "pass over several tokens rounds slightly differently from one-token passes, "
+                   "so a near-tie can flip. Both texts are faithful samples of the model (on "
+                   "CPU, specchat's row-exact attention makes them match).")
+        same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
+                f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
+    return (f'<div class="sc-verdict"><b>Speedup: {speedup:.2f}×</b> '
+            f'(tokens/s on ÷ off)<div class="sc-ab-grid">{table}</div>{same}</div>')
+
+
+def warm_up(engine: Engine) -> None:
+    """A 4-token plain generation right after loading: the first forward passes pay one-time
+    costs (about 2.5 s on the embedded CPU model) that would otherwise land on the first reply
+    and make it look slow. Plain decoding only, so no drafter's timing policy sees it."""
+    ids, stops = chat_prompt(engine.tokenizer, [{"role": "user", "content": "Hello"}])
+    for _ in engine.stream(ids, GenerateConfig(max_new_tokens=4, speculation=False, seed=0,
+                                               stop=tuple(stops))):
+        pass

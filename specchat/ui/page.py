@@ -1,0 +1,185 @@
+"""The page's layout and event wiring, its theme and launch options."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+
+import gradio as gr
+
+from specchat.core.engine import Engine
+from specchat.drafters import LABELS as DRAFTER_LABELS
+from specchat.loader import LoadReport
+from specchat.stats.store import StatsStore
+from specchat.ui import stats_tab
+from specchat.ui.handlers import ChatApp
+from specchat.ui.render import ASSETS, ab_placeholders, asset, header_html, status_html
+from specchat.ui.state import MAX_DRAFT_LEN, Limits, ModelSlot, Session, Settings
+
+# ---------------------------------------------------------------------------------------------
+# Gradio wiring
+
+def build_ui(source: Engine | LoadReport | ModelSlot, store: StatsStore | None = None,
+             limits: Limits | None = None, is_owner_fn: Callable[[gr.Request], bool] | None
+             = None, min_interval: float = 0.05, defaults: Settings | None = None) -> gr.Blocks:
+    """The page. `source`: a ready Engine/LoadReport, or a ModelSlot still loading.
+    Pass the result to `launch` (which adds the CSS and theme)."""
+    return page(ChatApp(source, store, limits, is_owner_fn, min_interval), defaults)
+
+
+def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
+    """The chat page, wired to `self`'s handlers."""
+    d = defaults or Settings()
+    limits, slot = self.limits, self.slot
+    ready = slot.state == "ready"
+    with gr.Blocks(title="specchat · speculative decoding you can see") as demo:
+        session = gr.State(Session())
+        with gr.Row(equal_height=False):
+            header = gr.HTML(header_html(slot), elem_id="sc-header", scale=4)
+            status = gr.HTML(status_html(slot), elem_id="sc-status", scale=1, min_width=200)
+        with gr.Tabs():
+            with gr.Tab("Chat", id="chat"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=3, min_width=380):
+                        gr.HTML(asset("legend.html"))
+                        chat = gr.Chatbot(
+                            label="Chat", show_label=False, elem_id="sc-chat", height=540,
+                            render_markdown=False,
+                            sanitize_html=True, latex_delimiters=[], feedback_options=None,
+                            autoscroll=True, buttons=[],
+                            placeholder="Ask something. Replies stream in as the target verifies "
+                                        "each batch of draft tokens.")
+                        with gr.Row(equal_height=True):
+                            box = gr.Textbox(show_label=False, placeholder="Message (Enter to "
+                                             "send, Shift+Enter for a new line)", lines=1,
+                                             max_lines=10, scale=6, autofocus=True,
+                                             elem_id="sc-input", interactive=ready)
+                            with gr.Column(scale=1, min_width=110):
+                                send = gr.Button("Send", variant="primary", elem_id="sc-send",
+                                                 interactive=ready)
+                                stop_btn = gr.Button("Stop", variant="stop", elem_id="sc-stop")
+                        notice = gr.Markdown("", elem_id="sc-notice", elem_classes="sc-notice")
+                        with gr.Row():
+                            retry_btn = gr.Button("↻ Retry", size="sm", elem_id="sc-retry")
+                            undo_btn = gr.Button("↶ Undo", size="sm", elem_id="sc-undo")
+                            new_btn = gr.Button("✚ New conversation", size="sm",
+                                                elem_id="sc-new")
+                            ab_btn = gr.Button("⇄ A/B replay", size="sm", variant="secondary",
+                                               elem_id="sc-ab", interactive=ready)
+                    with gr.Column(scale=1, min_width=260):
+                        gr.Markdown("#### Speculation")
+                        speculation = gr.Checkbox(value=d.speculation, label="Speculative decoding",
+                                                  elem_id="sc-speculation")
+                        choices = self.drafters() or ["ngram"]
+                        drafter = gr.Radio(
+                            [(DRAFTER_LABELS.get(c, c), c) for c in choices],
+                            value=d.drafter if d.drafter in choices else choices[0],
+                            label="Drafter", elem_id="sc-drafter")
+                        draft_len = gr.Slider(1, MAX_DRAFT_LEN, value=d.draft_len, step=1,
+                                              label="Draft length k (most drafts per step)")
+                        adaptive = gr.Checkbox(value=d.adaptive, label="Adapt k to measured "
+                                               "acceptance and cost")
+                        gr.Markdown("#### Sampling")
+                        temperature = gr.Slider(0, 2, value=d.temperature, step=0.05,
+                                                label="Temperature (0 = greedy)")
+                        top_p = gr.Slider(0.05, 1, value=d.top_p, step=0.05, label="Top-p")
+                        top_k = gr.Slider(0, 200, value=d.top_k, step=1, label="Top-k (0 = off)")
+                        max_new = gr.Slider(1, limits.max_new_tokens_cap,
+                                            value=min(d.max_new_tokens, limits.max_new_tokens_cap),
+                                            step=1, label=f"Max new tokens (cap "
+                                                          f"{limits.max_new_tokens_cap})")
+                        seed = gr.Number(value=d.seed, precision=0,
+                                         label="Seed (-1 = random each reply)")
+                        system = gr.Textbox(value=d.system, label="System prompt", lines=3,
+                                            placeholder="Optional instructions for the model")
+                with gr.Group():
+                    with gr.Row(equal_height=False):
+                        off_panel, on_panel, verdict_empty = ab_placeholders()
+                        ab_off = gr.HTML(off_panel, elem_id="sc-ab-off")
+                        ab_on = gr.HTML(on_panel, elem_id="sc-ab-on")
+                    verdict = gr.HTML(verdict_empty, elem_id="sc-ab-verdict")
+            with gr.Tab("Stats", id="stats") as tab:
+                stats = stats_tab.build_stats_tab(self.store, self.is_owner_fn, demo)
+                stats.refresh_on(tab.select)
+        timer = gr.Timer(1.0, active=not ready and slot.state != "failed")
+
+        controls = [system, speculation, drafter, draft_len, adaptive, temperature, top_p, top_k,
+                    max_new, seed]
+
+        # Explicit parameters: gradio injects `request` only into a named, annotated one.
+        def on_bot(state, system, speculation, drafter, draft_len, adaptive, temperature, top_p,
+                   top_k, max_new_tokens, seed, request: gr.Request):
+            yield from self.bot(state, Settings(system, speculation, drafter, draft_len, adaptive,
+                                                temperature, top_p, top_k, max_new_tokens, seed),
+                                request)
+
+        def on_ab(state, system, speculation, drafter, draft_len, adaptive, temperature, top_p,
+                  top_k, max_new_tokens, seed, request: gr.Request):
+            yield from self.ab_replay(state, Settings(system, speculation, drafter, draft_len,
+                                                      adaptive, temperature, top_p, top_k,
+                                                      max_new_tokens, seed), request)
+
+        def on_user(text, state, request: gr.Request):
+            return self.user(text, state, request)
+
+        def on_stop(request: gr.Request):
+            return self.stop(request) or gr.skip()
+
+        def on_page(request: gr.Request):
+            now_ready = slot.state == "ready"
+            choices = self.drafters() or ["ngram"]
+            # A failed load is also said in the chat itself, where the user looks.
+            failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
+                       f"failed to load: {html.escape(slot.error)}</div>"}]
+            return (header_html(slot), status_html(slot),
+                    failed if slot.state == "failed" else gr.skip(),
+                    gr.Radio(choices=[(DRAFTER_LABELS.get(c, c), c) for c in choices],
+                             value=d.drafter if d.drafter in choices else choices[0]),
+                    gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
+                    gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"))
+
+        private = dict(api_visibility="private")
+        engine_lane = dict(concurrency_id="engine", concurrency_limit=1, **private)
+        instant = dict(concurrency_limit=None, show_progress="hidden", **private)
+        chat_out = [chat, session, notice]
+
+        for trigger in (box.submit, send.click):
+            trigger(on_user, [box, session], [box, chat, session, notice], **instant).then(
+                on_bot, [session, *controls], chat_out, show_progress="minimal", **engine_lane)
+        retry_btn.click(self.retry, session, chat_out, **instant).then(
+            on_bot, [session, *controls], chat_out, show_progress="minimal", **engine_lane)
+        undo_btn.click(self.undo, session, [box, chat, session, notice], **instant)
+        new_outputs = [box, chat, session, notice, ab_off, ab_on, verdict]
+        new_btn.click(self.new_conversation, session, new_outputs, **instant)
+        chat.clear(self.new_conversation, session, new_outputs, **instant)
+        ab_btn.click(on_ab, [session, *controls], [ab_off, ab_on, verdict, chat, session, notice],
+                     show_progress="minimal", **engine_lane)
+        stop_btn.click(on_stop, None, notice, queue=False, **private)
+        page_out = [header, status, chat, drafter, box, send, ab_btn, timer]
+        timer.tick(on_page, None, page_out, **instant)
+        demo.load(on_page, None, page_out, **instant)
+    return demo
+
+
+def theme() -> gr.themes.Base:
+    # Local font stacks only: the page must not wait on a font CDN when offline.
+    return gr.themes.Soft(primary_hue="emerald", secondary_hue="blue", neutral_hue="slate",
+                          font=["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI",
+                                "Roboto", "sans-serif"],
+                          font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas",
+                                     "monospace"]).set(
+        block_title_background_fill="transparent", block_title_text_color="*neutral_700",
+        block_title_text_color_dark="*neutral_200", block_label_background_fill="transparent",
+        block_label_text_color="*neutral_500", block_title_padding="0")
+
+
+def launch_kwargs() -> dict:
+    """What `demo.launch` needs besides host/port/share/auth (gradio 6: theme/css live here)."""
+    return dict(css=asset("specchat.css"), theme=theme(), favicon_path=str(ASSETS / "logo.svg"),
+                footer_links=["gradio", "settings"])
+
+
+def launch(demo: gr.Blocks, **kwargs):
+    """demo.queue(...).launch(...) with specchat's CSS and theme; kwargs go to launch()."""
+    demo.queue(default_concurrency_limit=1, max_size=64)
+    return demo.launch(**launch_kwargs(), **kwargs)

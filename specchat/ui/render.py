@@ -1,0 +1,265 @@
+"""HTML for the page: colored tokens, stats lines, headers, the A/B panels."""
+
+from __future__ import annotations
+
+import bisect
+import html
+import re
+import time
+from pathlib import Path
+
+from specchat.core.events import ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, TokenEvent
+from specchat.ui.state import ModelSlot, Session, Turn
+
+KIND_WORDS = {ACCEPTED: "accepted", RESAMPLED: "resampled", BONUS: "bonus", TARGET: "target"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (pure functions of tokens and stats)
+
+def token_title(tok: TokenEvent) -> str:
+    kind = KIND_WORDS.get(tok.kind, tok.kind)
+    if tok.step == 0:
+        return f"{kind} · prefill (first token)"
+    if tok.step_drafted == 0:
+        return f"{kind} · step {tok.step} · no draft"
+    return f"{kind} · step {tok.step} · accepted {tok.step_accepted}/{tok.step_drafted}"
+
+
+_INLINE = [(re.compile(r"`[^`\n]+`"), "sc-icode"), (re.compile(r"\*\*[^*\n]+?\*\*"), "sc-bold")]
+
+
+def markup_ranges(text: str) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
+    """Blocks [(start, end, "text"|"code")] covering `text`, and styled ranges
+    [(start, end, css class)]: fence lines, inline code, bold. A fence still open while
+    streaming runs to the end of the text."""
+    blocks, marks = [], []
+    start, pos, in_code = 0, 0, False
+    for line in text.splitlines(keepends=True):
+        end = pos + len(line)
+        if line.lstrip(" \t").startswith("```"):
+            marks.append((pos, end, "sc-fence"))
+            if in_code:
+                blocks.append((start, end, "code"))
+                start = end
+            else:
+                if pos > start:
+                    blocks.append((start, pos, "text"))
+                start = pos
+            in_code = not in_code
+        pos = end
+    if start < len(text):
+        blocks.append((start, len(text), "code" if in_code else "text"))
+    for s, e, kind in blocks:
+        if kind == "text":
+            for pattern, css in _INLINE:
+                marks.extend((s + m.start(), s + m.end(), css) for m in pattern.finditer(text[s:e]))
+    return blocks, marks
+
+
+_OPEN = {"text": '<div class="sc-text">', "code": '<pre class="sc-code"><code>'}
+_CLOSE = {"text": "</div>", "code": "</code></pre>"}
+
+
+def render_tokens(tokens: list[TokenEvent], streaming: bool = False) -> str:
+    """A reply as HTML: one span per token (split where markup starts or ends)."""
+    text = "".join(t.text for t in tokens)
+    blocks, marks = markup_ranges(text)
+    cuts = sorted({0, len(text), *(p for b in blocks for p in b[:2]),
+                   *(p for m in marks for p in m[:2])})
+    # Between two cuts nothing changes: one block kind and one set of classes per interval.
+    kinds, extras = {}, {c: "" for c in cuts}
+    for start, end, kind in blocks:
+        for c in cuts[bisect.bisect_left(cuts, start):bisect.bisect_left(cuts, end)]:
+            kinds[c] = kind
+    for start, end, css in marks:
+        for c in cuts[bisect.bisect_left(cuts, start):bisect.bisect_left(cuts, end)]:
+            extras[c] += f" {css}"
+    out, current, pos = ['<div class="sc-reply">'], None, 0
+    for tok in tokens:
+        if not tok.text:
+            continue  # an incomplete multi-byte character: its text arrives with the next token
+        a, b = pos, pos + len(tok.text)
+        pos = b
+        css = f"tk tk-{tok.kind}"
+        title = html.escape(token_title(tok), quote=True)
+        i = bisect.bisect_right(cuts, a)
+        edges = [a]
+        while i < len(cuts) and cuts[i] < b:
+            edges.append(cuts[i])
+            i += 1
+        edges.append(b)
+        for s, e in zip(edges, edges[1:]):
+            at = cuts[bisect.bisect_right(cuts, s) - 1]  # the interval this piece lies in
+            kind = kinds[at]
+            if kind != current:
+                if current:
+                    out.append(_CLOSE[current])
+                out.append(_OPEN[kind])
+                current = kind
+            out.append(f'<span class="{css}{extras[at]}" title="{title}">'
+                       f'{html.escape(text[s:e], quote=False)}</span>')
+    if streaming:
+        if current is None:
+            out.append(_OPEN["text"])
+            current = "text"
+        out.append('<span class="sc-cursor"></span>')
+    if current:
+        out.append(_CLOSE[current])
+    out.append("</div>")
+    return "".join(out)
+
+
+def plain_baseline(runs: list[GenerationStats], temperature: float) -> float | None:
+    """Mean tokens/s of finished plain runs at this temperature (the stats store's rule)."""
+    rates = [s.tokens_per_s for s in runs
+             if not s.speculation and s.stop_reason not in ("stopped", "error")
+             and s.tokens_per_s > 0 and round(s.temperature, 4) == round(temperature, 4)]
+    return sum(rates) / len(rates) if rates else None
+
+
+STOP_WORDS = {"eos": "", "stop_string": "", "length": "max tokens reached",
+              "stopped": "stopped by you", "error": "error"}
+
+
+def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = True) -> str:
+    """The line under a reply: speed, tokens, acceptance, target passes, speedup."""
+    def chip(value: str, label: str = "", css: str = "", title: str = "") -> str:
+        attrs = (f' class="{css}"' if css else "") + \
+            (f' title="{html.escape(title, quote=True)}"' if title else "")
+        label = f" {html.escape(label)}" if label else ""
+        return f"<span{attrs}><b>{html.escape(value)}</b>{label}</span>"
+
+    parts = [chip(f"{stats.tokens_per_s:.1f}", "tok/s"), chip(str(stats.new_tokens), "tokens"),
+             chip(f"{stats.seconds:.2f} s")]
+    if stats.speculation:
+        parts += [chip(f"{stats.acceptance_rate:.0%}", "accepted", "",
+                       f"{stats.accepted} of {stats.drafted} draft tokens accepted"),
+                  chip(f"{stats.mean_accepted_len:.2f}", "mean accepted length", "",
+                       "tokens emitted per speculative step (accepted drafts + 1)"),
+                  chip(str(stats.target_calls), "target passes", "",
+                       "target forward passes, prefill included")]
+        if not speedup:
+            pass  # shown elsewhere (the A/B verdict)
+        elif baseline:
+            parts.append(chip(f"{stats.tokens_per_s / baseline:.2f}×", "vs plain", "sc-speedup",
+                              f"tokens/s over this conversation's plain tokens/s "
+                              f"({baseline:.1f} at the same temperature)"))
+        else:
+            parts.append(chip("no plain baseline yet", "", "",
+                              "Speedup needs a plain reply at the same temperature in this "
+                              "conversation: turn speculation off for a reply, or run A/B replay."))
+        k = f"k≤{stats.draft_len}"
+        if stats.tree_nodes:
+            k += f", trees of ≤{stats.tree_nodes}"
+        parts.append(chip(stats.drafter, f"drafter, {k}"))
+    else:
+        parts += [chip(str(stats.target_calls), "target passes"), chip("speculation off")]
+    if stats.seed is not None:
+        parts.append(chip(str(stats.seed), "seed"))
+    word = STOP_WORDS.get(stats.stop_reason, stats.stop_reason)
+    if word:
+        parts.append(chip(word, "", "sc-stop"))
+    return f'<div class="sc-stats">{"".join(parts)}</div>'
+
+
+def render_turn(turn: Turn, baseline: float | None, streaming: bool = False) -> str:
+    if streaming or not turn.stats:
+        body = render_tokens(turn.tokens, streaming)
+    elif turn.body_html:
+        body = turn.body_html  # a finished reply never changes: render it once
+    else:
+        body = turn.body_html = render_tokens(turn.tokens) if turn.reply else \
+            '<div class="sc-reply"><span class="sc-empty">(empty reply)</span></div>'
+    parts = [body]
+    if turn.stats and turn.stats.error:
+        parts.append(f'<div class="sc-error">⚠ {html.escape(turn.stats.error)}</div>')
+    if turn.stats:
+        parts.append(stats_line(turn.stats, baseline))
+    parts += [f'<div class="sc-note">{html.escape(n)}</div>' for n in turn.notes]
+    return "".join(parts)
+
+
+def user_html(text: str) -> str:
+    return f'<div class="sc-user">{html.escape(text, quote=False)}</div>'
+
+
+def render_history(session: Session, streaming: bool = False) -> list[dict]:
+    """The session as Chatbot messages; the last turn shows a cursor while streaming."""
+    plain = [t.stats for t in session.turns if t.stats] + session.ab_plain
+    messages = []
+    for i, turn in enumerate(session.turns):
+        messages.append({"role": "user", "content": user_html(turn.user)})
+        live = streaming and i == len(session.turns) - 1
+        if turn.stats or live:
+            baseline = plain_baseline(plain, turn.stats.temperature) if turn.stats else None
+            messages.append({"role": "assistant", "content": render_turn(turn, baseline, live)})
+    if session.pending is not None:
+        messages.append({"role": "user", "content": user_html(session.pending)})
+    return messages
+
+
+def ab_placeholders() -> tuple[str, str, str]:
+    hint = ('<div class="sc-ab-placeholder">A/B replay runs the last prompt with speculation '
+            'off, then on, with the same seed and settings.</div>')
+    return (ab_panel("Speculation off", [], None, False, hint),
+            ab_panel("Speculation on", [], None, False, hint), "")
+
+
+def ab_panel(title: str, tokens: list[TokenEvent], stats: GenerationStats | None,
+             live: bool, placeholder: str = "") -> str:
+    body = placeholder or render_tokens(tokens, live)
+    line = stats_line(stats, None, speedup=False) if stats else ""
+    error = f'<div class="sc-error">⚠ {html.escape(stats.error)}</div>' \
+        if stats and stats.error else ""
+    return f'<div class="sc-ab-panel"><h3>{html.escape(title)}</h3>{body}{error}{line}</div>'
+
+
+# ---------------------------------------------------------------------------------------------
+# Header and status
+
+def header_html(slot: ModelSlot) -> str:
+    logo = asset("logo.svg")
+    top = (f'<div class="sc-header">{logo}<div><h1>specchat</h1><div class="sc-tagline">'
+           "Speculative decoding you can see: a small draft proposes, the target verifies, "
+           "every token is colored by how it was produced.</div></div></div>")
+    return top + models_html(slot)
+
+
+def models_html(slot: ModelSlot) -> str:
+    if slot.report is None:
+        what = html.escape(slot.description or "the models")
+        verb = "Could not load" if slot.state == "failed" else "Loading"
+        return f'<div class="sc-models"><span>{verb} {what}</span></div>'
+    engine, report = slot.report.engine, slot.report
+    drafters = []
+    if report.draft is not None:
+        drafters.append(f"<code>{html.escape(report.draft.label)}</code>")
+    elif "model" in engine.drafters:
+        drafters.append("<code>draft model</code>")
+    if "ngram" in engine.drafters:
+        drafters.append("<code>n-gram prompt lookup</code>")
+    if "head" in engine.drafters:
+        drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
+    notes = "".join(f'<div class="sc-note">⚠ {html.escape(n)}</div>' for n in report.notes)
+    return (f'<div class="sc-models"><span>Target: <code>{html.escape(engine.target.label)}'
+            f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span></div>{notes}")
+
+
+def status_html(slot: ModelSlot) -> str:
+    share = f'<div class="sc-note">{html.escape(slot.share_note)}</div>' if slot.share_note else ""
+    if slot.state == "ready":
+        return f'<div class="sc-status sc-status-ready">● Ready</div>{share}'
+    if slot.state == "failed":
+        return (f'<div class="sc-status sc-status-failed">✖ The models failed to load; the chat '
+                f"is disabled.<pre>{html.escape(slot.error)}</pre></div>{share}")
+    elapsed = time.monotonic() - slot.started
+    last = html.escape(slot.lines[-1]) if slot.lines else "starting…"
+    return (f'<div class="sc-status sc-status-loading"><span class="sc-spinner"></span>Loading '
+            f"models… {elapsed:.0f} s ({last})</div>{share}")
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+
+def asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")

@@ -1,0 +1,120 @@
+"""Per-visitor state (settings, turns, session) and the model slot that loads in the background."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specchat.core.engine import Engine
+from specchat.core.events import GenerationStats, TokenEvent
+from specchat.loader import LoadReport
+from specchat.models.loaded import ModelLoadError
+
+MAX_DRAFT_LEN = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and per-browser state
+
+@dataclass
+class Limits:
+    """Server-side caps: a visitor of a shared link cannot go past these from the page or API."""
+    max_input_chars: int = 4000  # one user message
+    max_new_tokens_cap: int = 1024  # per reply
+    max_history_chars: int = 24000  # older turns beyond this are left out of the prompt
+
+
+@dataclass
+class Settings:
+    """What the page's controls say for one request (raw values: `ChatApp.config` checks them)."""
+    system: str = ""  # system prompt
+    speculation: bool = True
+    drafter: str = ""  # "model" | "combined" | "ngram" | "head"; "" = the engine's default
+    draft_len: int = 4  # k
+    adaptive: bool = True  # let k follow measured acceptance
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    seed: int = -1  # -1: a fresh random seed per reply (shown in the stats line)
+
+
+@dataclass
+class Turn:
+    user: str
+    tokens: list[TokenEvent] = field(default_factory=list)  # as the engine emitted them
+    stats: GenerationStats | None = None  # None while streaming
+    notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
+    turn_id: int | None = None  # row id in the stats store
+    body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
+
+    @property
+    def reply(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+
+@dataclass
+class Session:
+    """One browser's conversation (a gr.State: visitors never see each other's)."""
+    turns: list[Turn] = field(default_factory=list)
+    pending: str | None = None  # a user message echoed in the chat, waiting for its reply
+    conversation_id: str | None = None  # in the stats store, created with the first turn
+    ab_plain: list[GenerationStats] = field(default_factory=list)  # A/B plain runs: baselines
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: loaded in the background while the page is already up
+
+class ModelSlot:
+    """The models the page serves: loading (with progress lines), ready, or failed."""
+
+    def __init__(self, report: LoadReport | None = None, description: str = ""):
+        self.report = report
+        self.description = description  # what is being loaded, shown while loading
+        self.error = ""
+        self.lines: list[str] = []
+        self.started = time.monotonic()
+        self.share_note = ""  # set by the launcher when a share link could not be made
+
+    @classmethod
+    def of(cls, source: Engine | LoadReport | ModelSlot) -> ModelSlot:
+        if isinstance(source, ModelSlot):
+            return source
+        if isinstance(source, Engine):
+            source = LoadReport(source, None, [])
+        return cls(source)
+
+    @property
+    def state(self) -> str:
+        return "ready" if self.report else "failed" if self.error else "loading"
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.report.engine if self.report else None
+
+    def progress(self, message: str) -> None:
+        message = str(message).strip()
+        if message:
+            self.lines.append(message)
+            print(f"specchat: {message}", file=sys.stderr, flush=True)
+
+    def load(self, loader: Callable[[Callable[[str], None]], LoadReport]) -> threading.Thread:
+        """Run loader(progress) in a daemon thread; the page polls `state`."""
+        def run():
+            try:
+                self.report = loader(self.progress)
+                self.progress(f"Ready in {time.monotonic() - self.started:.0f} s.")
+            except ModelLoadError as e:  # says why, in words a user can act on
+                self.error = str(e)
+            except Exception as e:  # anything else: say what it was
+                self.error = f"{type(e).__name__}: {e}"
+            if self.error:
+                print(f"specchat: model loading failed: {self.error}", file=sys.stderr)
+
+        self.started = time.monotonic()
+        thread = threading.Thread(target=run, name="specchat-load", daemon=True)
+        thread.start()
+        return thread
