@@ -62,12 +62,23 @@ def model_choice(args) -> tuple[str, str]:
     return target or "embedded", draft or ""
 
 
-def load_from_args(args, progress):
+def load_from_args(args):
+    """Load the models the arguments name, reporting progress and notes on stderr. Returns the
+    `LoadReport`, or None after printing why the models could not be loaded."""
     from specchat.loader import load_engine
+    from specchat.models.loaded import ModelLoadError
     target, draft = model_choice(args)
-    return load_engine(target, draft, args.quantization, args.draft_quantization,
-                       None if args.device == "auto" else args.device, progress,
-                       head=getattr(args, "head", None))
+    try:
+        report = load_engine(target, draft, args.quantization, args.draft_quantization,
+                             None if args.device == "auto" else args.device,
+                             lambda msg: print(msg, file=sys.stderr),
+                             head=getattr(args, "head", None))
+    except ModelLoadError as e:
+        print(f"specchat: {e}", file=sys.stderr)
+        return None
+    for note in report.notes:
+        print(f"specchat: {note}", file=sys.stderr)
+    return report
 
 
 def config_from_args(args, report):

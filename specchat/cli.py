@@ -1,7 +1,7 @@
 """Headless command line: `python -m specchat generate|bench|stats ...`.
 
-`generate --json` writes one JSON line per emitted token and a final stats line (DESIGN.md's
-contract: checks outside the test suite rely on it; extend, don't change).
+`generate --json` writes one JSON line per emitted token and a final stats line (the contract
+in docs/design.md: tools outside the test suite rely on it; extend it, never change it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from specchat.train.cli import add_cli as add_train_draft
 def cmd_generate(args) -> int:
     from specchat.core.events import GenerationStats, TokenEvent
     from specchat.core.text import chat_prompt, raw_prompt
-    from specchat.models.loaded import ModelLoadError
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -40,13 +39,9 @@ def cmd_generate(args) -> int:
     if args.json:  # keep stderr readable for scripts: no weight-loading progress bars
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-    try:
-        report = load_from_args(args, lambda msg: print(msg, file=sys.stderr))
-    except ModelLoadError as e:
-        print(f"specchat: {e}", file=sys.stderr)
+    report = load_from_args(args)
+    if report is None:
         return 1
-    for note in report.notes:
-        print(f"specchat: {note}", file=sys.stderr)
     engine = report.engine
     cfg = config_from_args(args, report)
     if args.raw:

@@ -1,4 +1,4 @@
-"""The headless contract (DESIGN.md): `python -m specchat generate ... --json`."""
+"""The headless contract (docs/design.md): `python -m specchat generate ... --json`."""
 
 import json
 import os

@@ -286,7 +286,7 @@ def test_sampled_one_hot_speculation_replays_plain_sampling(sampling, k):
 
 
 def test_verify_cost_line_has_a_fixed_part():
-    """A 2-token verify costing 1.2 steps and an 11-token one 1.9 (this CPU: the one-token
+    """A 2-token verify costing 1.2 steps and an 11-token one 1.9 (a one-token
     step's LM head is a cheaper matrix-vector product) is a line with a fixed part, not a
     line through the one-token step."""
     from specchat.core.policy import DraftLengthPolicy

@@ -79,7 +79,6 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def cmd_bench(args) -> int:
     from specchat.args import load_from_args
-    from specchat.models.loaded import ModelLoadError
 
     path = args.questions or default_questions_path()
     if path is None:
@@ -106,13 +105,9 @@ def cmd_bench(args) -> int:
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)
-    try:
-        report = load_from_args(args, lambda msg: print(msg, file=sys.stderr))
-    except ModelLoadError as e:
-        print(f"specchat: {e}", file=sys.stderr)
+    report = load_from_args(args)
+    if report is None:
         return 1
-    for note in report.notes:
-        print(f"specchat: {note}", file=sys.stderr)
     loaded_peak_mb, loaded_rss_mb = peak_rss_mb(), current_rss_mb()
     engine = report.engine
     assistant = report.draft.model if report.draft else None

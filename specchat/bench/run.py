@@ -22,7 +22,7 @@ Numbers (the pure functions below, tested on synthetic step records in tests/tes
   each item's tokens and seconds being medians over `--repeats`; speedup = that over `plain`'s on
   the same items. Counts (drafted, accepted, target calls) pool every repeat.
 - alpha = accepted / (accepted + rejections): the per-position acceptance estimate of Leviathan et
-  al. 2022 (DESIGN.md's definition); c = draft seconds per drafted token / seconds of a plain
+  al. 2022 (docs/design.md); c = draft seconds per drafted token / seconds of a plain
   target step; verify ratio = seconds of a speculative step's target forward (k + 1 tokens fed)
   / the plain step's. A draft tree (tree.py) counts as a chain as long as its depth: k is the
   depth, alpha the chance the accepted path goes one level further, c the draft seconds per

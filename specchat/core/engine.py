@@ -56,11 +56,9 @@ TREE_NODES = 10
 
 
 def default_tree_nodes(temperature: float, drafter: str = "head") -> int:
-    """Trees for the head alone when greedy, chains otherwise. By `bench` on 65 Spec-Bench
-    questions (README): greedy, the head's trees tie or beat its chains (1.08x vs 1.09x, 1.16x
-    vs 1.09x in an earlier run), but `combined` is faster with chains (1.61x vs 1.57x, 1.68x vs
-    1.59x); at T = 0.7 `combined` chains and trees tie (1.30x vs 1.31x), so chains, the
-    simpler."""
+    """Trees for the head alone when greedy, chains otherwise: in the bench
+    (docs/performance.md) greedy trees help the head alone, while `combined` is as fast or
+    faster with chains, the simpler, and sampled replies gain nothing from trees."""
     return TREE_NODES if temperature <= 0 and drafter == "head" else 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-# How a token was produced (see DESIGN.md, "Token kinds").
+# How a token was produced (docs/design.md, "Token kinds").
 ACCEPTED = "accepted"  # proposed by the draft, accepted by verification
 RESAMPLED = "resampled"  # target's token after it rejected a draft, drawn from (p - q)+
 BONUS = "bonus"  # target's token after every draft of the step passed, drawn from p_{k+1}

@@ -24,16 +24,14 @@ class DraftLengthPolicy:
         self.margin = margin
         self._tests: dict[object, list[float]] = {}  # class -> [successes, failures]
         # Verify cost for m > 1 tokens fed: step_s * (1 + fixed + slope * (m - 1)). A wider
-        # forward pays a fixed price (on this CPU a one-token step's LM head is a matrix-vector
-        # product; two rows or more take the slower matrix path: 2 tokens cost 1.2 steps) and
-        # then a little per token (11 tokens: 1.9). One line fitted from every step's (m, cost),
+        # forward pays a fixed price (a one-token step's LM head is a matrix-vector product;
+        # two rows or more take the slower matrix path) and then a little per token. One line fitted from every step's (m, cost),
         # so a single noisy measurement at some m cannot lock k low for good.
         self.step_s = 0.0  # EMA seconds of a 1-token (plain) step
         self.slope_prior = 0.05  # wide forwards are nearly free (LM-head/weight-read bound)
         self._fit = [0.0] * 5  # decayed sums: weight, x, y, x^2, xy for x = m - 1, y = ratio - 1
-        # The same y per width m, where measured often enough: costs need not lie on a line.
-        # With MKL's float32 products on an AVX2 CPU, 2-4 tokens cost what one did (1.00-1.08
-        # steps) and 5 tokens 1.6-1.9: the line mispriced both.
+        # The same y per width m, where measured often enough: costs need not lie on a line
+        # (a BLAS may price 2-4 rows like one and jump at 5, which a line misprices).
         self._width: dict[int, list[float]] = {}  # m -> decayed [weight, sum of y]
         self.draft_token_s = 0.0
         self.plain_streak = 0

@@ -4,8 +4,9 @@ Miao et al. 2023; EAGLE-2, Li et al. 2024).
 A chain of drafts is lost from its first wrong token on. A tree keeps a few alternatives where the
 drafter is unsure: the target reads every node in one forward, each node attending to the context
 and its own ancestors only (a tree attention mask), and the step keeps the longest path the target
-agrees with. On this CPU a wider forward is nearly free (the 262k-row LM head dominates a step),
-so a dozen nodes cost little more than a chain of three.
+agrees with. A wider forward costs more where the
+hardware makes it so; the draft-length policy measures that price (policy.py) and the bench
+reports it (docs/performance.md).
 
 Verification draws the target's token at each node exactly as plain decoding would (argmax, or
 `sample_row` with the keyed random numbers of the node's reply position) and walks down while

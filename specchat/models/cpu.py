@@ -16,15 +16,13 @@ import torch
 from specchat.models import kernels
 from specchat.models.memory import _release_freed_memory
 
-# Rows (tokens) from which dequantize-then-matmul beats bitsandbytes' fused CPU kernel. Measured
-# over the embedded target's 126 NF4 layers (2-core Xeon with AMX): dequantizing them all costs
-# ~100 ms whatever the rows; the fused kernel costs 35 ms at 1 row, 105 ms at 32, 280 ms at 94,
-# 570 ms at 200, and the bf16 matmuls after dequantizing 35-60 ms up to 94 rows. Speculative
-# verifies (k + 1 <= 11 rows) stay fused.
+# Rows (tokens) from which dequantize-then-matmul beats bitsandbytes' fused CPU kernel:
+# dequantizing costs the same whatever the rows, while the fused kernel pays per row
+# (docs/cpu.md has the measurements). Speculative verifies (k + 1 <= 11 rows) stay fused.
 WIDE_ROWS = 64
 WIDE_CHUNK = 256  # rows per matmul, padded to a multiple of 64: at most 4 shapes per weight.
-# oneDNN keeps a primitive (and its buffers) per matmul shape; one shape per prompt length grew
-# resident memory by ~300 MB over 30 prompt lengths.
+# oneDNN keeps a primitive (and its buffers) per matmul shape; one shape per prompt length
+# would grow resident memory with every new prompt length.
 
 
 def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
@@ -33,14 +31,13 @@ def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
 
     - Inputs of `min_rows` tokens or more (prefill, feature extraction) go through the dense
       weight: dequantize to bf16, then plain matmuls. The fused kernel is fast for one token
-      but pays per row: prompts of 94 / 300 / 800 tokens took 0.30 / 0.84 / 2.47 s to encode
-      on the embedded target, 0.20 / 0.33 / 0.84 s this way. Each layer keeps its weight in
-      bitsandbytes' canonical layout for this (+50 MB for the embedded target), taken before
-      bitsandbytes repacks it. Outputs match the fused kernel up to bf16 rounding.
+      but pays per row, so long prompts encode faster this way. Each layer keeps its weight in
+      bitsandbytes' canonical layout for this (a second copy of the 4-bit weights), taken
+      before bitsandbytes repacks it. Outputs match the fused kernel up to bf16 rounding.
     - Narrower inputs (decoding, verifies) call the fused kernel's C function directly, once it
-      gave bit-identical output through bitsandbytes' own path. That path spends ~0.07 ms of
-      Python per call (checks, two dispatches, dtype casts): 9 ms of a 70 ms decoding step
-      over the embedded target's 126 layers.
+      gave bit-identical output through bitsandbytes' own path. That path spends Python time on
+      every call (checks, two dispatches, dtype casts), a visible share of a decoding step
+      over a model's hundred-odd layers.
     The model is the same NF4 model either way, and transformers' `generate` gets it too.
     """
     try:
@@ -119,8 +116,7 @@ class _CpuNF4Forward:
 
 def cpu_computes_bf16() -> bool:
     """Whether this CPU has native bf16 (AVX512-BF16, AMX). Without it oneDNN emulates bf16
-    matmuls: on a 2-core AVX2 EPYC an 11-row [2048 x 640] linear took 1.8 ms in bf16 and
-    0.65 ms in float32, so there the model computes in float32."""
+    matmuls, slower than float32 ones (docs/cpu.md), so there the model computes in float32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -234,11 +230,10 @@ def _rows_independent(product, x: torch.Tensor) -> bool:
 def dense_cpu_nf4(model, share: float = DENSE_SHARE) -> int:
     """On CPUs without bitsandbytes' fused NF4 kernel (no AVX512-BF16), dequantize each NF4
     layer once and keep the dense weight in the compute dtype. bitsandbytes' fallback
-    dequantizes every weight at every call: on a 2-core AVX2 EPYC that was 190 of a decoding
-    step's 330 ms on the embedded target. The weights are the NF4 model's own values, so the
-    model computes the same function; only memory grows (4 bytes a weight in float32: +400 MB
-    for the embedded target). Skipped when the copies would take more than `share` of the
-    machine's memory (a 7B target: 28 GB). In float32 the copies are packed for oneDNN where
+    dequantizes every weight at every call, most of a decoding step. The weights are the NF4 model's own values, so the
+    model computes the same function; only memory grows (4 bytes a weight in float32). Skipped
+    when the copies would take more than `share` of the machine's memory (a 7B target would
+    need 28 GB). In float32 the copies are packed for oneDNN where
     that is row-exact (`_pack`). Returns the layers changed."""
     layers = _cpu_nf4_layers(model)
     dtype = next((m.compute_dtype for m in layers if m.compute_dtype is not None),
@@ -281,8 +276,8 @@ class _DenseForward:
 def dense_nf4(model):
     """While active, every forward of the model's NF4 layers on CPU (see `fast_cpu_nf4`) reads
     a dequantized bf16 copy of the weights, kept for the duration: batched decoding, where the
-    fused kernel pays per row and dequantizing at every call costs ~100 ms a step. The copies
-    take 2 bytes per weight (+200 MB for the embedded target) and are dropped on exit. The
+    fused kernel pays per row and dequantizing at every call costs most of a step. The copies
+    take 2 bytes per weight and are dropped on exit. The
     outputs equal the fused kernel's up to bf16 rounding, as for prompts."""
     from bitsandbytes.functional import dequantize_4bit
 
@@ -350,13 +345,10 @@ def _pack(weight: torch.Tensor, exact: dict[tuple, bool]) -> torch.Tensor | None
     is missing or where a row's result through it would depend on the rows beside it (checked
     once per weight shape; `exact` remembers the answers).
 
-    On a 2-core AVX2 EPYC, MKL's float32 products of a few rows ran far below memory speed
-    and jumped in cost at 5 and 9 rows, and `linear` rounded a row differently alone, among
-    2-3 rows and among 4 or more. oneDNN's packed product (the kernel `torch.compile` uses
-    for linear layers on CPU) gives each row the same bits among 1 to MAX_COLUMNS rows, and is
-    faster: the embedded target's 262k x 640 LM head took 47 / 33 / 54 / 87 ms for 1 / 4 / 8 /
-    11 rows with MKL (padded to whole blocks of 4 columns for exactness), 25 / 33 / 43 / 49 ms
-    packed. For 64 rows (batched generation) 279 ms became 195."""
+    On AVX2 CPUs MKL's float32 products of a few rows run far below memory speed, jump in
+    cost at some row counts, and `linear` may round a row differently alone and among other
+    rows. oneDNN's packed product (the kernel `torch.compile` uses for linear layers on CPU)
+    gives each row the same bits among 1 to MAX_COLUMNS rows, and is faster (docs/cpu.md)."""
     if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -397,10 +389,9 @@ def kernel_cpu_linears(model) -> int:
 
 class _Bf16KernelLinear:
     """A float32 linear layer whose weights are bf16 values, through `kernels.bf16_matmul`
-    from a bf16 copy: the same products in float32 from half the bytes. On a 2-core AVX2 EPYC
-    the embedded target's 262k x 640 LM head took 15 / 23 / 33 / 41 ms for 1 / 4 / 8 / 11 rows
-    this way (oneDNN packed float32: 34 / 43 / 40 / 47), and a row's result is the same bits
-    among any number of rows. The float32 weight stays (tied embeddings, gradients)."""
+    from a bf16 copy: the same products in float32 from half the bytes, faster than oneDNN's
+    packed float32 (docs/cpu.md), and a row's result is the same bits among any number of
+    rows. The float32 weight stays (tied embeddings, gradients)."""
 
     def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor, lib):
         self.linear, self.weight, self.lib = linear, weight, lib
@@ -436,9 +427,9 @@ class _Bf16KernelLinear:
 class _PackedHead:
     """A float32 LM head on a CPU without native bf16 (see `cpu_computes_bf16`), through a copy
     packed for oneDNN (`_pack`): a row's logits are the same bits whether it is decoded alone
-    or verified among up to 10 drafts (greedy speculation stays plain greedy), and one row
-    costs 25 ms instead of 47 on the embedded target. The copy takes as much memory again as
-    the head (+670 MB there): the tied input embeddings still need the plain weight."""
+    or verified among up to 10 drafts (greedy speculation stays plain greedy), and a row
+    costs about half as much (docs/cpu.md). The copy takes as much memory again as the head:
+    the tied input embeddings still need the plain weight."""
 
     def __init__(self, head: torch.nn.Linear, packed: torch.Tensor):
         self.head, self.packed = head, packed

@@ -40,8 +40,8 @@ def embedded_checkpoint(progress=print) -> Path:
     clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     clean.load_state_dict(gguf_model.state_dict(), strict=False)
     clean.tie_weights()
-    # Stored in bf16: half the file, and loading it into NF4 peaks at ~1.4 GB instead of ~2.1 GB
-    # (the weights are dequantized 4-bit values; bf16 keeps them to ~3 significant digits).
+    # Stored in bf16: half the file, and a lower memory peak when loading it into NF4 (the
+    # weights are dequantized 4-bit values; bf16 keeps them to about 3 significant digits).
     clean.to(torch.bfloat16)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: two may convert at once
     clean.save_pretrained(tmp)

@@ -25,11 +25,10 @@ def _file_mappings() -> list[tuple[int, int]]:
 def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20) -> None:
     """Move the weights that stayed views of the memory-mapped checkpoint into memory we own.
 
-    On CPU the unquantized tensors (the bf16 tied embedding, 335 MB for the embedded model, and
-    the norms) are slices of the safetensors file's mapping, which keeps every page it ever read
-    resident: the embedding and the bf16 sources of the weights already quantized, 510 MB in all
-    once the LM head has run. Copying the tensors out (16 MB at a time, dropping each source
-    chunk's pages as it goes) lets the mapping close: about 180 MB less resident memory with no
+    On CPU the unquantized tensors (the bf16 tied embedding and the norms) are slices of the
+    safetensors file's mapping, which keeps every page it ever read resident: the embedding and
+    the bf16 sources of the weights already quantized. Copying the tensors out (a chunk at a
+    time, dropping each source chunk's pages as it goes) lets the mapping close, with no
     transient peak."""
     import ctypes
     spans = _file_mappings()
@@ -80,8 +79,8 @@ def _return_large_buffers_to_os(threshold: int = 1 << 20) -> None:
     """Serve allocations of 1 MB and more (weights being quantized, logits, activations) from
     their own mappings, returned to the OS when freed. glibc otherwise raises this threshold as
     it goes and serves them from the heap, which fragments and only grows: resident memory after
-    loading the embedded model varied from 1.15 to 1.44 GB between identical runs, and is now
-    1.15 GB every time, at no measurable cost in decoding speed."""
+    loading would vary between identical runs. With this it is the same every time, at no
+    measurable cost in decoding speed."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD

@@ -143,7 +143,7 @@ def turn_row(conversation_id: str, prompt: str, reply: str, stats: Mapping | Any
     rejections = int(stats.get("rejections") or 0)
     drafted_by_pos = list(stats.get("drafted_by_position") or [])
     new_tokens, seconds = int(stats.get("new_tokens") or 0), float(stats.get("seconds") or 0.0)
-    # Re-derived from the counts so every reader agrees on one definition (DESIGN.md):
+    # Re-derived from the counts so every reader agrees on one definition (docs/design.md):
     # acceptance_rate = accepted / drafted, alpha = accepted / (accepted + rejections).
     # NULL, not 0, where nothing was drafted: averages then skip plain turns.
     row["acceptance_rate"] = accepted / drafted if drafted else None

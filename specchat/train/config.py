@@ -36,7 +36,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ce_weight: float = 1.0
-    feature_weight: float = 0.1  # the issue measured: CE-dominant beats feature-dominant here
+    feature_weight: float = 0.1  # CE-dominant trains a better head than feature-dominant (docs/training.md)
     noise: float = 0.1  # uniform noise on input features, in units of the feature std
     unroll: int = 1  # >1: also train on the head's own predicted features (training-time test)
     bf16: bool = True  # train under bf16 autocast where the device computes bf16 fast

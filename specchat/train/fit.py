@@ -139,9 +139,9 @@ def head_loss(head: DraftHead, embed, batch: dict, cfg: TrainConfig, train: bool
 
 
 def autocast(device, cfg: TrainConfig):
-    """bf16 autocast for the head's forward: weights and optimizer stay float32. On this CPU
-    (AMX) a training step of 4096 tokens unrolled twice took 3.4 s instead of 5.9; on CPUs
-    without native bf16 it would be slower, so there it stays off, as on GPUs without bf16."""
+    """bf16 autocast for the head's forward: weights and optimizer stay float32. It pays only where the
+    device computes bf16 natively (AMX or AVX512-BF16 CPUs, bf16 GPUs); elsewhere bf16 is
+    emulated and slower, so there it stays off."""
     device = torch.device(device)
     fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() if device.type == "cpu" \
         else device.type == "cuda" and torch.cuda.is_bf16_supported()

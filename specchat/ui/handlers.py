@@ -407,7 +407,7 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
 
 def warm_up(engine: Engine) -> None:
     """A 4-token plain generation right after loading: the first forward passes pay one-time
-    costs (about 2.5 s on the embedded CPU model) that would otherwise land on the first reply
+    costs (seconds on a CPU) that would otherwise land on the first reply
     and make it look slow. Plain decoding only, so no drafter's timing policy sees it."""
     ids, stops = chat_prompt(engine.tokenizer, [{"role": "user", "content": "Hello"}])
     for _ in engine.stream(ids, GenerateConfig(max_new_tokens=4, speculation=False, seed=0,
