@@ -19,9 +19,10 @@ import sys
 from specchat.args import add_model_arguments, load_from_args, model_choice
 from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
+from specchat.ui.access import Access
 from specchat.ui.handlers import warm_up
 from specchat.ui.page import build_ui, launch
-from specchat.ui.state import Limits, ModelSlot
+from specchat.ui.state import Limits, ModelSlot, hide_paths
 
 AUTH_ENV = "SPECCHAT_AUTH"  # "user:pass" (or "u1:p1,u2:p2"), the same as --auth
 
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "tunnel cannot be made the app says so and keeps serving locally)")
     serve.add_argument("--auth", metavar="USER:PASS", default=None,
                        help=f"require this login (several: u1:p1,u2:p2); or set ${AUTH_ENV}")
+    serve.add_argument("--admin", metavar="USER", action="append", default=[],
+                       help="a login (from --auth) who sees every visitor's conversations in "
+                            "the Stats tab (repeatable); others see only their own")
     add_db_argument(serve)
     limits = parser.add_argument_group("limits (enforced server-side, for shared demos)")
     limits.add_argument("--max-input-chars", type=int, default=Limits.max_input_chars,
@@ -94,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.max_input_chars < 1 or args.max_new_tokens_cap < 1:
         parser.error("--max-input-chars and --max-new-tokens-cap must be at least 1")
+    unknown = sorted(set(args.admin) - {user for user, _ in auth or []})
+    if unknown:
+        parser.error(f"--admin {', '.join(unknown)}: not a login given by --auth")
     warning = exposure_warning(args.host, args.share, auth)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -102,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = model_choice(args)
     what = f"target {target} ({args.quantization})" + (f" and draft {draft}" if draft else "")
     slot = ModelSlot(description=what)
+    if exposed:  # visitors see model names, not where the files live
+        slot.redact = hide_paths
 
     def load(progress):
         progress(f"Loading {what}…")
         report = load_from_args(args, progress)
-        for note in report.notes:
-            progress(note)
         progress("Warming up the target…")
         warm_up(report.engine)
         return report
@@ -116,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     store = StatsStore.open_or_disabled(args.db)
     if store.error:
         print(f"specchat: {store.error}", file=sys.stderr)
-    # Visitors of a shared or network-exposed page see only their own browser session's
-    # conversations in the Stats tab; locally, the one user is the owner and sees all.
+    # Who owns which conversations: the login when there is one, else the browser on an
+    # exposed page; locally without a login the one user sees all (ui/access.py).
+    access = Access(auth=bool(auth), exposed=exposed, admins=args.admin)
     demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
-                                        max_new_tokens_cap=args.max_new_tokens_cap),
-                    is_owner_fn=(lambda request: False) if exposed else (lambda request: True))
+                                        max_new_tokens_cap=args.max_new_tokens_cap), access)
     launch(demo, server_name=args.host, server_port=args.port, share=args.share, auth=auth,
            auth_message="specchat: log in with the user and password the host gave you.",
            prevent_thread_lock=True)

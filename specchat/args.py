@@ -62,23 +62,28 @@ def model_choice(args) -> tuple[str, str]:
     return target or "embedded", draft or ""
 
 
-def load_from_args(args):
-    """Load the models the arguments name, reporting progress and notes on stderr. Returns the
-    `LoadReport`, or None after printing why the models could not be loaded."""
+def load_from_args(args, progress):
+    """Load the models the arguments name; `progress(message)` hears each step and note.
+    Raises ModelLoadError with a message a user can act on."""
     from specchat.loader import load_engine
-    from specchat.models.loaded import ModelLoadError
     target, draft = model_choice(args)
+    report = load_engine(target, draft, args.quantization, args.draft_quantization,
+                         None if args.device == "auto" else args.device, progress,
+                         head=getattr(args, "head", None))
+    for note in report.notes:
+        progress(note)
+    return report
+
+
+def load_for_cli(args):
+    """`load_from_args` reporting on stderr: the LoadReport, or None after saying why the
+    models could not be loaded."""
+    from specchat.models.loaded import ModelLoadError
     try:
-        report = load_engine(target, draft, args.quantization, args.draft_quantization,
-                             None if args.device == "auto" else args.device,
-                             lambda msg: print(msg, file=sys.stderr),
-                             head=getattr(args, "head", None))
+        return load_from_args(args, lambda msg: print(f"specchat: {msg}", file=sys.stderr))
     except ModelLoadError as e:
         print(f"specchat: {e}", file=sys.stderr)
         return None
-    for note in report.notes:
-        print(f"specchat: {note}", file=sys.stderr)
-    return report
 
 
 def config_from_args(args, report):

@@ -15,7 +15,7 @@ from specchat.args import (
     add_model_arguments,
     add_sampling_arguments,
     config_from_args,
-    load_from_args,
+    load_for_cli,
     validate_sampling,
 )
 from specchat.bench.cli import add_cli as add_bench
@@ -39,7 +39,7 @@ def cmd_generate(args) -> int:
     if args.json:  # keep stderr readable for scripts: no weight-loading progress bars
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-    report = load_from_args(args)
+    report = load_for_cli(args)
     if report is None:
         return 1
     engine = report.engine

@@ -8,9 +8,12 @@ browser is a failure, so the check can never silently disappear there.
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from specchat.core.engine import Engine
 from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.stats.store import StatsStore
+from specchat.ui.access import Access
 from specchat.ui.page import build_ui, launch
 from specchat.ui.state import Settings
 
@@ -71,6 +75,17 @@ def served():
     finally:
         demo.close()
         store.close()
+
+
+def _saved_turns(store, n: int, timeout: float = 30.0) -> list[dict]:
+    """The first conversation's turns once `n` are saved (the app saves in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conversations = store.conversations()
+        turns = store.turns(conversations[0]["id"]) if conversations else []
+        if len(turns) >= n or time.monotonic() > deadline:
+            return turns
+        time.sleep(0.1)
 
 
 def _kinds(page, selector: str) -> list[str]:
@@ -141,7 +156,141 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
         finally:
             browser.close()
     # Two chat turns and the two A/B runs were recorded, the spec run against its baseline.
-    conversation = store.conversations()[0]
-    turns = store.turns(conversation["id"])
+    turns = _saved_turns(store, 4)
     assert [t["speculation"] for t in turns] == [True, False, False, True]
     assert turns[3]["baseline_turn_id"] == turns[2]["id"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared link: two logins on a loopback page, hostile text, a tab closed mid-reply.
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The app behind two logins on 127.0.0.1 (as behind a reverse proxy or tunnel), and a
+    server counting requests: a payload's image would be fetched from it."""
+    tok = byte_tokenizer()
+    engine = Engine(loaded(tiny_llama(0), tok), {"ngram": NgramDrafter()})
+    store = StatsStore(tmp_path_factory.mktemp("db") / "stats.db")
+    demo = build_ui(engine, store, access=Access(auth=True), min_interval=0.02,
+                    defaults=Settings(max_new_tokens=24, seed=0))
+    port = _free_port()
+    launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+           auth=[("alice", "alice-pw"), ("bob", "bob-pw")])
+    hits = []
+
+    class Counter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    trap = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counter)
+    threading.Thread(target=trap.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}/", store, trap.server_address[1], hits
+    finally:
+        trap.shutdown()
+        demo.close()
+        store.close()
+
+
+def _login(browser, url: str, user: str, password: str):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    answer = context.request.post(url + "login", form={"username": user, "password": password})
+    assert answer.ok, answer.status
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    page.goto(url)
+    page.wait_for_selector("#sc-status .sc-status-ready")
+    return page
+
+
+def _no_markup(page, trap_port: int) -> None:
+    """The payload arrived as text: no element of it exists anywhere on the page (chat, A/B
+    panels, Stats table, picker, read-only replay)."""
+    for selector in (f"img[src*='{trap_port}']", f"a[href*='{trap_port}']",
+                     "form[action='/x']", "input[name='pw']"):
+        assert page.locator(selector).count() == 0, selector
+
+
+def _open_stats(page) -> None:
+    page.get_by_role("tab", name="Stats").click()
+    page.get_by_role("button", name="Refresh").click()
+
+
+def test_hostile_text_is_shown_as_text_in_every_view_and_logins_are_isolated(shared):
+    sync_playwright = _sync_playwright()
+    url, store, trap_port, hits = shared
+    payload = (f'Hi <img src="http://127.0.0.1:{trap_port}/x.png?who=alice"> '
+               f'<a href="http://127.0.0.1:{trap_port}/login">Session expired - log in again</a> '
+               '<form action="/x"><input name="pw"></form>'
+               '<div style="position:fixed;inset:0">overlay</div>')
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            alice = _login(browser, url, "alice", "alice-pw")
+            box = alice.locator("#sc-input textarea")
+            box.fill(payload)
+            box.press("Enter")
+            alice.wait_for_selector("#sc-chat .sc-stats")
+            alice.click("#sc-ab")
+            alice.wait_for_selector("#sc-ab-verdict :text('Speedup')")
+            assert "Session expired - log in again" in alice.inner_text("#sc-chat")
+            _no_markup(alice, trap_port)
+            _saved_turns(store, 3)
+
+            alice.reload()  # a logged-in user's history survives a reload
+            alice.wait_for_selector("#sc-status .sc-status-ready")
+            _open_stats(alice)
+            alice.wait_for_selector("#sc-stats-history .sc-user")
+            assert "Session expired - log in again" in alice.inner_text("#sc-stats-history")
+            assert "Hi <img src=" in alice.inner_text("#sc-stats-conversations")  # as text
+            _no_markup(alice, trap_port)
+            assert hits == []  # the browser fetched nothing the payload named
+
+            # Bob, another login on the same loopback page, sees none of alice's conversation:
+            # not in the list, not by id, not in an export.
+            bob = _login(browser, url, "bob", "bob-pw")
+            _open_stats(bob)
+            bob.wait_for_timeout(1500)
+            assert "Session expired" not in bob.inner_text("body")
+            conversation = store.conversations()[0]["id"]
+            assert conversation not in bob.content()
+            bob.get_by_role("button", name="Export CSV").click()
+            bob.wait_for_timeout(1500)
+            assert "Session expired" not in bob.inner_text("body")
+        finally:
+            browser.close()
+    assert store.conversations()[0]["owner"] == "user:alice"
+
+
+def test_a_tab_closed_mid_reply_records_an_interrupted_turn(shared):
+    sync_playwright = _sync_playwright()
+    url, store, _, _ = shared
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = _login(browser, url, "bob", "bob-pw")
+            # A long reply: the tab closes while it streams.
+            longest = page.locator("#sc-max-new input[type=number]")
+            longest.fill("1024")
+            longest.press("Tab")
+            box = page.locator("#sc-input textarea")
+            box.fill("a long story, please")
+            box.press("Enter")
+            page.wait_for_selector("#sc-chat .sc-cursor")
+            page.context.close()
+        finally:
+            browser.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = [t for c in store.conversations() if c["owner"] == "user:bob"
+                for t in store.turns(c["id"])]
+        if rows:
+            break
+        time.sleep(0.2)
+    assert rows and rows[-1]["interrupted"] and rows[-1]["stop_reason"] == "cancelled"
+    assert rows[-1]["prompt"] == "a long story, please"

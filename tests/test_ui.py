@@ -130,6 +130,7 @@ def test_stream_grows_and_matches_engine_events(engine, store, spy):
     assert turn.tokens == tokens and turn.stats is events[-1]
     assert turn.reply == "".join(t.text for t in tokens)
     assert 'class="sc-stats"' in final and f"{turn.stats.new_tokens}</b> tokens" in final
+    assert app.writer.flush(10)
     rows = store.turns(session.conversation_id)
     assert [r["reply"] for r in rows] == [turn.reply] and rows[0]["speculation"]
 
@@ -166,6 +167,7 @@ def test_stop_mid_stream_keeps_a_consistent_conversation(engine, store):
     assert 0 < turn.stats.new_tokens < 400 and len(turn.tokens) == turn.stats.new_tokens
     assert "".join(ch for ch, _ in char_kinds_from_html(chat[-1]["content"])) == turn.reply
     assert "stopped by you" in chat[-1]["content"] and "sc-cursor" not in chat[-1]["content"]
+    assert app.writer.flush(10)
     row = store.turns(session.conversation_id)[-1]
     assert row["interrupted"] and row["stop_reason"] == "stopped" and row["reply"] == turn.reply
     # The chat goes on: the next prompt includes the partial reply as an assistant message.
@@ -191,11 +193,10 @@ def test_empty_and_too_long_messages_are_refused_with_the_text_kept(engine):
 
 def test_max_new_tokens_and_other_settings_are_capped_server_side(engine):
     app = make_app(engine, max_new_tokens_cap=8)
-    cfg, notes = app.config(Settings(max_new_tokens=5000, draft_len=99, temperature=9,
-                                     top_p=0, top_k=-3, seed=-1, drafter="model"))
+    cfg, notes = app.config(Settings(max_new_tokens=5000, temperature=9, seed=-1,
+                                     drafter="model"))
     assert cfg.max_new_tokens == 8 and "capped at 8" in notes[0]
-    assert cfg.draft_len == 16 and cfg.temperature == 2.0 and 0 < cfg.top_p <= 1
-    assert cfg.top_k == 0 and cfg.seed >= 0
+    assert cfg.temperature == 2.0 and "Temperature capped" in notes[1] and cfg.seed >= 0
     session = Session()
     updates = send(app, session, "hi", Settings(max_new_tokens=5000))
     assert session.turns[0].stats.new_tokens <= 8
@@ -279,6 +280,7 @@ def test_ab_replay_compares_and_records_both_runs(engine, store):
     assert {k for _, k in char_kinds_from_html(off)} == {"target"}
     assert len({k for _, k in char_kinds_from_html(on)}) >= 2
     assert "Identical texts" in verdict and "Speedup" in verdict  # fp32 greedy: exact
+    assert app.writer.flush(10)
     rows = store.turns(session.conversation_id)
     assert [r["speculation"] for r in rows] == [True, False, True]
     assert rows[2]["baseline_turn_id"] == rows[1]["id"] and rows[2]["speedup"] > 0
@@ -393,3 +395,79 @@ def test_ab_verdict_explains_a_sampled_difference_by_how_drafts_were_made(drafte
     greedy = GenerateConfig(temperature=0.0, drafter=drafter)
     assert "should match" in ab_verdict(runs, greedy, "nf4", row_exact=True)
     assert "near-tie can flip" in ab_verdict(runs, greedy, "nf4", row_exact=False)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (Settings(seed=2**63), "Seed must be a whole number between 0 and 9223372036854775807"),
+    (Settings(seed=1.5), "Seed must be a whole number"),
+    (Settings(temperature=float("nan")), "Temperature must be a finite number"),
+    (Settings(top_p=float("inf")), "Top-p must be a finite number"),
+    (Settings(top_p=0), "Top-p must be in (0, 1]"),
+    (Settings(top_k=-3), "Top-k must be a whole number >= 0"),
+    (Settings(draft_len=99), "Draft length k must be a whole number between 1 and 16"),
+    (Settings(max_new_tokens=float("nan")), "Max new tokens must be a finite number"),
+])
+def test_bad_settings_are_refused_with_the_message_kept_and_the_chat_goes_on(engine, settings,
+                                                                              message):
+    app = make_app(engine)
+    session = Session()
+    box, _, session, notice = app.user("keep me", session, settings=settings)
+    assert box == "keep me" and message in notice and "still in the box" in notice
+    assert session.pending is None and not session.turns
+    # Sent anyway (a direct call): refused the same way, nothing half-done.
+    session.pending = "keep me"
+    chat, session, notice = list(app.bot(session, settings))[-1]
+    assert message in notice and not session.turns
+    send(app, session, "fine now")  # the session keeps working
+    assert session.turns[-1].stats.stop_reason != "error"
+
+
+def test_a_lone_surrogate_is_replaced_and_the_session_keeps_working(engine, store):
+    app = make_app(engine, store)
+    session = Session()
+    send(app, session, "bad \ud800 text")
+    assert session.turns[0].user == "bad \ufffd text"
+    assert session.turns[0].stats.stop_reason != "error"
+    send(app, session, "and the next one", Settings(max_new_tokens=8, seed=0,
+                                                    system="sys \udfff"))
+    assert [t.stats.stop_reason != "error" for t in session.turns] == [True, True]
+    assert app.writer.flush(10)
+    assert store.turns(session.conversation_id)[0]["prompt"] == "bad \ufffd text"
+
+
+def test_a_closed_page_records_the_reply_as_interrupted(engine, store):
+    """gradio closes a handler's generator when its page goes away (a closed tab, /cancel)."""
+    app = make_app(engine, store)
+    session = Session()
+    app.user("tell me a long story", session)
+    updates = app.bot(session, Settings(max_new_tokens=400, seed=3, speculation=False))
+    next(updates)
+    next(updates)  # some tokens streamed
+    updates.close()
+    turn = session.turns[-1]
+    assert turn.stats.stop_reason == "cancelled" and 0 < turn.stats.new_tokens < 400
+    assert app.writer.flush(10)
+    row = store.turns(session.conversation_id)[-1]
+    assert row["interrupted"] and row["stop_reason"] == "cancelled" and row["reply"] == turn.reply
+    send(app, session, "still there?")  # the engine is free and consistent
+    assert session.turns[-1].stats.stop_reason != "error"
+
+
+def test_an_exposed_page_names_models_without_their_paths(engine):
+    from specchat.loader import LoadReport
+    from specchat.ui.render import header_html
+    from specchat.ui.state import hide_paths
+
+    assert hide_paths("target /home/me/models/qwen-7b (nf4)") == "target qwen-7b (nf4)"
+    assert hide_paths("Stats database /srv/x/stats.db is locked") == \
+        "Stats database stats.db is locked"
+    assert hide_paths("Qwen/Qwen2.5-7B-Instruct from https://hf.co/a/b") == \
+        "Qwen/Qwen2.5-7B-Instruct from https://hf.co/a/b"  # hub ids and URLs stay
+    slot = ModelSlot(LoadReport(engine, None, ["note about /home/me/models/tiny"]))
+    slot.redact = hide_paths
+    engine.target.name, name = "/home/me/models/tiny", engine.target.name
+    try:
+        header = header_html(slot)
+    finally:
+        engine.target.name = name
+    assert "/home/me" not in header and "tiny" in header

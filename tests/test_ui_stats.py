@@ -1,10 +1,11 @@
 """The Stats tab's handlers on a seeded database: tables, plot data, read-only replay, delete,
-CSV, and visitor isolation (a visitor of a shared link sees only their own session's chats)."""
+CSV, and visitor isolation (a visitor sees only their own conversations, by login or browser)."""
 
 from __future__ import annotations
 
 import asyncio
 import csv
+import time
 
 import gradio as gr
 import pytest
@@ -13,6 +14,7 @@ from gradio.state_holder import SessionState
 from specchat.core.events import GenerationStats
 from specchat.stats.store import StatsStore
 from specchat.ui import stats_tab
+from specchat.ui.access import LOCAL, NOBODY, Access, new_browser_id
 
 
 def spec(new_tokens, seconds=1.0, drafted_by=(4, 3), accepted_by=(3, 1), stop="eos"):
@@ -32,14 +34,14 @@ def plain(new_tokens, seconds=1.0):
 def seeded():
     """Visitor A: one conversation of 4 turns; visitor B: one; the local owner: one, empty."""
     store = StatsStore(":memory:")
-    a = store.new_conversation("A's chat", "sess-a", "Qwen2.5-7B", "Qwen2.5-0.5B", "nf4", "cuda")
+    a = store.new_conversation("A's chat", "user:alice", "Qwen2.5-7B", "Qwen2.5-0.5B", "nf4", "cuda")
     store.record_turn(a, "What is 2+2?", "4", plain(10))  # 10 tok/s
     store.record_turn(a, "And 3+3?", "6", spec(25))  # 2.5x
     store.record_turn(a, "Why?", "Because", spec(15, drafted_by=(2, 2), accepted_by=(2, 0),
                                                    stop="stopped"))  # 1.5x, interrupted
     replay = store.record_turn(a, "Why?", "Because", plain(12))  # an A/B replay
     store.record_turn(a, "Why?", "Because", spec(30), baseline_turn_id=replay)  # 2.5x
-    b = store.new_conversation("B's chat", "sess-b", "gemma", "ngram")
+    b = store.new_conversation("B's chat", "user:bob", "gemma", "ngram")
     store.record_turn(b, "secret", "reply", spec(20))
     mine = store.new_conversation("owner's chat", "local", "gemma")
     yield store, a, b, mine
@@ -91,47 +93,61 @@ def test_reopened_conversation_is_chatbot_messages(seeded):
     messages = stats_tab.chat_history(store, None, a)
     assert len(messages) == 10
     assert [m["role"] for m in messages[:2]] == ["user", "assistant"]
-    assert messages[0]["content"] == "What is 2+2?"
-    assert messages[1]["content"].startswith("4\n\n*speculation off")
+    assert messages[0]["content"] == '<div class="sc-user">What is 2+2?</div>'
+    assert messages[1]["content"].startswith('<div class="sc-text">4</div>')
+    assert "speculation off" in messages[1]["content"]
     assert "2.50x" in messages[9]["content"] and "k=2" in messages[9]["content"]
     assert "stopped" in messages[5]["content"]
 
 
 def test_visitor_isolation(seeded):
     store, a, b, mine = seeded
-    assert list(stats_tab.conversation_table(store, "sess-a")["id"]) == [a]
-    assert [v for _, v in stats_tab.conversation_choices(store, "sess-a")] == [a]
+    assert list(stats_tab.conversation_table(store, "user:alice")["id"]) == [a]
+    assert [v for _, v in stats_tab.conversation_choices(store, "user:alice")] == [a]
     # A asks for B's conversation by id: nothing comes back.
-    assert stats_tab.turn_table(store, "sess-a", b).empty
-    assert stats_tab.chat_history(store, "sess-a", b) == []
-    assert stats_tab.plot_frames(store, "sess-a", b).tokens_per_s.empty
-    assert stats_tab.export_csv(store, "sess-a", b) is None
-    assert "not yours" in stats_tab.delete_conversation(store, "sess-a", b)
-    assert stats_tab.delete_conversation(store, "sess-a", mine).startswith("Nothing deleted")
+    assert stats_tab.turn_table(store, "user:alice", b).empty
+    assert stats_tab.chat_history(store, "user:alice", b) == []
+    assert stats_tab.plot_frames(store, "user:alice", b).tokens_per_s.empty
+    assert stats_tab.export_csv(store, "user:alice", b) is None
+    assert "not yours" in stats_tab.delete_conversation(store, "user:alice", b)
+    assert stats_tab.delete_conversation(store, "user:alice", mine).startswith("Nothing deleted")
     assert {c["id"] for c in store.conversations()} == {a, b, mine}
     # A request without a session sees nothing.
-    assert stats_tab.conversation_table(store, stats_tab.NOBODY).empty
+    assert stats_tab.conversation_table(store, NOBODY).empty
     # Each visitor can delete their own.
-    assert stats_tab.delete_conversation(store, "sess-b", b) == "Conversation deleted."
+    assert stats_tab.delete_conversation(store, "user:bob", b) == "Conversation deleted."
     assert {c["id"] for c in store.conversations()} == {a, mine}
 
 
-def test_owner_resolution_from_requests():
-    visitor = gr.Request(session_hash="sess-a")
-    owner = gr.Request(username="alice", session_hash="sess-o")
-    is_owner = lambda request: request.username is not None  # noqa: E731 (authenticated = owner)
-    assert stats_tab.viewer_owner(visitor, is_owner) == "sess-a"
-    assert stats_tab.viewer_owner(owner, is_owner) is None
-    assert stats_tab.viewer_owner(None, is_owner) == stats_tab.NOBODY
-    assert stats_tab.viewer_owner(gr.Request(), is_owner) == stats_tab.NOBODY
-    assert stats_tab.conversation_owner(visitor, is_owner) == "sess-a"
-    assert stats_tab.conversation_owner(owner, is_owner) == "alice"
-    assert stats_tab.conversation_owner(None, is_owner) == "local"
+def test_identity_is_the_login_whatever_the_address():
+    logins = Access(auth=True, exposed=False, admins={"root"})
+    alice = logins.viewer(gr.Request(username="alice", session_hash="s1"))
+    assert alice.owner == "user:alice" and alice.filter == "user:alice"
+    # The same login from another browser (or after a reload) is the same owner.
+    assert logins.viewer(gr.Request(username="alice", session_hash="s2")) == alice
+    assert logins.viewer(gr.Request(username="bob")).filter == "user:bob"
+    assert logins.viewer(gr.Request(username="root")).filter is None  # --admin sees all
+    assert logins.viewer(gr.Request(session_hash="s3")).filter == NOBODY  # no login: nothing
+    assert logins.viewer(None).filter == NOBODY
+
+
+def test_identity_without_a_login():
+    local = Access(auth=False, exposed=False)
+    assert local.viewer(gr.Request(session_hash="s1")).owner == LOCAL
+    assert local.viewer(None).filter is None  # the one local user is the owner
+    shared = Access(auth=False, exposed=True)
+    browser = new_browser_id()
+    visitor = shared.viewer(gr.Request(session_hash="s1"), browser)
+    assert visitor.owner.startswith("browser:") and browser not in visitor.owner  # a hash
+    assert shared.viewer(gr.Request(session_hash="s2"), browser) == visitor  # after a reload
+    assert shared.viewer(gr.Request(), new_browser_id()) != visitor
+    for forged in (None, "", "local", "x" * 10, "<script>" * 8, 42):
+        assert shared.viewer(gr.Request(), forged).filter == NOBODY
 
 
 def test_export_csv_file(seeded):
     store, a, _, _ = seeded
-    path = stats_tab.export_csv(store, "sess-a", a)
+    path = stats_tab.export_csv(store, "user:alice", a)
     assert path.endswith(f"specchat-{a[:8]}.csv")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -149,41 +165,67 @@ def test_disabled_store_shows_why():
 
 def test_tab_wiring_runs_the_handlers_per_request(seeded):
     """Build the tab in a Blocks and run its events the way gradio's server does, with
-    requests from visitor A, visitor B and the owner."""
+    requests from alice, bob and an admin (logins, on a loopback page)."""
     store, a, b, mine = seeded
     with gr.Blocks() as demo:
+        browser = gr.BrowserState(None)
         with gr.Tab("Stats") as tab:
-            tab_ui = stats_tab.build_stats_tab(
-                store, lambda request: request.username == "owner", demo)
+            tab_ui = stats_tab.build_stats_tab(store, Access(auth=True, admins={"owner"}),
+                                               browser, demo)
         tab_ui.refresh_on(tab.select)
     fns = {fn.name: fn for fn in demo.fns.values()}
     sessions = {}  # session hash -> its browser state (e.g. the picker's current choices)
 
     def call(name, inputs, request):
         state = sessions.setdefault(request.session_hash, SessionState(demo))
-        return asyncio.run(demo.process_api(block_fn=fns[name], inputs=inputs, state=state,
-                                            request=request))["data"]
+        return asyncio.run(demo.process_api(block_fn=fns[name], inputs=[*inputs, None],
+                                            state=state, request=request))["data"]
 
-    visitor_a = gr.Request(session_hash="sess-a")
-    status, table, picker = call("on_refresh", [None], visitor_a)
+    alice = gr.Request(username="alice", session_hash="sess-a")
+    status, table, picker = call("on_refresh", [None], alice)
     assert status == "" and [row[-1] for row in table["data"]] == [a]
     assert picker["value"] == a  # the newest visible conversation is picked
     owner = gr.Request(username="owner", session_hash="sess-o")
     _, table, _ = call("on_refresh", [None], owner)
     assert [row[-1] for row in table["data"]] == [mine, b, a]
 
-    turns, speedup, acceptance, tokens, history, _ = call("on_pick", [a], visitor_a)
+    turns, speedup, acceptance, tokens, history, _ = call("on_pick", [a], alice)
     assert len(turns["data"]) == 5 and len(speedup["data"]) == 3 and len(acceptance["data"]) == 2
     assert len(tokens["data"]) == 5 and len(history) == 10
-    (path,) = call("on_export", [a], visitor_a)
+    (path,) = call("on_export", [a], alice)
     assert path["path"].endswith(".csv")
 
-    # B's browser never lists A's conversation, so it cannot even submit its id.
-    visitor_b = gr.Request(session_hash="sess-b")
-    _, table, picker = call("on_refresh", [None], visitor_b)
+    # Bob's browser never lists alice's conversation, so it cannot even submit its id.
+    bob = gr.Request(username="bob", session_hash="sess-b")
+    _, table, picker = call("on_refresh", [None], bob)
     assert [row[-1] for row in table["data"]] == [b] and picker["value"] == b
     with pytest.raises(gr.Error):
-        call("on_delete", [a], visitor_b)
+        call("on_delete", [a], bob)
+    with pytest.raises(gr.Error):
+        call("on_pick", [a], bob)
     assert store.conversation(a) is not None
-    (message,) = call("on_delete", [a], visitor_a)
+    (message,) = call("on_delete", [a], alice)
     assert message == "Conversation deleted." and store.conversation(a) is None
+
+
+def test_exports_are_removed_after_a_while(seeded, tmp_path):
+    store, a, _, _ = seeded
+    exports = stats_tab.Exports(keep_s=60)
+    first = stats_tab.export_csv(store, None, a, exports)
+    second = stats_tab.export_csv(store, None, a, exports)
+    assert first != second  # a fresh folder each: no visitor reaches another's by name
+    exports.sweep(now=time.time() + 61)
+    assert not any(exports.root.iterdir())
+    exports.close()
+    assert not exports.root.exists()
+
+
+def test_reopened_conversation_is_escaped_text(seeded):
+    store, a, _, _ = seeded
+    payload = ('Hi <img src="http://127.0.0.1:8999/x.png?who=alice"> '
+               '<a href="http://evil.example/">Session expired - log in again</a>')
+    store.record_turn(a, payload, payload, plain(3))
+    user, reply = stats_tab.chat_history(store, None, a)[-2:]
+    for message in (user, reply):
+        assert "<img" not in message["content"] and "<a " not in message["content"]
+        assert "&lt;img src=" in message["content"]

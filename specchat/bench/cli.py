@@ -78,7 +78,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args) -> int:
-    from specchat.args import load_from_args
+    from specchat.args import load_for_cli
 
     path = args.questions or default_questions_path()
     if path is None:
@@ -105,7 +105,7 @@ def cmd_bench(args) -> int:
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)
-    report = load_from_args(args)
+    report = load_for_cli(args)
     if report is None:
         return 1
     loaded_peak_mb, loaded_rss_mb = peak_rss_mb(), current_rss_mb()

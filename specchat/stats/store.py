@@ -4,10 +4,11 @@ The chat UI and `specchat generate --db` call `StatsStore.record_turn` once per 
 engine's `GenerationStats.to_json()` dict; the Stats tab and `specchat stats` read it back.
 This module imports nothing from the engine or from gradio: it only sees plain dicts.
 
-Durability (issue 4): WAL journal, every turn written in one `BEGIN IMMEDIATE` transaction, a
-busy timeout plus a bounded retry so concurrent writers (two app processes, gradio's worker
-threads) wait for each other instead of failing, and `StatsStore.open_or_disabled` which turns a
-corrupt or unwritable file into a clear message while the chat keeps working.
+Durability: WAL journal, every turn written in one `BEGIN IMMEDIATE` transaction, a busy timeout
+plus a bounded retry so concurrent writers (two app processes, threads) wait for each other
+instead of failing, and `StatsStore.open_or_disabled` which turns a corrupt or unwritable file
+into a clear message while the chat keeps working. The app writes through `StatsWriter`
+(writer.py), one background thread, so no reply ever waits on the database.
 
 Speedup of a speculative turn = its tokens/s divided by
 - the tokens/s of its A/B baseline turn (the same prompt replayed with speculation off), when
@@ -48,7 +49,7 @@ DB_ENV_VAR = "SPECCHAT_DB"
 OFF_VALUES = ("off", "none")  # `--db off` / SPECCHAT_DB=off: run without stats
 BUSY_TIMEOUT_S = 2.0  # SQLite's own wait for a lock, per attempt
 WRITE_ATTEMPTS = 8  # then give up: worst case about 8 * 2 s + backoff, bounded
-INTERRUPTED_REASONS = ("stopped", "error")
+INTERRUPTED_REASONS = ("stopped", "error", "cancelled")  # cancelled: the page went away
 
 # Stats keys copied verbatim into a turn row (the derived ones are computed in `turn_row`).
 COPIED_STATS = ("speculation", "drafter", "draft_len", "temperature", "top_p", "top_k", "seed",
@@ -175,6 +176,15 @@ def refresh_speedups(db: Database, conversation_id: str) -> None:
     """, [conversation_id])
 
 
+def conversation_row(id: str | None = None, title: str = "", owner: str = "local",  # noqa: A002
+                     target: str = "", draft: str = "", quantization: str = "",
+                     device: str = "") -> dict:
+    """One `conversations` row; a fresh id unless given."""
+    return {"id": id or uuid.uuid4().hex, "title": title.strip() or "Untitled",
+            "created": now_iso(), "owner": owner or "local", "target": target, "draft": draft,
+            "quantization": quantization, "device": device}
+
+
 def _decode_turn(row: dict) -> dict:
     row = dict(row)
     row["speculation"] = bool(row["speculation"])
@@ -260,19 +270,40 @@ class StatsStore:
                          draft: str = "", quantization: str = "", device: str = "") -> str:
         """Create a conversation; returns its id (an id even when disabled, so callers can
         key on it)."""
-        row = {"id": uuid.uuid4().hex, "title": title.strip() or "Untitled", "created": now_iso(),
-               "owner": owner or "local", "target": target, "draft": draft,
-               "quantization": quantization, "device": device}
+        row = conversation_row(title=title, owner=owner, target=target, draft=draft,
+                               quantization=quantization, device=device)
         self._write(lambda db: db["conversations"].insert(row), None)
         return row["id"]
 
     def record_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
-                    baseline_turn_id: int | None = None) -> int | None:
-        """Store one finished (or stopped, or failed) reply; returns the turn id."""
+                    baseline_turn_id: int | None = None,
+                    conversation: Mapping | None = None) -> int | None:
+        """Store one finished (or stopped, or failed) reply; returns the turn id. With
+        `conversation` (the fields of `conversation_row`), the turn creates its conversation
+        when that does not exist yet, in the same transaction."""
+        return self._write(self._turn_writer(conversation_id, prompt, reply, stats,
+                                             baseline_turn_id, conversation), None)
+
+    def write_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
+                   baseline_turn_id: int | None = None,
+                   conversation: Mapping | None = None) -> int:
+        """`record_turn` in one attempt that raises on any failure (`sqlite3.Error`,
+        `LookupError`), whatever `quiet` says: for `StatsWriter`, which retries by itself."""
+        if self.db is None:
+            raise sqlite3.OperationalError(self.error or "the stats database is not open")
+        return self._transaction(self._turn_writer(conversation_id, prompt, reply, stats,
+                                                   baseline_turn_id, conversation))
+
+    @staticmethod
+    def _turn_writer(conversation_id, prompt, reply, stats, baseline_turn_id, conversation
+                     ) -> Callable[[Database], int]:
         row = turn_row(conversation_id, prompt, reply, stats)
         row["baseline_turn_id"] = baseline_turn_id
 
         def write(db: Database) -> int:
+            if conversation is not None:
+                db["conversations"].insert(conversation_row(id=conversation_id, **conversation),
+                                           ignore=True)
             if not db["conversations"].count_where("id = ?", [conversation_id]):
                 raise KeyError(f"no conversation {conversation_id!r}")
             # Inside the write lock, so two writers never take the same index.
@@ -283,7 +314,7 @@ class StatsStore:
             refresh_speedups(db, conversation_id)
             return turn_id
 
-        return self._write(write, None)
+        return write
 
     def delete_conversation(self, conversation_id: str, owner: str | None = None) -> bool:
         """Delete a conversation and its turns; `owner` (None = anyone) must match."""
@@ -376,21 +407,21 @@ class StatsStore:
         return bool(db["conversations"].count_where(where, params))
 
     def _write(self, fn: Callable[[Database], T], default: T) -> T:
-        """fn(db) in one transaction that holds the write lock from its first statement."""
-        def attempt() -> T:
-            with self._lock:
-                # BEGIN IMMEDIATE, not BEGIN: a deferred transaction that reads and then writes
-                # gets SQLITE_BUSY at once (no busy wait) if another process wrote meanwhile.
-                self.db.conn.execute("BEGIN IMMEDIATE")
-                try:
-                    result = fn(self.db)
-                    self.db.conn.execute("COMMIT")
-                except BaseException:
-                    self.db.rollback()
-                    raise
-                return result
+        return self._guarded(lambda: self._transaction(fn), default)
 
-        return self._guarded(attempt, default)
+    def _transaction(self, fn: Callable[[Database], T]) -> T:
+        """fn(db) in one transaction that holds the write lock from its first statement."""
+        with self._lock:
+            # BEGIN IMMEDIATE, not BEGIN: a deferred transaction that reads and then writes
+            # gets SQLITE_BUSY at once (no busy wait) if another process wrote meanwhile.
+            self.db.conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(self.db)
+                self.db.conn.execute("COMMIT")
+            except BaseException:
+                self.db.rollback()
+                raise
+            return result
 
     def _read(self, fn: Callable[[Database], T], default: T) -> T:
         def attempt() -> T:
@@ -404,9 +435,9 @@ class StatsStore:
             return default
         try:
             return self._retry(attempt)
-        except (sqlite3.Error, LookupError) as error:
-            # LookupError: an unknown conversation or turn id, e.g. because creating the
-            # conversation failed earlier; the chat must not fail over it either.
+        except (sqlite3.Error, LookupError, OverflowError) as error:
+            # LookupError: an unknown conversation or turn id; OverflowError: a number SQLite
+            # cannot hold. Neither may fail the chat.
             if not self.quiet:
                 raise
             self.error = describe_error(self.path, error, opening=False)

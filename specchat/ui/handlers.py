@@ -20,33 +20,40 @@ import html
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 
 import gradio as gr
 
 from specchat.core.engine import Engine, GenerateConfig, default_tree_nodes
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.inputs import InputError, check_settings, clean_text
 from specchat.core.text import chat_prompt
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
-from specchat.ui import stats_tab
+from specchat.stats.writer import StatsWriter
+from specchat.ui.access import NOBODY, Access
 from specchat.ui.render import ab_panel, ab_placeholders, render_history
-from specchat.ui.state import MAX_DRAFT_LEN, Limits, ModelSlot, Session, Settings, Turn
+from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
+
+MAX_TEMPERATURE = 2.0  # the page's slider range; a sampled reply past it is noise
 
 # ---------------------------------------------------------------------------------------------
 # The app: handlers over (Session, Settings)
 
 class ChatApp:
     def __init__(self, source: Engine | LoadReport | ModelSlot, store: StatsStore | None = None,
-                 limits: Limits | None = None, is_owner_fn: Callable[[gr.Request], bool] | None
-                 = None, min_interval: float = 0.05):
+                 limits: Limits | None = None, access: Access | None = None,
+                 min_interval: float = 0.05):
         self.slot = ModelSlot.of(source)
         self.store = store or StatsStore.open_or_disabled("off")
+        self.writer = StatsWriter(self.store)  # saves turns off the reply path
         self.limits = limits or Limits()
-        self.is_owner_fn = is_owner_fn or (lambda request: True)
+        self.access = access or Access()
         self.min_interval = min_interval  # seconds between repaints while streaming
         self._stops: dict[str, threading.Event] = {}  # session key -> the running reply's flag
         self._stops_lock = threading.Lock()
@@ -85,13 +92,20 @@ class ChatApp:
         return sorted(engine.drafters, key=lambda d: (DRAFTER_NAMES + (d,)).index(d))
 
     def config(self, s: Settings) -> tuple[GenerateConfig, list[str]]:
-        """Settings -> GenerateConfig, clamped server-side; notes say which caps applied."""
+        """Settings -> GenerateConfig, checked (`core.inputs`: raises InputError) and capped
+        server-side; notes say which caps applied."""
+        v = check_settings(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                           top_p=s.top_p, top_k=s.top_k, seed=s.seed, draft_len=s.draft_len)
         notes = []
         cap = self.limits.max_new_tokens_cap
-        max_new = int(s.max_new_tokens or 1)
+        max_new = v["max_new_tokens"]
         if max_new > cap:
             notes.append(f"Max new tokens capped at {cap} by the server (asked {max_new}).")
-        max_new = max(1, min(max_new, cap))
+        max_new = min(max_new, cap)
+        temperature = v["temperature"]
+        if temperature > MAX_TEMPERATURE:
+            notes.append(f"Temperature capped at {MAX_TEMPERATURE} (asked {temperature}).")
+            temperature = MAX_TEMPERATURE
         available = self.drafters()
         drafter = s.drafter
         if s.speculation and drafter not in available:
@@ -100,22 +114,18 @@ class ChatApp:
                 notes.append(f"Drafter {DRAFTER_LABELS.get(drafter, drafter)!r} is not loaded: "
                              f"using {DRAFTER_LABELS.get(fallback, fallback)}.")
             drafter = fallback
-        seed = int(s.seed) if s.seed is not None and int(s.seed) >= 0 else \
-            random.randrange(2**31 - 1)
-        temperature = min(max(float(s.temperature or 0.0), 0.0), 2.0)
+        seed = v["seed"] if v["seed"] is not None else random.randrange(2**31 - 1)
         cfg = GenerateConfig(max_new_tokens=max_new, temperature=temperature,
-                             top_p=min(max(float(s.top_p or 1.0), 0.01), 1.0),
-                             top_k=max(int(s.top_k or 0), 0), seed=seed,
+                             top_p=v["top_p"], top_k=v["top_k"], seed=seed,
                              speculation=bool(s.speculation) and bool(available),
-                             drafter=drafter,
-                             draft_len=min(max(int(s.draft_len or 1), 1), MAX_DRAFT_LEN),
+                             drafter=drafter, draft_len=v["draft_len"],
                              adaptive=bool(s.adaptive),
                              tree_nodes=default_tree_nodes(temperature, drafter))
         return cfg, notes
 
     def system_prompt(self, s: Settings, notes: list[str]) -> str:
         """The system prompt, cut to the message cap (a note says so)."""
-        system, cap = (s.system or "").strip(), self.limits.max_input_chars
+        system, cap = clean_text(s.system).strip(), self.limits.max_input_chars
         if len(system) > cap:
             notes.append(f"System prompt cut to {cap:,} characters (server limit).")
             system = system[:cap]
@@ -173,19 +183,22 @@ class ChatApp:
             stats.error = readable_error(stats.error)
         yield stats
 
-    def _record(self, session: Session, request, prompt: str, reply: str,
-                stats: GenerationStats, baseline_turn_id: int | None = None) -> int | None:
-        if not self.store.enabled or (stats.stop_reason == "error" and not reply):
+    def _record(self, session: Session, viewer_owner: str, prompt: str, reply: str,
+                stats: GenerationStats, baseline: Future | None = None) -> Future | None:
+        """Queue the turn for the stats database (never waits on it); the future of its row id.
+        The conversation is created with its first saved turn."""
+        if not self.store.enabled or viewer_owner == NOBODY or \
+                (stats.stop_reason == "error" and not reply):
             return None
         if session.conversation_id is None:
             engine, report = self.slot.engine, self.slot.report
-            owner = stats_tab.conversation_owner(request, self.is_owner_fn)
-            session.conversation_id = self.store.new_conversation(
-                prompt[:60], owner, engine.target.name,
-                report.draft.name if report.draft is not None else "",
-                engine.target.quantization, engine.device.type)
-        return self.store.record_turn(session.conversation_id, prompt, reply, stats.to_json(),
-                                      baseline_turn_id=baseline_turn_id)
+            session.conversation_id = uuid.uuid4().hex
+            session.conversation = dict(
+                title=prompt[:60], owner=viewer_owner, target=self.slot.redact(engine.target.name),
+                draft=self.slot.redact(report.draft.name) if report.draft is not None else "",
+                quantization=engine.target.quantization, device=engine.device.type)
+        return self.writer.submit(session.conversation_id, prompt, reply, stats.to_json(),
+                                  session.conversation, baseline)
 
     def _not_ready(self) -> str:
         if self.slot.state == "failed":
@@ -194,34 +207,48 @@ class ChatApp:
 
     # -- chat handlers -------------------------------------------------------------------------
 
-    def user(self, text: str, session: Session, request: gr.Request | None = None):
+    def user(self, text: str, session: Session, request: gr.Request | None = None,
+             settings: Settings | None = None):
         """Echo a message into the chat (instant), or say why not and keep it in the box.
         -> (box, chat, session, notice)"""
         text = text or ""
+        refused = None
         if not text.strip():
-            return text, render_history(session), session, _notice(
-                "Type a message first: an empty message was not sent.", request)
-        if len(text) > self.limits.max_input_chars:
-            return text, render_history(session), session, _notice(
-                f"Your message is {len(text):,} characters; the limit here is "
-                f"{self.limits.max_input_chars:,}. Shorten it and send again "
-                "(it is still in the box).", request)
-        if self.slot.state != "ready":
-            return text, render_history(session), session, _notice(self._not_ready(), request)
-        session.pending = text
+            refused = "Type a message first: an empty message was not sent."
+        elif len(text) > self.limits.max_input_chars:
+            refused = (f"Your message is {len(text):,} characters; the limit here is "
+                       f"{self.limits.max_input_chars:,}. Shorten it and send again "
+                       "(it is still in the box).")
+        elif self.slot.state != "ready":
+            refused = self._not_ready()
+        elif settings is not None:
+            try:
+                self.config(settings)
+            except InputError as e:
+                refused = f"{e} Your message is still in the box."
+        if refused:
+            return text, render_history(session), session, _notice(refused, request)
+        session.pending = clean_text(text)
         return "", render_history(session), session, ""
 
-    def bot(self, session: Session, settings: Settings, request: gr.Request | None = None):
+    def bot(self, session: Session, settings: Settings, request: gr.Request | None = None,
+            browser_id: str | None = None):
         """Stream the reply to the pending message. Yields (chat, session, notice)."""
         if session.pending is None or self.slot.engine is None:
             yield render_history(session), session, gr.skip()
             return
+        try:
+            self.config(settings)
+        except InputError as e:  # `user` checks first; this guards direct calls
+            yield render_history(session), session, _notice(str(e), request)
+            return
         turn = Turn(session.pending)
         session.pending = None
         session.turns.append(turn)
-        yield from self._reply(session, turn, settings, request)
+        owner = self.access.viewer(request, browser_id).owner
+        yield from self._reply(session, turn, settings, request, owner)
 
-    def _reply(self, session: Session, turn: Turn, settings: Settings, request):
+    def _reply(self, session: Session, turn: Turn, settings: Settings, request, owner: str):
         engine = self.slot.engine
         cfg, turn.notes = self.config(settings)
         system = self.system_prompt(settings, turn.notes)
@@ -233,16 +260,22 @@ class ChatApp:
         ids, stops = chat_prompt(engine.tokenizer, messages)
         cfg.stop = tuple(stops)
         stop = self._stop_event(request)
+        drive, started = self._drive(ids, cfg, stop, turn.tokens), time.perf_counter()
         try:
             yield render_history(session, streaming=True), session, notice
-            for result in self._drive(ids, cfg, stop, turn.tokens):
+            for result in drive:
                 if result is None:
                     yield render_history(session, streaming=True), session, gr.skip()
                 else:
                     turn.stats = result
+        except GeneratorExit:  # the tab was closed or the reply cancelled: gradio closes us
+            drive.close()  # the engine stops at the step boundary it is at, cache consistent
+            turn.stats = cut_short(cfg, turn.tokens, time.perf_counter() - started)
+            self._record(session, owner, turn.user, turn.reply, turn.stats)
+            raise
         finally:
             self._release(request, stop)
-        turn.turn_id = self._record(session, request, turn.user, turn.reply, turn.stats)
+        self._record(session, owner, turn.user, turn.reply, turn.stats)
         yield render_history(session), session, notice
 
     def retry(self, session: Session):
@@ -267,7 +300,8 @@ class ChatApp:
 
     # -- A/B replay ------------------------------------------------------------------------
 
-    def ab_replay(self, session: Session, settings: Settings, request: gr.Request | None = None):
+    def ab_replay(self, session: Session, settings: Settings, request: gr.Request | None = None,
+                  browser_id: str | None = None):
         """Replay the last prompt with speculation off, then on (same seed and settings).
         Yields (off panel, on panel, verdict, chat, session, notice)."""
         if self.slot.engine is None:
@@ -278,7 +312,11 @@ class ChatApp:
                    "Send a message first: A/B replays the last prompt.")
             return
         engine = self.slot.engine
-        cfg, notes = self.config(replace(settings, speculation=True))
+        try:
+            cfg, notes = self.config(replace(settings, speculation=True))
+        except InputError as e:
+            yield *ab_placeholders(), gr.skip(), session, _notice(str(e), request)
+            return
         if not cfg.speculation:
             yield (*ab_placeholders(), gr.skip(), session,
                    "No drafter is available, so there is nothing to compare.")
@@ -290,12 +328,13 @@ class ChatApp:
         cfg.stop = tuple(stops)
         stop = self._stop_event(request)
         notice = " ".join(notes)
+        owner = self.access.viewer(request, browser_id).owner
         try:
-            yield from self._ab_runs(session, request, prompt, ids, cfg, stop, notice)
+            yield from self._ab_runs(session, owner, prompt, ids, cfg, stop, notice)
         finally:
             self._release(request, stop)
 
-    def _ab_runs(self, session, request, prompt, ids, cfg, stop, notice):
+    def _ab_runs(self, session, owner, prompt, ids, cfg, stop, notice):
         engine = self.slot.engine
         runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
 
@@ -304,32 +343,51 @@ class ChatApp:
                     ab_panel(f"Speculation on ({cfg.drafter}, k≤{cfg.draft_len})",
                              *runs.get("on", ([], None)), live == "on"))
 
-        plain_id = None
+        plain = None  # the plain run's saved turn: the speculative run is timed against it
         for name, speculation in (("off", False), ("on", True)):
             tokens: list[TokenEvent] = []
             runs[name] = (tokens, None)
             run_cfg = replace(cfg, speculation=speculation)
-            yield (*panels(name), f'<div class="sc-verdict">Replaying with speculation {name}…'
-                   "</div>", gr.skip(), session, gr.skip())
-            for result in self._drive(ids, run_cfg, stop, tokens):
-                if result is None:
-                    yield *panels(name), gr.skip(), gr.skip(), session, gr.skip()
-                else:
-                    runs[name] = (tokens, result)
+            drive, started = self._drive(ids, run_cfg, stop, tokens), time.perf_counter()
+            try:
+                yield (*panels(name), '<div class="sc-verdict">Replaying with speculation '
+                       f"{name}…</div>", gr.skip(), session, gr.skip())
+                for result in drive:
+                    if result is None:
+                        yield *panels(name), gr.skip(), gr.skip(), session, gr.skip()
+                    else:
+                        runs[name] = (tokens, result)
+            except GeneratorExit:  # closed tab or cancel: keep what ran, marked interrupted
+                drive.close()
+                stats = cut_short(run_cfg, tokens, time.perf_counter() - started)
+                self._record(session, owner, prompt, "".join(t.text for t in tokens), stats,
+                             plain if speculation else None)
+                raise
             yield *panels(), gr.skip(), gr.skip(), session, notice
             reply = "".join(t.text for t in tokens)
             stats = runs[name][1]
             if name == "off":
-                plain_id = self._record(session, request, prompt, reply, stats)
+                plain = self._record(session, owner, prompt, reply, stats)
                 if stats.stop_reason not in ("stopped", "error"):
                     session.ab_plain.append(stats)
             else:
-                self._record(session, request, prompt, reply, stats, baseline_turn_id=plain_id)
+                self._record(session, owner, prompt, reply, stats, plain)
             if stop.is_set() or stats.stop_reason == "error":
                 break
         verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact)
         # The plain run is a baseline for this conversation's speculative replies too.
         yield *panels(), verdict, render_history(session), session, notice
+
+
+def cut_short(cfg: GenerateConfig, tokens: list[TokenEvent], seconds: float) -> GenerationStats:
+    """Stats for a reply whose page went away mid-stream (the engine's own summary never
+    came): what was emitted, marked "cancelled", an interrupted turn like a stopped one."""
+    return GenerationStats(new_tokens=len(tokens), seconds=seconds,
+                           speculation=cfg.speculation,
+                           drafter=cfg.drafter if cfg.speculation else "none",
+                           draft_len=cfg.draft_len if cfg.speculation else 0,
+                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                           seed=cfg.seed, stop_reason="cancelled")
 
 
 def readable_error(error: str) -> str:

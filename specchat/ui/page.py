@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
 
 import gradio as gr
 
 from specchat.core.engine import Engine
+from specchat.core.inputs import MAX_DRAFT_LEN
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
 from specchat.ui import stats_tab
+from specchat.ui.access import Access, new_browser_id
 from specchat.ui.handlers import ChatApp
 from specchat.ui.render import ASSETS, ab_placeholders, asset, header_html, status_html
-from specchat.ui.state import MAX_DRAFT_LEN, Limits, ModelSlot, Session, Settings
+from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
 # ---------------------------------------------------------------------------------------------
 # Gradio wiring
 
 def build_ui(source: Engine | LoadReport | ModelSlot, store: StatsStore | None = None,
-             limits: Limits | None = None, is_owner_fn: Callable[[gr.Request], bool] | None
-             = None, min_interval: float = 0.05, defaults: Settings | None = None) -> gr.Blocks:
-    """The page. `source`: a ready Engine/LoadReport, or a ModelSlot still loading.
+             limits: Limits | None = None, access: Access | None = None,
+             min_interval: float = 0.05, defaults: Settings | None = None) -> gr.Blocks:
+    """The page. `source`: a ready Engine/LoadReport, or a ModelSlot still loading; `access`
+    says who owns which conversations (default: one local user who sees all).
     Pass the result to `launch` (which adds the CSS and theme)."""
-    return page(ChatApp(source, store, limits, is_owner_fn, min_interval), defaults)
+    return page(ChatApp(source, store, limits, access, min_interval), defaults)
 
 
 def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
@@ -32,8 +34,12 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
     d = defaults or Settings()
     limits, slot = self.limits, self.slot
     ready = slot.state == "ready"
-    with gr.Blocks(title="specchat · speculative decoding you can see") as demo:
+    # delete_cache: gradio's copies of served files (CSV exports) go after an hour.
+    with gr.Blocks(title="specchat · speculative decoding you can see",
+                   delete_cache=(600, 3600)) as demo:
         session = gr.State(Session())
+        # The visitor's browser id (`access`): kept in the browser across reloads.
+        browser = gr.BrowserState(None, storage_key="specchat-browser-id")
         with gr.Row(equal_height=False):
             header = gr.HTML(header_html(slot), elem_id="sc-header", scale=4)
             status = gr.HTML(status_html(slot), elem_id="sc-status", scale=1, min_width=200)
@@ -87,7 +93,8 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                         max_new = gr.Slider(1, limits.max_new_tokens_cap,
                                             value=min(d.max_new_tokens, limits.max_new_tokens_cap),
                                             step=1, label=f"Max new tokens (cap "
-                                                          f"{limits.max_new_tokens_cap})")
+                                                          f"{limits.max_new_tokens_cap})",
+                                            elem_id="sc-max-new")
                         seed = gr.Number(value=d.seed, precision=0,
                                          label="Seed (-1 = random each reply)")
                         system = gr.Textbox(value=d.system, label="System prompt", lines=3,
@@ -99,7 +106,8 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                         ab_on = gr.HTML(on_panel, elem_id="sc-ab-on")
                     verdict = gr.HTML(verdict_empty, elem_id="sc-ab-verdict")
             with gr.Tab("Stats", id="stats") as tab:
-                stats = stats_tab.build_stats_tab(self.store, self.is_owner_fn, demo)
+                stats = stats_tab.build_stats_tab(self.store, self.access, browser, demo,
+                                                  self.writer, slot.redact)
                 stats.refresh_on(tab.select)
         timer = gr.Timer(1.0, active=not ready and slot.state != "failed")
 
@@ -107,20 +115,27 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                     max_new, seed]
 
         # Explicit parameters: gradio injects `request` only into a named, annotated one.
-        def on_bot(state, system, speculation, drafter, draft_len, adaptive, temperature, top_p,
-                   top_k, max_new_tokens, seed, request: gr.Request):
+        def on_bot(state, browser_id, system, speculation, drafter, draft_len, adaptive,
+                   temperature, top_p, top_k, max_new_tokens, seed, request: gr.Request):
             yield from self.bot(state, Settings(system, speculation, drafter, draft_len, adaptive,
                                                 temperature, top_p, top_k, max_new_tokens, seed),
-                                request)
+                                request, browser_id)
 
-        def on_ab(state, system, speculation, drafter, draft_len, adaptive, temperature, top_p,
-                  top_k, max_new_tokens, seed, request: gr.Request):
+        def on_ab(state, browser_id, system, speculation, drafter, draft_len, adaptive,
+                  temperature, top_p, top_k, max_new_tokens, seed, request: gr.Request):
             yield from self.ab_replay(state, Settings(system, speculation, drafter, draft_len,
                                                       adaptive, temperature, top_p, top_k,
-                                                      max_new_tokens, seed), request)
+                                                      max_new_tokens, seed), request, browser_id)
 
-        def on_user(text, state, request: gr.Request):
-            return self.user(text, state, request)
+        def on_user(text, state, system, speculation, drafter, draft_len, adaptive, temperature,
+                    top_p, top_k, max_new_tokens, seed, request: gr.Request):
+            return self.user(text, state, request,
+                             Settings(system, speculation, drafter, draft_len, adaptive,
+                                      temperature, top_p, top_k, max_new_tokens, seed))
+
+        def on_browser(browser_id):
+            """Give a browser its id on its first visit; keep the one it has."""
+            return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
 
         def on_stop(request: gr.Request):
             return self.stop(request) or gr.skip()
@@ -130,7 +145,7 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
             choices = self.drafters() or ["ngram"]
             # A failed load is also said in the chat itself, where the user looks.
             failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
-                       f"failed to load: {html.escape(slot.error)}</div>"}]
+                       f"failed to load: {html.escape(slot.redact(slot.error))}</div>"}]
             return (header_html(slot), status_html(slot),
                     failed if slot.state == "failed" else gr.skip(),
                     gr.Radio(choices=[(DRAFTER_LABELS.get(c, c), c) for c in choices],
@@ -144,20 +159,24 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
         chat_out = [chat, session, notice]
 
         for trigger in (box.submit, send.click):
-            trigger(on_user, [box, session], [box, chat, session, notice], **instant).then(
-                on_bot, [session, *controls], chat_out, show_progress="minimal", **engine_lane)
+            trigger(on_user, [box, session, *controls], [box, chat, session, notice],
+                    **instant).then(on_bot, [session, browser, *controls], chat_out,
+                                    show_progress="minimal", **engine_lane)
         retry_btn.click(self.retry, session, chat_out, **instant).then(
-            on_bot, [session, *controls], chat_out, show_progress="minimal", **engine_lane)
+            on_bot, [session, browser, *controls], chat_out, show_progress="minimal",
+            **engine_lane)
         undo_btn.click(self.undo, session, [box, chat, session, notice], **instant)
         new_outputs = [box, chat, session, notice, ab_off, ab_on, verdict]
         new_btn.click(self.new_conversation, session, new_outputs, **instant)
         chat.clear(self.new_conversation, session, new_outputs, **instant)
-        ab_btn.click(on_ab, [session, *controls], [ab_off, ab_on, verdict, chat, session, notice],
+        ab_btn.click(on_ab, [session, browser, *controls],
+                     [ab_off, ab_on, verdict, chat, session, notice],
                      show_progress="minimal", **engine_lane)
         stop_btn.click(on_stop, None, notice, queue=False, **private)
         page_out = [header, status, chat, drafter, box, send, ab_btn, timer]
         timer.tick(on_page, None, page_out, **instant)
         demo.load(on_page, None, page_out, **instant)
+        demo.load(on_browser, browser, browser, **instant)
     return demo
 
 

@@ -228,21 +228,23 @@ def header_html(slot: ModelSlot) -> str:
 
 def models_html(slot: ModelSlot) -> str:
     if slot.report is None:
-        what = html.escape(slot.description or "the models")
+        what = html.escape(slot.redact(slot.description or "the models"))
         verb = "Could not load" if slot.state == "failed" else "Loading"
         return f'<div class="sc-models"><span>{verb} {what}</span></div>'
     engine, report = slot.report.engine, slot.report
     drafters = []
     if report.draft is not None:
-        drafters.append(f"<code>{html.escape(report.draft.label)}</code>")
+        drafters.append(f"<code>{html.escape(slot.redact(report.draft.label))}</code>")
     elif "model" in engine.drafters:
         drafters.append("<code>draft model</code>")
     if "ngram" in engine.drafters:
         drafters.append("<code>n-gram prompt lookup</code>")
     if "head" in engine.drafters:
         drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
-    notes = "".join(f'<div class="sc-note">⚠ {html.escape(n)}</div>' for n in report.notes)
-    return (f'<div class="sc-models"><span>Target: <code>{html.escape(engine.target.label)}'
+    notes = "".join(f'<div class="sc-note">⚠ {html.escape(slot.redact(n))}</div>'
+                    for n in report.notes)
+    target = html.escape(slot.redact(engine.target.label))
+    return (f'<div class="sc-models"><span>Target: <code>{target}'
             f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span></div>{notes}")
 
 
@@ -252,9 +254,9 @@ def status_html(slot: ModelSlot) -> str:
         return f'<div class="sc-status sc-status-ready">● Ready</div>{share}'
     if slot.state == "failed":
         return (f'<div class="sc-status sc-status-failed">✖ The models failed to load; the chat '
-                f"is disabled.<pre>{html.escape(slot.error)}</pre></div>{share}")
+                f"is disabled.<pre>{html.escape(slot.redact(slot.error))}</pre></div>{share}")
     elapsed = time.monotonic() - slot.started
-    last = html.escape(slot.lines[-1]) if slot.lines else "starting…"
+    last = html.escape(slot.redact(slot.lines[-1])) if slot.lines else "starting…"
     return (f'<div class="sc-status sc-status-loading"><span class="sc-spinner"></span>Loading '
             f"models… {elapsed:.0f} s ({last})</div>{share}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -13,7 +14,14 @@ from specchat.core.events import GenerationStats, TokenEvent
 from specchat.loader import LoadReport
 from specchat.models.loaded import ModelLoadError
 
-MAX_DRAFT_LEN = 16
+# A filesystem path of two or more parts (POSIX, ~, or Windows), not inside a URL.
+_PATH = re.compile(r"(?<![\w:/.~])(?:~|[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}[/\\]?")
+
+
+def hide_paths(text: str) -> str:
+    """Each filesystem path in `text` cut to its last part ("/home/me/models/qwen-7b" ->
+    "qwen-7b"): what visitors of an exposed page see instead of where files live."""
+    return _PATH.sub(lambda m: re.split(r"[/\\]", m.group(0).rstrip("/\\"))[-1], text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,7 +56,6 @@ class Turn:
     tokens: list[TokenEvent] = field(default_factory=list)  # as the engine emitted them
     stats: GenerationStats | None = None  # None while streaming
     notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
-    turn_id: int | None = None  # row id in the stats store
     body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
 
     @property
@@ -62,6 +69,7 @@ class Session:
     turns: list[Turn] = field(default_factory=list)
     pending: str | None = None  # a user message echoed in the chat, waiting for its reply
     conversation_id: str | None = None  # in the stats store, created with the first turn
+    conversation: dict | None = None  # its row's fields, sent with every turn
     ab_plain: list[GenerationStats] = field(default_factory=list)  # A/B plain runs: baselines
 
 
@@ -78,6 +86,9 @@ class ModelSlot:
         self.lines: list[str] = []
         self.started = time.monotonic()
         self.share_note = ""  # set by the launcher when a share link could not be made
+        # What every text about models, files and errors goes through before a visitor sees
+        # it: `hide_paths` on an exposed page.
+        self.redact: Callable[[str], str] = str
 
     @classmethod
     def of(cls, source: Engine | LoadReport | ModelSlot) -> ModelSlot:

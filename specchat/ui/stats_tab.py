@@ -1,14 +1,19 @@
 """The Stats tab: past conversations, their turns, speedup plots, read-only replay, delete, CSV.
 
 The handler logic lives in plain functions of (store, owner, ...) so tests call them without a
-browser; `build_stats_tab` only wires them to gradio components. Visitor isolation: `owner` is
-None for the app's owner (sees everything) and the browser session id for a visitor of a shared
-link (sees and deletes only conversations recorded under that session id).
+browser; `build_stats_tab` only wires them to gradio components. `owner` is None for a viewer who
+sees everything (`access.Viewer.filter`) and the viewer's owner key otherwise: every read,
+delete and export is filtered by it in SQL, on the server. Stored prompts and replies are shown
+escaped: they are text, never markup.
 """
 
 from __future__ import annotations
 
+import atexit
+import html
+import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,35 +23,14 @@ import pandas as pd
 
 from specchat.stats.format import fmt_date, fmt_number, fmt_percent, fmt_speedup
 from specchat.stats.store import StatsStore
+from specchat.stats.writer import StatsWriter
+from specchat.ui.access import Access
+from specchat.ui.render import user_html
 
 CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "acceptance", "id"]
 TURN_COLUMNS = ["turn", "speculation", "drafter", "k", "temperature", "tokens", "seconds",
                 "ttft s", "tokens/s", "acceptance", "mean accepted len", "speedup", "stop"]
-NOBODY = ""  # owner filter for a request with no session: matches no conversation
-
-
-# ---------------------------------------------------------------------------------------------
-# Who is asking
-
-def viewer_owner(request: gr.Request | None, is_owner_fn: Callable[[gr.Request], bool]
-                 ) -> str | None:
-    """None (see all) for the owner; else the visitor's session id. Fails closed: a request
-    without a session sees nothing rather than everything."""
-    if request is not None and is_owner_fn(request):
-        return None
-    return (request.session_hash if request is not None else None) or NOBODY
-
-
-def conversation_owner(request: gr.Request | None, is_owner_fn: Callable[[gr.Request], bool]
-                       ) -> str:
-    """What the chat tab should pass as `owner=` to `StatsStore.new_conversation`, so that this
-    tab shows the conversation to the same person: the owner's conversations are "local" (or
-    their login name), a visitor's are keyed by their browser session."""
-    if request is None:
-        return "local"
-    if is_owner_fn(request):
-        return request.username or "local"
-    return request.session_hash or "local"
+EXPORT_KEEP_S = 600  # an export's file is removed this long after it was made
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +97,8 @@ def plot_frames(store: StatsStore, owner: str | None, conversation_id: str | Non
 
 def chat_history(store: StatsStore, owner: str | None, conversation_id: str | None
                  ) -> list[dict]:
-    """The conversation as Chatbot messages, each reply footed with how it was decoded."""
+    """The conversation as Chatbot messages (escaped HTML), each reply footed with how it was
+    decoded."""
     messages = []
     for t in _turns(store, owner, conversation_id):
         mode = f"speculation on ({t['drafter']}, k={t['draft_len']})" if t["speculation"] \
@@ -123,8 +108,10 @@ def chat_history(store: StatsStore, owner: str | None, conversation_id: str | No
             footer += f" · {fmt_speedup(t['speedup'])}"
         if t["interrupted"]:
             footer += f" · {t['stop_reason']}"
-        messages.append({"role": "user", "content": t["prompt"]})
-        messages.append({"role": "assistant", "content": f"{t['reply']}\n\n*{footer}*"})
+        messages.append({"role": "user", "content": user_html(t["prompt"] or "")})
+        messages.append({"role": "assistant", "content":
+                         f'<div class="sc-text">{html.escape(t["reply"] or "", quote=False)}'
+                         f'</div><div class="sc-stats">{html.escape(footer)}</div>'})
     return messages
 
 
@@ -136,20 +123,54 @@ def delete_conversation(store: StatsStore, owner: str | None, conversation_id: s
     return "Nothing deleted: that conversation is not yours or no longer exists."
 
 
-def export_csv(store: StatsStore, owner: str | None, conversation_id: str | None) -> str | None:
+class Exports:
+    """CSV exports in one folder of the app's, each in a fresh subfolder (gradio serves a file
+    by its path: visitors must not reach each other's by name), removed `keep_s` after they were
+    made and when the app exits. gradio serves its own copy from its cache."""
+
+    def __init__(self, keep_s: float = EXPORT_KEEP_S):
+        self.root = Path(tempfile.mkdtemp(prefix="specchat-csv-"))
+        self.keep_s = keep_s
+        atexit.register(self.close)
+
+    def new_path(self, name: str) -> Path:
+        self.sweep()
+        return Path(tempfile.mkdtemp(dir=self.root)) / name
+
+    def sweep(self, now: float | None = None) -> None:
+        cutoff = (time.time() if now is None else now) - self.keep_s
+        for folder in self.root.iterdir():
+            if folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def export_csv(store: StatsStore, owner: str | None, conversation_id: str | None,
+               exports: Exports | None = None) -> str | None:
     """CSV of the picked conversation (all visible ones when none is picked); its path."""
     if conversation_id and store.conversation(conversation_id, owner) is None:
         return None
     name = f"specchat-{conversation_id[:8]}.csv" if conversation_id else "specchat-stats.csv"
-    # A fresh folder per export: gradio serves the file by path, and visitors must not get
-    # each other's files by name.
-    path = Path(tempfile.mkdtemp(prefix="specchat-csv-")) / name
+    path = (exports or _default_exports()).new_path(name)
     store.export_csv(path, conversation_id, owner)
     return str(path)
 
 
-def status_text(store: StatsStore) -> str:
-    return f"⚠️ {store.error}" if store.error else ""
+_EXPORTS: list[Exports] = []
+
+
+def _default_exports() -> Exports:
+    if not _EXPORTS:
+        _EXPORTS.append(Exports())
+    return _EXPORTS[0]
+
+
+def status_text(store: StatsStore, writer: StatsWriter | None = None,
+                redact: Callable[[str], str] = str) -> str:
+    error = (writer.error if writer is not None else "") or store.error
+    return f"⚠️ {redact(error)}" if error else ""
 
 
 def _turns(store: StatsStore, owner: str | None, conversation_id: str | None) -> list[dict]:
@@ -166,27 +187,32 @@ class StatsTab:
     picker: gr.Dropdown
     turns: gr.Dataframe
     history: gr.Chatbot
-    on_refresh: Callable  # (picked, request) -> list outputs
+    on_refresh: Callable  # (picked, browser id, request) -> list outputs
     list_outputs: list
+    inputs: list | None = None  # [picker, browser id]
+    exports: Exports | None = None
 
     def refresh_on(self, listener: Callable) -> None:
         """Also refresh on another event, e.g. `stats.refresh_on(stats_tab.select)` so the tab
         is current whenever it is opened."""
-        listener(self.on_refresh, self.picker, self.list_outputs, api_visibility="private")
+        listener(self.on_refresh, self.inputs, self.list_outputs, api_visibility="private")
 
 
-def build_stats_tab(store: StatsStore, is_owner_fn: Callable[[gr.Request], bool],
-                    demo: gr.Blocks | None = None) -> StatsTab:
+def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
+                    demo: gr.Blocks | None = None, writer: StatsWriter | None = None,
+                    redact: Callable[[str], str] = str) -> StatsTab:
     """Lay out the Stats tab inside the caller's open `gr.Blocks()` / `gr.Tab("Stats")`.
-    Pass `demo` to fill the tab when the page loads; `StatsTab.refresh_on(tab.select)` also
-    refreshes it whenever it is opened."""
-    status = gr.Markdown(status_text(store))
+    `browser` holds the visitor's browser id (see `access`). Pass `demo` to fill the tab when
+    the page loads; `StatsTab.refresh_on(tab.select)` also refreshes it whenever it is
+    opened."""
+    exports = Exports()
+    status = gr.Markdown(status_text(store, writer, redact))
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0)
         picker = gr.Dropdown(label="Conversation", choices=[], value=None, interactive=True,
                              scale=3)
     conversations = gr.Dataframe(label="Past conversations", headers=CONVERSATION_COLUMNS,
-                                 interactive=False, wrap=True)
+                                 interactive=False, wrap=True, elem_id="sc-stats-conversations")
     turns = gr.Dataframe(label="Turns", headers=TURN_COLUMNS, interactive=False)
     with gr.Row():
         speedup_plot = gr.LinePlot(x="turn", y="speedup", title="Speedup per turn",
@@ -198,45 +224,52 @@ def build_stats_tab(store: StatsStore, is_owner_fn: Callable[[gr.Request], bool]
         tokens_plot = gr.BarPlot(x="speculation", y="tokens/s", y_aggregate="mean", y_lim=[0, None],
                                  color="speculation", title="Mean tokens/s, speculation on vs off",
                                  label="Tokens/s, speculation on vs off")
-    history = gr.Chatbot(label="Conversation (read-only)", height=360)
+    history = gr.Chatbot(label="Conversation (read-only)", height=360, render_markdown=False,
+                         sanitize_html=True, latex_delimiters=[], elem_id="sc-stats-history")
     with gr.Row():
         export_button = gr.Button("Export CSV")
         delete_button = gr.Button("Delete conversation", variant="stop")
     csv_file = gr.File(label="CSV export", interactive=False)
     message = gr.Markdown()
 
-    def on_refresh(picked: str | None, request: gr.Request):
-        owner = viewer_owner(request, is_owner_fn)
-        choices = conversation_choices(store, owner)
+    def owner(request: gr.Request, browser_id: str | None) -> str | None:
+        return access.viewer(request, browser_id).filter
+
+    def on_refresh(picked: str | None, browser_id: str | None, request: gr.Request):
+        choices = conversation_choices(store, owner(request, browser_id))
         if picked not in {value for _, value in choices}:
             picked = choices[0][1] if choices else None
-        return (status_text(store), conversation_table(store, owner),
+        return (status_text(store, writer, redact),
+                conversation_table(store, owner(request, browser_id)),
                 gr.Dropdown(choices=choices, value=picked))
 
-    def on_pick(picked: str | None, request: gr.Request):
-        owner = viewer_owner(request, is_owner_fn)
-        frames = plot_frames(store, owner, picked)
-        return (turn_table(store, owner, picked), frames.speedup, frames.acceptance,
-                frames.tokens_per_s, chat_history(store, owner, picked), None)
+    def on_pick(picked: str | None, browser_id: str | None, request: gr.Request):
+        who = owner(request, browser_id)
+        frames = plot_frames(store, who, picked)
+        return (turn_table(store, who, picked), frames.speedup, frames.acceptance,
+                frames.tokens_per_s, chat_history(store, who, picked), None)
 
     def on_row_select(evt: gr.SelectData):
         return evt.row_value[-1] if evt.row_value else gr.skip()  # "id" is the last column
 
-    def on_delete(picked: str | None, request: gr.Request):
-        return delete_conversation(store, viewer_owner(request, is_owner_fn), picked)
+    def on_delete(picked: str | None, browser_id: str | None, request: gr.Request):
+        return delete_conversation(store, owner(request, browser_id), picked)
 
-    def on_export(picked: str | None, request: gr.Request):
-        return export_csv(store, viewer_owner(request, is_owner_fn), picked)
+    def on_export(picked: str | None, browser_id: str | None, request: gr.Request):
+        return export_csv(store, owner(request, browser_id), picked, exports)
 
     list_outputs = [status, conversations, picker]
     detail_outputs = [turns, speedup_plot, acceptance_plot, tokens_plot, history, csv_file]
-    # api_visibility="private": these act on the caller's session; keep them off the public API.
-    refresh.click(on_refresh, picker, list_outputs, api_visibility="private")
-    picker.change(on_pick, picker, detail_outputs, api_visibility="private")
+    inputs = [picker, browser]
+    # api_visibility="private": these act on the caller's data; keep them off the public API.
+    refresh.click(on_refresh, inputs, list_outputs, api_visibility="private")
+    picker.change(on_pick, inputs, detail_outputs, api_visibility="private")
     conversations.select(on_row_select, None, picker, api_visibility="private")
-    delete_button.click(on_delete, picker, message, api_visibility="private").then(
-        on_refresh, picker, list_outputs, api_visibility="private")
-    export_button.click(on_export, picker, csv_file, api_visibility="private")
+    delete_button.click(on_delete, inputs, message, api_visibility="private").then(
+        on_refresh, inputs, list_outputs, api_visibility="private")
+    export_button.click(on_export, inputs, csv_file, api_visibility="private")
     if demo is not None:
-        demo.load(on_refresh, picker, list_outputs, api_visibility="private")
-    return StatsTab(refresh, conversations, picker, turns, history, on_refresh, list_outputs)
+        demo.load(on_refresh, inputs, list_outputs, api_visibility="private")
+    tab = StatsTab(refresh, conversations, picker, turns, history, on_refresh, list_outputs)
+    tab.inputs, tab.exports = inputs, exports
+    return tab
