@@ -21,6 +21,7 @@ from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
 from specchat.ui.access import Access
 from specchat.ui.handlers import warm_up
+from specchat.ui.login import guarded_launch_kwargs
 from specchat.ui.page import build_ui, launch
 from specchat.ui.state import Limits, ModelSlot, hide_paths
 
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     access = Access(auth=bool(auth), exposed=exposed, admins=args.admin)
     demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
                                         max_new_tokens_cap=args.max_new_tokens_cap), access)
-    launch(demo, server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+    # The login (if any) is throttled per user and per address (ui/login.py).
+    launch(demo, server_name=args.host, server_port=args.port, share=args.share,
+           **guarded_launch_kwargs(auth),
            auth_message="specchat: log in with the user and password the host gave you.",
            prevent_thread_lock=True)
     if args.share:

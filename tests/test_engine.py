@@ -406,3 +406,154 @@ def test_prompt_past_the_context_window_is_refused_and_replies_stop_at_it():
     events = list(engine.stream([5] * 36, GenerateConfig(max_new_tokens=50, speculation=False)))
     stats = events[-1]
     assert stats.new_tokens <= 4 and stats.stop_reason in ("length", "eos")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step records that explain (the inspector's data)
+
+def _step_tokens(tokens, steps):
+    """{step number: its TokenEvents}"""
+    by_step = collections.defaultdict(list)
+    for t in tokens:
+        by_step[t.step].append(t)
+    return by_step
+
+
+def _check_chain_records(tokens, steps):
+    by_step = _step_tokens(tokens, steps)
+    rejections = 0
+    for record in steps:
+        emitted = by_step[record.step]
+        if not record.drafted:
+            assert record.evidence is None and [t.kind for t in emitted] == ["target"]
+            continue
+        n, evidence = record.accepted, record.evidence
+        assert len(record.proposal) == record.drafted == len(record.proposal_text)
+        assert record.path == list(range(n)) and record.parents is None
+        assert [t.id for t in emitted[:n]] == record.proposal[:n]
+        assert {t.kind for t in emitted[:n]} <= {"accepted"}
+        if len(emitted) == n + 1:  # (a stop may end the step early)
+            assert emitted[n].id == evidence.token
+            assert emitted[n].kind == ("bonus" if n == record.drafted else "resampled")
+        assert evidence.position == n
+        if n < record.drafted:
+            rejections += 1
+            assert evidence.rejected == record.proposal[n] != evidence.token
+            assert evidence.rejected_text == TOK.decode([evidence.rejected])
+        else:
+            assert evidence.rejected is None and evidence.p is None
+        assert 1 <= len(evidence.target_top) <= 5
+        assert record.k >= record.drafted
+    return rejections
+
+
+def test_greedy_chain_records_name_the_refused_draft_and_the_argmax():
+    engine = make_engine()
+    tokens, steps, _ = run(engine, REPETITIVE, speculation=True, drafter="model", draft_len=4,
+                           adaptive=False)
+    assert _check_chain_records(tokens, steps) > 0
+    for record in steps:
+        evidence = record.evidence
+        if evidence is None:
+            continue
+        assert evidence.greedy and evidence.target_top[0].id == evidence.token  # the argmax
+        probs = [c.prob for c in evidence.target_top]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+        if evidence.rejected is not None:
+            assert evidence.accept_prob is None and 0 <= evidence.p <= probs[0]
+            # The draft model has a distribution: its top-5 at the decisive position, led by
+            # the token it proposed (greedy).
+            assert evidence.draft_top[0].id == evidence.rejected
+
+
+def test_sampled_records_carry_the_p_and_q_the_test_used(monkeypatch):
+    from specchat.core import engine as engine_module
+    verdicts = []
+    real = engine_module.verify
+
+    def spy(*args, **kwargs):
+        verdicts.append(real(*args, **kwargs))
+        return verdicts[-1]
+
+    monkeypatch.setattr(engine_module, "verify", spy)
+    engine = make_engine()
+    tokens, steps, _ = run(engine, REPETITIVE, speculation=True, drafter="model", draft_len=4,
+                           adaptive=False, temperature=0.9, seed=3, max_new_tokens=64)
+    assert _check_chain_records(tokens, steps) > 0
+    spec_verdicts = iter(verdicts[1:])  # the first is the prefill's plain draw
+    for record in steps:
+        verdict = next(spec_verdicts)
+        evidence = record.evidence
+        if evidence is None or evidence.rejected is None:
+            continue
+        assert not evidence.greedy
+        assert (evidence.p, evidence.q) == (verdict.p, verdict.q)
+        assert evidence.accept_prob == pytest.approx(min(1.0, verdict.p / verdict.q))
+        assert 0 <= evidence.p <= 1 and 0 < evidence.q <= 1
+
+
+def test_sampled_records_match_probabilities_recomputed_from_the_models():
+    from specchat.core.sampling import nucleus
+    engine = make_engine()
+    prompt = TOK(REPETITIVE)["input_ids"]
+    params = dict(temperature=0.9, seed=4, max_new_tokens=48)
+    tokens, steps, _ = run(engine, prompt, speculation=True, drafter="model", draft_len=4,
+                           adaptive=False, **params)
+    by_step = _step_tokens(tokens, steps)
+    context = list(prompt)
+    checked = 0
+    for record in steps:
+        evidence = record.evidence
+        if evidence is not None and evidence.rejected is not None:
+            at = context + [t.id for t in by_step[record.step][:record.accepted]]
+            sampling = SamplingParams(0.9)
+            with torch.no_grad():
+                target = engine.model(torch.tensor([at])).logits[0, -1]
+                draft = engine.drafters["model"].model(torch.tensor([at])).logits[0, -1]
+            p_ids, p = nucleus(target, sampling)
+            q_ids, q = nucleus(draft, sampling)
+            # (a cached forward and a fresh one round differently in the last digits)
+            assert evidence.p == pytest.approx(float(p[evidence.rejected]), rel=1e-2)
+            assert evidence.q == pytest.approx(float(q[evidence.rejected]), rel=1e-2)
+            checked += 1
+        context += [t.id for t in by_step[record.step]]
+    assert checked > 0
+
+
+def test_tree_records_hold_the_tree_the_path_and_the_refused_children():
+    engine = make_engine()
+    engine.drafters["tree"] = TopKTreeDrafter(tiny_llama(0))
+    tokens, steps, _ = run(engine, REPETITIVE, speculation=True, drafter="tree", draft_len=4,
+                           adaptive=False, tree_nodes=20)
+    by_step = _step_tokens(tokens, steps)
+    refused = 0
+    for record in steps:
+        if not record.drafted:
+            continue
+        emitted, evidence = by_step[record.step], record.evidence
+        assert len(record.parents) == len(record.proposal) == record.drafted
+        assert [record.proposal[i] for i in record.path] == [t.id for t in emitted][
+            :len(record.path)]
+        for parent, child in zip([-1, *record.path], record.path):  # a path down the tree
+            assert record.parents[child] == parent
+        decisive = record.path[-1] if record.path else -1
+        children = [i for i, p in enumerate(record.parents) if p == decisive]
+        if evidence.rejected is not None:
+            refused += 1
+            assert evidence.rejected in [record.proposal[i] for i in children]
+            assert evidence.token not in [record.proposal[i] for i in children]
+        else:
+            assert not children  # the path ended at a leaf: a bonus token
+    assert refused > 0
+
+
+def test_step_records_are_json():
+    import json
+    engine = make_engine()
+    _, steps, _ = run(engine, REPETITIVE, speculation=True, drafter="model", draft_len=4)
+    lines = [json.loads(json.dumps(s.to_json())) for s in steps]
+    assert all(line["type"] == "step" for line in lines)
+    spec = next(line for line in lines if line["drafted"])
+    assert {"proposal", "proposal_text", "path", "k", "evidence"} <= set(spec)
+    assert {"token", "rejected", "p", "q", "accept_prob", "target_top", "draft_top"} <= set(
+        spec["evidence"])

@@ -18,6 +18,10 @@ default that does nothing.
     needs_features / observe(start, ids, features)
                                            the target's hidden states of accepted positions,
                                            for drafters that read them (the EAGLE head)
+    last_top                               after `propose`: per draft position, the drafter's
+                                           most likely tokens [(id, prob)], where it has a
+                                           distribution (a draft model, the head); shown by
+                                           the inspector, never used by the test
 
 `context` is the full token list so far (prompt + emitted reply); it only grows within a request.
 """
@@ -40,6 +44,8 @@ class Drafter:
     needs_features: bool = False
     # The drafter implements `propose_tree`.
     supports_trees: bool = False
+    # Set by `propose` where the drafter has a distribution: [(id, prob)] per draft position.
+    last_top: list[list[tuple[int, float]]] = []
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts from `prompt_ids`."""

@@ -33,6 +33,9 @@ from specchat.core.events import (
     BONUS,
     RESAMPLED,
     TARGET,
+    TOP,
+    Candidate,
+    Evidence,
     GenerationStats,
     StepRecord,
     TokenEvent,
@@ -47,7 +50,7 @@ from specchat.core.kvcache import (
     tree_masks_supported,
 )
 from specchat.core.policy import DraftLengthPolicy
-from specchat.core.sampling import Noise, SamplingParams, verify
+from specchat.core.sampling import Noise, SamplingParams, prob_of, top_candidates, verify
 from specchat.core.text import ReplyText, tokens_until_stop
 from specchat.core.tree import DraftTree, verify_tree, visibility
 
@@ -182,9 +185,9 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _chain_step(self, run: _Request, draft) -> tuple[list[int], object, int]:
+    def _chain_step(self, run: _Request, draft) -> tuple[list[int], object, int, torch.Tensor]:
         """Verify a chain of drafts in one forward; crop the rejected ones from the cache.
-        Returns (accepted tokens, verdict, drafts tested)."""
+        Returns (accepted tokens, verdict, drafts tested, the logits of the decisive row)."""
         context = run.context
         draft_ids, draft_probs = draft
         k = len(draft_ids)
@@ -196,11 +199,12 @@ class Engine:
         self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
         accepted = draft_ids[:n].tolist()
         self._observe(run.wants, len(context) - 1, [context[-1], *accepted])
-        return accepted, verdict, k
+        return accepted, verdict, k, logits[n]
 
-    def _tree_step(self, run: _Request, tree: DraftTree) -> tuple[list[int], object, int]:
+    def _tree_step(self, run: _Request, tree: DraftTree
+                   ) -> tuple[list[int], object, int, torch.Tensor]:
         """Verify a draft tree in one forward and keep the accepted path in the cache.
-        Returns (accepted tokens, verdict, tree depth)."""
+        Returns (accepted tokens, verdict, tree depth, the logits of the decisive node)."""
         context = run.context
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
@@ -210,47 +214,95 @@ class Engine:
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
         accepted = [ids[j] for j in keep[1:]]
         self._observe(run.wants, len(context) - 1, [context[-1], *accepted], keep)
-        return accepted, verdict, tree.depth
+        return accepted, verdict, tree.depth, logits[keep[-1]]
 
     def _draft(self, run: _Request, generated: int):
         """Ask the drafter for this step's proposal: a chain (ids, probs) or a DraftTree.
-        Returns (draft, draft class)."""
+        Returns (draft, draft class, the k allowed)."""
         drafter, cfg = run.drafter, run.cfg
         if drafter is None:
-            return (NO_DRAFT, None), None
+            return (NO_DRAFT, None), None, 0
+        drafter.last_top = []
         cls = drafter.draft_class(run.context)
         k = run.policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
         k = min(k, run.max_new - generated - 1)  # never past max_new_tokens (+1: the target's)
         if k <= 0:
-            return (NO_DRAFT, None), cls
+            return (NO_DRAFT, None), cls, 0
         if run.trees:
-            return drafter.propose_tree(run.context, k, run.params, cfg.tree_nodes), cls
+            return drafter.propose_tree(run.context, k, run.params, cfg.tree_nodes), cls, k
         draft = drafter.propose(run.context, k, run.params, run.noise)
-        return _until_stop(self.tokenizer, run.context, draft, cfg.stop), cls
+        return _until_stop(self.tokenizer, run.context, draft, cfg.stop), cls, k
 
     def _step(self, run: _Request, number: int, generated: int
               ) -> tuple[list[tuple[int, str]], StepRecord]:
         """Draft, verify, keep the cache and the policy up to date. Returns the step's tokens
         with their kinds, and its record."""
         t0 = time.perf_counter()
-        draft, cls = self._draft(run, generated)
+        draft, cls, allowed = self._draft(run, generated)
         t1 = time.perf_counter()
-        if isinstance(draft, DraftTree):
-            accepted, verdict, levels = self._tree_step(run, draft)
+        tree = draft if isinstance(draft, DraftTree) else None
+        if tree is not None:
+            accepted, verdict, levels, row = self._tree_step(run, tree)
         else:
-            accepted, verdict, levels = self._chain_step(run, draft)
+            accepted, verdict, levels, row = self._chain_step(run, draft)
         t2 = time.perf_counter()
-        k, n = len(draft) if isinstance(draft, DraftTree) else levels, len(accepted)
+        k, n = len(tree) if tree is not None else levels, len(accepted)
         run.stats.target_calls += 1
+        record = StepRecord(number, k, n, n + 1, t1 - t0, t2 - t1,
+                            levels if tree is not None else 0)
         if run.drafter:
+            self._explain(run, record, draft, verdict, row, allowed, cls)
             run.drafter.feedback(k, n)
             # A tree counts as its depth: one draft forward and one test per level.
             run.policy.update(k + 1, t2 - t1, levels, n, t1 - t0, cls)
         last_kind = TARGET if k == 0 else (BONUS if verdict.bonus else RESAMPLED)
         tokens = [(int(t), ACCEPTED) for t in accepted] + [(verdict.next_token, last_kind)]
-        record = StepRecord(number, k, n, len(tokens), t1 - t0, t2 - t1,
-                            levels if isinstance(draft, DraftTree) else 0)
         return tokens, record
+
+    def _explain(self, run: _Request, record: StepRecord, draft, verdict, row: torch.Tensor,
+                 allowed: int, cls) -> None:
+        """What the inspector shows of a speculative step: the proposal, the path kept, the
+        policy's reasons for k, and the test at the decisive position (a few numbers: one
+        top-k and one logsumexp over the decisive row)."""
+        text = self._token_text
+        tree = draft if isinstance(draft, DraftTree) else None
+        ids = (tree.tokens if tree is not None else draft[0]).tolist()
+        record.proposal, record.proposal_text = ids, [text(t) for t in ids]
+        record.k = allowed
+        if tree is not None:
+            record.parents, record.path = list(tree.parents), list(verdict.path)
+        else:
+            record.path = list(range(verdict.n_accepted))
+        if run.cfg.adaptive:
+            record.alpha = run.policy.alpha(cls)
+            plain = run.policy.expected_rate(0, cls)
+            record.expected_gain = run.policy.expected_rate(allowed, cls) / plain if plain else None
+        if not ids:
+            return
+        position = len(record.path)
+        if tree is not None:
+            refused = tree.tokens[verdict.refused[0]].item() if verdict.refused else None
+        else:
+            refused = ids[position] if position < len(ids) else None
+        top, p_refused = top_candidates(row, run.params, TOP, refused)
+        if run.params.greedy:
+            p, q = p_refused, None
+        elif tree is not None:  # each child passes with its p, as a one-hot draft
+            p, q = (prob_of(row, run.params, refused) if refused is not None else None), 1.0
+        else:
+            p, q = verdict.p, verdict.q
+        drafts_top = run.drafter.last_top
+        record.evidence = Evidence(
+            position, verdict.next_token, text(verdict.next_token), refused,
+            text(refused) if refused is not None else "",
+            p if refused is not None else None, q if refused is not None else None,
+            min(1.0, p / q) if refused is not None and q and p is not None else None,
+            run.params.greedy, [Candidate(i, text(i), pr) for i, pr in top],
+            [Candidate(i, text(i), pr) for i, pr in drafts_top[position]]
+            if position < len(drafts_top) else [])
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     # -- the decode loop ------------------------------------------------------------------
 

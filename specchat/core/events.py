@@ -31,6 +31,38 @@ class TokenEvent:
                 "step_accepted": self.step_accepted}
 
 
+TOP = 5  # candidates shown per distribution in a step's evidence
+
+
+@dataclass
+class Candidate:
+    id: int
+    text: str
+    prob: float
+
+
+@dataclass
+class Evidence:
+    """The test that ended a speculative step, at its decisive draft position.
+
+    `p` and `q` are the probabilities the verification used: the target's and the draft's for
+    the refused token (q = 1 for one-hot drafts: n-gram lookup, the head, trees, which pass
+    with probability p). Greedy decoding tests "draft == the target's argmax" instead; there
+    `p` is the target's probability at temperature 1, for information, and `accept_prob` None.
+    """
+    position: int  # draft position decided, from 0 (== the drafts tested when all passed)
+    token: int  # what the target emitted there
+    token_text: str
+    rejected: int | None = None  # the draft token refused there (None: every draft passed)
+    rejected_text: str = ""
+    p: float | None = None
+    q: float | None = None
+    accept_prob: float | None = None  # min(1, p / q)
+    greedy: bool = True
+    target_top: list[Candidate] = field(default_factory=list)  # at the decisive position
+    draft_top: list[Candidate] = field(default_factory=list)  # where the drafter has a q
+
+
 @dataclass
 class StepRecord:
     step: int  # from 1
@@ -40,6 +72,17 @@ class StepRecord:
     draft_s: float  # seconds spent proposing
     verify_s: float  # seconds in the target forward + acceptance test
     tree_depth: int = 0  # a draft tree's levels (0: the drafts were a chain)
+    proposal: list[int] = field(default_factory=list)  # drafted ids: the chain, or tree nodes
+    proposal_text: list[str] = field(default_factory=list)
+    parents: list[int] | None = None  # a tree's node parents (-1: the root); None: a chain
+    path: list[int] = field(default_factory=list)  # proposal indices accepted, in order
+    k: int = 0  # the most drafts the policy allowed this step (adaptive k)
+    alpha: float | None = None  # the policy's acceptance estimate behind that choice
+    expected_gain: float | None = None  # its expected tokens/s at k over plain decoding's
+    evidence: Evidence | None = None  # None: a plain step, or a step cut short by a stop
+
+    def to_json(self) -> dict:
+        return {"type": "step", **asdict(self)}
 
     @property
     def levels(self) -> int:

@@ -212,6 +212,26 @@ def _sample_untruncated(logits, params, noise: Noise, position: int) -> int:
     return int(ids[best])
 
 
+def prob_of(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
+    """The probability sampling gives `token` under `params` (0 outside top-k / top-p)."""
+    ids, probs = nucleus(logits, params)
+    return float(probs[token]) if ids is None else float(probs[ids == token].sum())
+
+
+def top_candidates(logits: torch.Tensor, params: SamplingParams, n: int,
+                   also: int | None = None) -> tuple[list[tuple[int, float]], float | None]:
+    """The n most likely tokens of one row [vocab] and their probabilities at the sampling
+    temperature (1 when greedy), before top-k / top-p: what the page shows of a distribution;
+    and the probability of token `also` the same way. One top-k and one logsumexp: cheap beside
+    a forward."""
+    x = logits.float() / (params.temperature if params.temperature > 0 else 1.0)
+    values, ids = torch.topk(x, min(n, x.shape[-1]))
+    norm = torch.logsumexp(x, -1)
+    probs = torch.exp(values - norm)
+    extra = float(torch.exp(x[also] - norm)) if also is not None else None
+    return list(zip(ids.tolist(), probs.tolist())), extra
+
+
 def _dense(ids: torch.Tensor | None, probs: torch.Tensor, vocab: int) -> torch.Tensor:
     if ids is None:
         return probs.float()
@@ -237,6 +257,10 @@ class Verdict:
     n_accepted: int  # drafts kept, 0..k
     next_token: int  # the token the target adds after them (resampled, or bonus)
     bonus: bool  # True when all k drafts passed and next_token came from p_{k+1}
+    # At a rejection when sampling: the target's p(x) and the draft's q(x) of the refused draft
+    # x that the test used (q = 1 for one-hot drafts). None when greedy or all passed.
+    p: float | None = None
+    q: float | None = None
 
 
 def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -260,8 +284,11 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     if draft_probs is None:  # one-hot drafts: plain decoding's draw y ~ p per position
         for i in range(k + 1):
             token = sample_row(target_logits[i], params, noise, position + i)
-            if i == k or token != int(draft_ids[i]):
-                return Verdict(i, token, bonus=i == k)
+            if i == k:
+                return Verdict(i, token, bonus=True)
+            if token != int(draft_ids[i]):  # x passed with probability p(x): q(x) = 1
+                return Verdict(i, token, False, prob_of(target_logits[i], params,
+                                                       int(draft_ids[i])), 1.0)
 
     # Sampled drafts: row by row, so a step pays for the target rows it reaches, not all k + 1.
     vocab = target_logits.shape[-1]
@@ -278,5 +305,5 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
             residual = target_probs
         support = residual.nonzero()[:, 0]
         token = draw(support, residual[support], noise, position + i, RESIDUAL)
-        return Verdict(i, token, bonus=False)
+        return Verdict(i, token, False, p, float(draft_probs[i, x]))
     return Verdict(k, sample_row(target_logits[k], params, noise, position + k), bonus=True)

@@ -19,7 +19,7 @@ the tree, never the test.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,6 +66,7 @@ class TreeVerdict:
     path: list[int]  # accepted nodes, root to leaf
     next_token: int  # the target's token after the path
     bonus: bool  # the path ends at a leaf: every draft on it passed
+    refused: list[int] = field(default_factory=list)  # the decisive node's children (nodes)
 
 
 def verify_tree(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
@@ -83,6 +84,6 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, params: SamplingPa
                                                                noise, position + len(path))
         kids = children.get(node)
         if not kids or y not in kids:
-            return TreeVerdict(path, y, bonus=not kids)
+            return TreeVerdict(path, y, bonus=not kids, refused=list((kids or {}).values()))
         node = kids[y]
         path.append(node)

@@ -32,8 +32,11 @@ class CombinedDrafter(Drafter):
 
     def propose(self, context, k, params, noise):
         if self.draft_class(context) != "head":
+            self.last_top = []
             return self.ngram.propose(context, k, params, noise)
-        return self.head.propose(context, k, params, noise)
+        draft = self.head.propose(context, k, params, noise)
+        self.last_top = self.head.last_top
+        return draft
 
     def propose_tree(self, context, depth, params, nodes):
         if self.draft_class(context) != "head":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
-from specchat.core.sampling import SamplingParams, nucleus, race
+from specchat.core.events import TOP
+from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
 from specchat.core.tree import DraftTree
 from specchat.models.eagle import DraftHead, target_features
 
@@ -123,8 +124,11 @@ class HeadDrafter(Drafter):
         pred, logits = self._catch_up(context)
         ids, rows = [], []
         p_all = 1.0  # the head's probability that every draft so far passes
+        self.last_top = []
         for i in range(k):
             reduced_logits = logits[0, -1:]  # [1, N]
+            top, _ = top_candidates(reduced_logits[0], params, TOP)
+            self.last_top.append([(int(self.head.vocab_ids[j]), q) for j, q in top])
             token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
             p_all *= p_token
             if p_all < self.min_gain:

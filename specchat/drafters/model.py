@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
-from specchat.core.sampling import sample_logits
+from specchat.core.events import TOP
+from specchat.core.sampling import sample_logits, top_candidates
 
 
 class ModelDrafter(Drafter):
@@ -50,8 +51,10 @@ class ModelDrafter(Drafter):
             return NO_DRAFT, None
         feed = self._sync(context)
         ids, probs = [], []
+        self.last_top = []
         for i in range(k):
             logits = self._forward(feed)
+            self.last_top.append(top_candidates(logits[0], params, TOP)[0])
             token, p = sample_logits(logits, params, noise, len(context) + i)
             ids.append(int(token))
             if p is not None:
