@@ -30,7 +30,7 @@ import gradio as gr
 from specchat.core.engine import Engine, GenerateConfig, default_tree_nodes
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, check_settings, clean_text
-from specchat.core.text import chat_prompt
+from specchat.core.text import chat_prompt, raw_prompt
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.loader import LoadReport
@@ -152,10 +152,28 @@ class ChatApp:
         messages.append({"role": "user", "content": session.turns[upto].user})
         return messages, dropped
 
+    def prompt_ids(self, session: Session, upto: int, settings: Settings, notes: list[str]
+                   ) -> tuple[list[int], tuple[str, ...]]:
+        """The token ids the reply to turn `upto` continues, and its stop strings. Chat: the
+        conversation in the model's chat format. Completion: the message as plain text, which
+        the model continues (what a base model is good at); no history, no system prompt."""
+        tokenizer = self.slot.engine.tokenizer
+        if settings.mode == "completion":
+            return raw_prompt(tokenizer, session.turns[upto].user), ()
+        system = self.system_prompt(settings, notes)
+        messages, dropped = self.prompt_messages(session, upto, system)
+        if dropped:
+            notes.append(f"{dropped} older exchange(s) left out of the prompt "
+                         f"(history limit {self.limits.max_history_chars:,} characters).")
+        ids, stops = chat_prompt(tokenizer, messages)
+        return ids, tuple(stops)
+
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
-               tokens: list[TokenEvent]) -> Iterator[GenerationStats | None]:
-        """One generation: appends TokenEvents to `tokens`, yields None when a repaint is due,
-        the GenerationStats last. An engine error becomes stats with `error` set."""
+               tokens: list[TokenEvent], steps: list[StepRecord] | None = None
+               ) -> Iterator[GenerationStats | None]:
+        """One generation: appends TokenEvents to `tokens` (and StepRecords to `steps`), yields
+        None when a repaint is due, the GenerationStats last. An engine error becomes stats
+        with `error` set."""
         engine = self.slot.engine
         last, stats, error = 0.0, None, ""
         try:
@@ -163,6 +181,8 @@ class ChatApp:
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
                 elif isinstance(event, StepRecord):
+                    if steps is not None:
+                        steps.append(event)
                     now = time.monotonic()
                     if now - last >= self.min_interval:
                         last = now
@@ -249,18 +269,12 @@ class ChatApp:
         yield from self._reply(session, turn, settings, request, owner)
 
     def _reply(self, session: Session, turn: Turn, settings: Settings, request, owner: str):
-        engine = self.slot.engine
         cfg, turn.notes = self.config(settings)
-        system = self.system_prompt(settings, turn.notes)
-        messages, dropped = self.prompt_messages(session, len(session.turns) - 1, system)
-        if dropped:
-            turn.notes.append(f"{dropped} older exchange(s) left out of the prompt "
-                              f"(history limit {self.limits.max_history_chars:,} characters).")
+        ids, cfg.stop = self.prompt_ids(session, len(session.turns) - 1, settings, turn.notes)
         notice = " ".join(turn.notes)
-        ids, stops = chat_prompt(engine.tokenizer, messages)
-        cfg.stop = tuple(stops)
         stop = self._stop_event(request)
-        drive, started = self._drive(ids, cfg, stop, turn.tokens), time.perf_counter()
+        drive = self._drive(ids, cfg, stop, turn.tokens, turn.steps)
+        started = time.perf_counter()
         try:
             yield render_history(session, streaming=True), session, notice
             for result in drive:
@@ -311,7 +325,6 @@ class ChatApp:
             yield (*ab_placeholders(), gr.skip(), session,
                    "Send a message first: A/B replays the last prompt.")
             return
-        engine = self.slot.engine
         try:
             cfg, notes = self.config(replace(settings, speculation=True))
         except InputError as e:
@@ -323,9 +336,7 @@ class ChatApp:
             return
         last = len(session.turns) - 1
         prompt = session.turns[last].user
-        messages, _ = self.prompt_messages(session, last, self.system_prompt(settings, notes))
-        ids, stops = chat_prompt(engine.tokenizer, messages)
-        cfg.stop = tuple(stops)
+        ids, cfg.stop = self.prompt_ids(session, last, settings, notes)
         stop = self._stop_event(request)
         notice = " ".join(notes)
         owner = self.access.viewer(request, browser_id).owner
@@ -337,18 +348,22 @@ class ChatApp:
     def _ab_runs(self, session, owner, prompt, ids, cfg, stop, notice):
         engine = self.slot.engine
         runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
+        steps: dict[str, list[StepRecord]] = {"off": [], "on": []}
 
         def panels(live: str | None = None):
-            return (ab_panel("Speculation off", *runs.get("off", ([], None)), live == "off"),
+            return (ab_panel("Speculation off", *runs.get("off", ([], None)), live == "off",
+                             steps=steps["off"], key="ab-off"),
                     ab_panel(f"Speculation on ({cfg.drafter}, k≤{cfg.draft_len})",
-                             *runs.get("on", ([], None)), live == "on"))
+                             *runs.get("on", ([], None)), live == "on", steps=steps["on"],
+                             key="ab-on"))
 
         plain = None  # the plain run's saved turn: the speculative run is timed against it
         for name, speculation in (("off", False), ("on", True)):
             tokens: list[TokenEvent] = []
             runs[name] = (tokens, None)
             run_cfg = replace(cfg, speculation=speculation)
-            drive, started = self._drive(ids, run_cfg, stop, tokens), time.perf_counter()
+            drive = self._drive(ids, run_cfg, stop, tokens, steps[name])
+            started = time.perf_counter()
             try:
                 yield (*panels(name), '<div class="sc-verdict">Replaying with speculation '
                        f"{name}…</div>", gr.skip(), session, gr.skip())

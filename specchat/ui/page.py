@@ -8,6 +8,7 @@ import gradio as gr
 
 from specchat.core.engine import Engine
 from specchat.core.inputs import MAX_DRAFT_LEN
+from specchat.core.text import has_chat_template
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
@@ -65,6 +66,12 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                                                  interactive=ready)
                                 stop_btn = gr.Button("Stop", variant="stop", elem_id="sc-stop")
                         notice = gr.Markdown("", elem_id="sc-notice", elem_classes="sc-notice")
+                        examples = gr.Dataset(
+                            components=[gr.Textbox(visible=False), gr.Textbox(visible=False)],
+                            samples=[[text, label] for text, label, _ in EXAMPLES],
+                            headers=["Try an example (one click runs it)", "mode"],
+                            elem_id="sc-examples", samples_per_page=len(EXAMPLES),
+                            type="index")
                         with gr.Row():
                             retry_btn = gr.Button("↻ Retry", size="sm", elem_id="sc-retry")
                             undo_btn = gr.Button("↶ Undo", size="sm", elem_id="sc-undo")
@@ -73,6 +80,13 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                             ab_btn = gr.Button("⇄ A/B replay", size="sm", variant="secondary",
                                                elem_id="sc-ab", interactive=ready)
                     with gr.Column(scale=1, min_width=260):
+                        mode = gr.Radio([("Chat", "chat"), ("Completion", "completion")],
+                                        value=default_mode(slot, d), label="Mode",
+                                        info="Completion: the model continues your text, no "
+                                             "chat format (what a base model is good at)",
+                                        elem_id="sc-mode")
+                        ghosts = gr.Checkbox(value=True, label="Show refused drafts",
+                                             elem_id="sc-ghosts")
                         gr.Markdown("#### Speculation")
                         speculation = gr.Checkbox(value=d.speculation, label="Speculative decoding",
                                                   elem_id="sc-speculation")
@@ -111,27 +125,29 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                 stats.refresh_on(tab.select)
         timer = gr.Timer(1.0, active=not ready and slot.state != "failed")
 
+        # In the order of Settings' fields.
         controls = [system, speculation, drafter, draft_len, adaptive, temperature, top_p, top_k,
-                    max_new, seed]
+                    max_new, seed, mode]
 
         # Explicit parameters: gradio injects `request` only into a named, annotated one.
         def on_bot(state, browser_id, system, speculation, drafter, draft_len, adaptive,
-                   temperature, top_p, top_k, max_new_tokens, seed, request: gr.Request):
+                   temperature, top_p, top_k, max_new_tokens, seed, mode, request: gr.Request):
             yield from self.bot(state, Settings(system, speculation, drafter, draft_len, adaptive,
-                                                temperature, top_p, top_k, max_new_tokens, seed),
-                                request, browser_id)
+                                                temperature, top_p, top_k, max_new_tokens, seed,
+                                                mode), request, browser_id)
 
         def on_ab(state, browser_id, system, speculation, drafter, draft_len, adaptive,
-                  temperature, top_p, top_k, max_new_tokens, seed, request: gr.Request):
+                  temperature, top_p, top_k, max_new_tokens, seed, mode, request: gr.Request):
             yield from self.ab_replay(state, Settings(system, speculation, drafter, draft_len,
                                                       adaptive, temperature, top_p, top_k,
-                                                      max_new_tokens, seed), request, browser_id)
+                                                      max_new_tokens, seed, mode),
+                                      request, browser_id)
 
         def on_user(text, state, system, speculation, drafter, draft_len, adaptive, temperature,
-                    top_p, top_k, max_new_tokens, seed, request: gr.Request):
+                    top_p, top_k, max_new_tokens, seed, mode, request: gr.Request):
             return self.user(text, state, request,
                              Settings(system, speculation, drafter, draft_len, adaptive,
-                                      temperature, top_p, top_k, max_new_tokens, seed))
+                                      temperature, top_p, top_k, max_new_tokens, seed, mode))
 
         def on_browser(browser_id):
             """Give a browser its id on its first visit; keep the one it has."""
@@ -151,12 +167,26 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                     gr.Radio(choices=[(DRAFTER_LABELS.get(c, c), c) for c in choices],
                              value=d.drafter if d.drafter in choices else choices[0]),
                     gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
-                    gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"))
+                    gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"),
+                    gr.Radio(value=default_mode(slot, d)))
 
         private = dict(api_visibility="private")
         engine_lane = dict(concurrency_id="engine", concurrency_limit=1, **private)
         instant = dict(concurrency_limit=None, show_progress="hidden", **private)
         chat_out = [chat, session, notice]
+
+        def on_example(index: int):
+            text, _, settings = EXAMPLES[index]
+            return (text, settings["mode"], settings["temperature"], settings["seed"],
+                    settings["max_new_tokens"])
+
+        examples.click(on_example, examples, [box, mode, temperature, seed, max_new],
+                       **instant).then(
+            on_user, [box, session, *controls], [box, chat, session, notice], **instant).then(
+            on_bot, [session, browser, *controls], chat_out, show_progress="minimal",
+            **engine_lane)
+        ghosts.change(None, ghosts, None,
+                      js="(show) => { document.body.classList.toggle('sc-hide-ghosts', !show); }")
 
         for trigger in (box.submit, send.click):
             trigger(on_user, [box, session, *controls], [box, chat, session, notice],
@@ -173,11 +203,35 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                      [ab_off, ab_on, verdict, chat, session, notice],
                      show_progress="minimal", **engine_lane)
         stop_btn.click(on_stop, None, notice, queue=False, **private)
-        page_out = [header, status, chat, drafter, box, send, ab_btn, timer]
+        page_out = [header, status, chat, drafter, box, send, ab_btn, timer, mode]
         timer.tick(on_page, None, page_out, **instant)
         demo.load(on_page, None, page_out, **instant)
         demo.load(on_browser, browser, browser, **instant)
     return demo
+
+
+# Prompts that make good demos on the embedded 270M base model (checked: sensible text, long
+# enough for speculation to show). Completion suits a base model; chat needs an instruct one.
+EXAMPLES = [
+    ("Water is a chemical compound made of", "completion",
+     dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=96)),
+    ("The Eiffel Tower is a wrought-iron lattice tower in Paris. It was", "completion",
+     dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=96)),
+    ("Photosynthesis is the process by which plants", "completion (greedy)",
+     dict(mode="completion", temperature=0.0, seed=0, max_new_tokens=128)),
+    ("# A Python function that reverses a string\ndef reverse_string(s):", "completion",
+     dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=64)),
+    ("Tell me a fun fact about octopuses.", "chat",
+     dict(mode="chat", temperature=0.0, seed=0, max_new_tokens=64)),
+]
+
+
+def default_mode(slot: ModelSlot, d: Settings) -> str:
+    """Completion for a base model (no chat template), else the default settings' mode."""
+    engine = slot.engine
+    if engine is not None and not has_chat_template(engine.tokenizer):
+        return "completion"
+    return d.mode
 
 
 def theme() -> gr.themes.Base:
@@ -195,7 +249,8 @@ def theme() -> gr.themes.Base:
 def launch_kwargs() -> dict:
     """What `demo.launch` needs besides host/port/share/auth (gradio 6: theme/css live here)."""
     return dict(css=asset("specchat.css"), theme=theme(), favicon_path=str(ASSETS / "logo.svg"),
-                footer_links=["gradio", "settings"])
+                footer_links=["gradio", "settings"],
+                head=f"<script>{asset('inspector.js')}</script>")
 
 
 def launch(demo: gr.Blocks, **kwargs):

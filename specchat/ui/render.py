@@ -8,7 +8,17 @@ import re
 import time
 from pathlib import Path
 
-from specchat.core.events import ACCEPTED, BONUS, RESAMPLED, TARGET, GenerationStats, TokenEvent
+from specchat.core.events import (
+    ACCEPTED,
+    BONUS,
+    RESAMPLED,
+    TARGET,
+    GenerationStats,
+    StepRecord,
+    TokenEvent,
+)
+from specchat.core.text import has_chat_template
+from specchat.ui.inspector import ghost_html, step_cards, step_charts
 from specchat.ui.state import ModelSlot, Session, Turn
 
 KIND_WORDS = {ACCEPTED: "accepted", RESAMPLED: "resampled", BONUS: "bonus", TARGET: "target"}
@@ -61,8 +71,11 @@ _OPEN = {"text": '<div class="sc-text">', "code": '<pre class="sc-code"><code>'}
 _CLOSE = {"text": "</div>", "code": "</code></pre>"}
 
 
-def render_tokens(tokens: list[TokenEvent], streaming: bool = False) -> str:
-    """A reply as HTML: one span per token (split where markup starts or ends)."""
+def render_tokens(tokens: list[TokenEvent], streaming: bool = False,
+                  steps: dict[int, StepRecord] | None = None) -> str:
+    """A reply as HTML: one span per token (split where markup starts or ends). With the
+    steps' records, tokens of speculative steps open their step card (click or keyboard), and
+    the drafts a step refused follow the token that replaced them as ghost text."""
     text = "".join(t.text for t in tokens)
     blocks, marks = markup_ranges(text)
     cuts = sorted({0, len(text), *(p for b in blocks for p in b[:2]),
@@ -83,6 +96,11 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False) -> str:
         pos = b
         css = f"tk tk-{tok.kind}"
         title = html.escape(token_title(tok), quote=True)
+        record = steps.get(tok.step) if steps else None
+        # (gradio's sanitizer keeps classes, not data- attributes: the step is a class)
+        if record and record.drafted:
+            css += f" sc-step sc-step-{tok.step}"
+        attrs = ' tabindex="0"' if record and record.drafted else ""
         i = bisect.bisect_right(cuts, a)
         edges = [a]
         while i < len(cuts) and cuts[i] < b:
@@ -97,8 +115,10 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False) -> str:
                     out.append(_CLOSE[current])
                 out.append(_OPEN[kind])
                 current = kind
-            out.append(f'<span class="{css}{extras[at]}" title="{title}">'
+            out.append(f'<span class="{css}{extras[at]}" title="{title}"{attrs}>'
                        f'{html.escape(text[s:e], quote=False)}</span>')
+        if record is not None and tok.kind == RESAMPLED:
+            out.append(ghost_html(record))
     if streaming:
         if current is None:
             out.append(_OPEN["text"])
@@ -163,21 +183,30 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
     return f'<div class="sc-stats">{"".join(parts)}</div>'
 
 
+def inspected(tokens: list[TokenEvent], steps: list[StepRecord], streaming: bool = False,
+              stats: GenerationStats | None = None) -> str:
+    """A reply with its inspector: colored tokens and ghost text, the charts under it, and
+    (once finished) the step cards its tokens open."""
+    by_step = {r.step: r for r in steps}
+    body = render_tokens(tokens, streaming, by_step) if tokens or streaming else \
+        '<div class="sc-reply"><span class="sc-empty">(empty reply)</span></div>'
+    return body + step_charts(steps, stats) + ("" if streaming else step_cards(steps))
+
+
 def render_turn(turn: Turn, baseline: float | None, streaming: bool = False) -> str:
     if streaming or not turn.stats:
-        body = render_tokens(turn.tokens, streaming)
+        body = inspected(turn.tokens, turn.steps, streaming=True)
     elif turn.body_html:
         body = turn.body_html  # a finished reply never changes: render it once
     else:
-        body = turn.body_html = render_tokens(turn.tokens) if turn.reply else \
-            '<div class="sc-reply"><span class="sc-empty">(empty reply)</span></div>'
-    parts = [body]
+        body = turn.body_html = inspected(turn.tokens, turn.steps, stats=turn.stats)
+    parts = [f'<div class="sc-turn sc-turn-{turn.key}">', body]
     if turn.stats and turn.stats.error:
         parts.append(f'<div class="sc-error">⚠ {html.escape(turn.stats.error)}</div>')
     if turn.stats:
         parts.append(stats_line(turn.stats, baseline))
     parts += [f'<div class="sc-note">{html.escape(n)}</div>' for n in turn.notes]
-    return "".join(parts)
+    return "".join(parts) + "</div>"
 
 
 def user_html(text: str) -> str:
@@ -207,8 +236,10 @@ def ab_placeholders() -> tuple[str, str, str]:
 
 
 def ab_panel(title: str, tokens: list[TokenEvent], stats: GenerationStats | None,
-             live: bool, placeholder: str = "") -> str:
-    body = placeholder or render_tokens(tokens, live)
+             live: bool, placeholder: str = "", steps: list[StepRecord] | None = None,
+             key: str = "ab") -> str:
+    body = placeholder or (f'<div class="sc-turn sc-turn-{key}">'
+                           f"{inspected(tokens, steps or [], live, stats)}</div>")
     line = stats_line(stats, None, speedup=False) if stats else ""
     error = f'<div class="sc-error">⚠ {html.escape(stats.error)}</div>' \
         if stats and stats.error else ""
@@ -243,6 +274,11 @@ def models_html(slot: ModelSlot) -> str:
         drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
     notes = "".join(f'<div class="sc-note">⚠ {html.escape(slot.redact(n))}</div>'
                     for n in report.notes)
+    if not has_chat_template(engine.tokenizer):
+        notes += ('<div class="sc-note sc-base">This target is a small <b>base model</b>: it '
+                  "continues text rather than chatting, so <b>Completion</b> mode suits it (try "
+                  "an example below the chat). Real chat needs an instruct model: a preset on "
+                  "a GPU, e.g. <code>python app.py --preset qwen2.5-7b</code>.</div>")
     target = html.escape(slot.redact(engine.target.label))
     return (f'<div class="sc-models"><span>Target: <code>{target}'
             f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span></div>{notes}")

@@ -6,11 +6,12 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specchat.core.engine import Engine
-from specchat.core.events import GenerationStats, TokenEvent
+from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.loader import LoadReport
 from specchat.models.loaded import ModelLoadError
 
@@ -48,12 +49,15 @@ class Settings:
     top_k: int = 0
     max_new_tokens: int = 256
     seed: int = -1  # -1: a fresh random seed per reply (shown in the stats line)
+    mode: str = "chat"  # "chat" | "completion" (the model continues the message as text)
 
 
 @dataclass
 class Turn:
     user: str
     tokens: list[TokenEvent] = field(default_factory=list)  # as the engine emitted them
+    steps: list[StepRecord] = field(default_factory=list)  # the inspector's records
+    key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the page
     stats: GenerationStats | None = None  # None while streaming
     notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
     body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
