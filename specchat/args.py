@@ -104,17 +104,23 @@ def config_from_args(args, report):
                           if args.tree_nodes is None else args.tree_nodes)
 
 
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+         "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "draft_len": "--draft-len",
+         "tree_nodes": "--tree-nodes"}
+
+
 def validate_sampling(args) -> str | None:
-    if args.max_new_tokens < 1:
-        return "--max-new-tokens must be at least 1"
-    if args.draft_len < 1 or args.draft_len > 16:
-        return "--draft-len must be between 1 and 16"
-    if args.tree_nodes is not None and not 0 <= args.tree_nodes <= 64:
-        return "--tree-nodes must be between 0 and 64"
-    if args.temperature < 0:
-        return "--temperature must be >= 0"
-    if not 0 < args.top_p <= 1:
-        return "--top-p must be in (0, 1]"
-    if args.top_k < 0:
-        return "--top-k must be >= 0"
+    """Check the sampling flags (`core.inputs`, the page's check too) and write the normalized
+    values back; the message for the first bad one, or None."""
+    from specchat.core.inputs import InputError, check_settings
+    try:
+        values = check_settings(max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, draft_len=args.draft_len,
+                                tree_nodes=getattr(args, "tree_nodes", None), names=FLAGS)
+    except InputError as e:
+        return str(e)
+    for key, value in values.items():
+        if hasattr(args, key):
+            setattr(args, key, value)
     return None

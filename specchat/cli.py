@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import sys
 
 from specchat.args import (
@@ -24,10 +25,11 @@ from specchat.train.cli import add_cli as add_train_draft
 
 
 def cmd_generate(args) -> int:
-    from specchat.core.events import GenerationStats, TokenEvent
+    from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+    from specchat.core.inputs import clean_text
     from specchat.core.text import chat_prompt, raw_prompt
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = clean_text(args.prompt if args.prompt is not None else sys.stdin.read())
     if not prompt.strip():
         print("specchat: the prompt is empty; pass --prompt TEXT (or text on stdin).",
               file=sys.stderr)
@@ -36,6 +38,7 @@ def cmd_generate(args) -> int:
     if problem:
         print(f"specchat: {problem}", file=sys.stderr)
         return 2
+    store = _open_store(args.db)  # before the reply: a bad --db is said up front, once
     if args.json:  # keep stderr readable for scripts: no weight-loading progress bars
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -47,7 +50,8 @@ def cmd_generate(args) -> int:
     if args.raw:
         ids, stops = raw_prompt(engine.tokenizer, prompt), ()
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        system = clean_text(args.system)
+        messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         ids, stops = chat_prompt(engine.tokenizer, messages)
     cfg.stop = stops
@@ -66,11 +70,16 @@ def cmd_generate(args) -> int:
                 print(json.dumps(event.to_json(), ensure_ascii=False), flush=True)
             else:
                 print(event.text, end="", flush=True)
+        elif isinstance(event, StepRecord):
+            if args.json:
+                print(json.dumps(event.to_json(), ensure_ascii=False), flush=True)
         elif isinstance(event, GenerationStats):
             stats = event
     out = stats.to_json()
     out.update(target=report.engine.target.label,
                draft=report.draft.label if report.draft else None)
+    if store is not None:  # saved before the stats line: a script reading it finds the row
+        _record(store, report, prompt, "".join(reply), out)
     if args.json:
         print(json.dumps(out), flush=True)
     else:
@@ -78,29 +87,31 @@ def cmd_generate(args) -> int:
         print(f"-- {stats.new_tokens} tokens in {stats.seconds:.2f}s "
               f"({stats.tokens_per_s:.1f} tok/s), {stats.target_calls} target calls, "
               f"acceptance {stats.acceptance_rate:.0%}, drafter {stats.drafter}", file=sys.stderr)
-    if getattr(args, "db", None) is not None or _stats_enabled(args):
-        _record(args, report, prompt, "".join(reply), out)
     return 1 if stats.stop_reason == "error" else 0
 
 
-def _stats_enabled(args) -> bool:
-    return bool(getattr(args, "db", None))
-
-
-def _record(args, report, prompt, reply, stats_json) -> None:
-    try:
-        from specchat.stats.store import StatsStore
-    except ImportError:
-        return
-    store = StatsStore.open_or_disabled(args.db)
-    if getattr(store, "error", None):
+def _open_store(path):
+    """The stats store for --db, or None (no --db, or it cannot be used: said once here)."""
+    if not path:
+        return None
+    from specchat.stats.store import StatsStore
+    # The store also logs its errors; here they are printed once, by us.
+    logging.getLogger("specchat.stats").addHandler(logging.NullHandler())
+    store = StatsStore.open_or_disabled(path)
+    if store.error:
         print(f"specchat: {store.error}", file=sys.stderr)
-        return
+        return None
+    return store
+
+
+def _record(store, report, prompt, reply, stats_json) -> None:
     engine = report.engine
-    conv = store.new_conversation(prompt[:60], "local", engine.target.name,
-                                  report.draft.name if report.draft else "",
-                                  engine.target.quantization, engine.device.type)
-    store.record_turn(conv, prompt, reply, stats_json)
+    conversation = store.new_conversation(prompt[:60], "local", engine.target.name,
+                                          report.draft.name if report.draft else "",
+                                          engine.target.quantization, engine.device.type)
+    store.record_turn(conversation, prompt, reply, stats_json)
+    if store.error:
+        print(f"specchat: {store.error}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate one reply",
                          description="Generate one reply; --json writes one JSON line per "
-                                     "token ({type, id, text, kind}) and a final stats line.")
+                                     "token ({type: token, id, text, kind, ...}), one per "
+                                     "verification step ({type: step, ...}: what was drafted, "
+                                     "kept and why) and a final stats line.")
     gen.add_argument("--prompt", default=None, help="the user message (default: stdin)")
     gen.add_argument("--system", default="", help="system prompt")
     gen.add_argument("--raw", action="store_true",

@@ -34,6 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 WAIT_MS = 60_000  # generous: CI machines are small and shared
+REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
 
 
 def _sync_playwright():
@@ -169,7 +170,9 @@ def shared(tmp_path_factory):
     """The app behind two logins on 127.0.0.1 (as behind a reverse proxy or tunnel), and a
     server counting requests: a payload's image would be fetched from it."""
     tok = byte_tokenizer()
-    engine = Engine(loaded(tiny_llama(0), tok), {"ngram": NgramDrafter()})
+    # A draft model with other weights than the target's: many drafts are refused.
+    engine = Engine(loaded(tiny_llama(0), tok),
+                    {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(1), len(tok))})
     store = StatsStore(tmp_path_factory.mktemp("db") / "stats.db")
     demo = build_ui(engine, store, access=Access(auth=True), min_interval=0.02,
                     defaults=Settings(max_new_tokens=24, seed=0))
@@ -294,3 +297,54 @@ def test_a_tab_closed_mid_reply_records_an_interrupted_turn(shared):
         time.sleep(0.2)
     assert rows and rows[-1]["interrupted"] and rows[-1]["stop_reason"] == "cancelled"
     assert rows[-1]["prompt"] == "a long story, please"
+
+
+def test_inspector_ghost_text_step_cards_and_modes(shared):
+    sync_playwright = _sync_playwright()
+    url, _, _, _ = shared
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = _login(browser, url, "alice", "alice-pw")
+            page.locator("#sc-mode").get_by_label("Chat", exact=True).check()
+            page.get_by_label("Adapt k to measured acceptance and cost").uncheck()  # k = 4
+            box = page.locator("#sc-input textarea")
+            box.fill(REPETITIVE)
+            box.press("Enter")
+            page.wait_for_selector("#sc-chat .sc-stats")
+            # Refused drafts follow the token that replaced them, as ghost text.
+            ghost = page.locator("#sc-chat .sc-ghost").first
+            ghost.wait_for()
+            assert page.evaluate("[...document.querySelectorAll('#sc-chat .sc-ghost')].some("
+                                 "g => g.previousElementSibling?.classList.contains("
+                                 "'tk-resampled'))")
+            assert page.locator("#sc-chat .sc-charts").count() == 1
+            page.click("#sc-ghosts input")  # the switch hides them
+            assert not ghost.is_visible()
+            page.click("#sc-ghosts input")
+            assert ghost.is_visible()
+
+            # A click opens the token's step card; Escape closes it; Enter on a focused token
+            # opens it again.
+            token = page.locator("#sc-chat .tk-resampled.sc-step").first
+            step = next(c for c in token.get_attribute("class").split()
+                        if c.startswith("sc-step-"))[len("sc-step-"):]
+            card = page.locator(f"#sc-chat .sc-card-{step}")
+            token.click()
+            card.wait_for(state="visible")
+            text = card.inner_text()
+            assert f"Step {step}:" in text and "target at draft position" in text
+            page.keyboard.press("Escape")
+            card.wait_for(state="hidden")
+            token.focus()
+            page.keyboard.press("Enter")
+            card.wait_for(state="visible")
+
+            # Completion mode: the text itself is continued, no chat format.
+            page.locator("#sc-mode").get_by_label("Completion", exact=True).check()
+            box.fill("Once upon a time")
+            box.press("Enter")
+            page.wait_for_function(
+                "document.querySelectorAll('#sc-chat .sc-stats').length >= 2")
+        finally:
+            browser.close()

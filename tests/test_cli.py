@@ -34,11 +34,13 @@ def generate(*args, check=True):
     return proc
 
 
-def parse(stdout):
+def parse(stdout, with_steps=False):
     lines = [json.loads(line) for line in stdout.splitlines()]
     tokens = [x for x in lines if x["type"] == "token"]
-    assert lines[-1]["type"] == "stats" and all(x["type"] == "token" for x in lines[:-1])
-    return tokens, lines[-1]
+    steps = [x for x in lines if x["type"] == "step"]
+    assert lines[-1]["type"] == "stats"
+    assert all(x["type"] in ("token", "step") for x in lines[:-1])
+    return (tokens, steps, lines[-1]) if with_steps else (tokens, lines[-1])
 
 
 def test_generate_json_contract(tiny_dirs):
@@ -84,3 +86,76 @@ def test_bad_input_gets_a_clear_message(tiny_dirs, tmp_path):
     assert proc.returncode == 2 and "prompt is empty" in proc.stderr
     proc = generate("--target", "no-such-org/no-such-model", "--prompt", "hi", check=False)
     assert proc.returncode == 1 and "could not be fetched" in proc.stderr
+
+
+def test_step_lines_explain_each_step_and_agree_with_the_tokens(tiny_dirs):
+    proc = generate("--target", tiny_dirs["target"], "--draft-model", tiny_dirs["draft"],
+                    "--quantization", "none", "--prompt", "the cat sat on the mat. the cat",
+                    "--max-new-tokens", "24", "--json", "--raw", "--fixed-draft-len")
+    tokens, steps, stats = parse(proc.stdout, with_steps=True)
+    assert steps and [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+    for record in steps:
+        mine = [t for t in tokens if t["step"] == record["step"]]
+        assert all(t["step_drafted"] == record["drafted"] for t in mine)
+        if record["drafted"]:
+            n = record["accepted"]
+            assert [t["id"] for t in mine[:n]] == record["proposal"][:n]
+            evidence = record["evidence"]
+            if len(mine) == n + 1:
+                assert mine[n]["id"] == evidence["token"]
+            if n < record["drafted"]:
+                assert evidence["rejected"] == record["proposal"][n]
+                assert len(mine) <= n or mine[n]["kind"] == "resampled"
+    assert sum(s["drafted"] for s in steps) == stats["drafted"]
+    assert sum(s["accepted"] for s in steps) == stats["accepted"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--temperature", "nan"], "--temperature must be a finite number (got nan)."),
+    (["--temperature", "inf"], "--temperature must be a finite number (got inf)."),
+    (["--top-p", "nan"], "--top-p must be a finite number"),
+    (["--seed", "9223372036854775808"], "--seed must be a whole number between 0 and "
+                                        "9223372036854775807, or -1 for a random seed"),
+])
+def test_bad_numbers_get_one_clear_line_not_a_traceback(tiny_dirs, flags, message):
+    proc = generate("--target", tiny_dirs["target"], "--prompt", "hi", *flags, check=False)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_lone_surrogate_in_the_prompt_is_replaced(tiny_dirs):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, "-m", "specchat", "generate", "--target", tiny_dirs["target"],
+         "--quantization", "none", "--max-new-tokens", "4", "--json", "--raw"],
+        input="bad \udc80 text".encode("utf-8", "surrogateescape"), capture_output=True,
+        env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    _, stats = parse(proc.stdout.decode())
+    assert stats["new_tokens"] == 4
+
+
+def test_a_bad_database_is_reported_once_and_the_row_exists_before_the_stats_line(tiny_dirs,
+                                                                                tmp_path):
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"not a database" * 100)
+    proc = generate("--target", tiny_dirs["target"], "--quantization", "none", "--prompt", "hi",
+                    "--max-new-tokens", "4", "--json", "--db", str(corrupt))
+    assert proc.stderr.count("is corrupt") == 1
+
+    # Read the database the moment the stats line appears: the turn is already there.
+    from specchat.stats.store import StatsStore
+    good = tmp_path / "good.db"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    with subprocess.Popen([sys.executable, "-m", "specchat", "generate", "--target",
+                           tiny_dirs["target"], "--quantization", "none", "--prompt", "hi",
+                           "--max-new-tokens", "4", "--json", "--db", str(good)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                          cwd=ROOT) as proc:
+        for line in proc.stdout:
+            if json.loads(line)["type"] == "stats":
+                store = StatsStore(good)
+                (conversation,) = store.conversations()
+                assert len(store.turns(conversation["id"])) == 1
+                store.close()
+                break

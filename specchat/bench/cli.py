@@ -78,7 +78,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args) -> int:
-    from specchat.args import load_for_cli
+    from specchat.args import load_for_cli, validate_sampling
 
     path = args.questions or default_questions_path()
     if path is None:
@@ -94,14 +94,12 @@ def cmd_bench(args) -> int:
     if not questions:
         print(f"specchat: no questions in {path}", file=sys.stderr)
         return 2
-    for name, ok in (("--max-new-tokens", args.max_new_tokens >= 1),
-                     ("--repeats", args.repeats >= 1),
-                     ("--draft-len", 1 <= args.draft_len <= 16),
-                     ("--temperature", args.temperature >= 0),
-                     ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0)):
-        if not ok:
-            print(f"specchat: {name} out of range", file=sys.stderr)
-            return 2
+    problem = ("--repeats must be at least 1" if args.repeats < 1 else
+               "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
+               validate_sampling(args))
+    if problem:
+        print(f"specchat: {problem}", file=sys.stderr)
+        return 2
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)

@@ -90,13 +90,15 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False,
             extras[c] += f" {css}"
     out, current, pos = ['<div class="sc-reply">'], None, 0
     for tok in tokens:
-        if not tok.text:
-            continue  # an incomplete multi-byte character: its text arrives with the next token
+        record = steps.get(tok.step) if steps else None
+        if not tok.text:  # an incomplete multi-byte character: its text comes with the next token
+            if record is not None and tok.kind == RESAMPLED:
+                out.append(ghost_html(record))
+            continue
         a, b = pos, pos + len(tok.text)
         pos = b
         css = f"tk tk-{tok.kind}"
         title = html.escape(token_title(tok), quote=True)
-        record = steps.get(tok.step) if steps else None
         # (gradio's sanitizer keeps classes, not data- attributes: the step is a class)
         if record and record.drafted:
             css += f" sc-step sc-step-{tok.step}"
