@@ -4,6 +4,7 @@ unusable files, and the `specchat stats` CLI. Fast, offline, no wall-clock asser
 from __future__ import annotations
 
 import argparse
+import csv
 import io
 import json
 import multiprocessing
@@ -200,7 +201,8 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
 
     store = StatsStore(path)
     assert [m.name for m in MIGRATIONS.applied(store.db)] == [
-        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes"]
+        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
+        "m005_steps"]
     assert store.db["conversations"].count == 3 and store.db["turns"].count == 30
     got = {t["prompt"]: t for c in conversations for t in store.turns(c["id"])}
     for i, old in enumerate(turns):
@@ -223,7 +225,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
     store.record_turn("c0", "new", "turn", spec_stats())
     store.close()
     again = StatsStore(path)
-    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 4
+    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 5
     again.close()
 
 
@@ -303,7 +305,8 @@ def test_connections_opening_a_new_file_at_once_migrate_it_once(tmp_path):
         t.join()
     assert errors == [] and len(stores) == 6
     assert [m.name for m in MIGRATIONS.applied(stores[0].db)] == [
-        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes"]
+        "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
+        "m005_steps"]
     for store in stores:
         store.close()
 
@@ -518,3 +521,30 @@ def test_a_turn_records_its_draft_tree_size(tmp_path):
                             draft_len=4, tree_nodes=10, drafted=12, accepted=2)
     store.record_turn(conv, "p", "r", stats)
     assert [t["tree_nodes"] for t in store.turns(conv)] == [10]
+
+
+def test_steps_are_kept_exported_and_deleted_with_their_conversation(store, tmp_path):
+    from specchat.core.events import Candidate, Evidence, StepRecord, TokenEvent
+    cid = store.new_conversation("inspect me", "local")
+    step = StepRecord(1, 3, 1, 2, 0.01, 0.05, proposal=[7, 8, 9], proposal_text=["a", "b", "c"],
+                      path=[0], k=4, alpha=0.6, expected_gain=1.3,
+                      evidence=Evidence(1, 5, "x", 8, "b", 0.2, 1.0, 0.2, False,
+                                        [Candidate(5, "x", 0.7)], []))
+    tokens = [TokenEvent(7, "a", "accepted", 1, 3, 1), TokenEvent(5, "x", "resampled", 1, 3, 1)]
+    turn = store.record_turn(cid, "=cmd()", "ax", spec_stats(), tokens=[t.to_json() for t in tokens],
+                             steps=[step.to_json()])
+    (row,) = store.turns(cid)
+    assert row["tokens"] == [[7, "a", "accepted", 1, 3, 1], [5, "x", "resampled", 1, 3, 1]]
+    (kept,) = store.steps(turn)
+    assert StepRecord.from_json(kept) == step  # what the inspector shows, back whole
+    assert store.steps(turn, owner="someone else") == []
+    out = io.StringIO()
+    assert store.export_steps_csv(out, cid) == 1
+    (exported,) = csv.DictReader(io.StringIO(out.getvalue()))
+    assert exported["rejected_text"] == "b" and float(exported["p"]) == 0.2
+    assert json.loads(exported["proposal_text"]) == ["a", "b", "c"]
+    turns_csv = io.StringIO()
+    store.export_csv(turns_csv, cid)
+    assert "'=cmd()" in turns_csv.getvalue()  # a formula-looking prompt stays text
+    assert store.delete_conversation(cid)
+    assert store.db["steps"].count == 0

@@ -84,6 +84,18 @@ class StepRecord:
     def to_json(self) -> dict:
         return {"type": "step", **asdict(self)}
 
+    @classmethod
+    def from_json(cls, data: dict) -> StepRecord:
+        """The inverse of `to_json` (a stored step, reopened by the Stats tab)."""
+        data = {k: v for k, v in data.items() if k != "type" and k in cls.__dataclass_fields__}
+        evidence = data.get("evidence")
+        if evidence:
+            evidence = dict(evidence)
+            for key in ("target_top", "draft_top"):
+                evidence[key] = [Candidate(**c) for c in evidence.get(key) or []]
+            data["evidence"] = Evidence(**evidence)
+        return cls(**data)
+
     @property
     def levels(self) -> int:
         """Draft positions tested in a row: a chain's length, a tree's depth (a tree of n

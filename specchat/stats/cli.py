@@ -45,6 +45,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_db_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument("--csv", metavar="OUT", help="export turns as CSV to OUT ('-' = stdout)")
+    parser.add_argument("--steps", action="store_true",
+                        help="with --csv: export one row per verification step instead (what "
+                             "was drafted, kept, and the test that decided)")
     parser.add_argument("--conversation", metavar="ID",
                         help="only this conversation (an id or a unique prefix): show its turns")
     parser.set_defaults(func=run_stats_cli)
@@ -70,11 +73,11 @@ def run_stats_cli(args: argparse.Namespace, out: IO[str] | None = None) -> int:
                 print(f"No single conversation matches {args.conversation!r}.", file=sys.stderr)
                 return 1
         if args.csv:
-            if args.csv == "-":
-                count = store.export_csv(out, conversation_id)
-            else:
-                count = store.export_csv(args.csv, conversation_id)
-                print(f"Wrote {count} turns to {args.csv}", file=sys.stderr)
+            export = store.export_steps_csv if args.steps else store.export_csv
+            count = export(out if args.csv == "-" else args.csv, conversation_id)
+            if args.csv != "-":
+                what = "steps" if args.steps else "turns"
+                print(f"Wrote {count} {what} to {args.csv}", file=sys.stderr)
             return 0
         if conversation_id:
             print_conversation(store, conversation_id, args.json, out)

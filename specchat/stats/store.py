@@ -129,6 +129,21 @@ def m004_tree_nodes(db: Database) -> None:
     db["turns"].add_column("tree_nodes", int)
 
 
+@MIGRATIONS()
+def m005_steps(db: Database) -> None:
+    # What the inspector shows of a past reply: its tokens (id, text, kind, step) and one row
+    # per verification step (the engine's StepRecord: drafted, kept, the decisive test).
+    db["turns"].add_column("tokens", str)
+    db["steps"].create({
+        "id": int, "turn_id": int, "step": int, "drafted": int, "accepted": int,
+        "draft_s": float, "verify_s": float, "k": int, "tree_depth": int, "record": str,
+    }, pk="id", foreign_keys=[("turn_id", "turns", "id")])
+    db["steps"].create_index(["turn_id", "step"])
+
+
+STEP_COLUMNS = ("step", "drafted", "accepted", "draft_s", "verify_s", "k", "tree_depth")
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure helpers (no connection): what a turn row holds, and how the numbers derive.
 
@@ -187,6 +202,7 @@ def conversation_row(id: str | None = None, title: str = "", owner: str = "local
 
 def _decode_turn(row: dict) -> dict:
     row = dict(row)
+    row["tokens"] = json.loads(row["tokens"]) if row.get("tokens") else []
     row["speculation"] = bool(row["speculation"])
     row["interrupted"] = bool(row["interrupted"])
     for key in ("accepted_by_position", "drafted_by_position"):
@@ -276,29 +292,36 @@ class StatsStore:
         return row["id"]
 
     def record_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
-                    baseline_turn_id: int | None = None,
-                    conversation: Mapping | None = None) -> int | None:
+                    baseline_turn_id: int | None = None, conversation: Mapping | None = None,
+                    tokens: list[dict] | None = None, steps: list[dict] | None = None
+                    ) -> int | None:
         """Store one finished (or stopped, or failed) reply; returns the turn id. With
         `conversation` (the fields of `conversation_row`), the turn creates its conversation
-        when that does not exist yet, in the same transaction."""
+        when that does not exist yet, in the same transaction. `tokens` and `steps` (the
+        engine's TokenEvent / StepRecord `to_json()`s) keep what the inspector shows."""
         return self._write(self._turn_writer(conversation_id, prompt, reply, stats,
-                                             baseline_turn_id, conversation), None)
+                                             baseline_turn_id, conversation, tokens, steps), None)
 
     def write_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
-                   baseline_turn_id: int | None = None,
-                   conversation: Mapping | None = None) -> int:
+                   baseline_turn_id: int | None = None, conversation: Mapping | None = None,
+                   tokens: list[dict] | None = None, steps: list[dict] | None = None) -> int:
         """`record_turn` in one attempt that raises on any failure (`sqlite3.Error`,
         `LookupError`), whatever `quiet` says: for `StatsWriter`, which retries by itself."""
         if self.db is None:
             raise sqlite3.OperationalError(self.error or "the stats database is not open")
         return self._transaction(self._turn_writer(conversation_id, prompt, reply, stats,
-                                                   baseline_turn_id, conversation))
+                                                   baseline_turn_id, conversation, tokens,
+                                                   steps))
 
     @staticmethod
-    def _turn_writer(conversation_id, prompt, reply, stats, baseline_turn_id, conversation
-                     ) -> Callable[[Database], int]:
+    def _turn_writer(conversation_id, prompt, reply, stats, baseline_turn_id, conversation,
+                     tokens=None, steps=None) -> Callable[[Database], int]:
         row = turn_row(conversation_id, prompt, reply, stats)
         row["baseline_turn_id"] = baseline_turn_id
+        if tokens is not None:
+            row["tokens"] = json.dumps([[t["id"], t["text"], t["kind"], t["step"],
+                                         t["step_drafted"], t["step_accepted"]]
+                                        for t in tokens], ensure_ascii=False)
 
         def write(db: Database) -> int:
             if conversation is not None:
@@ -311,6 +334,10 @@ class StatsStore:
                                     "WHERE conversation_id = ?", [conversation_id]).fetchone()[0]
             row["speedup"] = _speedup_against(db, row["tokens_per_s"], baseline_turn_id)
             turn_id = db["turns"].insert(row).last_pk
+            if steps:
+                db["steps"].insert_all(
+                    [{"turn_id": turn_id, **{key: step.get(key) for key in STEP_COLUMNS},
+                      "record": json.dumps(step, ensure_ascii=False)} for step in steps])
             refresh_speedups(db, conversation_id)
             return turn_id
 
@@ -325,6 +352,7 @@ class StatsStore:
             # Keep the speedup numbers that were measured against these turns, drop the link.
             db.execute(f"UPDATE turns SET baseline_turn_id = NULL "
                        f"WHERE baseline_turn_id IN ({turn_ids})", [conversation_id])
+            db.execute(f"DELETE FROM steps WHERE turn_id IN ({turn_ids})", [conversation_id])
             db.execute("DELETE FROM turns WHERE conversation_id = ?", [conversation_id])
             db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
             return True
@@ -364,6 +392,45 @@ class StatsStore:
 
         return self._read(read, [])
 
+    def steps(self, turn_id: int, owner: str | None = None) -> list[dict]:
+        """A turn's step records (the engine's StepRecord as dicts), in order; [] when the
+        turn is missing, kept no steps, or is not the owner's."""
+        def read(db: Database) -> list[dict]:
+            rows = list(db.query(
+                "SELECT s.record FROM steps AS s JOIN turns AS t ON t.id = s.turn_id "
+                "JOIN conversations AS c ON c.id = t.conversation_id "
+                "WHERE s.turn_id = :turn AND (:owner IS NULL OR c.owner = :owner) "
+                "ORDER BY s.step", {"turn": turn_id, "owner": owner}))
+            return [json.loads(r["record"]) for r in rows]
+
+        return self._read(read, [])
+
+    def export_steps_csv(self, path_or_file: str | os.PathLike | IO[str],
+                         conversation_id: str | None = None, owner: str | None = None) -> int:
+        """One CSV row per verification step of the visible turns; returns the row count."""
+        rows = []
+        for c in self.conversations(owner):
+            if conversation_id is not None and c["id"] != conversation_id:
+                continue
+            for turn in self.turns(c["id"], owner):
+                for step in self.steps(turn["id"], owner):
+                    evidence = step.get("evidence") or {}
+                    rows.append({"conversation_id": c["id"], "turn": turn["idx"],
+                                 "turn_id": turn["id"],
+                                 **{key: step.get(key) for key in STEP_COLUMNS},
+                                 "proposal_text": step.get("proposal_text"),
+                                 "rejected_text": evidence.get("rejected_text"),
+                                 "token_text": evidence.get("token_text"),
+                                 "p": evidence.get("p"), "q": evidence.get("q"),
+                                 "accept_prob": evidence.get("accept_prob")})
+        columns = list(rows[0]) if rows else ["conversation_id", "turn", "step"]
+        if isinstance(path_or_file, (str, os.PathLike)):
+            with open(path_or_file, "w", newline="", encoding="utf-8") as f:
+                _write_csv(f, columns, rows)
+        else:
+            _write_csv(path_or_file, columns, rows)
+        return len(rows)
+
     def find_conversation(self, id_or_prefix: str, owner: str | None = None) -> str | None:
         """Full id from a unique prefix (the CLI shows 8 characters)."""
         matches = [c["id"] for c in self.conversations(owner) if c["id"].startswith(id_or_prefix)]
@@ -387,7 +454,8 @@ class StatsStore:
             conversations = [c for c in conversations if c["id"] == conversation_id]
         rows = [{"conversation_id": c["id"], "conversation_title": c["title"],
                  "target": c["target"], "draft": c["draft"], "quantization": c["quantization"],
-                 "device": c["device"], "owner": c["owner"], **turn}
+                 "device": c["device"], "owner": c["owner"],
+                 **{key: value for key, value in turn.items() if key != "tokens"}}
                 for c in conversations for turn in self.turns(c["id"], owner)]
         columns = list(rows[0]) if rows else ["conversation_id", "conversation_title"]
         if isinstance(path_or_file, (str, os.PathLike)):
@@ -501,4 +569,13 @@ def _write_csv(f: IO[str], columns: list[str], rows: list[dict]) -> None:
     writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+        writer.writerow({k: _cell(json.dumps(v, ensure_ascii=False) if isinstance(v, list)
+                                  else v) for k, v in row.items()})
+
+
+def _cell(value):
+    """A text cell a spreadsheet would run as a formula (=, +, -, @ first) gets a leading
+    apostrophe: prompts and replies are data, never commands (OWASP's CSV injection advice)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value

@@ -42,6 +42,8 @@ class PendingTurn:
     stats: dict
     conversation: dict  # the fields of `store.conversation_row`, for its first turn
     baseline: Future | None = None
+    tokens: list[dict] | None = None  # TokenEvent.to_json()s: what the inspector re-renders
+    steps: list[dict] | None = None  # StepRecord.to_json()s
     future: Future = field(default_factory=Future)  # the turn id, or None when lost
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -68,9 +70,11 @@ class StatsWriter:
         return self._error
 
     def submit(self, conversation_id: str, prompt: str, reply: str, stats: dict,
-               conversation: dict, baseline: Future | None = None) -> Future:
+               conversation: dict, baseline: Future | None = None,
+               tokens: list[dict] | None = None, steps: list[dict] | None = None) -> Future:
         """Queue a turn; returns a future of its row id (None when it could not be saved)."""
-        turn = PendingTurn(conversation_id, prompt, reply, stats, conversation, baseline)
+        turn = PendingTurn(conversation_id, prompt, reply, stats, conversation, baseline,
+                           tokens, steps)
         if not self.store.enabled:
             turn.future.set_result(None)
             return turn.future
@@ -130,7 +134,7 @@ class StatsWriter:
         try:
             turn_id = self._connection().write_turn(
                 turn.conversation_id, turn.prompt, turn.reply, turn.stats, baseline,
-                turn.conversation)
+                turn.conversation, turn.tokens, turn.steps)
         except sqlite3.OperationalError as error:
             text = str(error).lower()
             if ("locked" in text or "busy" in text) and \

@@ -204,7 +204,8 @@ class ChatApp:
         yield stats
 
     def _record(self, session: Session, viewer_owner: str, prompt: str, reply: str,
-                stats: GenerationStats, baseline: Future | None = None) -> Future | None:
+                stats: GenerationStats, baseline: Future | None = None,
+                tokens: list[TokenEvent] = (), steps: list[StepRecord] = ()) -> Future | None:
         """Queue the turn for the stats database (never waits on it); the future of its row id.
         The conversation is created with its first saved turn."""
         if not self.store.enabled or viewer_owner == NOBODY or \
@@ -218,7 +219,8 @@ class ChatApp:
                 draft=self.slot.redact(report.draft.name) if report.draft is not None else "",
                 quantization=engine.target.quantization, device=engine.device.type)
         return self.writer.submit(session.conversation_id, prompt, reply, stats.to_json(),
-                                  session.conversation, baseline)
+                                  session.conversation, baseline,
+                                  [t.to_json() for t in tokens], [r.to_json() for r in steps])
 
     def _not_ready(self) -> str:
         if self.slot.state == "failed":
@@ -285,11 +287,13 @@ class ChatApp:
         except GeneratorExit:  # the tab was closed or the reply cancelled: gradio closes us
             drive.close()  # the engine stops at the step boundary it is at, cache consistent
             turn.stats = cut_short(cfg, turn.tokens, time.perf_counter() - started)
-            self._record(session, owner, turn.user, turn.reply, turn.stats)
+            self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
+                         turn.steps)
             raise
         finally:
             self._release(request, stop)
-        self._record(session, owner, turn.user, turn.reply, turn.stats)
+        self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
+                     turn.steps)
         yield render_history(session), session, notice
 
     def retry(self, session: Session):
@@ -376,17 +380,18 @@ class ChatApp:
                 drive.close()
                 stats = cut_short(run_cfg, tokens, time.perf_counter() - started)
                 self._record(session, owner, prompt, "".join(t.text for t in tokens), stats,
-                             plain if speculation else None)
+                             plain if speculation else None, tokens, steps[name])
                 raise
             yield *panels(), gr.skip(), gr.skip(), session, notice
             reply = "".join(t.text for t in tokens)
             stats = runs[name][1]
             if name == "off":
-                plain = self._record(session, owner, prompt, reply, stats)
+                plain = self._record(session, owner, prompt, reply, stats, None, tokens,
+                                     steps[name])
                 if stats.stop_reason not in ("stopped", "error"):
                     session.ab_plain.append(stats)
             else:
-                self._record(session, owner, prompt, reply, stats, plain)
+                self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name])
             if stop.is_set() or stats.stop_reason == "error":
                 break
         verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact)

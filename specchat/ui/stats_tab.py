@@ -21,11 +21,12 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from specchat.core.events import StepRecord, TokenEvent
 from specchat.stats.format import fmt_date, fmt_number, fmt_percent, fmt_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import Access
-from specchat.ui.render import user_html
+from specchat.ui.render import inspected, user_html
 
 CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "acceptance", "id"]
 TURN_COLUMNS = ["turn", "speculation", "drafter", "k", "temperature", "tokens", "seconds",
@@ -109,9 +110,15 @@ def chat_history(store: StatsStore, owner: str | None, conversation_id: str | No
         if t["interrupted"]:
             footer += f" · {t['stop_reason']}"
         messages.append({"role": "user", "content": user_html(t["prompt"] or "")})
+        if t["tokens"]:  # kept with its steps: the same inspector as when it streamed
+            tokens = [TokenEvent(*token) for token in t["tokens"]]
+            steps = [StepRecord.from_json(r) for r in store.steps(t["id"], owner)]
+            body = (f'<div class="sc-turn sc-turn-t{t["id"]}">'
+                    f"{inspected(tokens, steps)}</div>")
+        else:
+            body = f'<div class="sc-text">{html.escape(t["reply"] or "", quote=False)}</div>'
         messages.append({"role": "assistant", "content":
-                         f'<div class="sc-text">{html.escape(t["reply"] or "", quote=False)}'
-                         f'</div><div class="sc-stats">{html.escape(footer)}</div>'})
+                         f'{body}<div class="sc-stats">{html.escape(footer)}</div>'})
     return messages
 
 
