@@ -471,3 +471,18 @@ def test_an_exposed_page_names_models_without_their_paths(engine):
     finally:
         engine.target.name = name
     assert "/home/me" not in header and "tiny" in header
+
+
+def test_step_cards_and_ghosts_escape_model_text():
+    from specchat.core.events import Candidate, Evidence, StepRecord
+    from specchat.ui.inspector import ghost_html, step_card, step_charts
+    evil = '<img src="http://127.0.0.1:1/x">'
+    record = StepRecord(3, 2, 0, 1, 0.01, 0.02, proposal=[1, 2], proposal_text=[evil, "b"],
+                        path=[], k=2, alpha=0.5, expected_gain=1.2,
+                        evidence=Evidence(0, 9, evil, 1, evil, 0.00002, 1.0, 0.00002, False,
+                                          [Candidate(9, evil, 0.9)], [Candidate(1, evil, 0.8)]))
+    card, ghost = step_card(record), ghost_html(record)
+    for markup in (card, ghost, step_charts([record], None)):
+        assert "<img" not in markup
+    assert "&lt;img" in card and "&lt;img" in ghost
+    assert "p = 2.0e-05" in card and "sc-card-3" in card and "hidden" in card

@@ -21,6 +21,13 @@ def _e(text: str) -> str:
     return html.escape(text, quote=True)
 
 
+def _num(p: float | None) -> str:
+    """A probability with its digits: 0.42, 0.003, 2.1e-05."""
+    if p is None:
+        return "?"
+    return f"{p:.3f}" if p >= 0.001 or p == 0 else f"{p:.1e}"
+
+
 def _tok(text: str) -> str:
     """A token's text made visible: spaces and newlines shown, never markup."""
     shown = text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")
@@ -100,15 +107,15 @@ def _test(e: Evidence) -> str:
                 "alone.")
     refused = f"<code>{_tok(e.rejected_text)}</code>"
     if e.greedy:
-        p = f" (its probability under the target: {e.p:.3f})" if e.p is not None else ""
+        p = f" (its probability under the target: {_num(e.p)})" if e.p is not None else ""
         return (f"Greedy: the draft {refused}{p} is not the target's most likely token, so "
                 f"{chosen} replaces it.")
     if e.q == 1.0:
         return (f"The draft {refused} passes with the target's probability for it, "
-                f"p = {e.p:.3f} (a one-hot draft: q = 1, min(1, p/q) = {e.accept_prob:.3f}); "
+                f"p = {_num(e.p)} (a one-hot draft: q = 1, min(1, p/q) = {_num(e.accept_prob)}); "
                 f"the target's draw fell elsewhere: {chosen}.")
-    return (f"Leviathan's test for {refused}: p = {e.p:.3f} (target), q = {e.q:.3f} (draft), "
-            f"kept with probability min(1, p/q) = {e.accept_prob:.3f}; it failed, and "
+    return (f"Leviathan's test for {refused}: p = {_num(e.p)} (target), q = {_num(e.q)} "
+            f"(draft), kept with probability min(1, p/q) = {_num(e.accept_prob)}; it failed, and "
             f"{chosen} was drawn from (p − q)+.")
 
 
