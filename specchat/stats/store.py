@@ -423,13 +423,7 @@ class StatsStore:
                                  "token_text": evidence.get("token_text"),
                                  "p": evidence.get("p"), "q": evidence.get("q"),
                                  "accept_prob": evidence.get("accept_prob")})
-        columns = list(rows[0]) if rows else ["conversation_id", "turn", "step"]
-        if isinstance(path_or_file, (str, os.PathLike)):
-            with open(path_or_file, "w", newline="", encoding="utf-8") as f:
-                _write_csv(f, columns, rows)
-        else:
-            _write_csv(path_or_file, columns, rows)
-        return len(rows)
+        return _export(path_or_file, rows, ["conversation_id", "turn", "step"])
 
     def find_conversation(self, id_or_prefix: str, owner: str | None = None) -> str | None:
         """Full id from a unique prefix (the CLI shows 8 characters)."""
@@ -457,13 +451,7 @@ class StatsStore:
                  "device": c["device"], "owner": c["owner"],
                  **{key: value for key, value in turn.items() if key != "tokens"}}
                 for c in conversations for turn in self.turns(c["id"], owner)]
-        columns = list(rows[0]) if rows else ["conversation_id", "conversation_title"]
-        if isinstance(path_or_file, (str, os.PathLike)):
-            with open(path_or_file, "w", newline="", encoding="utf-8") as f:
-                _write_csv(f, columns, rows)
-        else:
-            _write_csv(path_or_file, columns, rows)
-        return len(rows)
+        return _export(path_or_file, rows, ["conversation_id", "conversation_title"])
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -563,6 +551,18 @@ def _speedup_against(db: Database, tokens_per_s: float, baseline_turn_id: int | 
         raise KeyError(f"no baseline turn {baseline_turn_id}")
     baseline = rows[0]["tokens_per_s"] or 0.0
     return tokens_per_s / baseline if baseline > 0 and tokens_per_s > 0 else None
+
+
+def _export(path_or_file: str | os.PathLike | IO[str], rows: list[dict],
+            empty_columns: list[str]) -> int:
+    """Rows as CSV to a path or an open file; returns the row count."""
+    columns = list(rows[0]) if rows else empty_columns
+    if isinstance(path_or_file, (str, os.PathLike)):
+        with open(path_or_file, "w", newline="", encoding="utf-8") as f:
+            _write_csv(f, columns, rows)
+    else:
+        _write_csv(path_or_file, columns, rows)
+    return len(rows)
 
 
 def _write_csv(f: IO[str], columns: list[str], rows: list[dict]) -> None:
