@@ -19,6 +19,7 @@ from specchat.args import (
     load_for_cli,
     validate_sampling,
 )
+from specchat.api.cli import add_cli as add_serve
 from specchat.bench.cli import add_cli as add_bench
 from specchat.stats.cli import add_cli as add_stats
 from specchat.train.cli import add_cli as add_train_draft
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_bench(sub)
+    add_serve(sub)
     add_stats(sub)
     add_train_draft(sub)
     return parser

@@ -1,0 +1,1 @@
+"""specchat's HTTP API: OpenAI-compatible routes over the engine (server.py), `serve` (cli.py)."""

@@ -1,0 +1,53 @@
+"""`python -m specchat serve`: the OpenAI-compatible API on its own port."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specchat.args import add_model_arguments, load_for_cli
+from specchat.stats.cli import add_db_argument
+
+API_KEY_ENV = "SPECCHAT_API_KEY"  # one key, the same as --api-key
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions)",
+        description="Serve the engine over an OpenAI-compatible HTTP API. Streamed chunks "
+                    "carry each token's kind; the last one carries usage, llama.cpp-style "
+                    "timings and specchat's stats.")
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' (repeatable; or ${API_KEY_ENV})")
+    parser.add_argument("--max-tokens-cap", type=int, default=1024,
+                        help="most new tokens per reply, whatever a request asks (default 1024)")
+    add_db_argument(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from specchat.api.server import create_app
+    from specchat.stats.store import StatsStore
+
+    keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        print("specchat: WARNING: serving the API beyond this machine without --api-key: "
+              "anyone who can reach it can use your model.", file=sys.stderr)
+    report = load_for_cli(args)
+    if report is None:
+        return 1
+    store = StatsStore.open_or_disabled(args.db)
+    if store.error:
+        print(f"specchat: {store.error}", file=sys.stderr)
+    app = create_app(report, store, {key: f"key{i + 1}" for i, key in enumerate(keys)},
+                     max_tokens_cap=args.max_tokens_cap)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

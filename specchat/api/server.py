@@ -1,0 +1,316 @@
+"""An OpenAI-compatible HTTP API over the engine, with per-token provenance.
+
+    app = create_app(report, store)            # a FastAPI app; `python -m specchat serve` runs it
+    GET  /v1/models
+    POST /v1/chat/completions                  # messages, in the model's chat format
+    POST /v1/completions                       # a prompt the model continues
+
+Requests take OpenAI's fields (max_tokens, temperature, top_p, seed, stop, stream) and
+specchat's own (speculation, drafter, draft_len, top_k). What no other server gives: each
+streamed chunk carries its tokens' kinds (`"specchat": {"kinds": [...], "steps": [...]}`), and
+the last one `usage`, llama.cpp-compatible `timings` (draft_n, draft_n_accepted,
+predicted_per_second, prompt_ms, predicted_ms) and specchat's own stats, so clients written for
+llama-server read it unchanged.
+
+Settings pass the same check as the page and the CLI (`core.inputs`), and the same caps. One
+reply is generated at a time; a few more wait, and beyond that a request gets 503. Errors are
+OpenAI error objects with the HTTP status that says whose fault it was. Turns are saved to the
+stats database in the background, owned by the API key's name (or "api").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from specchat.core.engine import GenerateConfig, default_tree_nodes
+from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.inputs import InputError, check_settings, clean_text
+from specchat.core.text import chat_prompt, raw_prompt
+from specchat.drafters import preferred
+from specchat.stats.store import StatsStore
+from specchat.stats.writer import StatsWriter
+
+MAX_WAITING = 8  # requests queued behind the one generating; more get 503
+MAX_INPUT_CHARS = 16000
+MAX_TOKENS_CAP = 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": None}}, self.status)
+
+
+class Api:
+    """The engine behind the routes: request parsing, one generation at a time, recording."""
+
+    def __init__(self, report, store: StatsStore | None = None,
+                 api_keys: dict[str, str] | None = None,
+                 max_input_chars: int = MAX_INPUT_CHARS, max_tokens_cap: int = MAX_TOKENS_CAP):
+        self.report, self.engine = report, report.engine
+        self.store = store or StatsStore.open_or_disabled("off")
+        self.writer = StatsWriter(self.store)
+        self.api_keys = api_keys or {}  # key -> owner name; empty: no key needed
+        self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
+        self.lock = threading.Lock()  # the engine serves one reply at a time
+        self.waiting = 0
+        self.model_id = self.engine.target.name
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def owner(self, request: Request) -> str:
+        """The key's owner; 401 without a valid key when keys are set."""
+        if not self.api_keys:
+            return "api"
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        for key, name in self.api_keys.items():
+            if given and hmac.compare_digest(given.encode(), key.encode()):
+                return f"api:{name}"
+        raise ApiError(401, "A valid API key is required: send 'Authorization: Bearer KEY'.",
+                       "authentication_error")
+
+    def prompt(self, body: dict, chat: bool) -> tuple[list[int], tuple[str, ...], str]:
+        """-> (token ids, stop strings of the chat format, the text to record as the prompt)."""
+        tokenizer = self.engine.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
+            clean = []
+            for m in messages:
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user",
+                                                                     "assistant"):
+                    raise ApiError(400, "Each message needs a role of system, user or "
+                                        "assistant.", param="messages")
+                content = m.get("content")
+                if isinstance(content, list):  # [{"type": "text", "text": ...}]
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if not isinstance(content, str):
+                    raise ApiError(400, "Message content must be text.", param="messages")
+                clean.append({"role": m["role"], "content": clean_text(content)})
+            text = "\n".join(m["content"] for m in clean)
+            self._check_length(text)
+            ids, stops = chat_prompt(tokenizer, clean)
+            return ids, tuple(stops), clean[-1]["content"]
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string.", param="prompt")
+        prompt = clean_text(prompt)
+        self._check_length(prompt)
+        return raw_prompt(tokenizer, prompt), (), prompt
+
+    def _check_length(self, text: str) -> None:
+        if len(text) > self.max_input_chars:
+            raise ApiError(413, f"The input is {len(text):,} characters; the limit here is "
+                                f"{self.max_input_chars:,}.")
+
+    def config(self, body: dict) -> GenerateConfig:
+        try:
+            v = check_settings(
+                max_new_tokens=body.get("max_tokens") or body.get("max_completion_tokens")
+                or 256, temperature=body.get("temperature", 1.0),
+                top_p=body.get("top_p", 1.0), top_k=body.get("top_k", 0),
+                seed=body.get("seed"), draft_len=body.get("draft_len", 4),
+                names={"max_new_tokens": "max_tokens", "temperature": "temperature",
+                       "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+                       "draft_len": "draft_len"})
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ApiError(400, "'stop' must be a string or a list of strings.", param="stop")
+        drafters = self.engine.drafters
+        drafter = body.get("drafter") or preferred(drafters)
+        if drafter not in drafters:
+            raise ApiError(400, f"drafter {drafter!r} is not loaded; loaded: "
+                                f"{', '.join(drafters) or 'none'}.", param="drafter")
+        speculation = bool(body.get("speculation", True)) and bool(drafters)
+        return GenerateConfig(
+            max_new_tokens=min(v["max_new_tokens"], self.max_tokens_cap),
+            temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+            seed=v["seed"], speculation=speculation, drafter=drafter,
+            draft_len=v["draft_len"], tree_nodes=default_tree_nodes(v["temperature"], drafter),
+            stop=tuple(stop))
+
+    # -- generation -------------------------------------------------------------------------
+
+    def run(self, ids: list[int], cfg: GenerateConfig) -> Iterator:
+        """The engine's events, holding the engine for the whole reply."""
+        with self.lock:
+            self.waiting -= 1
+            yield from self.engine.stream(ids, cfg)
+
+    def admit(self) -> None:
+        if self.waiting > MAX_WAITING:
+            raise ApiError(503, "The server is busy: too many requests are waiting. Retry "
+                                "shortly.", "server_error")
+        self.waiting += 1
+
+    def record(self, owner: str, prompt: str, tokens: list[TokenEvent],
+               steps: list[StepRecord], stats: GenerationStats) -> None:
+        engine, draft = self.engine, self.report.draft
+        self.writer.submit(uuid.uuid4().hex, prompt, "".join(t.text for t in tokens),
+                           stats.to_json(),
+                           dict(title=prompt[:60], owner=owner, target=engine.target.name,
+                                draft=draft.name if draft is not None else "",
+                                quantization=engine.target.quantization,
+                                device=engine.device.type),
+                           None, [t.to_json() for t in tokens], [r.to_json() for r in steps])
+
+
+def timings(stats: GenerationStats) -> dict:
+    """llama-server's `timings` object, from specchat's stats."""
+    predicted_s = max(stats.seconds - stats.ttft_s, 0.0)
+    return {"prompt_n": stats.prefill_tokens, "prompt_ms": 1000 * stats.ttft_s,
+            "predicted_n": stats.new_tokens, "predicted_ms": 1000 * predicted_s,
+            "predicted_per_second": stats.new_tokens / predicted_s if predicted_s else 0.0,
+            "draft_n": stats.drafted, "draft_n_accepted": stats.accepted}
+
+
+FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "stopped": "stop",
+          "error": "stop"}
+
+
+def create_app(report, store: StatsStore | None = None, api_keys: dict[str, str] | None = None,
+               **caps) -> FastAPI:
+    api = Api(report, store, api_keys, **caps)
+    app = FastAPI(title="specchat API")
+    app.state.api = api
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, error: ApiError):
+        return error.response()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        api.owner(request)
+        return {"object": "list", "data": [{"id": api.model_id, "object": "model",
+                                            "created": 0, "owned_by": "specchat"}]}
+
+    async def complete(request: Request, chat: bool):
+        owner = api.owner(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "The request body must be JSON.") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        ids, stops, prompt = api.prompt(body, chat)
+        cfg = api.config(body)
+        cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
+        api.admit()
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        kind = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+        events = api.run(ids, cfg)
+        try:  # the engine checks the request first (e.g. a prompt past the context window)
+            first = await asyncio.to_thread(next, events)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+        def piece(tokens: list[TokenEvent], steps: list[int]) -> dict:
+            text = "".join(t.text for t in tokens)
+            extra = {"specchat": {"kinds": [t.kind for t in tokens],
+                                  "texts": [t.text for t in tokens], "steps": steps}}
+            if chat:
+                return {"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}
+            return {"index": 0, "text": text, "finish_reason": None, **extra}
+
+        def chunk(choice: dict, **more) -> str:
+            return "data: " + json.dumps({"id": ident, "object": kind + (".chunk" if chat else ""),
+                                          "created": created, "model": api.model_id,
+                                          "choices": [choice], **more},
+                                         ensure_ascii=False) + "\n\n"
+
+        def finish(stats: GenerationStats) -> tuple[dict, dict]:
+            usage = {"prompt_tokens": stats.prompt_tokens,
+                     "completion_tokens": stats.new_tokens,
+                     "total_tokens": stats.prompt_tokens + stats.new_tokens}
+            return usage, {"usage": usage, "timings": timings(stats),
+                           "specchat": {"stats": stats.to_json()}}
+
+        def generate() -> Iterator:
+            """(new tokens, their step numbers) per step, then the stats."""
+            pending, tokens, steps = [], [], []
+            stats = None
+            for event in itertools.chain([first], events):
+                if isinstance(event, TokenEvent):
+                    pending.append(event)
+                    tokens.append(event)
+                elif isinstance(event, StepRecord):
+                    steps.append(event)
+                    if pending:
+                        yield pending, [t.step for t in pending]
+                        pending = []
+                elif isinstance(event, GenerationStats):
+                    stats = event
+            if pending:
+                yield pending, [t.step for t in pending]
+            api.record(owner, prompt, tokens, steps, stats)
+            yield stats
+
+        if body.get("stream"):
+            async def sse():
+                it = generate()
+                while True:
+                    item = await asyncio.to_thread(next, it, None)
+                    if item is None:
+                        break
+                    if isinstance(item, GenerationStats):
+                        usage, extra = finish(item)
+                        end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
+                        end.update({"delta": {}} if chat else {"text": ""})
+                        yield chunk(end, **extra)
+                    else:
+                        yield chunk(piece(*item))
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        def collect():
+            tokens, stats = [], None
+            for item in generate():
+                if isinstance(item, GenerationStats):
+                    stats = item
+                else:
+                    tokens += item[0]
+            return tokens, stats
+
+        tokens, stats = await asyncio.to_thread(collect)
+        text = "".join(t.text for t in tokens)
+        usage, extra = finish(stats)
+        extra["specchat"].update(kinds=[t.kind for t in tokens], texts=[t.text for t in tokens])
+        choice = {"index": 0, "finish_reason": FINISH.get(stats.stop_reason, "stop")}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat
+                      else {"text": text})
+        return {"id": ident, "object": kind, "created": created, "model": api.model_id,
+                "choices": [choice], **extra}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    return app
+

@@ -1,0 +1,137 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against a tiny model served
+in-process by uvicorn: streaming and not, token kinds in the chunks, llama.cpp timings, caps,
+auth, OpenAI error objects, and turns saved to the stats store."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from tiny import byte_tokenizer, loaded, tiny_llama
+
+from specchat.api.server import create_app
+from specchat.core.engine import Engine
+from specchat.drafters.model import ModelDrafter
+from specchat.drafters.ngram import NgramDrafter
+from specchat.loader import LoadReport
+from specchat.stats.store import StatsStore
+
+KEY = "sk-test-123"
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+@pytest.fixture(scope="module")
+def server():
+    tok = byte_tokenizer()
+    engine = Engine(loaded(tiny_llama(0), tok),
+                    {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(1), len(tok))})
+    store = StatsStore(":memory:")
+    app = create_app(LoadReport(engine, None, []), store, {KEY: "tests"}, max_tokens_cap=64,
+                     max_input_chars=2000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1", app.state.api, store
+    server.should_exit = True
+    thread.join(10)
+
+
+def client(url, key=KEY):
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+
+
+def test_models_and_a_plain_chat_completion(server):
+    url, api, _ = server
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == [api.model_id]
+    reply = c.chat.completions.create(model=api.model_id, max_tokens=12, temperature=0, seed=0,
+                                      messages=[{"role": "user", "content": PROMPT}])
+    text = reply.choices[0].message.content
+    extra = reply.model_extra["specchat"]
+    assert "".join(extra["texts"]) == text and len(extra["kinds"]) == 12
+    assert set(extra["kinds"]) <= {"accepted", "resampled", "bonus", "target"}
+    assert reply.usage.completion_tokens == 12 and reply.choices[0].finish_reason == "length"
+    timings = reply.model_extra["timings"]
+    assert {"draft_n", "draft_n_accepted", "predicted_per_second", "prompt_ms",
+            "predicted_ms"} <= set(timings)
+
+
+def test_streamed_completion_carries_kinds_and_ends_with_timings(server):
+    url, api, store = server
+    c = client(url)
+    chunks = list(c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=20,
+                                       temperature=0, stream=True, extra_body={"drafter": "model"}))
+    pieces = [ch for ch in chunks if ch.choices[0].text]
+    text = "".join(ch.choices[0].text for ch in pieces)
+    kinds = [k for ch in pieces for k in ch.choices[0].model_extra["specchat"]["kinds"]]
+    texts = [t for ch in pieces for t in ch.choices[0].model_extra["specchat"]["texts"]]
+    assert "".join(texts) == text and len(kinds) == 20
+    last = chunks[-1]
+    assert last.choices[0].finish_reason == "length"
+    assert last.model_extra["timings"]["draft_n"] == last.model_extra["specchat"]["stats"][
+        "drafted"]
+    assert last.usage.completion_tokens == 20
+    # The same request without streaming and with speculation off gives the same text.
+    plain = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=20,
+                                 temperature=0, extra_body={"speculation": False})
+    assert plain.choices[0].text == text
+    assert set(plain.model_extra["specchat"]["kinds"]) == {"target"}
+    assert api.writer.flush(10)
+    owners = {c["owner"] for c in store.conversations()}
+    assert owners == {"api:tests"}
+
+
+def test_stop_and_max_tokens_are_honored_and_capped(server):
+    url, api, _ = server
+    c = client(url)
+    full = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    stop = text[5:7]
+    if stop.strip():
+        cut = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=30,
+                                   temperature=0, stop=[stop])
+        assert stop not in cut.choices[0].text and text.startswith(cut.choices[0].text)
+        assert cut.choices[0].finish_reason == "stop"
+    capped = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=5000)
+    assert capped.usage.completion_tokens <= 64
+
+
+def test_auth_and_bad_input_get_openai_errors_and_the_server_keeps_serving(server):
+    url, api, _ = server
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").models.list()
+    c = client(url)
+    # JSON has no NaN, but Python's parser takes one: the check still refuses it.
+    raw = httpx.post(f"{url}/completions", content='{"prompt": "hi", "temperature": NaN}',
+                     headers={"Authorization": f"Bearer {KEY}",
+                              "Content-Type": "application/json"})
+    assert raw.status_code == 400
+    assert "temperature must be a finite number" in raw.json()["error"]["message"]
+    for kwargs, message in ((dict(seed=2**63), "seed must be a whole number"),
+                            (dict(top_p=0), "top_p must be in (0, 1]")):
+        with pytest.raises(openai.BadRequestError) as error:
+            c.completions.create(model=api.model_id, prompt="hi", max_tokens=4, **kwargs)
+        assert message in str(error.value)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        c.chat.completions.create(model=api.model_id, messages=[])
+    with pytest.raises(openai.APIStatusError) as error:
+        c.completions.create(model=api.model_id, prompt="x" * 3000, max_tokens=4)
+    assert error.value.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="drafter 'nope' is not loaded"):
+        c.completions.create(model=api.model_id, prompt="hi", extra_body={"drafter": "nope"})
+    # A lone surrogate (valid JSON, not valid UTF-8) is replaced, not an error.
+    raw = httpx.post(f"{url}/completions",
+                     content='{"prompt": "bad \\ud800 text", "max_tokens": 4}',
+                     headers={"Authorization": f"Bearer {KEY}",
+                              "Content-Type": "application/json"}, timeout=60)
+    assert raw.status_code == 200 and raw.json()["usage"]["completion_tokens"] == 4
