@@ -16,6 +16,7 @@ import ipaddress
 import os
 import sys
 
+from specchat.api.server import Api, api_router
 from specchat.args import add_model_arguments, load_from_args, model_choice
 from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "tunnel cannot be made the app says so and keeps serving locally)")
     serve.add_argument("--auth", metavar="USER:PASS", default=None,
                        help=f"require this login (several: u1:p1,u2:p2); or set ${AUTH_ENV}")
+    serve.add_argument("--api-key", metavar="KEY", action="append", default=[],
+                       help="also accept 'Authorization: Bearer KEY' on the OpenAI-compatible "
+                            "API at /v1 (repeatable); logins work there as 'USER:PASS' keys")
     serve.add_argument("--admin", metavar="USER", action="append", default=[],
                        help="a login (from --auth) who sees every visitor's conversations in "
                             "the Stats tab (repeatable); others see only their own")
@@ -134,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
            **guarded_launch_kwargs(auth),
            auth_message="specchat: log in with the user and password the host gave you.",
            prevent_thread_lock=True)
+    # The OpenAI-compatible API on the same port, behind the same logins (or --api-key).
+    demo.app.include_router(api_router(Api(
+        lambda: slot.report, store, {key: f"key{i + 1}" for i, key in enumerate(args.api_key)},
+        logins=auth, max_input_chars=args.max_input_chars,
+        max_tokens_cap=args.max_new_tokens_cap, redact=slot.redact)))
+    print(f"specchat: OpenAI-compatible API at {demo.local_url.rstrip('/')}/v1",
+          file=sys.stderr)
     if args.share:
         if demo.share_url:
             slot.share_note = "Shared through a public gradio.live link" + \

@@ -135,3 +135,31 @@ def test_auth_and_bad_input_get_openai_errors_and_the_server_keeps_serving(serve
                      headers={"Authorization": f"Bearer {KEY}",
                               "Content-Type": "application/json"}, timeout=60)
     assert raw.status_code == 200 and raw.json()["usage"]["completion_tokens"] == 4
+
+
+def test_the_web_app_serves_the_api_on_its_port_behind_its_logins():
+    """The page's server with the API added the way app.py adds it: a login's "user:pass" is a
+    bearer key, and its API turns belong to that login (its Stats tab shows them)."""
+    from specchat.api.server import Api, api_router
+    from specchat.ui.access import Access
+    from specchat.ui.page import build_ui, launch
+
+    tok = byte_tokenizer()
+    engine = Engine(loaded(tiny_llama(0), tok), {"ngram": NgramDrafter()})
+    store = StatsStore(":memory:")
+    demo = build_ui(engine, store, access=Access(auth=True))
+    launch(demo, server_name="127.0.0.1", server_port=None, prevent_thread_lock=True,
+           quiet=True, auth=[("alice", "pw")])
+    try:
+        api = Api(LoadReport(engine, None, []), store, logins=[("alice", "pw")])
+        demo.app.include_router(api_router(api))
+        url = demo.local_url.rstrip("/") + "/v1"
+        reply = client(url, key="alice:pw").completions.create(
+            model=api.model_id, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens == 8
+        with pytest.raises(openai.AuthenticationError):
+            client(url, key="alice:wrong").models.list()
+        assert api.writer.flush(10)
+        assert [c["owner"] for c in store.conversations()] == ["user:alice"]
+    finally:
+        demo.close()

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP API over the engine, with per-token provenance.
 
     app = create_app(report, store)            # a FastAPI app; `python -m specchat serve` runs it
+    gradio_app.include_router(api_router(Api(lambda: slot.report, store, logins=...)))  # app.py
     GET  /v1/models
     POST /v1/chat/completions                  # messages, in the model's chat format
     POST /v1/completions                       # a prompt the model continues
@@ -15,7 +16,9 @@ llama-server read it unchanged.
 Settings pass the same check as the page and the CLI (`core.inputs`), and the same caps. One
 reply is generated at a time; a few more wait, and beyond that a request gets 503. Errors are
 OpenAI error objects with the HTTP status that says whose fault it was. Turns are saved to the
-stats database in the background, owned by the API key's name (or "api").
+stats database in the background, owned by the API key's name, or by the login whose
+"user:password" is the bearer token (the same owner as that login's page: the Stats tab shows
+API turns too), or "api" where no key is needed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from specchat.core.engine import GenerateConfig, default_tree_nodes
@@ -61,27 +64,49 @@ class Api:
 
     def __init__(self, report, store: StatsStore | None = None,
                  api_keys: dict[str, str] | None = None,
-                 max_input_chars: int = MAX_INPUT_CHARS, max_tokens_cap: int = MAX_TOKENS_CAP):
-        self.report, self.engine = report, report.engine
+                 logins: list[tuple[str, str]] | None = None,
+                 max_input_chars: int = MAX_INPUT_CHARS, max_tokens_cap: int = MAX_TOKENS_CAP,
+                 writer: StatsWriter | None = None, redact=str):
+        # `report`: a LoadReport, or a function returning one (None while the models load).
+        self._report = report if callable(report) else (lambda: report)
         self.store = store or StatsStore.open_or_disabled("off")
-        self.writer = StatsWriter(self.store)
-        self.api_keys = api_keys or {}  # key -> owner name; empty: no key needed
+        self.writer = writer or StatsWriter(self.store)
+        self.api_keys = api_keys or {}  # key -> owner name
+        # The page's logins: "user:password" is accepted as a bearer token.
+        self.logins = {f"{user}:{password}": f"user:{user}" for user, password in logins or []}
         self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
         self.lock = threading.Lock()  # the engine serves one reply at a time
         self.waiting = 0
-        self.model_id = self.engine.target.name
+        self.redact = redact  # model names as visitors may see them (paths cut on exposed pages)
+
+    @property
+    def report(self):
+        report = self._report()
+        if report is None:
+            raise ApiError(503, "The models are still loading; retry in a moment.",
+                           "server_error")
+        return report
+
+    @property
+    def engine(self):
+        return self.report.engine
+
+    @property
+    def model_id(self) -> str:
+        return self.redact(self.engine.target.name)
 
     # -- requests ---------------------------------------------------------------------------
 
     def owner(self, request: Request) -> str:
-        """The key's owner; 401 without a valid key when keys are set."""
-        if not self.api_keys:
+        """The key's owner; 401 without a valid key when keys or logins are set."""
+        if not self.api_keys and not self.logins:
             return "api"
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        for key, name in self.api_keys.items():
+        owners = {**{k: f"api:{name}" for k, name in self.api_keys.items()}, **self.logins}
+        for key, owner in owners.items():
             if given and hmac.compare_digest(given.encode(), key.encode()):
-                return f"api:{name}"
+                return owner
         raise ApiError(401, "A valid API key is required: send 'Authorization: Bearer KEY'.",
                        "authentication_error")
 
@@ -170,8 +195,9 @@ class Api:
         engine, draft = self.engine, self.report.draft
         self.writer.submit(uuid.uuid4().hex, prompt, "".join(t.text for t in tokens),
                            stats.to_json(),
-                           dict(title=prompt[:60], owner=owner, target=engine.target.name,
-                                draft=draft.name if draft is not None else "",
+                           dict(title=prompt[:60], owner=owner,
+                                target=self.redact(engine.target.name),
+                                draft=self.redact(draft.name) if draft is not None else "",
                                 quantization=engine.target.quantization,
                                 device=engine.device.type),
                            None, [t.to_json() for t in tokens], [r.to_json() for r in steps])
@@ -191,16 +217,32 @@ FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "stopped": "
 
 
 def create_app(report, store: StatsStore | None = None, api_keys: dict[str, str] | None = None,
-               **caps) -> FastAPI:
-    api = Api(report, store, api_keys, **caps)
+               **options) -> FastAPI:
+    """A standalone app serving the API (`python -m specchat serve`)."""
+    api = Api(report, store, api_keys, **options)
     app = FastAPI(title="specchat API")
     app.state.api = api
+    app.include_router(api_router(api))
+    return app
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, error: ApiError):
-        return error.response()
 
-    @app.get("/v1/models")
+def api_router(api: Api) -> APIRouter:
+    """The /v1 routes over `api`; the web app adds them to gradio's own server."""
+    router = APIRouter()
+
+    def answered(route):
+        """ApiError -> its OpenAI error object (handled here, not by an app-wide handler, so
+        the routes can join an app that is already serving)."""
+        async def handler(request: Request):
+            try:
+                return await route(request)
+            except ApiError as error:
+                return error.response()
+        handler.__name__ = route.__name__
+        return handler
+
+    @router.get("/v1/models")
+    @answered
     async def models(request: Request):
         api.owner(request)
         return {"object": "list", "data": [{"id": api.model_id, "object": "model",
@@ -304,13 +346,15 @@ def create_app(report, store: StatsStore | None = None, api_keys: dict[str, str]
         return {"id": ident, "object": kind, "created": created, "model": api.model_id,
                 "choices": [choice], **extra}
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
+    @answered
     async def chat_completions(request: Request):
         return await complete(request, chat=True)
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
+    @answered
     async def completions(request: Request):
         return await complete(request, chat=False)
 
-    return app
+    return router
 
