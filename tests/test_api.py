@@ -163,3 +163,31 @@ def test_the_web_app_serves_the_api_on_its_port_behind_its_logins():
         assert [c["owner"] for c in store.conversations()] == ["user:alice"]
     finally:
         demo.close()
+
+
+def test_gradio_client_reaches_the_public_generate_endpoint_and_nothing_else():
+    from gradio_client import Client
+
+    from specchat.ui.page import build_ui, launch
+
+    tok = byte_tokenizer()
+    engine = Engine(loaded(tiny_llama(0), tok),
+                    {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(1), len(tok))})
+    demo = build_ui(engine, StatsStore(":memory:"))
+    launch(demo, server_name="127.0.0.1", server_port=None, prevent_thread_lock=True,
+           quiet=True)
+    try:
+        remote = Client(demo.local_url, verbose=False)
+        endpoints = remote.view_api(print_info=False, return_format="dict")["named_endpoints"]
+        assert list(endpoints) == ["/generate"]  # the per-visitor handlers stay private
+        tokens = remote.predict(PROMPT, "completion", 0.0, 1.0, 0, 16, 0, True, "model", 4,
+                                api_name="/generate")
+        assert len(tokens) == 16
+        assert {t["kind"] for t in tokens} <= {"accepted", "resampled", "bonus", "target"}
+        with pytest.raises(Exception, match="Temperature must be a finite number >= 0"):
+            remote.predict(PROMPT, "completion", -1.0, 1.0, 0, 16, 0, True, "", 4,
+                           api_name="/generate")
+        with pytest.raises(Exception):
+            remote.predict(None, api_name="/on_bot")
+    finally:
+        demo.close()

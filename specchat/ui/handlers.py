@@ -296,6 +296,39 @@ class ChatApp:
                      turn.steps)
         yield render_history(session), session, notice
 
+    def generate(self, prompt: str, mode: str = "completion", temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 128, seed: int = 0,
+                 speculation: bool = True, drafter: str = "", draft_len: int = 4,
+                 request: gr.Request | None = None) -> Iterator[list[dict]]:
+        """The page's public API endpoint (`gradio_client`, "Use via API"): one stateless
+        reply to `prompt` (continued as text, or as one chat message with mode="chat"), with
+        the page's checks and caps. Yields every token so far as {id, text, kind, step}."""
+        if self.slot.engine is None:
+            raise gr.Error(self._not_ready())
+        text = clean_text(prompt)
+        if not text.strip() or len(text) > self.limits.max_input_chars:
+            raise gr.Error(f"The prompt must be 1 to {self.limits.max_input_chars:,} "
+                           "characters.")
+        settings = Settings(speculation=speculation, drafter=drafter, draft_len=draft_len,
+                            temperature=temperature, top_p=top_p, top_k=top_k,
+                            max_new_tokens=max_new_tokens, seed=seed,
+                            mode="chat" if mode == "chat" else "completion")
+        try:
+            cfg, notes = self.config(settings)
+        except InputError as e:
+            raise gr.Error(str(e)) from None
+        session = Session(turns=[Turn(text)])
+        ids, cfg.stop = self.prompt_ids(session, 0, settings, notes)
+        turn = session.turns[0]
+        for result in self._drive(ids, cfg, threading.Event(), turn.tokens, turn.steps):
+            yield [{"id": t.id, "text": t.text, "kind": t.kind, "step": t.step}
+                   for t in turn.tokens]
+            if result is not None:
+                turn.stats = result
+        owner = self.access.viewer(request, None).owner
+        self._record(session, owner, text, turn.reply, turn.stats, None, turn.tokens,
+                     turn.steps)
+
     def retry(self, session: Session):
         """Drop the last reply and queue its message again. -> (chat, session, notice)"""
         if not session.turns:

@@ -204,6 +204,9 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                      show_progress="minimal", **engine_lane)
         stop_btn.click(on_stop, None, notice, queue=False, **private)
         page_out = [header, status, chat, drafter, box, send, ab_btn, timer, mode]
+        # The one public endpoint: a stateless reply for gradio_client and "Use via API".
+        gr.api(self.generate, api_name="generate", concurrency_id="engine",
+               concurrency_limit=1)
         timer.tick(on_page, None, page_out, **instant)
         demo.load(on_page, None, page_out, **instant)
         demo.load(on_browser, browser, browser, **instant)
