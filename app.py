@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft = model_choice(args)
     what = f"target {target} ({args.quantization})" + (f" and draft {draft}" if draft else "")
+    if args.backend:
+        what = f"the server at {args.backend}" + (f" (and {draft} for plain replies)"
+                                                 if draft else "")
     slot = ModelSlot(description=what)
     if exposed:  # visitors see model names, not where the files live
         slot.redact = hide_paths
@@ -120,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     def load(progress):
         progress(f"Loading {what}…")
         report = load_from_args(args, progress)
-        progress("Warming up the target…")
-        warm_up(report.engine)
+        if not args.backend:  # a server warms up its own model
+            progress("Warming up the target…")
+            warm_up(report.engine)
         return report
 
     slot.load(load)

@@ -4,11 +4,15 @@ models to load, how to sample, and the checks on both."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from specchat.core.engine import TREE_NODES, default_tree_nodes
-from specchat.drafters import preferred
+from specchat.drafters import NAMES, preferred
 from specchat.models.presets import PRESETS
+
+
+BACKEND_KEY_ENV = "SPECCHAT_BACKEND_KEY"
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,15 +34,26 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default=None,
                    help="draft head file from `train-draft` (default: the head trained or "
                         "shipped for this target, if any)")
+    b = p.add_argument_group("serving engine as backend (instead of a local model)")
+    b.add_argument("--backend", metavar="URL", default=None,
+                   help="drive an OpenAI-compatible server: vLLM, SGLang, llama.cpp's "
+                        "llama-server or another specchat (python -m specchat serve)")
+    b.add_argument("--backend-plain", metavar="URL", default=None,
+                   help="a second server of the same model without speculation: the 'off' "
+                        "side of A/B replays and of `bench`'s plain mode")
+    b.add_argument("--backend-key", metavar="KEY", default=None,
+                   help=f"API key for the backend(s) (or set ${BACKEND_KEY_ENV})")
+    b.add_argument("--backend-model", metavar="NAME", default=None,
+                   help="which served model (default: the first the server lists)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--speculation", choices=["on", "off"], default="on")
-    g.add_argument("--drafter", choices=["model", "ngram", "head", "combined"], default=None,
+    g.add_argument("--drafter", choices=NAMES, default=None,
                    help="who proposes drafts: a draft model, ngram prompt lookup, the trained "
-                        "draft head, or combined (ngram when it finds a continuation, else the "
-                        "head). Default: model when a draft model is loaded, else ngram")
+                        "draft head, combined (ngram when it finds a continuation, else the "
+                        "head), or a --backend server's own. Default: the best loaded")
     g.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
     g.add_argument("--tree-nodes", type=int, default=None,
                    help="the head (and combined, when it uses the head) drafts a tree of up to "
@@ -54,6 +69,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_choice(args) -> tuple[str, str]:
+    if getattr(args, "backend", None):
+        return args.backend, args.backend_plain or ""
     target, draft = args.target, args.draft_model
     if args.preset:
         preset = PRESETS[args.preset]
@@ -63,9 +80,17 @@ def model_choice(args) -> tuple[str, str]:
 
 
 def load_from_args(args, progress):
-    """Load the models the arguments name; `progress(message)` hears each step and note.
-    Raises ModelLoadError with a message a user can act on."""
-    from specchat.loader import load_engine
+    """Load the models the arguments name (or connect to --backend); `progress(message)`
+    hears each step and note. Raises ModelLoadError with a message a user can act on."""
+    from specchat.loader import connect_backend, load_engine
+    if getattr(args, "backend", None):
+        progress(f"Connecting to {args.backend}…")
+        report = connect_backend(args.backend, args.backend_plain,
+                                 args.backend_key or os.environ.get(BACKEND_KEY_ENV),
+                                 args.backend_model)
+        for note in report.notes:
+            progress(note)
+        return report
     target, draft = model_choice(args)
     report = load_engine(target, draft, args.quantization, args.draft_quantization,
                          None if args.device == "auto" else args.device, progress,

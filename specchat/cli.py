@@ -28,7 +28,6 @@ from specchat.train.cli import add_cli as add_train_draft
 def cmd_generate(args) -> int:
     from specchat.core.events import GenerationStats, StepRecord, TokenEvent
     from specchat.core.inputs import clean_text
-    from specchat.core.text import chat_prompt, raw_prompt
 
     prompt = clean_text(args.prompt if args.prompt is not None else sys.stdin.read())
     if not prompt.strip():
@@ -49,19 +48,19 @@ def cmd_generate(args) -> int:
     engine = report.engine
     cfg = config_from_args(args, report)
     if args.raw:
-        ids, stops = raw_prompt(engine.tokenizer, prompt), ()
+        ids, stops = engine.text_prompt(prompt)
     else:
         system = clean_text(args.system)
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        ids, stops = chat_prompt(engine.tokenizer, messages)
+        ids, stops = engine.chat_prompt(messages)
     cfg.stop = stops
     reply = []
     stats = None
     events = engine.stream(ids, cfg)
     try:
         first = next(events)  # the engine checks the request before any work: say what's wrong
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # a bad request, or a backend refusing it
         print(f"specchat: {e}", file=sys.stderr)
         return 2
     for event in itertools.chain([first], events):

@@ -57,6 +57,23 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     return LoadReport(engine, draft, notes)
 
 
+def connect_backend(url: str, plain_url: str | None = None, api_key: str | None = None,
+                    model: str | None = None) -> LoadReport:
+    """A serving engine behind an OpenAI-compatible API as the engine (backends/remote.py);
+    the note says how much of each token's provenance that server reports."""
+    from specchat.backends.remote import BackendError, RemoteEngine
+    from specchat.models.loaded import ModelLoadError
+    try:
+        engine = RemoteEngine(url, api_key, model, plain_url)
+    except BackendError as e:
+        raise ModelLoadError(str(e)) from None
+    notes = [engine.provenance]
+    if engine.speculates is False:
+        notes.append(f"The {engine.target.server} server does not speculate (no draft was "
+                     "given at its launch): every token is a plain target token.")
+    return LoadReport(engine, None, notes)
+
+
 def _logits_width(model) -> int:
     return model.config.get_text_config().vocab_size
 

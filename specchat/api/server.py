@@ -173,8 +173,8 @@ class Api:
             max_new_tokens=min(v["max_new_tokens"], self.max_tokens_cap),
             temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
             seed=v["seed"], speculation=speculation, drafter=drafter,
-            draft_len=v["draft_len"], tree_nodes=default_tree_nodes(v["temperature"], drafter),
-            stop=tuple(stop))
+            draft_len=v["draft_len"], adaptive=bool(body.get("adaptive", True)),
+            tree_nodes=default_tree_nodes(v["temperature"], drafter), stop=tuple(stop))
 
     # -- generation -------------------------------------------------------------------------
 
@@ -269,10 +269,13 @@ def api_router(api: Api) -> APIRouter:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-        def piece(tokens: list[TokenEvent], steps: list[int]) -> dict:
+        def piece(tokens: list[TokenEvent], records: list[StepRecord]) -> dict:
             text = "".join(t.text for t in tokens)
             extra = {"specchat": {"kinds": [t.kind for t in tokens],
-                                  "texts": [t.text for t in tokens], "steps": steps}}
+                                  "texts": [t.text for t in tokens],
+                                  "steps": [t.step for t in tokens],
+                                  "ids": [t.id for t in tokens],
+                                  "records": [r.to_json() for r in records]}}
             if chat:
                 return {"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}
             return {"index": 0, "text": text, "finish_reason": None, **extra}
@@ -291,8 +294,8 @@ def api_router(api: Api) -> APIRouter:
                            "specchat": {"stats": stats.to_json()}}
 
         def generate() -> Iterator:
-            """(new tokens, their step numbers) per step, then the stats."""
-            pending, tokens, steps = [], [], []
+            """(new tokens, the step records that decided them) per step, then the stats."""
+            pending, records, tokens, steps = [], [], [], []
             stats = None
             for event in itertools.chain([first], events):
                 if isinstance(event, TokenEvent):
@@ -300,13 +303,14 @@ def api_router(api: Api) -> APIRouter:
                     tokens.append(event)
                 elif isinstance(event, StepRecord):
                     steps.append(event)
-                    if pending:
-                        yield pending, [t.step for t in pending]
-                        pending = []
+                    records.append(event)
+                    if pending:  # a step whose tokens are held back (a possible stop
+                        yield pending, records  # string) rides with the next ones
+                        pending, records = [], []
                 elif isinstance(event, GenerationStats):
                     stats = event
-            if pending:
-                yield pending, [t.step for t in pending]
+            if pending or records:
+                yield pending, records
             api.record(owner, prompt, tokens, steps, stats)
             yield stats
 

@@ -51,7 +51,13 @@ from specchat.core.kvcache import (
 )
 from specchat.core.policy import DraftLengthPolicy
 from specchat.core.sampling import Noise, SamplingParams, prob_of, top_candidates, verify
-from specchat.core.text import ReplyText, tokens_until_stop
+from specchat.core.text import (
+    ReplyText,
+    chat_prompt,
+    has_chat_template,
+    raw_prompt,
+    tokens_until_stop,
+)
 from specchat.core.tree import DraftTree, verify_tree, visibility
 
 # Draft-tree size for the head in the app and the CLI (`GenerateConfig.tree_nodes`).
@@ -118,6 +124,22 @@ class Engine:
         self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
         self.row_exact = is_row_exact(self.model)  # verify logits = one-token logits, bit for bit
         self.trees_ok = tree_masks_supported(self.model)  # flash attention takes no tree mask
+
+    # -- prompts ------------------------------------------------------------------------------
+    # What `stream` continues, built the same way for a remote engine (backends/remote.py).
+
+    @property
+    def chats(self) -> bool:
+        """The target has a chat format (a base model has none: it continues text)."""
+        return has_chat_template(self.tokenizer)
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+        """Messages -> (prompt ids in the target's chat format, its stop strings)."""
+        return chat_prompt(self.tokenizer, messages)
+
+    def text_prompt(self, text: str) -> tuple[list[int], tuple[str, ...]]:
+        """Plain text for the target to continue (no chat format, no stop strings)."""
+        return raw_prompt(self.tokenizer, text), ()
 
     # -- target forward -------------------------------------------------------------------
 

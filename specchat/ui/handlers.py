@@ -30,7 +30,6 @@ import gradio as gr
 from specchat.core.engine import Engine, GenerateConfig, default_tree_nodes
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, check_settings, clean_text
-from specchat.core.text import chat_prompt, raw_prompt
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.loader import LoadReport
@@ -157,15 +156,15 @@ class ChatApp:
         """The token ids the reply to turn `upto` continues, and its stop strings. Chat: the
         conversation in the model's chat format. Completion: the message as plain text, which
         the model continues (what a base model is good at); no history, no system prompt."""
-        tokenizer = self.slot.engine.tokenizer
+        engine = self.slot.engine
         if settings.mode == "completion":
-            return raw_prompt(tokenizer, session.turns[upto].user), ()
+            return engine.text_prompt(session.turns[upto].user)
         system = self.system_prompt(settings, notes)
         messages, dropped = self.prompt_messages(session, upto, system)
         if dropped:
             notes.append(f"{dropped} older exchange(s) left out of the prompt "
                          f"(history limit {self.limits.max_history_chars:,} characters).")
-        ids, stops = chat_prompt(tokenizer, messages)
+        ids, stops = engine.chat_prompt(messages)
         return ids, tuple(stops)
 
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
@@ -480,7 +479,9 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
     # A grid of divs, not a <table>: the theme's table styles fight ours.
     table = "".join(f'<span class="{"sc-h" if i == 0 or j == 0 else ""}">{html.escape(c)}</span>'
                     for i, row in enumerate(rows) for j, c in enumerate(row))
-    off_ids, on_ids = [t.id for t in off_tokens], [t.id for t in on_tokens]
+    # (id, text): a remote server may not send token ids (-1), its texts still compare
+    off_ids = [(t.id, t.text) for t in off_tokens]
+    on_ids = [(t.id, t.text) for t in on_tokens]
     diff = first_difference(off_ids, on_ids)
     if "stopped" in (off.stop_reason, on.stop_reason):
         same = "One run was stopped, so the texts are not compared."
@@ -493,7 +494,10 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
         # Every drafter but a draft model replays plain sampling per seed: n-gram lookup and
         # trees are one-hot, the head races with the target's own keyed numbers
         # (sampling.Noise). A draft model's drafts take Leviathan's test, its own way.
-        if cfg.temperature > 0 and cfg.drafter == "model":
+        if quantization == "served":
+            why = ("Both runs were decoded by the server; it does not say why they differ (its "
+                   "verify passes may round differently from its plain steps).")
+        elif cfg.temperature > 0 and cfg.drafter == "model":
             why = ("At temperature > 0 both runs sample from the same distribution, but a draft "
                    "model's drafts pass Leviathan's test with random numbers of their own: the "
                    "texts may differ while being equally likely (lossless in distribution, not "
@@ -520,7 +524,7 @@ def warm_up(engine: Engine) -> None:
     """A 4-token plain generation right after loading: the first forward passes pay one-time
     costs (seconds on a CPU) that would otherwise land on the first reply
     and make it look slow. Plain decoding only, so no drafter's timing policy sees it."""
-    ids, stops = chat_prompt(engine.tokenizer, [{"role": "user", "content": "Hello"}])
+    ids, stops = engine.chat_prompt([{"role": "user", "content": "Hello"}])
     for _ in engine.stream(ids, GenerateConfig(max_new_tokens=4, speculation=False, seed=0,
                                                stop=tuple(stops))):
         pass

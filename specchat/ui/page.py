@@ -8,7 +8,6 @@ import gradio as gr
 
 from specchat.core.engine import Engine
 from specchat.core.inputs import MAX_DRAFT_LEN
-from specchat.core.text import has_chat_template
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
@@ -232,7 +231,7 @@ EXAMPLES = [
 def default_mode(slot: ModelSlot, d: Settings) -> str:
     """Completion for a base model (no chat template), else the default settings' mode."""
     engine = slot.engine
-    if engine is not None and not has_chat_template(engine.tokenizer):
+    if engine is not None and not engine.chats:
         return "completion"
     return d.mode
 

