@@ -64,9 +64,11 @@ class BackendError(RuntimeError):
 
 @dataclass
 class RemotePrompt:
-    """What a remote server continues: chat messages (its template applies) or plain text."""
+    """What a remote server continues: chat messages (its template applies), plain text, or
+    token ids (the bench sends llama-server the very ids specchat's engine gets)."""
     messages: list[dict] | None = None
     text: str | None = None
+    ids: list[int] | None = None
 
 
 @dataclass
@@ -115,6 +117,7 @@ class RemoteEngine:
         self.plain = RemoteEngine(plain_url, api_key, model, timeout=timeout) \
             if plain_url else None
         self.lock = threading.Lock()
+        self._fresh = False
         self.device = RemoteDevice()
         name, owner = self._model(model)
         self.target = RemoteTarget(name, self.url, SERVERS.get(owner, "OpenAI-compatible"))
@@ -169,8 +172,12 @@ class RemoteEngine:
     def text_prompt(self, text: str) -> tuple[RemotePrompt, tuple]:
         return RemotePrompt(text=text), ()
 
-    def reset_cache(self) -> None:  # the server keeps its own cache
-        pass
+    def reset_cache(self) -> None:
+        """The next request encodes its whole prompt (llama-server: no prompt cache), as a
+        first turn does on the local engine after its own reset."""
+        self._fresh = True
+        if self.plain is not None:
+            self.plain.reset_cache()
 
     def context_window(self) -> int | None:
         return None
@@ -194,6 +201,9 @@ class RemoteEngine:
                          adaptive=cfg.adaptive)
         elif server == "llama.cpp":
             extra["timings_per_token"] = True
+            if self._fresh:
+                extra["cache_prompt"] = False
+                self._fresh = False
         elif server == "SGLang":
             extra["return_spec_tokens_details"] = True
         if extra:
@@ -201,7 +211,7 @@ class RemoteEngine:
         if prompt.messages is not None:
             body["messages"] = prompt.messages
         else:
-            body["prompt"] = prompt.text
+            body["prompt"] = prompt.ids if prompt.ids is not None else prompt.text
         return body
 
     def stream(self, prompt: RemotePrompt, cfg: GenerateConfig,
