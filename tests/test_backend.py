@@ -238,3 +238,42 @@ def test_llama_server_as_a_backend():
     assert sum(s.accepted for s in steps) == stats.accepted
     assert {t.kind for t in off} == {TARGET}
     assert "".join(t.text for t in on) == "".join(t.text for t in off)  # greedy, same model
+
+
+def test_the_bench_races_a_server_on_the_same_prompt_ids(served, tiny_dir, one_thread):
+    """bench's server modes (llama.cpp's, here played by a specchat server) get the same prompt
+    ids and stop condition as the local modes, and land in the same report."""
+    from specchat.bench.config import BenchSettings
+    from specchat.bench.report import format_report
+    from specchat.bench.run import bench
+
+    local = load_engine(str(tiny_dir), quantization="none", device="cpu",
+                        progress=lambda m: None).engine
+    questions = [{"question_id": i, "category": "writing", "turns": [PROMPT[i:]]}
+                 for i in range(2)]
+    settings = BenchSettings(modes=("plain", "ngram", "llama.cpp"), max_new_tokens=16,
+                             warmup_tokens=2, stop_strings=False)
+    result = bench(local, questions, settings, progress=False,
+                   remotes={"llama.cpp": RemoteEngine(served, KEY)})
+    runs = [r for r in result["runs"] if r["mode"] == "llama.cpp"]
+    assert len(runs) == 2 and all(r["new_tokens"] == 16 and r["forward_s"] is None
+                                  for r in runs)
+    # the same model, greedy, on the very same ids: the server writes plain's text
+    plain = {r["question_id"]: r["text"] for r in result["runs"] if r["mode"] == "plain"}
+    assert all(r["text"] == plain[r["question_id"]] for r in runs)
+    entry = result["modes"]["llama.cpp"]["overall"]
+    assert entry["speedup"] == pytest.approx(1.0) and entry["overhead_ms_per_token"] is None
+    vs = result["versus_llama_cpp"]
+    assert vs["items"] == 2 and vs["their_best"] == "llama.cpp" and vs["best"] in ("plain",
+                                                                                   "ngram")
+    assert vs["best_ratio"] == pytest.approx(vs["best_tokens_per_s"] /
+                                             vs["their_best_tokens_per_s"])
+    assert "specchat vs llama.cpp on the same 2 items" in format_report(result)
+
+
+def test_bench_llama_options_are_checked_before_loading(capsys):
+    from specchat.cli import main
+    assert main(["bench", "--llama-spec-type", "ngram-simple"]) == 2
+    assert "needs --llama-server-bin" in capsys.readouterr().err
+    assert main(["bench", "--llama-server-bin", "/no/such/llama-server"]) == 2
+    assert "no such file" in capsys.readouterr().err

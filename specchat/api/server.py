@@ -134,13 +134,28 @@ class Api:
             ids, stops = chat_prompt(tokenizer, clean)
             return ids, tuple(stops), clean[-1]["content"]
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return self._token_prompt(prompt)
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return self._token_prompt(prompt)
         if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "'prompt' must be a non-empty string.", param="prompt")
+            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids.",
+                           param="prompt")
         prompt = clean_text(prompt)
         self._check_length(prompt)
         return raw_prompt(tokenizer, prompt), (), prompt
+
+    def _token_prompt(self, ids: list[int]) -> tuple[list[int], tuple, str]:
+        """A prompt given as token ids (OpenAI's token-array form), used as they are."""
+        vocab = len(self.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"Token ids must lie in 0..{vocab - 1}.", param="prompt")
+        if len(ids) > self.max_input_chars:
+            raise ApiError(413, f"The prompt is {len(ids):,} tokens; the limit here is "
+                                f"{self.max_input_chars:,}.")
+        return list(ids), (), self.engine.tokenizer.decode(ids)
 
     def _check_length(self, text: str) -> None:
         if len(text) > self.max_input_chars:

@@ -118,6 +118,7 @@ class RemoteEngine:
             if plain_url else None
         self.lock = threading.Lock()
         self._fresh = False
+        self.last_usage: dict = {}
         self.device = RemoteDevice()
         name, owner = self._model(model)
         self.target = RemoteTarget(name, self.url, SERVERS.get(owner, "OpenAI-compatible"))
@@ -272,6 +273,7 @@ class RemoteEngine:
         for event in reader.flush(stats.seconds):
             steps.append(event)
             yield event
+        self.last_usage = dict(reader.usage)  # the server's own token counts
         yield reader.finish(summarize(steps, stats))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -70,6 +71,19 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice). On a machine shared with "
                         "other busy processes, 1 avoids threads waiting on each other")
+    g = p.add_argument_group(
+        "llama.cpp in the same table",
+        "Race a llama.cpp server on the same questions, prompt ids and stop condition: mode "
+        "`llama.cpp` (plain decoding) and `llama.cpp-T` for each --llama-spec-type T. Build "
+        "llama-server once: python -m specchat.backends.llama_cpp build (docs/performance.md).")
+    g.add_argument("--llama-server", metavar="URL", default=None,
+                   help="a running llama-server (launched on the same weights)")
+    g.add_argument("--llama-server-bin", metavar="PATH", default=None,
+                   help="start llama-server from PATH ('auto': the one built into specchat's "
+                        "cache) on the embedded model's GGUF, with --threads threads")
+    g.add_argument("--llama-spec-type", metavar="T", action="append", default=[],
+                   help="with --llama-server-bin: also a server with llama.cpp's own "
+                        "speculation T (ngram-simple, ngram-cache, ...); repeatable")
     p.add_argument("--json", metavar="OUT", default=None, help="write the full report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(p)
@@ -97,12 +111,17 @@ def cmd_bench(args) -> int:
     problem = ("--repeats must be at least 1" if args.repeats < 1 else
                "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
                validate_sampling(args))
+    problem = problem or _llama_problem(args)
     if problem:
         print(f"specchat: {problem}", file=sys.stderr)
         return 2
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)
+    if getattr(args, "backend", None):
+        print("specchat: bench measures specchat's own engine on this machine; race a server "
+              "beside it with --llama-server URL", file=sys.stderr)
+        return 2
     report = load_for_cli(args)
     if report is None:
         return 1
@@ -128,12 +147,22 @@ def cmd_bench(args) -> int:
              "command": "python -m specchat " + " ".join(sys.argv[1:]),
              "peak_rss_after_load_mb": loaded_peak_mb, "rss_after_load_mb": loaded_rss_mb,
              **machine_config()}
-    try:
-        result = bench(engine, questions, settings, assistant, progress=not args.no_progress,
-                       extra_config=extra)
-    except ValueError as e:
-        print(f"specchat: {e}", file=sys.stderr)
-        return 2
+    from specchat.backends.llama_cpp import LlamaCppError
+    from specchat.backends.remote import BackendError
+    with contextlib.ExitStack() as servers:
+        try:
+            remotes = _llama_servers(args, servers)
+        except (LlamaCppError, BackendError) as e:
+            print(f"specchat: {e}", file=sys.stderr)
+            return 1
+        settings.modes = tuple(m for m in settings.modes if m not in remotes) + tuple(remotes)
+        extra["llama_cpp"] = {mode: r.url for mode, r in remotes.items()} or None
+        try:
+            result = bench(engine, questions, settings, assistant,
+                           progress=not args.no_progress, extra_config=extra, remotes=remotes)
+        except (ValueError, BackendError) as e:
+            print(f"specchat: {e}", file=sys.stderr)
+            return 2
     print(format_report(result))
     if args.json:
         out = Path(args.json)
@@ -141,3 +170,55 @@ def cmd_bench(args) -> int:
         out.write_text(json.dumps(result, indent=1))
         print(f"report written to {out}", file=sys.stderr)
     return 130 if result["config"]["interrupted"] else 0
+
+
+def _llama_problem(args) -> str | None:
+    if args.llama_server and args.llama_server_bin:
+        return "give --llama-server URL (a running server) or --llama-server-bin PATH, not both"
+    if args.llama_spec_type and not args.llama_server_bin:
+        return ("--llama-spec-type needs --llama-server-bin: llama-server sets its speculation "
+                "at launch, so the bench starts one server per type")
+    if args.llama_server_bin and args.target not in (None, "", "embedded"):
+        return ("--llama-server-bin serves the embedded model's GGUF; for another target start "
+                "llama-server on its GGUF and pass --llama-server URL")
+    if args.llama_server_bin not in (None, "auto") and not Path(args.llama_server_bin).is_file():
+        return f"--llama-server-bin {args.llama_server_bin}: no such file"
+    return None
+
+
+def _llama_servers(args, stack: contextlib.ExitStack) -> dict:
+    """{mode: RemoteEngine} for the llama.cpp modes asked for; servers started here stop when
+    `stack` closes."""
+    from specchat.backends.remote import RemoteEngine
+    if args.llama_server:
+        remote = RemoteEngine(args.llama_server)
+        if remote.target.server != "llama.cpp":
+            from specchat.backends.remote import BackendError
+            raise BackendError(f"{args.llama_server} is a {remote.target.server} server, not "
+                               "llama.cpp's llama-server")
+        return {"llama.cpp" if remote.speculates is False else "llama.cpp-server": remote}
+    if not args.llama_server_bin:
+        return {}
+    import torch
+
+    from specchat.backends import llama_cpp
+    binary = llama_cpp.cached_server() if args.llama_server_bin == "auto" \
+        else Path(args.llama_server_bin)
+    if binary is None:
+        raise llama_cpp.LlamaCppError("no llama-server in specchat's cache; build it once with "
+                                      "python -m specchat.backends.llama_cpp build")
+    gguf = llama_cpp.embedded_gguf()
+    threads = args.threads or torch.get_num_threads()
+    remotes = {}
+    for spec in [None, *dict.fromkeys(args.llama_spec_type)]:
+        url = stack.enter_context(llama_cpp.LlamaServer(binary, gguf, _free_port(), threads,
+                                                        spec))
+        remotes[f"llama.cpp-{spec}" if spec else "llama.cpp"] = RemoteEngine(url)
+    return remotes
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -13,6 +13,7 @@ ALL_MODES = (*ENGINE_MODES, *HF_MODES)
 HEAD_MODES = ("head", "combined",  # engine drafters that exist once `train-draft` made a head
               "head-tree", "combined-tree")  # ... drafting trees of --tree-nodes (tree.py)
 NEEDS_DRAFT = ("model", "hf-assisted")
+REMOTE_PLAIN = "llama.cpp"  # a llama.cpp server decoding plainly; "llama.cpp-T" drafts with T
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Run:
     prompt_tokens: int
     prefill_tokens: int  # prompt tokens actually encoded (the rest came from the prefix cache)
     target_calls: int  # target forwards, prefill included
-    forward_s: float  # seconds inside the target's forward (hooks)
+    forward_s: float | None  # seconds inside the target's forward (hooks; None: a server)
     steps: list[StepRecord] = field(default_factory=list)  # decode steps, prefill excluded
     text: str = ""
     stop_reason: str = ""

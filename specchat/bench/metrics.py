@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
-from specchat.bench.config import ENGINE_MODES, HEAD_MODES, Run
+from specchat.bench.config import ENGINE_MODES, HEAD_MODES, REMOTE_PLAIN, Run
 from specchat.core.events import GenerationStats, StepRecord, summarize
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +96,8 @@ def _median_item(runs: list[Run]) -> dict:
     return {"new_tokens": statistics.median(r.new_tokens for r in runs),
             "seconds": statistics.median(r.seconds for r in runs),
             "ttft_s": statistics.median(r.ttft_s for r in runs),
-            "forward_s": statistics.median(r.forward_s for r in runs),
+            "forward_s": (None if any(r.forward_s is None for r in runs)  # a server's
+                          else statistics.median(r.forward_s for r in runs)),
             "prefill_s": statistics.median(r.prefill_s for r in runs)}
 
 
@@ -142,8 +143,9 @@ def metrics(runs: list[Run], plain_runs: list[Run] | None = None) -> dict:
         "questions": len({q for q, _ in med}),
         "new_tokens": tokens,
         "seconds": seconds,
-        "overhead_ms_per_token": (1000 * (seconds - sum(m["forward_s"] for m in med.values()))
-                                  / tokens if tokens else None),
+        "overhead_ms_per_token": (
+            1000 * (seconds - sum(m["forward_s"] for m in med.values())) / tokens
+            if tokens and all(m["forward_s"] is not None for m in med.values()) else None),
     }
     if second:
         t2 = [rs for key, rs in items.items() if key[2] == 2]
@@ -153,16 +155,17 @@ def metrics(runs: list[Run], plain_runs: list[Run] | None = None) -> dict:
     return out
 
 
-def greedy_identical(runs: list[Run], modes: Iterable[str]) -> dict[str, float | None]:
-    """Fraction of questions whose reply texts (every turn, first repeat) equal plain's."""
+def greedy_identical(runs: list[Run], modes: Iterable[str], base: str = "plain",
+                     ) -> dict[str, float | None]:
+    """Fraction of questions whose reply texts (every turn, first repeat) equal `base`'s."""
     texts: dict[tuple, dict[int, str]] = defaultdict(dict)
     for r in runs:
         if r.repeat == 0:
             texts[(r.mode, r.question_id)][r.turn] = r.text
     out = {}
     for mode in modes:
-        qids = [q for (m, q) in texts if m == mode and ("plain", q) in texts]
-        out[mode] = (sum(texts[(mode, q)] == texts[("plain", q)] for q in qids) / len(qids)
+        qids = [q for (m, q) in texts if m == mode and (base, q) in texts]
+        out[mode] = (sum(texts[(mode, q)] == texts[(base, q)] for q in qids) / len(qids)
                      if qids else None)
     return out
 
@@ -180,28 +183,67 @@ def same_text_speedup(runs: list[Run], plain_runs: list[Run]) -> dict:
             "same_text_speedup": metrics(keep, base)["speedup"] if same else None}
 
 
-def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict:
+def versus(by_mode: dict[str, list[Run]], ours: Iterable[str], theirs: Iterable[str]
+           ) -> dict | None:
+    """specchat's modes against another engine's (llama.cpp) on the items both ran: the best
+    mode of each by tokens/s, their ratio, and the two plain decodings' ratio."""
+    def tps(mode: str, keys: set) -> float:
+        med = {k[1:]: _median_item(rs) for k, rs in group_items(by_mode[mode]).items()
+               if k[1:] in keys}
+        seconds = sum(m["seconds"] for m in med.values())
+        return sum(m["new_tokens"] for m in med.values()) / seconds if seconds > 0 else 0.0
+
+    ours = [m for m in ours if by_mode.get(m)]
+    theirs = [m for m in theirs if by_mode.get(m)]
+    if not ours or not theirs:
+        return None
+    keys = set.intersection(*({(r.question_id, r.turn) for r in by_mode[m]}
+                              for m in ours + theirs))
+    if not keys:
+        return None
+    ours_tps = {m: tps(m, keys) for m in ours}
+    theirs_tps = {m: tps(m, keys) for m in theirs}
+    best_ours = max(ours_tps, key=ours_tps.get)
+    best_theirs = max(theirs_tps, key=theirs_tps.get)
+    out = {"items": len(keys), "tokens_per_s": {**ours_tps, **theirs_tps},
+           "best": best_ours, "best_tokens_per_s": ours_tps[best_ours],
+           "their_best": best_theirs, "their_best_tokens_per_s": theirs_tps[best_theirs],
+           "best_ratio": (ours_tps[best_ours] / theirs_tps[best_theirs]
+                          if theirs_tps[best_theirs] else None)}
+    if "plain" in ours_tps and REMOTE_PLAIN in theirs_tps and theirs_tps[REMOTE_PLAIN]:
+        out["plain_ratio"] = ours_tps["plain"] / theirs_tps[REMOTE_PLAIN]
+    return out
+
+
+def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict,
+                    remote_modes: Iterable[str] = ()) -> dict:
     """The report: {"config", "modes": {MODE: {"overall", "by_category", "analysis"}},
-    "greedy_identical": {MODE: fraction}} (see issue 5 for the shape)."""
+    "greedy_identical": {MODE: fraction}, "identical_to_plain", "versus_llama_cpp"}.
+    `remote_modes` are served by another engine (llama.cpp): their speedups are over that
+    engine's own plain decoding (REMOTE_PLAIN) and their texts are compared with its replies."""
     modes = list(modes)
+    remote_modes = [m for m in modes if m in set(remote_modes)]
     by_mode: dict[str, list[Run]] = defaultdict(list)
     for r in runs:
         by_mode[r.mode].append(r)
     plain = by_mode.get("plain")
+    remote_plain = by_mode.get(REMOTE_PLAIN)
     categories = list(dict.fromkeys(r.category for r in runs))  # file order
     plain_steps = [s for r in (plain or []) for s in r.steps]
     out_modes = {}
     for mode in modes:
         mruns = by_mode.get(mode, [])
-        entry = {"overall": metrics(mruns, plain),
+        base_runs = remote_plain if mode in remote_modes else plain
+        entry = {"overall": metrics(mruns, base_runs),
                  "by_category": {}}
         for cat in categories:
             cruns = [r for r in mruns if r.category == cat]
             if cruns:
                 entry["by_category"][cat] = metrics(
-                    cruns, [r for r in plain if r.category == cat] if plain else None)
+                    cruns, [r for r in base_runs if r.category == cat] if base_runs else None)
         steps = [s for r in mruns for s in r.steps]
-        if mode not in ("plain", "hf-plain") and any(s.drafted for s in steps):
+        if mode not in ("plain", "hf-plain") and mode not in remote_modes \
+                and any(s.drafted for s in steps):
             costs = step_costs(steps, plain_steps if mode in ENGINE_MODES + HEAD_MODES else
                                [s for r in by_mode.get("hf-plain", []) for s in r.steps])
             costs["predicted_speedup"] = predicted_speedup(costs)
@@ -216,11 +258,18 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict) -> dict
         out_modes[mode] = entry
     # Same text as plain: greedy, every engine mode should match; sampled too, but for a draft
     # model (its drafts take Leviathan's test with random numbers of their own).
-    identical = greedy_identical(runs, modes)
+    local = [m for m in modes if m not in remote_modes]
+    identical = greedy_identical(runs, local)
     if plain:
-        for mode in modes:
+        for mode in local:
             out_modes[mode]["overall"].update(same_text_speedup(by_mode.get(mode, []), plain))
+    # Another engine's modes are compared with its own plain replies (another quantization of
+    # the weights writes other texts than ours).
+    identical |= greedy_identical(runs, remote_modes, base=REMOTE_PLAIN)
     greedy = config.get("temperature", 0.0) <= 0
-    return {"config": config, "modes": out_modes,
-            "greedy_identical": identical if greedy else {m: None for m in modes},
-            "identical_to_plain": identical}
+    out = {"config": config, "modes": out_modes,
+           "greedy_identical": identical if greedy else {m: None for m in modes},
+           "identical_to_plain": identical}
+    if remote_modes:
+        out["versus_llama_cpp"] = versus(by_mode, local, remote_modes)
+    return out

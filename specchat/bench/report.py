@@ -18,7 +18,8 @@ def _x(x) -> str:
 
 def format_report(result: dict) -> str:
     modes = list(result["modes"])
-    head = (f"{'category':<15} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
+    w = max([12] + [len(m) for m in modes])  # the mode column
+    head = (f"{'category':<15} {'mode':<{w}} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
             f"{'acc.len':>7} {'calls/tok':>9} {'TTFT s':>7} {'ovh ms/tok':>10}")
     lines = [head, "-" * len(head)]
 
@@ -28,7 +29,7 @@ def format_report(result: dict) -> str:
             if m is None:
                 continue
             lines.append(
-                f"{label if i == 0 else '':<15} {mode:<12} {m['tokens_per_s']:>7.1f} "
+                f"{label if i == 0 else '':<15} {mode:<{w}} {m['tokens_per_s']:>7.1f} "
                 f"{_f(m['speedup'], '.2f') + 'x' if m['speedup'] is not None else '-':>8} "
                 f"{_f(m['acceptance_rate'], '.0%'):>7} {_f(m['mean_accepted_len'], '.2f'):>7} "
                 f"{_f(m['target_calls_per_token'], '.2f'):>9} {_f(m['ttft_s'], '.3f'):>7} "
@@ -81,10 +82,22 @@ def format_report(result: dict) -> str:
             else:
                 base = "hf-plain" if mode in HF_MODES else "plain"
                 lines.append(f"  {'':<12} (no costs: run {base} too for a baseline step)")
+    vs = result.get("versus_llama_cpp")
+    if vs:
+        lines.append("")
+        lines.append(f"specchat vs llama.cpp on the same {vs['items']} items (llama.cpp modes: "
+                     f"speedup over llama.cpp's own plain decoding, text compared with its "
+                     f"replies)")
+        lines.append(f"  best: specchat {vs['best']} {vs['best_tokens_per_s']:.1f} tok/s vs "
+                     f"{vs['their_best']} {vs['their_best_tokens_per_s']:.1f} tok/s = "
+                     f"{_x(vs['best_ratio'])}")
+        if vs.get("plain_ratio") is not None:
+            lines.append(f"  plain: specchat plain / llama.cpp plain = {_x(vs['plain_ratio'])}")
     ident = {m: v for m, v in result.get("identical_to_plain", {}).items() if v is not None}
     if ident:
         lines.append("")
-        lines.append("text identical to plain (same seed): " +
+        to = "; llama.cpp modes: to llama.cpp's" if vs else ""
+        lines.append(f"text identical to plain (same seed{to}): " +
                      ", ".join(f"{m} {v:.0%}" for m, v in ident.items()))
         same = [(m, e["overall"]) for m, e in result["modes"].items()
                 if m != "plain" and e["overall"].get("same_text_speedup") is not None]

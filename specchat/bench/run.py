@@ -10,6 +10,12 @@ one question to the next) so machine drift hits all modes alike:
   hf-plain     transformers `generate`, no assistance
   hf-pld       transformers `generate(prompt_lookup_num_tokens=...)` (prompt lookup decoding)
   hf-assisted  transformers `generate(assistant_model=...)`, when a draft model is loaded
+  llama.cpp    a llama.cpp server (`--llama-server URL`, or `--llama-server-bin` starts one on
+               the embedded model's GGUF with the same threads), sent the very prompt ids; with
+               `--llama-spec-type T` also `llama.cpp-T`, a server running its own speculation T.
+               Its speedup is over `llama.cpp` (its own plain decoding), its drafts are read
+               from the per-chunk counters (specchat/backends/remote.py), and it has no forward
+               timings (overhead "-").
 All modes get the same prompt ids and the same stop condition (max new tokens, EOS, and the chat
 format's stop string unless --ignore-stop-strings), and their tokens are counted alike: the tokens
 shown to the user (the engine's `new_tokens`; transformers' output goes through the engine's own
@@ -212,6 +218,35 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
                 stop_reason=stop_reason, error="")
 
 
+def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool,
+                    max_new_tokens: int | None = None) -> dict:
+    """A server (`RemoteEngine`) on the same prompt ids, with the same stop condition and
+    sampling settings; timed as its client sees it (request to last chunk)."""
+    from specchat.backends.remote import RemotePrompt
+    from specchat.core.engine import GenerateConfig
+    if fresh:
+        remote.reset_cache()  # no prompt cache: every first turn pays its prefill
+    cfg = GenerateConfig(max_new_tokens=max_new_tokens or s.max_new_tokens,
+                         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                         speculation=True,  # the server's own setting decides
+                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops))
+    text, steps, stats = [], [], None
+    for ev in remote.stream(RemotePrompt(ids=list(ids)), cfg):
+        if isinstance(ev, TokenEvent):
+            text.append(ev.text)
+        elif isinstance(ev, StepRecord):
+            steps.append(ev)
+        elif isinstance(ev, GenerationStats):
+            stats = ev
+    # Tokens as the server counts them: a chunk may carry more than one (UTF-8 pieces)
+    tokens = max(stats.new_tokens, remote.last_usage.get("completion_tokens") or 0)
+    return dict(new_tokens=tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
+                prompt_tokens=stats.prompt_tokens or len(ids), prefill_tokens=len(ids),
+                target_calls=len(steps) + 1, forward_s=None, prefill_s=stats.ttft_s,
+                steps=steps, text="".join(text), stop_reason=stats.stop_reason,
+                error=stats.error)
+
+
 def available_modes(engine, assistant) -> list[str]:
     return [m for m in ALL_MODES
             if m not in NEEDS_DRAFT or ("model" in engine.drafters and assistant is not None)] \
@@ -220,8 +255,9 @@ def available_modes(engine, assistant) -> list[str]:
 
 def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
           progress: bool = True, log: Callable[[str], None] | None = None,
-          extra_config: dict | None = None) -> dict:
+          extra_config: dict | None = None, remotes: dict | None = None) -> dict:
     """Run every mode on every question (interleaved), return summarize_bench's report.
+    `remotes`: extra modes served by other engines, {mode name: RemoteEngine} (llama.cpp).
     Ctrl-C stops early and returns what was measured: whole questions only, so every mode is
     compared on the same ones."""
     from tqdm import tqdm
@@ -229,7 +265,10 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
     from specchat.core.text import chat_prompt
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    remotes = remotes or {}
     for m in s.modes:
+        if m in remotes:
+            continue
         if m not in ALL_MODES + HEAD_MODES:
             raise ValueError(f"unknown mode {m!r}; modes: {', '.join(ALL_MODES + HEAD_MODES)}")
         if m in HEAD_MODES and m.removesuffix("-tree") not in engine.drafters:
@@ -249,6 +288,8 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
     started = time.time()
 
     def run_mode(mode, ids, stops, fresh, max_new=None) -> dict:
+        if mode in remotes:
+            return run_remote_mode(remotes[mode], ids, stops, s, fresh, max_new)
         if mode in ENGINE_MODES + HEAD_MODES:
             return run_engine_mode(engine, probe, ids, stops, mode, s, fresh, max_new)
         draft_probe.reset()
@@ -300,7 +341,8 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
               "questions_planned": len(questions), "questions_done": done,
               "interrupted": interrupted, "wall_s": time.time() - started,
               "peak_rss_mb": peak_rss_mb(), **(extra_config or {})}
-    return summarize_bench(runs, s.modes, config) | {"runs": [_run_json(r) for r in runs]}
+    return summarize_bench(runs, s.modes, config, remote_modes=tuple(remotes)) | \
+        {"runs": [_run_json(r) for r in runs]}
 
 
 def _run_json(r: Run) -> dict:
