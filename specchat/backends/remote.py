@@ -80,7 +80,9 @@ class RemoteTarget:
 
     @property
     def label(self) -> str:
-        return f"{self.name} [{self.server} server at {self.url}]"
+        # llama-server names its model by the file it loaded: the file name says enough
+        name = self.name.rsplit("/", 1)[-1] if self.name.startswith("/") else self.name
+        return f"{name} [{self.server} server at {self.url}]"
 
 
 @dataclass
@@ -387,6 +389,10 @@ class _Reader:
                 # SGLang: each verify emits its accepted drafts plus one token
                 stats.accepted = max(stats.new_tokens - self.counts["steps"], 0)
             stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+        if self.server == "llama.cpp":  # one pass per step, and the prompt's
+            stats.target_calls = self.step + 1
+        elif self.counts and self.counts.get("steps"):
+            stats.target_calls = self.counts["steps"] + 1
         if self.usage:
             stats.prompt_tokens = self.usage.get("prompt_tokens") or stats.prompt_tokens
         if not stats.stop_reason:

@@ -475,7 +475,7 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
             ("first token", f"{off.ttft_s:.2f} s", f"{on.ttft_s:.2f} s"),
             ("tokens/s", f"{off.tokens_per_s:.1f}", f"{on.tokens_per_s:.1f}"),
             ("tokens", str(off.new_tokens), str(on.new_tokens)),
-            ("target passes", str(off.target_calls), str(on.target_calls))]
+            ("target passes", str(off.target_calls or "-"), str(on.target_calls or "-"))]
     # A grid of divs, not a <table>: the theme's table styles fight ours.
     table = "".join(f'<span class="{"sc-h" if i == 0 or j == 0 else ""}">{html.escape(c)}</span>'
                     for i, row in enumerate(rows) for j, c in enumerate(row))

@@ -157,9 +157,10 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
         parts += [chip(f"{stats.acceptance_rate:.0%}", "accepted", "",
                        f"{stats.accepted} of {stats.drafted} draft tokens accepted"),
                   chip(f"{stats.mean_accepted_len:.2f}", "mean accepted length", "",
-                       "tokens emitted per speculative step (accepted drafts + 1)"),
-                  chip(str(stats.target_calls), "target passes", "",
-                       "target forward passes, prefill included")]
+                       "tokens emitted per speculative step (accepted drafts + 1)")]
+        if stats.target_calls:  # 0: a server that does not say
+            parts.append(chip(str(stats.target_calls), "target passes", "",
+                              "target forward passes, prefill included"))
         if not speedup:
             pass  # shown elsewhere (the A/B verdict)
         elif baseline:
@@ -175,7 +176,9 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
             k += f", trees of ≤{stats.tree_nodes}"
         parts.append(chip(stats.drafter, f"drafter, {k}"))
     else:
-        parts += [chip(str(stats.target_calls), "target passes"), chip("speculation off")]
+        if stats.target_calls:
+            parts.append(chip(str(stats.target_calls), "target passes"))
+        parts.append(chip("speculation off"))
     if stats.seed is not None:
         parts.append(chip(str(stats.seed), "seed"))
     word = STOP_WORDS.get(stats.stop_reason, stats.stop_reason)
