@@ -110,6 +110,15 @@ def embedded_gguf() -> Path:
     return gguf_path()
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: Linux sends it SIGTERM when specchat exits, however it
+    exits (a killed bench leaves no llama-server spinning on the cores)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class LlamaServer:
     """A llama-server process on a GGUF, stopped on exit of the `with` block.
 
@@ -134,7 +143,7 @@ class LlamaServer:
     def __enter__(self) -> str:
         self.log_file = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(self.cmd, stdout=self.log_file,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
