@@ -352,3 +352,70 @@ def test_float32_linears_holding_bf16_values_go_through_the_bf16_kernel(tmp_path
         loaded = load_model(str(tmp_path), "none", "cpu")
         assert "specchat's AVX2 kernel" in loaded.label
         assert isinstance(vars(loaded.model.lm_head)["forward"], _Bf16KernelLinear)
+
+
+def _q8_gguf(path, weight: torch.Tensor) -> None:
+    """A GGUF file holding `weight` [rows, cols] as Q8_0 under the name token_embd.weight, and
+    some metadata before it (a string array, like a vocabulary, for the reader to skip)."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
+    writer.add_float32("some.scale", 0.5)
+    writer.add_tensor("output_norm.weight", np.ones(weight.shape[1], np.float32))
+    blocks = quants.quantize(weight.numpy().astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", blocks,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_path):
+    """The GGUF's Q8_0 token embedding read by hand equals the gguf package's dequantization;
+    the Q8_0 head replaces a head holding those values rounded to bf16, its logits are q * d's
+    (float32 or bf16 activations), each row the same bits among 1 to 16; a head of other
+    values keeps its own forward."""
+    import gguf
+    from gguf import quants
+    from transformers import Gemma3TextConfig
+
+    from specchat.models.gguf_head import Q8Head, gguf_q8_head, read_q8_0
+    _kernels()
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 128) * 0.05
+    path = tmp_path / "tiny.gguf"
+    _q8_gguf(path, weight)
+    q, d = read_q8_0(path)
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    true = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).copy())
+    values = (q.float().view(1000, -1, 32) * d[..., None]).view(1000, 128)
+    assert torch.equal(values, true.float())
+    assert read_q8_0(path, "output_norm.weight") is None  # not Q8_0
+
+    cfg = Gemma3TextConfig(vocab_size=1000, hidden_size=128, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, layer_types=["full_attention"])
+    for dtype in (torch.float32, torch.bfloat16):
+        model = Gemma3ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            model.lm_head.weight.copy_(values.to(torch.bfloat16).float())
+        model.to(dtype)
+        assert gguf_q8_head(model, path)
+        assert isinstance(model.lm_head.forward, Q8Head)
+        x = torch.randn(16, 128).to(dtype)
+        with torch.inference_mode():
+            alone = torch.cat([model.lm_head(x[i:i + 1]) for i in range(16)])
+            for rows in range(2, 17):
+                assert torch.equal(model.lm_head(x[None, :rows])[0], alone[:rows]), rows
+        want = x.double() @ values.double().T
+        assert alone.dtype == torch.float32
+        assert torch.allclose(alone.double(), want, atol=1e-4)
+
+    other = Gemma3ForCausalLM(cfg).eval()  # values of another model
+    assert not gguf_q8_head(other, path)
+    assert "forward" not in vars(other.lm_head)

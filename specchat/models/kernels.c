@@ -109,3 +109,24 @@ void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, 
 }
 
 int max_in(void) { return MAX_IN; }
+
+// GGUF Q8_0 weights [out, in] as int8 values q and one float32 scale d per 32 values (the
+// file's fp16 scales, widened exactly): W = q * d, which float32 holds exactly (a 7-bit integer
+// times an 11-bit mantissa). Half the bytes of bf16. Requires in % 32 == 0.
+void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const float *d,
+                 float *y, int64_t out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
+        float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
+        int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;
+        for (int64_t c = 0; c < no * in; c += 32) {
+            const __m256 scale = _mm256_set1_ps(d[(o0 * in + c) / 32]);
+            for (int64_t e = c; e < c + 32; e += 8) {
+                __m256i v = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(q + o0 * in + e)));
+                _mm256_store_ps(w + e, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale));
+            }
+        }
+        rows(no, w, x, n, in, y + o0, out);
+    }
+}

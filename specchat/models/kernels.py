@@ -70,7 +70,8 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
-    lib.nf4_matmul.restype = lib.bf16_matmul.restype = None
+    lib.q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.nf4_matmul.restype = lib.bf16_matmul.restype = lib.q8_0_matmul.restype = None
     lib.max_in.restype = ctypes.c_int
     return lib
 
@@ -103,3 +104,13 @@ def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lib.bf16_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
                     y.data_ptr(), weight.shape[0], torch.get_num_threads())
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def q8_0_matmul(lib, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W.T in float32 for W = q * d: `q` int8 [out, in], `d` float32
+    [out, in / 32], one scale per 32 values (GGUF's Q8_0)."""
+    rows = _rows(x)
+    y = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float32)
+    lib.q8_0_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
+                    y.data_ptr(), q.shape[0], torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], q.shape[0])

@@ -21,7 +21,8 @@ from specchat.models.cpu import (
     kernel_cpu_linears,
     kernel_cpu_nf4,
 )
-from specchat.models.embedded import EMBEDDED, EMBEDDED_NAME, embedded_checkpoint
+from specchat.models.embedded import EMBEDDED, EMBEDDED_NAME, embedded_checkpoint, gguf_path
+from specchat.models.gguf_head import gguf_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.memory import (
     _copy_out_of_file_mapping,
@@ -105,6 +106,8 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             if dense_cpu_nf4(model):  # layers the kernel does not take, if any
                 how = how or f"dequantized once to {str(compute).removeprefix('torch.')}"
         fast_lm_head(model)
+        if name_or_path in ("", EMBEDDED) and gguf_q8_head(model, gguf_path()):
+            how = f"{how}, LM head from the GGUF's Q8_0" if how else "LM head from the GGUF's Q8_0"
         if compute == torch.float32 and kernel_cpu_linears(model):
             how = how or "float32 from bf16 copies, specchat's AVX2 kernel"
         use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit

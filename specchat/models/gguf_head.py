@@ -1,0 +1,155 @@
+"""The embedded target's LM head from its GGUF's own Q8_0 blocks (specchat's AVX2 kernel).
+
+The embedded Gemma 3 270M ships as a GGUF whose token embedding, tied to the LM head, is Q8_0:
+int8 values with one fp16 scale per 32. Those are the model's true values; the converted
+checkpoint holds them rounded to bf16, and the default CPU head reads a bf16 copy (335 MB a
+token). This head reads the int8 values and their scales instead (189 MB), so a decoding step
+spends less time on its largest weight. Like the other kernels it is row-exact: a row's logits
+are the same bits alone or among any number of rows, so verification stays lossless.
+docs/cpu.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specchat.models import kernels
+from specchat.models.memory import _release_freed_memory
+
+BLOCK = 32  # values per Q8_0 block
+BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
+
+
+def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q int8 [rows, cols], d float32 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file, or
+    None when the file has no such tensor. Reads the header and that tensor's bytes only (the
+    `gguf` package's reader also turns the 262k-token vocabulary into Python objects: 700 MB)."""
+    with open(gguf_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        found = _find_tensor(m, name)
+        if found is None:
+            return None
+        dims, kind, start = found
+        if kind != Q8_0 or len(dims) != 2 or dims[0] % BLOCK:
+            return None
+        cols, rows = dims  # GGUF lists the fastest-varying dimension first
+        raw = np.frombuffer(m, np.uint8, rows * cols // BLOCK * BLOCK_BYTES, start)
+        blocks = raw.reshape(rows, cols // BLOCK, BLOCK_BYTES)
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+        del raw, blocks  # no view into the mapping may outlive it
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
+Q8_0 = 8  # ggml's type number of Q8_0
+# GGUF metadata value types -> struct formats of the fixed-size ones (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+
+
+def _find_tensor(m, name: str) -> tuple[list[int], int, int] | None:
+    """(dims, ggml type, byte offset) of tensor `name` in a GGUF file (version 2 or 3)."""
+    if m[:4] != b"GGUF":
+        raise ValueError("not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    pos, alignment = 24, 32
+
+    def string(pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", m, pos)
+        return bytes(m[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+    def skip(kind: int, pos: int) -> int:
+        if kind in _SCALARS:
+            return pos + struct.calcsize(_SCALARS[kind])
+        if kind == 8:
+            return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+        if kind == 9:
+            item, count = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            if item in _SCALARS:
+                return pos + count * struct.calcsize(_SCALARS[item])
+            for _ in range(count):
+                pos = skip(item, pos)
+            return pos
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", m, pos)
+        if key == "general.alignment" and kind == 4:
+            (alignment,) = struct.unpack_from("<I", m, pos + 4)
+        pos = skip(kind, pos + 4)
+    tensors = {}
+    for _ in range(n_tensors):
+        tensor, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", m, pos)
+        dims = list(struct.unpack_from(f"<{n_dims}Q", m, pos + 4))
+        kind, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        tensors[tensor] = (dims, kind, offset)
+    if name not in tensors:
+        return None
+    data = -(-pos // alignment) * alignment
+    dims, kind, offset = tensors[name]
+    return dims, kind, data + offset
+
+
+class Q8Head:
+    """An LM head's forward through `kernels.q8_0_matmul`: float32 logits from the GGUF's
+    Q8_0 values. Gradients and other dtypes go through the module's own weight."""
+
+    def __init__(self, head: torch.nn.Linear, q: torch.Tensor, d: torch.Tensor, lib):
+        self.head, self.q, self.d, self.lib = head, q, d, lib
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad:
+            return torch.nn.functional.linear(x, self.head.weight)
+        return kernels.q8_0_matmul(self.lib, x, self.q, self.d)  # float32 logits
+
+    def dequantized(self, rows: torch.Tensor) -> torch.Tensor:
+        """The float32 values of some rows of W (exact: q * d)."""
+        q, d = self.q[rows].to(torch.float32), self.d[rows]
+        return (q.view(len(rows), -1, BLOCK) * d[..., None]).view(len(rows), -1)
+
+
+def gguf_q8_head(model, gguf_file: str | Path) -> bool:
+    """Give a CPU model (float32 or bf16) the LM head of its GGUF's Q8_0 token embedding, where the
+    checkpoint's head is that embedding rounded to bf16 (checked on a sample of rows) and the
+    kernel is row-exact and agrees with the dequantized values. Returns whether it did."""
+    from specchat.models.cpu import MAX_COLUMNS, _agrees, _rows_independent
+
+    head = model.get_output_embeddings()
+    lib = kernels.load()
+    if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
+            or head.weight.dtype not in (torch.float32, torch.bfloat16) \
+            or head.weight.device.type != "cpu" \
+            or head.weight.shape[1] % BLOCK or head.weight.shape[1] > lib.max_in():
+        return False
+    try:
+        read = read_q8_0(gguf_file)
+    except (ImportError, OSError, ValueError):
+        return False
+    if read is None or read[0].shape != head.weight.shape:
+        return False
+    made = Q8Head(head, *read, lib)
+    sample = torch.linspace(0, head.weight.shape[0] - 1, 64).long()
+    with torch.inference_mode():
+        values = made.dequantized(sample)
+        if not torch.equal(values.to(torch.bfloat16).to(torch.float32),
+                           head.weight.detach()[sample].to(torch.float32)):
+            return False  # another file, or another model's weights
+        x = torch.randn(MAX_COLUMNS, head.weight.shape[1],
+                        generator=torch.Generator().manual_seed(0))
+        got = made(x)[:, sample]
+        if not _agrees(got, x @ values.T) or not _rows_independent(made, x):
+            return False
+    head.forward = made  # the bf16 copy the previous head read goes with its forward
+    _release_freed_memory()
+    return True
