@@ -254,6 +254,44 @@ def test_nf4_kernel_refuses_a_layer_it_would_compute_wrongly(tmp_path):
     assert not forward.usable({})
 
 
+def test_nf4_kernel_is_the_dequantized_product_and_row_exact_for_1_to_16_rows():
+    """`nf4_matmul` against a float64 product of bitsandbytes' dequantized weight (row counts
+    that leave every tile a tail, three block sizes), and each row the same bits alone or among
+    2 to 16 rows and with any thread count: its one-row, two-row and buffered paths do the same
+    arithmetic in the same order."""
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes import functional as F
+
+    from specchat.models import kernels
+    lib = _kernels()
+    torch.manual_seed(0)
+    for out_features, in_features, blocksize in [(43, 640, 64), (20, 256, 128), (7, 96, 32)]:
+        weight = torch.randn(out_features, in_features) * 0.05
+        codes, state = F.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4",
+                                       compress_statistics=True)
+        absmax = (F.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+        table = state.code.float().contiguous()
+        exact = F.dequantize_4bit(codes, state).double()
+        x = torch.randn(16, in_features)
+
+        def product(rows, codes=codes, absmax=absmax, blocksize=blocksize, table=table,
+                    out_features=out_features):
+            return kernels.nf4_matmul(lib, rows, codes, absmax, blocksize, table, out_features)
+
+        alone = torch.cat([product(x[i:i + 1]) for i in range(16)])
+        want = x.double() @ exact.T
+        assert (alone.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        for n in range(2, 17):
+            assert torch.equal(product(x[:n]), alone[:n]), (out_features, n)
+        assert torch.equal(product(x.reshape(4, 4, -1)).reshape(16, -1), alone)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(product(x), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     """A float32 LM head holding bf16 values (a bf16 checkpoint loaded in float32) is computed
     from a bf16 copy: the same logits up to rounding, each row the same bits among 1 to 11.

@@ -189,7 +189,7 @@ class _NF4KernelForward:
         if state.quant_type != "nf4" or getattr(state, "packing_format_for_cpu", False) \
                 or self.codes.dtype != torch.uint8 or not self.codes.is_contiguous() \
                 or self.codes.numel() * 2 != self.out_features * n_in \
-                or self.table.numel() != 16 or n_in % state.blocksize or state.blocksize % 8 \
+                or self.table.numel() != 16 or n_in % state.blocksize or state.blocksize % 32 \
                 or n_in > self.lib.max_in():
             return False
         x = torch.randn(MAX_COLUMNS, n_in, generator=torch.Generator().manual_seed(0))

@@ -88,7 +88,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def nf4_matmul(lib, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
                blocksize: int, table: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., in] @ W.T for W [out, in] in bitsandbytes' NF4 layout: `codes` its packed uint8
-    weight, `absmax` one float32 scale per block, `table` the 16 NF4 values."""
+    weight, `absmax` one float32 scale per block (of a multiple of 32 codes), `table` the 16 NF4
+    values."""
     rows = _rows(x)
     y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     lib.nf4_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
