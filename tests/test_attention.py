@@ -114,3 +114,34 @@ def test_paged_cache_pads_keys_without_copying():
     assert torch.equal(view[:, :, :71], keys) and not view[:, :, 71:].any()
     copy = padded(keys.clone(), 128)  # not a paged layer's: padded by a copy, with zeros
     assert copy.data_ptr() != keys.data_ptr() and torch.equal(copy, view)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernel_is_attention_and_row_exact(dtype):
+    """`kernels.attend` against float64 attention (grouped heads, a sliding-window mask, keys
+    and values read from a wider cache buffer), and each query row the same bits alone or
+    among up to 11 rows."""
+    from specchat.models import kernels
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("specchat's kernels cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, slots, rows = 4, 2, 72, 150, 11
+    buffer = torch.randn(1, kv_heads, 256, dim, generator=g).to(dtype)
+    key, value = buffer[:, :, :slots], buffer.flip(-1).contiguous()[:, :, :slots]
+    query = torch.randn(1, heads, rows, dim, generator=g).to(dtype)
+    position = torch.arange(slots - rows, slots)[:, None]
+    slot = torch.arange(slots)[None, :]
+    mask = ((slot <= position) & (position - slot < 40))[None, None]  # causal, window of 40
+    got = kernels.attend(lib, query, key, value, mask, 0.125)
+
+    rep = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double().repeat_interleave(rep, 1),
+        value.double().repeat_interleave(rep, 1), attn_mask=mask, scale=0.125)
+    assert (got.double() - want).abs().max() < 1e-5
+    for n in range(1, rows):
+        alone = kernels.attend(lib, query[:, :, n - 1:n], key, value, mask[:, :, n - 1:n], 0.125)
+        assert torch.equal(alone[:, :, 0], got[:, :, n - 1])
+        first = kernels.attend(lib, query[:, :, :n], key, value, mask[:, :, :n], 0.125)
+        assert torch.equal(first, got[:, :, :n])

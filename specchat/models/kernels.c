@@ -1,6 +1,7 @@
 // Products y[n, O] = x[n, I] @ W^T on x86 CPUs with AVX2 + FMA, for weights kept compact:
-// bitsandbytes' NF4 (4-bit codes, a float scale per block) and bf16. Compiled by
-// specchat/cpu_kernels.py on first use; called through ctypes with torch tensors' pointers.
+// bitsandbytes' NF4 (4-bit codes, a float scale per block), bf16 and GGUF's Q8_0; and the
+// attention of a few query rows over the KV cache (`attend`, at the end). Compiled by
+// specchat/models/kernels.py on first use; called through ctypes with torch tensors' pointers.
 //
 // Each output y[j, o] is computed by the same instructions in the same order whatever n is:
 // W's row o is decoded to float32 (exactly the value bitsandbytes' dequantize gives), then
@@ -9,6 +10,7 @@
 // alone or among any number of rows, which is what keeps greedy speculative decoding identical
 // to plain greedy decoding.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -275,5 +277,101 @@ void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const f
             }
         }
         rows(no, w, x, n, in, y + o0, out);
+    }
+}
+
+// 8 values of a key or value row, float32 or bf16 (widened exactly)
+static inline __m256 load8(const void *row, int64_t c, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + c);
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+// Attention of a few query rows against one key/value head: for each query row r,
+// out[r] = sum_j p_j v_j / sum_j p_j over the slots j that mask row (r % mask_rows) allows,
+// p_j = exp(s_j - max s), s_j = scale * (q[r] . k_j). q [rows, dim] float32 (the query heads
+// of this key/value head, packed head by head), k and v [slots, dim] with row strides in
+// elements, float32 or bf16; mask [mask_rows, slots] bytes (1: attend), row stride mstride;
+// scores [rows, slots] scratch. Each row runs alone, in slot order, whatever the other rows:
+// a row's output is the same bits among any number of rows. Requires dim % 8 == 0.
+void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
+            int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
+            int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
+            int threads) {
+    const int64_t es = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q + r * dim;
+        const uint8_t *allowed = mask + (r % mask_rows) * mstride;
+        float *s = scores + r * slots, top = -__builtin_inff();
+        for (int64_t j = 0; j < slots; j++) {
+            if (!allowed[j]) continue;
+            const char *kj = (const char *)k + j * kstride * es;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < dim; c += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c), load8(kj, c, bf16), acc);
+            s[j] = hsum(acc) * scale;
+            if (s[j] > top) top = s[j];
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < slots; j++)
+            if (allowed[j]) total += s[j] = expf(s[j] - top);
+        float *o = out + r * dim;
+        for (int64_t c = 0; c < dim; c += 64) {  // 8 accumulators of 8 dims each
+            int nv = dim - c >= 64 ? 8 : (int)(dim - c) / 8;
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < slots; j++) {
+                if (!allowed[j]) continue;
+                const char *vj = (const char *)v + j * vstride * es;
+                const __m256 p = _mm256_set1_ps(s[j]);
+                if (nv == 8)
+                    for (int u = 0; u < 8; u++)
+                        acc[u] = _mm256_fmadd_ps(p, load8(vj, c + 8 * u, bf16), acc[u]);
+                else
+                    for (int u = 0; u < nv; u++)
+                        acc[u] = _mm256_fmadd_ps(p, load8(vj, c + 8 * u, bf16), acc[u]);
+            }
+            const __m256 t = _mm256_set1_ps(total);
+            for (int u = 0; u < nv; u++) _mm256_storeu_ps(o + c + 8 * u, _mm256_div_ps(acc[u], t));
+        }
+    }
+}
+
+static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// Gemma's RMSNorm over n rows of dim values, float32 or bf16 in and out:
+// y = x * rsqrt(mean(x^2) + eps) * w1 in float32 (w1 = 1 + weight), rounded to bf16 for bf16.
+// One thread, each row alone: a row's result is the same bits among any number of rows.
+// Requires dim % 8 == 0.
+void rms_norm(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,
+              void *y) {
+    for (int64_t r = 0; r < n; r++) {
+        const char *xr = (const char *)x + r * dim * (bf16 ? 2 : 4);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < dim; c += 8) {
+            __m256 v = load8(xr, c, bf16);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const float scale = 1.0f / sqrtf(hsum(acc) / (float)dim + eps);
+        for (int64_t c = 0; c < dim; c++) {
+            float v;
+            if (bf16) {
+                uint32_t u = (uint32_t)((const uint16_t *)xr)[c] << 16;
+                memcpy(&v, &u, 4);
+            } else {
+                v = ((const float *)xr)[c];
+            }
+            const float out = v * scale * w1[c];
+            if (bf16)
+                ((uint16_t *)y)[r * dim + c] = to_bf16(out);
+            else
+                ((float *)y)[r * dim + c] = out;
+        }
     }
 }

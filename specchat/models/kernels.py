@@ -1,5 +1,6 @@
-"""specchat's own CPU kernels (`kernels.c`): products with weights kept compact, for x86
-CPUs with AVX2 and FMA but no native bf16, where bitsandbytes has no fused NF4 kernel.
+"""specchat's own CPU kernels (`kernels.c`) for x86 CPUs with AVX2 and FMA: products with
+weights kept compact (NF4 where bitsandbytes has no fused kernel, bf16, GGUF's Q8_0), and the
+attention of a few query rows over the KV cache.
 
 The C file is compiled once with the system's C compiler (`$CC`, else `gcc`) into specchat's
 cache and loaded with ctypes; its OpenMP loops run on torch's own OpenMP runtime, whose library
@@ -53,7 +54,7 @@ def load() -> ctypes.CDLL | None:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         partial = lib_path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True,
+            subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], check=True,
                            capture_output=True, timeout=120)
             partial.replace(lib_path)  # atomic: another process may be compiling too
         except (OSError, subprocess.SubprocessError) as e:
@@ -71,7 +72,11 @@ def load() -> ctypes.CDLL | None:
     lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     lib.q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.attend.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, i64,
+                           ctypes.c_float, ptr, ptr, ctypes.c_int]
+    lib.rms_norm.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_float, ptr]
     lib.nf4_matmul.restype = lib.bf16_matmul.restype = lib.q8_0_matmul.restype = None
+    lib.attend.restype = lib.rms_norm.restype = None
     lib.max_in.restype = ctypes.c_int
     return lib
 
@@ -115,3 +120,41 @@ def q8_0_matmul(lib, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch
     lib.q8_0_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
                     y.data_ptr(), q.shape[0], torch.get_num_threads())
     return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+def attend(lib, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale * query @ key.T, over the slots `mask` allows) @ value, in float32.
+
+    query [B, H, Q, D]; key, value [B, KV, S, D], float32 or bf16, each row contiguous (views
+    of a cache buffer are fine); mask bool [B or 1, 1, Q, >= S], True where a query row may
+    attend. H must be a multiple of KV (grouped-query heads), D of 8. Returns [B, H, Q, D]."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    q = query.reshape(batch, kv_heads, groups * rows, dim).to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    scores = torch.empty(groups * rows, slots, dtype=torch.float32)
+    mask = mask.view(torch.uint8)
+    bf16 = key.dtype == torch.bfloat16
+    es = key.element_size()
+    threads = torch.get_num_threads()
+    for b in range(batch):
+        m = mask[b if mask.shape[0] > 1 else 0, 0]
+        for h in range(kv_heads):
+            lib.attend(q[b, h].data_ptr(), groups * rows, dim,
+                       key.data_ptr() + (b * key.stride(0) + h * key.stride(1)) * es,
+                       value.data_ptr() + (b * value.stride(0) + h * value.stride(1)) * es,
+                       slots, key.stride(2), value.stride(2), int(bf16), m.data_ptr(), rows,
+                       m.stride(0), scale, scores.data_ptr(), out[b, h].data_ptr(), threads)
+    return out.reshape(batch, heads, rows, dim)
+
+
+def rms_norm(lib, x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of x [..., dim] (float32 or bf16): x * rsqrt(mean(x^2) + eps) * w1, in
+    float32, returned in x's dtype. `w1` float32 [dim]: 1 + the norm's weight."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(rows)
+    lib.rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1],
+                 int(rows.dtype == torch.bfloat16), w1.data_ptr(), eps, y.data_ptr())
+    return y.reshape(x.shape)

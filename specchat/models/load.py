@@ -19,6 +19,7 @@ from specchat.models.cpu import (
     fast_cpu_nf4,
     fast_lm_head,
     kernel_cpu_linears,
+    kernel_cpu_norms,
     kernel_cpu_nf4,
 )
 from specchat.models.embedded import EMBEDDED, EMBEDDED_NAME, embedded_checkpoint, gguf_path
@@ -110,6 +111,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             how = f"{how}, LM head from the GGUF's Q8_0" if how else "LM head from the GGUF's Q8_0"
         if compute == torch.float32 and kernel_cpu_linears(model):
             how = how or "float32 from bf16 copies, specchat's AVX2 kernel"
+        kernel_cpu_norms(model)
         use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit
     if name_or_path in ("", EMBEDDED):
         name_or_path = EMBEDDED_NAME
