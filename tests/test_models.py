@@ -415,7 +415,8 @@ def _q8_gguf(path, weight: torch.Tensor) -> None:
 def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_path):
     """The GGUF's Q8_0 token embedding read by hand equals the gguf package's dequantization;
     the Q8_0 head replaces a head holding those values rounded to bf16, its logits are q * d's
-    (float32 or bf16 activations), each row the same bits among 1 to 16; a head of other
+    (float32 or bf16 activations), each row the same bits among 1 to 16 (999 rows: every
+    tiling leaves a tail); a head of other
     values keeps its own forward."""
     import gguf
     from gguf import quants
@@ -424,18 +425,18 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
     from specchat.models.gguf_head import Q8Head, gguf_q8_head, read_q8_0
     _kernels()
     torch.manual_seed(0)
-    weight = torch.randn(1000, 128) * 0.05
+    weight = torch.randn(999, 128) * 0.05
     path = tmp_path / "tiny.gguf"
     _q8_gguf(path, weight)
     q, d = read_q8_0(path)
     reader = gguf.GGUFReader(str(path))
     tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
     true = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).copy())
-    values = (q.float().view(1000, -1, 32) * d[..., None]).view(1000, 128)
+    values = (q.float().view(999, -1, 32) * d[..., None]).view(999, 128)
     assert torch.equal(values, true.float())
     assert read_q8_0(path, "output_norm.weight") is None  # not Q8_0
 
-    cfg = Gemma3TextConfig(vocab_size=1000, hidden_size=128, intermediate_size=64,
+    cfg = Gemma3TextConfig(vocab_size=999, hidden_size=128, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=16, layer_types=["full_attention"])
     for dtype in (torch.float32, torch.bfloat16):

@@ -262,21 +262,76 @@ int max_in(void) { return MAX_IN; }
 // GGUF Q8_0 weights [out, in] as int8 values q and one float32 scale d per 32 values (the
 // file's fp16 scales, widened exactly): W = q * d, which float32 holds exactly (a 7-bit integer
 // times an 11-bit mantissa). Half the bytes of bf16. Requires in % 32 == 0.
-void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const float *d,
-                 float *y, int64_t out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
-        float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
-        int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;
-        for (int64_t c = 0; c < no * in; c += 32) {
-            const __m256 scale = _mm256_set1_ps(d[(o0 * in + c) / 32]);
-            for (int64_t e = c; e < c + 32; e += 8) {
-                __m256i v = _mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(q + o0 * in + e)));
-                _mm256_store_ps(w + e, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale));
+//
+// y[j, o] = hsum(acc), acc = fma(q * d, x[j], acc) over the row in order, 8 wide, as for the
+// other weights. One input row streams the weights (memory bounds it); from two rows on, the FMAs
+// bound it, so a few weight rows are decoded in registers and dotted with tiles of up to
+// Q8_TILE_X input rows at once (8 or 10 accumulators), no buffer in between. Both paths do the
+// same arithmetic in the same order for each (o, j).
+#define Q8_TILE_X 5
+
+static inline __attribute__((always_inline)) __m256 q8_decode8(const int8_t *q, __m256 scale) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                             _mm_loadl_epi64((const __m128i *)q))), scale);
+}
+
+// R weight rows from q / d (row stride in, in / 32) against J input rows of x (stride in)
+static inline __attribute__((always_inline)) void q8_tile(int R, int J, const int8_t *q,
+                                                          const float *d, const float *x,
+                                                          int64_t in, float *y, int64_t out) {
+    __m256 acc[4][Q8_TILE_X];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < in; b += 32) {
+        __m256 scale[4];
+        for (int r = 0; r < R; r++) scale[r] = _mm256_set1_ps(d[r * (in / 32) + b / 32]);
+        for (int64_t k = b; k < b + 32; k += 8) {
+            __m256 w[4];
+            for (int r = 0; r < R; r++) w[r] = q8_decode8(q + r * in + k, scale[r]);
+            for (int j = 0; j < J; j++) {
+                const __m256 xv = _mm256_loadu_ps(x + j * in + k);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(w[r], xv, acc[r][j]);
             }
         }
-        rows(no, w, x, n, in, y + o0, out);
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[j * out + r] = hsum(acc[r][j]);
+}
+
+void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const float *d,
+                 float *y, int64_t out, int threads) {
+    if (n == 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
+            float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
+            int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;
+            for (int64_t c = 0; c < no * in; c += 32) {
+                const __m256 scale = _mm256_set1_ps(d[(o0 * in + c) / 32]);
+                for (int64_t e = c; e < c + 32; e += 8)
+                    _mm256_store_ps(w + e, q8_decode8(q + o0 * in + e, scale));
+            }
+            rows(no, w, x, n, in, y + o0, out);
+        }
+        return;
+    }
+    const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
+    const int64_t step = n == 2 ? 4 : 2;  // weight rows decoded together: 8 or 10 accumulators
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o0 = 0; o0 < out; o0 += step) {
+        const int R = out - o0 >= step ? (int)step : (int)(out - o0);
+        const int8_t *qo = q + o0 * in;
+        const float *dO = d + o0 * (in / 32);
+        for (int64_t j = 0; j < n; j += per) {
+            const int J = n - j < per ? (int)(n - j) : (int)per;
+#define Q8_TILE(RR, JJ) \
+    case RR * 8 + JJ: q8_tile(RR, JJ, qo, dO, x + j * in, in, y + j * out + o0, out); break;
+            switch (R * 8 + J) {
+                Q8_TILE(1, 1) Q8_TILE(1, 2) Q8_TILE(1, 3) Q8_TILE(1, 4) Q8_TILE(1, 5)
+                Q8_TILE(2, 1) Q8_TILE(2, 2) Q8_TILE(2, 3) Q8_TILE(2, 4) Q8_TILE(2, 5)
+                Q8_TILE(3, 2) Q8_TILE(4, 2)
+            }
+#undef Q8_TILE
+        }
     }
 }
 
