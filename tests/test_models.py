@@ -416,7 +416,7 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
     """The GGUF's Q8_0 token embedding read by hand equals the gguf package's dequantization;
     the Q8_0 head replaces a head holding those values rounded to bf16, its logits are q * d's
     (float32 or bf16 activations), each row the same bits among 1 to 16 (999 rows: every
-    tiling leaves a tail); a head of other
+    tiling leaves a tail), by the 8-wide and the AVX-512 kernel alike; a head of other
     values keeps its own forward."""
     import gguf
     from gguf import quants
@@ -454,6 +454,17 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
         want = x.double() @ values.double().T
         assert alone.dtype == torch.float32
         assert torch.allclose(alone.double(), want, atol=1e-4)
+
+    from specchat.models import kernels  # both kernels, whichever this CPU runs by default
+    x = torch.randn(11, 128)
+    for wide in [False, True] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} \
+            <= kernels._cpu_flags() else [False]:
+        alone = torch.cat([kernels.q8_0_matmul(_kernels(), x[i:i + 1], q, d, wide)
+                           for i in range(11)])
+        for rows in range(2, 12):
+            assert torch.equal(kernels.q8_0_matmul(_kernels(), x[:rows], q, d, wide),
+                               alone[:rows]), (wide, rows)
+        assert torch.allclose(alone.double(), x.double() @ values.double().T, atol=1e-4)
 
     other = Gemma3ForCausalLM(cfg).eval()  # values of another model
     assert not gguf_q8_head(other, path)

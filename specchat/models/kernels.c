@@ -298,6 +298,107 @@ static inline __attribute__((always_inline)) void q8_tile(int R, int J, const in
         for (int j = 0; j < J; j++) y[j * out + r] = hsum(acc[r][j]);
 }
 
+// The same products 16 wide (`q8_0_matmul_avx512`), for CPUs with AVX-512: twice the FMA
+// width and 32 registers. One 16-wide accumulator per (o, j) over the row in order, then a fixed
+// reduction: other bits than the 8-wide kernel's, so a process uses one of the two for every
+// row count (kernels.py picks), and rows stay the same bits alone or among others.
+#define Q8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+Q8_512 static inline __attribute__((always_inline)) __m512 q8_decode16(const int8_t *q,
+                                                                        __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                             _mm_loadu_si128((const __m128i *)q))), scale);
+}
+
+Q8_512 static inline float hsum16(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+Q8_512 static inline __attribute__((always_inline)) void q8_tile16(int R, int J,
+                                                                   const int8_t *q,
+                                                                   const float *d,
+                                                                   const float *x, int64_t in,
+                                                                   float *y, int64_t out) {
+    __m512 acc[4][Q8_TILE_X];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < in; b += 32) {
+        __m512 scale[4];
+        for (int r = 0; r < R; r++) scale[r] = _mm512_set1_ps(d[r * (in / 32) + b / 32]);
+        for (int64_t k = b; k < b + 32; k += 16) {
+            __m512 w[4];
+            for (int r = 0; r < R; r++) w[r] = q8_decode16(q + r * in + k, scale[r]);
+            for (int j = 0; j < J; j++) {
+                const __m512 xv = _mm512_loadu_ps(x + j * in + k);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(w[r], xv, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[j * out + r] = hsum16(acc[r][j]);
+}
+
+// one function per tile shape: each keeps its accumulators in registers
+#define Q8_TILE16_FN(RR, JJ)                                                                  \
+    Q8_512 __attribute__((noinline)) static void q8_tile16_##RR##_##JJ(                       \
+        const int8_t *q, const float *d, const float *x, int64_t in, float *y, int64_t out) { \
+        q8_tile16(RR, JJ, q, d, x, in, y, out);                                               \
+    }
+Q8_TILE16_FN(1, 1) Q8_TILE16_FN(1, 2) Q8_TILE16_FN(1, 3) Q8_TILE16_FN(1, 4) Q8_TILE16_FN(1, 5)
+Q8_TILE16_FN(2, 1) Q8_TILE16_FN(2, 2) Q8_TILE16_FN(2, 3) Q8_TILE16_FN(2, 4) Q8_TILE16_FN(2, 5)
+Q8_TILE16_FN(3, 1) Q8_TILE16_FN(3, 2) Q8_TILE16_FN(3, 3) Q8_TILE16_FN(3, 4) Q8_TILE16_FN(3, 5)
+Q8_TILE16_FN(4, 1) Q8_TILE16_FN(4, 2) Q8_TILE16_FN(4, 3) Q8_TILE16_FN(4, 4) Q8_TILE16_FN(4, 5)
+#undef Q8_TILE16_FN
+
+typedef void (*q8_tile_fn)(const int8_t *, const float *, const float *, int64_t, float *,
+                           int64_t);
+static const q8_tile_fn q8_tiles16[4][Q8_TILE_X] = {
+    {q8_tile16_1_1, q8_tile16_1_2, q8_tile16_1_3, q8_tile16_1_4, q8_tile16_1_5},
+    {q8_tile16_2_1, q8_tile16_2_2, q8_tile16_2_3, q8_tile16_2_4, q8_tile16_2_5},
+    {q8_tile16_3_1, q8_tile16_3_2, q8_tile16_3_3, q8_tile16_3_4, q8_tile16_3_5},
+    {q8_tile16_4_1, q8_tile16_4_2, q8_tile16_4_3, q8_tile16_4_4, q8_tile16_4_5}};
+
+// 4 weight rows (32 registers: up to 4 x 5 accumulators) against tiles of up to 5 input rows,
+// a block of Q8_BLOCK weight rows at a time: the block stays in cache for every tile after the
+// first, and each tile writes whole cache lines of y.
+#define Q8_BLOCK 64
+Q8_512 void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
+                               const float *d, float *y, int64_t out, int threads) {
+    const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
+        const int64_t b1 = out - b0 < Q8_BLOCK ? out : b0 + Q8_BLOCK;
+        for (int64_t j = 0; j < n; j += per) {
+            const int J = n - j < per ? (int)(n - j) : (int)per;
+            for (int64_t o0 = b0; o0 < b1; o0 += 4) {
+                const int R = b1 - o0 >= 4 ? 4 : (int)(b1 - o0);
+                q8_tiles16[R - 1][J - 1](q + o0 * in, d + o0 * (in / 32), x + j * in, in,
+                                         y + j * out + o0, out);
+            }
+        }
+    }
+}
+
+#define Q8_TILE8_FN(RR, JJ)                                                                   \
+    __attribute__((noinline)) static void q8_tile8_##RR##_##JJ(                               \
+        const int8_t *q, const float *d, const float *x, int64_t in, float *y, int64_t out) { \
+        q8_tile(RR, JJ, q, d, x, in, y, out);                                                 \
+    }
+Q8_TILE8_FN(1, 1) Q8_TILE8_FN(1, 2) Q8_TILE8_FN(1, 3) Q8_TILE8_FN(1, 4) Q8_TILE8_FN(1, 5)
+Q8_TILE8_FN(2, 1) Q8_TILE8_FN(2, 2) Q8_TILE8_FN(2, 3) Q8_TILE8_FN(2, 4) Q8_TILE8_FN(2, 5)
+Q8_TILE8_FN(3, 2) Q8_TILE8_FN(4, 2)
+#undef Q8_TILE8_FN
+
+static const q8_tile_fn q8_tiles8[4][Q8_TILE_X] = {
+    {q8_tile8_1_1, q8_tile8_1_2, q8_tile8_1_3, q8_tile8_1_4, q8_tile8_1_5},
+    {q8_tile8_2_1, q8_tile8_2_2, q8_tile8_2_3, q8_tile8_2_4, q8_tile8_2_5},
+    {0, q8_tile8_3_2, 0, 0, 0},  // a block's last rows when 4 are decoded together (n = 2)
+    {0, q8_tile8_4_2, 0, 0, 0}};
+
 void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const float *d,
                  float *y, int64_t out, int threads) {
     if (n == 1) {
@@ -315,22 +416,17 @@ void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const f
         return;
     }
     const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
-    const int64_t step = n == 2 ? 4 : 2;  // weight rows decoded together: 8 or 10 accumulators
+    const int step = n == 2 ? 4 : 2;  // weight rows decoded together: 8 or 10 accumulators
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t o0 = 0; o0 < out; o0 += step) {
-        const int R = out - o0 >= step ? (int)step : (int)(out - o0);
-        const int8_t *qo = q + o0 * in;
-        const float *dO = d + o0 * (in / 32);
+    for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
+        const int64_t b1 = out - b0 < Q8_BLOCK ? out : b0 + Q8_BLOCK;
         for (int64_t j = 0; j < n; j += per) {
             const int J = n - j < per ? (int)(n - j) : (int)per;
-#define Q8_TILE(RR, JJ) \
-    case RR * 8 + JJ: q8_tile(RR, JJ, qo, dO, x + j * in, in, y + j * out + o0, out); break;
-            switch (R * 8 + J) {
-                Q8_TILE(1, 1) Q8_TILE(1, 2) Q8_TILE(1, 3) Q8_TILE(1, 4) Q8_TILE(1, 5)
-                Q8_TILE(2, 1) Q8_TILE(2, 2) Q8_TILE(2, 3) Q8_TILE(2, 4) Q8_TILE(2, 5)
-                Q8_TILE(3, 2) Q8_TILE(4, 2)
+            for (int64_t o0 = b0; o0 < b1; o0 += step) {
+                const int R = b1 - o0 >= step ? step : (int)(b1 - o0);
+                q8_tiles8[R - 1][J - 1](q + o0 * in, d + o0 * (in / 32), x + j * in, in,
+                                        y + j * out + o0, out);
             }
-#undef Q8_TILE
         }
     }
 }

@@ -26,14 +26,25 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return frozenset()
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return frozenset()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def uses_avx512() -> bool:
+    """Whether the Q8_0 head runs 16 wide (`q8_0_matmul_avx512`): on CPUs with AVX-512, unless
+    SPECCHAT_NO_AVX512 is set. Fixed for the process, so every row count takes the same path."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() \
+        and not os.environ.get("SPECCHAT_NO_AVX512")
 
 
 @functools.cache
@@ -72,6 +83,8 @@ def load() -> ctypes.CDLL | None:
     lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     lib.q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.q8_0_matmul_avx512.argtypes = lib.q8_0_matmul.argtypes
+    lib.q8_0_matmul_avx512.restype = None
     lib.attend.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, i64,
                            ctypes.c_float, ptr, ptr, ctypes.c_int]
     lib.rms_norm.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_float, ptr]
@@ -112,12 +125,15 @@ def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def q8_0_matmul(lib, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def q8_0_matmul(lib, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                avx512: bool | None = None) -> torch.Tensor:
     """x [..., in] @ W.T in float32 for W = q * d: `q` int8 [out, in], `d` float32
-    [out, in / 32], one scale per 32 values (GGUF's Q8_0)."""
+    [out, in / 32], one scale per 32 values (GGUF's Q8_0). `avx512`: the 16-wide kernel
+    (default: `uses_avx512()`)."""
     rows = _rows(x)
     y = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float32)
-    lib.q8_0_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
+    wide = uses_avx512() if avx512 is None else avx512
+    (lib.q8_0_matmul_avx512 if wide else lib.q8_0_matmul)(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
                     y.data_ptr(), q.shape[0], torch.get_num_threads())
     return y.reshape(*x.shape[:-1], q.shape[0])
 
