@@ -27,6 +27,7 @@ from specchat.models.gguf_head import gguf_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.memory import (
     _copy_out_of_file_mapping,
+    _keep_step_buffers,
     _release_freed_memory,
     _return_large_buffers_to_os,
 )
@@ -115,6 +116,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit
     if name_or_path in ("", EMBEDDED):
         name_or_path = EMBEDDED_NAME
+    _keep_step_buffers()
     return LoadedModel(model, tokenizer, name_or_path, label, dev, time.perf_counter() - start,
                        how)
 

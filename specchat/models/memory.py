@@ -79,11 +79,26 @@ def _return_large_buffers_to_os(threshold: int = 1 << 20) -> None:
     """Serve allocations of 1 MB and more (weights being quantized, logits, activations) from
     their own mappings, returned to the OS when freed. glibc otherwise raises this threshold as
     it goes and serves them from the heap, which fragments and only grows: resident memory after
-    loading would vary between identical runs. With this it is the same every time, at no
-    measurable cost in decoding speed."""
+    loading would vary between identical runs. With this it is the same every time. Loading ends
+    with `_keep_step_buffers`."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def _keep_step_buffers(threshold: int = 32 << 20, trim: int = 128 << 20) -> None:
+    """Once loaded: serve buffers under 32 MB from the heap and keep up to 128 MB of freed heap,
+    so that a decoding step's buffers (logits, 1 MB a row of a 262k vocabulary; the sampler's
+    temporaries) reuse the previous step's memory. From fresh mappings, every such buffer pays
+    a page fault per 4 KB at every step, which costs more than the arithmetic on it
+    (docs/cpu.md)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, trim)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc
 
