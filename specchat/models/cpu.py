@@ -71,6 +71,7 @@ class _CpuNF4Forward:
                                  + self.state.offset)
             self.state.nested, self.state.state2, self.state.offset = False, None, None
         self.kernel = None  # the C function, once checked against bitsandbytes' own path
+        self.repacked: tuple | None = None  # the repacked weight, scales, shape, bias
         self.checked = False
         self.dense_weight: torch.Tensor | None = None  # kept while `dense_nf4` is active
 
@@ -100,17 +101,22 @@ class _CpuNF4Forward:
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     def _direct(self, x: torch.Tensor) -> torch.Tensor:
-        from bitsandbytes.functional import get_ptr
-
-        weight, state = self.module.weight.data, self.module.weight.quant_state  # repacked
-        a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        out = torch.empty(a.shape[0], state.shape[0], dtype=torch.bfloat16)
-        i64 = ctypes.c_int64
-        self.kernel(i64(a.shape[0]), i64(state.shape[0]), i64(a.shape[1]), get_ptr(a),
-                    get_ptr(weight), get_ptr(state.absmax), get_ptr(out), i64(state.blocksize),
-                    i64(a.stride(0)), i64(out.stride(0)))
-        if self.module.bias is not None:
-            out += self.module.bias.to(torch.bfloat16)
+        if self.repacked is None:  # bitsandbytes' layout after its first call, kept from here
+            weight, state = self.module.weight.data, self.module.weight.quant_state
+            bias = self.module.bias
+            self.repacked = (weight, state.absmax, state.shape[0], state.blocksize,
+                             bias.to(torch.bfloat16) if bias is not None else None)
+        weight, absmax, out_features, blocksize, bias = self.repacked
+        a = x.reshape(-1, x.shape[-1])
+        if a.dtype != torch.bfloat16 or not a.is_contiguous():
+            a = a.to(torch.bfloat16).contiguous()
+        out = torch.empty(a.shape[0], out_features, dtype=torch.bfloat16)
+        # Plain ints through a typed prototype, and the weight's tensors kept: for one row, the
+        # Python around the call costs as much as the product.
+        self.kernel(a.shape[0], out_features, a.shape[1], a.data_ptr(), weight.data_ptr(),
+                    absmax.data_ptr(), out.data_ptr(), blocksize, a.shape[1], out_features)
+        if bias is not None:
+            out += bias
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
@@ -304,9 +310,14 @@ def _nf4_gemv_kernel(module):
         return None
     try:
         from bitsandbytes.cextension import lib
-        return lib.gemv_4bit_inference_cpu_nf4_bf16
+        function = lib.gemv_4bit_inference_cpu_nf4_bf16
     except (ImportError, AttributeError, RuntimeError):
         return None
+    # its own prototype (bitsandbytes' function object stays as it is): M, N, K, A, B, absmax,
+    # out, blocksize, lda, ldc
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    prototype = ctypes.CFUNCTYPE(None, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64)
+    return prototype(ctypes.cast(function, ptr).value)
 
 
 def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
