@@ -95,7 +95,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def _say(why: str) -> None:
-    print(f"specchat: {why}; NF4 layers use float32 copies instead (slower, more memory)",
+    print(f"specchat: {why}; torch's and bitsandbytes' own paths run instead (slower; "
+          "on a CPU without native bf16 the NF4 layers become float32 copies, more memory)",
           file=sys.stderr)
 
 
