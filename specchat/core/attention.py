@@ -55,7 +55,8 @@ def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
     lib = kernels.load()
     if lib is not None and not module.training and dim % 8 == 0 \
             and key.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16) \
-            and key.stride(3) == 1 and value.stride(3) == 1:
+            and key.stride(3) == 1 and value.stride(3) == 1 \
+            and (attention_mask is None or attention_mask.shape[-1] >= slots):
         return _kernel_attention(lib, query, key, value, attention_mask, scaling), None
     groups = heads // kv_heads
     # [B, H, Q, D] -> [B, KV, G*Q, D]: each key/value head with its query heads' rows.
