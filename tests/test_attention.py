@@ -145,3 +145,22 @@ def test_attention_kernel_is_attention_and_row_exact(dtype):
         assert torch.equal(alone[:, :, 0], got[:, :, n - 1])
         first = kernels.attend(lib, query[:, :, :n], key, value, mask[:, :, :n], 0.125)
         assert torch.equal(first, got[:, :, :n])
+
+
+def test_narrow_forwards_attend_through_the_kernel(monkeypatch):
+    """Where the kernels build, a decoding step and a verify go through `kernels.attend` (and
+    give the one-token logits, as above); a prompt of 64 rows or more takes sdpa."""
+    from specchat.models import kernels
+    if kernels.load() is None:
+        pytest.skip("specchat's kernels cannot be built here")
+    calls = []
+    attend = kernels.attend
+    monkeypatch.setattr(kernels, "attend", lambda *a: calls.append(a[1].shape[2]) or attend(*a))
+    model = bf16(tiny_gemma3)
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(torch.arange(3, 73)[None], past_key_values=cache, use_cache=True)  # 70 rows
+        assert calls == []
+        model(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([[6, 7, 8, 9, 10]]), past_key_values=cache, use_cache=True)
+    assert calls == [1] * 3 + [5] * 3  # three layers a forward
