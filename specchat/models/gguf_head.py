@@ -3,7 +3,7 @@
 The embedded Gemma 3 270M ships as a GGUF whose token embedding, tied to the LM head, is Q8_0:
 int8 values with one fp16 scale per 32. Those are the model's true values; the converted
 checkpoint holds them rounded to bf16, and the default CPU head reads a bf16 copy (335 MB a
-token). This head reads the int8 values and their scales instead (189 MB), so a decoding step
+token). This head reads the int8 values and their fp16 scales instead (178 MB), so a decoding step
 spends less time on its largest weight. Like the other kernels it is row-exact: a row's logits
 are the same bits alone or among any number of rows, so verification stays lossless.
 docs/cpu.md has the measurements.
@@ -27,7 +27,7 @@ BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 
 def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q int8 [rows, cols], d float32 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file, or
+    """(q int8 [rows, cols], d float16 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file, or
     None when the file has no such tensor. Reads the header and that tensor's bytes only (the
     `gguf` package's reader also turns the 262k-token vocabulary into Python objects: 700 MB)."""
     with open(gguf_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
@@ -40,7 +40,7 @@ def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
         cols, rows = dims  # GGUF lists the fastest-varying dimension first
         raw = np.frombuffer(m, np.uint8, rows * cols // BLOCK * BLOCK_BYTES, start)
         blocks = raw.reshape(rows, cols // BLOCK, BLOCK_BYTES)
-        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
         del raw, blocks  # no view into the mapping may outlive it
     return torch.from_numpy(q), torch.from_numpy(d)
@@ -115,7 +115,7 @@ class Q8Head:
 
     def dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """The float32 values of some rows of W (exact: q * d)."""
-        q, d = self.q[rows].to(torch.float32), self.d[rows]
+        q, d = self.q[rows].to(torch.float32), self.d[rows].to(torch.float32)
         return (q.view(len(rows), -1, BLOCK) * d[..., None]).view(len(rows), -1)
 
 

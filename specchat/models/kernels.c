@@ -259,9 +259,9 @@ void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, 
 
 int max_in(void) { return MAX_IN; }
 
-// GGUF Q8_0 weights [out, in] as int8 values q and one float32 scale d per 32 values (the
-// file's fp16 scales, widened exactly): W = q * d, which float32 holds exactly (a 7-bit integer
-// times an 11-bit mantissa). Half the bytes of bf16. Requires in % 32 == 0.
+// GGUF Q8_0 weights [out, in] as int8 values q and one fp16 scale d per 32 values (the file's,
+// widened exactly in registers): W = q * d, which float32 holds exactly (a 7-bit integer times
+// an 11-bit mantissa). Half the bytes of bf16. Requires in % 32 == 0.
 //
 // y[j, o] = hsum(acc), acc = fma(q * d, x[j], acc) over the row in order, 8 wide, as for the
 // other weights. One input row streams the weights (memory bounds it); from two rows on, the FMAs
@@ -277,14 +277,14 @@ static inline __attribute__((always_inline)) __m256 q8_decode8(const int8_t *q, 
 
 // R weight rows from q / d (row stride in, in / 32) against J input rows of x (stride in)
 static inline __attribute__((always_inline)) void q8_tile(int R, int J, const int8_t *q,
-                                                          const float *d, const float *x,
+                                                          const uint16_t *d, const float *x,
                                                           int64_t in, float *y, int64_t out) {
     __m256 acc[4][Q8_TILE_X];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < in; b += 32) {
         __m256 scale[4];
-        for (int r = 0; r < R; r++) scale[r] = _mm256_set1_ps(d[r * (in / 32) + b / 32]);
+        for (int r = 0; r < R; r++) scale[r] = _mm256_set1_ps(_cvtsh_ss(d[r * (in / 32) + b / 32]));
         for (int64_t k = b; k < b + 32; k += 8) {
             __m256 w[4];
             for (int r = 0; r < R; r++) w[r] = q8_decode8(q + r * in + k, scale[r]);
@@ -320,7 +320,7 @@ Q8_512 static inline float hsum16(__m512 v) {
 
 Q8_512 static inline __attribute__((always_inline)) void q8_tile16(int R, int J,
                                                                    const int8_t *q,
-                                                                   const float *d,
+                                                                   const uint16_t *d,
                                                                    const float *x, int64_t in,
                                                                    float *y, int64_t out) {
     __m512 acc[4][Q8_TILE_X];
@@ -328,7 +328,7 @@ Q8_512 static inline __attribute__((always_inline)) void q8_tile16(int R, int J,
         for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < in; b += 32) {
         __m512 scale[4];
-        for (int r = 0; r < R; r++) scale[r] = _mm512_set1_ps(d[r * (in / 32) + b / 32]);
+        for (int r = 0; r < R; r++) scale[r] = _mm512_set1_ps(_cvtsh_ss(d[r * (in / 32) + b / 32]));
         for (int64_t k = b; k < b + 32; k += 16) {
             __m512 w[4];
             for (int r = 0; r < R; r++) w[r] = q8_decode16(q + r * in + k, scale[r]);
@@ -345,7 +345,7 @@ Q8_512 static inline __attribute__((always_inline)) void q8_tile16(int R, int J,
 // one function per tile shape: each keeps its accumulators in registers
 #define Q8_TILE16_FN(RR, JJ)                                                                  \
     Q8_512 __attribute__((noinline)) static void q8_tile16_##RR##_##JJ(                       \
-        const int8_t *q, const float *d, const float *x, int64_t in, float *y, int64_t out) { \
+        const int8_t *q, const uint16_t *d, const float *x, int64_t in, float *y, int64_t out) { \
         q8_tile16(RR, JJ, q, d, x, in, y, out);                                               \
     }
 Q8_TILE16_FN(1, 1) Q8_TILE16_FN(1, 2) Q8_TILE16_FN(1, 3) Q8_TILE16_FN(1, 4) Q8_TILE16_FN(1, 5)
@@ -354,7 +354,7 @@ Q8_TILE16_FN(3, 1) Q8_TILE16_FN(3, 2) Q8_TILE16_FN(3, 3) Q8_TILE16_FN(3, 4) Q8_T
 Q8_TILE16_FN(4, 1) Q8_TILE16_FN(4, 2) Q8_TILE16_FN(4, 3) Q8_TILE16_FN(4, 4) Q8_TILE16_FN(4, 5)
 #undef Q8_TILE16_FN
 
-typedef void (*q8_tile_fn)(const int8_t *, const float *, const float *, int64_t, float *,
+typedef void (*q8_tile_fn)(const int8_t *, const uint16_t *, const float *, int64_t, float *,
                            int64_t);
 static const q8_tile_fn q8_tiles16[4][Q8_TILE_X] = {
     {q8_tile16_1_1, q8_tile16_1_2, q8_tile16_1_3, q8_tile16_1_4, q8_tile16_1_5},
@@ -367,7 +367,7 @@ static const q8_tile_fn q8_tiles16[4][Q8_TILE_X] = {
 // first, and each tile writes whole cache lines of y.
 #define Q8_BLOCK 64
 Q8_512 void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
-                               const float *d, float *y, int64_t out, int threads) {
+                               const uint16_t *d, float *y, int64_t out, int threads) {
     const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
@@ -385,7 +385,7 @@ Q8_512 void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8
 
 #define Q8_TILE8_FN(RR, JJ)                                                                   \
     __attribute__((noinline)) static void q8_tile8_##RR##_##JJ(                               \
-        const int8_t *q, const float *d, const float *x, int64_t in, float *y, int64_t out) { \
+        const int8_t *q, const uint16_t *d, const float *x, int64_t in, float *y, int64_t out) { \
         q8_tile(RR, JJ, q, d, x, in, y, out);                                                 \
     }
 Q8_TILE8_FN(1, 1) Q8_TILE8_FN(1, 2) Q8_TILE8_FN(1, 3) Q8_TILE8_FN(1, 4) Q8_TILE8_FN(1, 5)
@@ -399,7 +399,7 @@ static const q8_tile_fn q8_tiles8[4][Q8_TILE_X] = {
     {0, q8_tile8_3_2, 0, 0, 0},  // a block's last rows when 4 are decoded together (n = 2)
     {0, q8_tile8_4_2, 0, 0, 0}};
 
-void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const float *d,
+void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
                  float *y, int64_t out, int threads) {
     if (n == 1) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -407,7 +407,7 @@ void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const f
             float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
             int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;
             for (int64_t c = 0; c < no * in; c += 32) {
-                const __m256 scale = _mm256_set1_ps(d[(o0 * in + c) / 32]);
+                const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[(o0 * in + c) / 32]));
                 for (int64_t e = c; e < c + 32; e += 8)
                     _mm256_store_ps(w + e, q8_decode8(q + o0 * in + e, scale));
             }

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
 @functools.cache
@@ -37,7 +37,7 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _cpu_has_avx2_fma() -> bool:
-    return {"avx2", "fma"} <= _cpu_flags()
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
 def uses_avx512() -> bool:
@@ -128,7 +128,7 @@ def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def q8_0_matmul(lib, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
                 avx512: bool | None = None) -> torch.Tensor:
-    """x [..., in] @ W.T in float32 for W = q * d: `q` int8 [out, in], `d` float32
+    """x [..., in] @ W.T in float32 for W = q * d: `q` int8 [out, in], `d` float16
     [out, in / 32], one scale per 32 values (GGUF's Q8_0). `avx512`: the 16-wide kernel
     (default: `uses_avx512()`)."""
     rows = _rows(x)
