@@ -36,7 +36,8 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_runs_kernels() -> bool:
+    """AVX2 and FMA for the arithmetic, F16C for the Q8_0 head's fp16 scales."""
     return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
@@ -50,7 +51,7 @@ def uses_avx512() -> bool:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot run here."""
-    if not _cpu_has_avx2_fma() or os.environ.get("SPECCHAT_NO_KERNELS"):
+    if not _cpu_runs_kernels() or os.environ.get("SPECCHAT_NO_KERNELS"):
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if not compiler:
