@@ -191,3 +191,76 @@ def test_gradio_client_reaches_the_public_generate_endpoint_and_nothing_else():
             remote.predict(None, api_name="/on_bot")
     finally:
         demo.close()
+
+
+def _post(url: str, **body):
+    return httpx.post(f"{url}/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"})
+
+
+def test_concurrent_streams_are_served_in_turn_and_a_full_queue_gets_429(server):
+    """Eight clients streaming at once (more than the loop's worker threads) each get their
+    whole reply, and the server serves after them; past the queue's capacity a request gets
+    429 with Retry-After, and the queue drains once the engine is free."""
+    url, api, store = server
+    replies: list = [None] * 8
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{url}/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": f"{i} {PROMPT}", "max_tokens": 12,
+                                "stream": True}) as r:
+            replies[i] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None and r[0] == 200 and r[1][-1] == "data: [DONE]" for r in replies)
+    assert _post(url, prompt="hi", max_tokens=3).status_code == 200
+
+    api.engine.lock.acquire()  # hold the engine: the next reply waits inside it
+    capacity, api.gate.capacity = api.gate.capacity, 2
+    try:
+        codes: list = []
+        waiting = [threading.Thread(target=lambda: codes.append(
+            _post(url, prompt="x", max_tokens=3).status_code)) for _ in range(3)]
+        for t in waiting:
+            t.start()
+        deadline = time.time() + 30
+        while api.gate.waiting < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        refused = _post(url, prompt="y", max_tokens=3)
+        assert refused.status_code == 429 and refused.headers["Retry-After"].isdigit()
+        assert "busy" in refused.json()["error"]["message"]
+    finally:
+        api.engine.lock.release()
+        api.gate.capacity = capacity
+    for t in waiting:
+        t.join(60)
+    assert codes == [200, 200, 200]
+
+
+def test_a_client_that_leaves_frees_the_engine_and_its_turn_is_kept(server):
+    """Closing a stream mid-reply stops the reply at its next step: the engine serves the next
+    request at once, and the turn is recorded as interrupted, with the tokens sent."""
+    url, api, store = server
+    slow = api.engine.model.register_forward_hook(lambda *a: time.sleep(0.05))
+    try:
+        with httpx.stream("POST", f"{url}/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": "leaving " + PROMPT, "max_tokens": 60,
+                                "stream": True, "speculation": False}) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+        assert '"text"' in first
+        started = time.time()
+        assert _post(url, prompt="next", max_tokens=2).status_code == 200
+        assert time.time() - started < 2.5  # not after the 60-token reply's 3 s
+    finally:
+        slow.remove()
+    assert api.writer.flush(10)
+    turns = [t for c in store.conversations() for t in store.turns(c["id"])
+             if t["prompt"].startswith("leaving")]
+    assert len(turns) == 1 and turns[0]["interrupted"]
+    assert turns[0]["stop_reason"] == "cancelled" and 0 < turns[0]["new_tokens"] < 60

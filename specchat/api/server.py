@@ -14,7 +14,10 @@ predicted_per_second, prompt_ms, predicted_ms) and specchat's own stats, so clie
 llama-server read it unchanged.
 
 Settings pass the same check as the page and the CLI (`core.inputs`), and the same caps. One
-reply is generated at a time; a few more wait, and beyond that a request gets 503. Errors are
+reply is generated at a time (`Gate`): a few more wait in the event loop, holding no thread,
+and beyond that a request gets 429 with `Retry-After`. Each reply runs in a thread of its own; a
+client that goes away stops it at the next step, frees the engine, and its turn is recorded as
+interrupted. Errors are
 OpenAI error objects with the HTTP status that says whose fault it was. Turns are saved to the
 stats database in the background, owned by the API key's name, or by the login whose
 "user:password" is the bearer token (the same owner as that login's page: the Stats tab shows
@@ -24,8 +27,8 @@ API turns too), or "api" where no key is needed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
-import itertools
 import json
 import threading
 import time
@@ -43,20 +46,82 @@ from specchat.drafters import preferred
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 
-MAX_WAITING = 8  # requests queued behind the one generating; more get 503
+MAX_WAITING = 8  # requests queued behind the one generating; more get 429
+RETRY_AFTER_S = 5
 MAX_INPUT_CHARS = 16000
 MAX_TOKENS_CAP = 1024
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
+                 param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param, "code": None}}, self.status)
+                                       "param": self.param, "code": None}}, self.status,
+                            headers=self.headers)
+
+
+class Gate:
+    """One reply at a time on the engine, in arrival order, for requests that wait in the event
+    loop. A waiting request holds no thread: were it blocked on a lock in a worker thread, a
+    few of them would take every thread of the loop's executor, and the reply holding the lock
+    could never get one to continue (the whole server hung). Beyond `capacity` waiting,
+    `enter` raises ApiError 429. `leave` may be called from any thread."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._mutex = threading.Lock()
+        self._busy = False
+        self._waiters: collections.deque = collections.deque()  # (loop, future), oldest first
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def enter(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._mutex:
+            if not self._busy:
+                self._busy = True
+                return
+            if len(self._waiters) >= self.capacity:
+                raise ApiError(429, f"The server is busy: {len(self._waiters)} requests are "
+                                    "waiting already. Retry shortly.", "server_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            turn = loop.create_future()
+            self._waiters.append((loop, turn))
+        try:
+            await turn
+        except asyncio.CancelledError:
+            with self._mutex:
+                if (loop, turn) in self._waiters:  # still waiting: leave the line
+                    self._waiters.remove((loop, turn))
+                    raise
+            if not turn.cancelled():  # handed the engine just as the client left: pass it on
+                self.leave()
+            raise
+
+    def leave(self) -> None:
+        with self._mutex:
+            if not self._waiters:
+                self._busy = False
+                return
+            loop, turn = self._waiters.popleft()  # the engine stays busy: it is handed over
+        loop.call_soon_threadsafe(self._hand_over, turn)
+
+    def _hand_over(self, turn: asyncio.Future) -> None:
+        if turn.cancelled():  # its client left between the two steps
+            self.leave()
+        else:
+            turn.set_result(None)
+
+
+class _Finished:
+    """The last item a reply's thread puts on its queue."""
 
 
 class Api:
@@ -75,8 +140,7 @@ class Api:
         # The page's logins: "user:password" is accepted as a bearer token.
         self.logins = {f"{user}:{password}": f"user:{user}" for user, password in logins or []}
         self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
-        self.lock = threading.Lock()  # the engine serves one reply at a time
-        self.waiting = 0
+        self.gate = Gate(MAX_WAITING)  # the engine serves one reply at a time
         self.redact = redact  # model names as visitors may see them (paths cut on exposed pages)
 
     @property
@@ -193,17 +257,31 @@ class Api:
 
     # -- generation -------------------------------------------------------------------------
 
-    def run(self, ids: list[int], cfg: GenerateConfig) -> Iterator:
-        """The engine's events, holding the engine for the whole reply."""
-        with self.lock:
-            self.waiting -= 1
-            yield from self.engine.stream(ids, cfg)
+    async def start(self, ids: list[int], cfg: GenerateConfig, steps) -> tuple[
+            asyncio.Queue, threading.Event]:
+        """Wait for the engine (`gate`), then run one reply in a thread of its own: `steps`
+        turns the engine's events into what the route sends, each put on the returned queue
+        as it comes, then `_Finished`. Setting the returned event stops the reply at its next
+        step. Raises ApiError 400 when the engine refuses the request."""
+        await self.gate.enter()
+        loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
 
-    def admit(self) -> None:
-        if self.waiting > MAX_WAITING:
-            raise ApiError(503, "The server is busy: too many requests are waiting. Retry "
-                                "shortly.", "server_error")
-        self.waiting += 1
+        def reply() -> None:
+            try:
+                for item in steps(self.engine.stream(ids, cfg, stop_event=stop), stop):
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+            except Exception as e:  # noqa: BLE001 - handed to the route, which answers it
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                self.gate.leave()
+                loop.call_soon_threadsafe(queue.put_nowait, _Finished())
+
+        try:
+            threading.Thread(target=reply, name="specchat-api-reply", daemon=True).start()
+        except BaseException:
+            self.gate.leave()
+            raise
+        return queue, stop
 
     def record(self, owner: str, prompt: str, tokens: list[TokenEvent],
                steps: list[StepRecord], stats: GenerationStats) -> None:
@@ -274,15 +352,9 @@ def api_router(api: Api) -> APIRouter:
         ids, stops, prompt = api.prompt(body, chat)
         cfg = api.config(body)
         cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
-        api.admit()
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         kind = "chat.completion" if chat else "text_completion"
         created = int(time.time())
-        events = api.run(ids, cfg)
-        try:  # the engine checks the request first (e.g. a prompt past the context window)
-            first = await asyncio.to_thread(next, events)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
 
         def piece(tokens: list[TokenEvent], records: list[StepRecord]) -> dict:
             text = "".join(t.text for t in tokens)
@@ -308,34 +380,52 @@ def api_router(api: Api) -> APIRouter:
             return usage, {"usage": usage, "timings": timings(stats),
                            "specchat": {"stats": stats.to_json()}}
 
-        def generate() -> Iterator:
-            """(new tokens, the step records that decided them) per step, then the stats."""
-            pending, records, tokens, steps = [], [], [], []
+        def steps(events: Iterator, stop: threading.Event) -> Iterator:
+            """(new tokens, the step records that decided them) per step, then the stats;
+            the turn is recorded at the end, as interrupted when the client went away."""
+            pending, records, tokens, done = [], [], [], []
             stats = None
-            for event in itertools.chain([first], events):
+            for event in events:
                 if isinstance(event, TokenEvent):
                     pending.append(event)
                     tokens.append(event)
                 elif isinstance(event, StepRecord):
-                    steps.append(event)
+                    done.append(event)
                     records.append(event)
                     if pending:  # a step whose tokens are held back (a possible stop
                         yield pending, records  # string) rides with the next ones
                         pending, records = [], []
                 elif isinstance(event, GenerationStats):
                     stats = event
+            if stop.is_set() and stats.stop_reason == "stopped":
+                stats.stop_reason = "cancelled"  # only a client that left sets it
             if pending or records:
                 yield pending, records
-            api.record(owner, prompt, tokens, steps, stats)
+            api.record(owner, prompt, tokens, done, stats)
             yield stats
+
+        queue, stop = await api.start(ids, cfg, steps)
+        first = await queue.get()
+        if isinstance(first, ValueError):  # the engine checks the request before any work
+            raise ApiError(400, str(first))
+        if isinstance(first, Exception):
+            raise ApiError(500, f"The reply failed: {first}", "server_error") from first
+
+        async def items():
+            """The reply's items as its thread makes them; the reply stops if we are left."""
+            item = first
+            try:
+                while not isinstance(item, _Finished):
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+                    item = await queue.get()
+            finally:
+                stop.set()  # a no-op once the reply ended; else the client went away
 
         if body.get("stream"):
             async def sse():
-                it = generate()
-                while True:
-                    item = await asyncio.to_thread(next, it, None)
-                    if item is None:
-                        break
+                async for item in items():
                     if isinstance(item, GenerationStats):
                         usage, extra = finish(item)
                         end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
@@ -346,16 +436,12 @@ def api_router(api: Api) -> APIRouter:
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        def collect():
-            tokens, stats = [], None
-            for item in generate():
-                if isinstance(item, GenerationStats):
-                    stats = item
-                else:
-                    tokens += item[0]
-            return tokens, stats
-
-        tokens, stats = await asyncio.to_thread(collect)
+        tokens, stats = [], None
+        async for item in items():
+            if isinstance(item, GenerationStats):
+                stats = item
+            else:
+                tokens += item[0]
         text = "".join(t.text for t in tokens)
         usage, extra = finish(stats)
         extra["specchat"].update(kinds=[t.kind for t in tokens], texts=[t.text for t in tokens])
