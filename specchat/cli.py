@@ -78,6 +78,9 @@ def cmd_generate(args) -> int:
     out = stats.to_json()
     out.update(target=report.engine.target.label,
                draft=report.draft.label if report.draft else None)
+    runtime = getattr(report.engine.target, "runtime", None)  # None for a serving backend
+    if runtime is not None:
+        out["runtime"] = runtime.to_json()
     if store is not None:  # saved before the stats line: a script reading it finds the row
         _record(store, report, prompt, "".join(reply), out)
     if args.json:
@@ -87,6 +90,10 @@ def cmd_generate(args) -> int:
         print(f"-- {stats.new_tokens} tokens in {stats.seconds:.2f}s "
               f"({stats.tokens_per_s:.1f} tok/s), {stats.target_calls} target calls, "
               f"acceptance {stats.acceptance_rate:.0%}, drafter {stats.drafter}", file=sys.stderr)
+        if runtime is not None:
+            print(f"-- {runtime.path} on {runtime.cpu}; " + (
+                "verifies row-exact (proved at load)" if runtime.row_exact else
+                f"NOT LOSSLESS BIT FOR BIT: {runtime.lossless_note}"), file=sys.stderr)
     return 1 if stats.stop_reason == "error" else 0
 
 
@@ -136,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
+    sub.add_parser("app", help="the web app, as `python app.py` (its options: app --help)",
+                   add_help=False)
     add_bench(sub)
     add_serve(sub)
     add_stats(sub)
@@ -144,5 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["app"]:  # the web app keeps its own options
+        from specchat.app import main as app_main
+        return app_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)

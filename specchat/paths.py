@@ -12,3 +12,11 @@ def cache_dir() -> Path:
         return Path(root)
     from platformdirs import user_cache_dir
     return Path(user_cache_dir("specchat"))
+
+
+def assets_dir() -> Path:
+    """The page's assets and the shipped draft heads: `assets/` beside the package in a
+    checkout, `specchat/assets/` once installed (`pip install .` maps one onto the other)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "assets"
+    return installed if installed.is_dir() else package.parent / "assets"

@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import pytest
 from tiny import byte_tokenizer, loaded, tiny_llama
 
-import app as launcher
+from specchat import app as launcher
 from specchat.core.engine import Engine, GenerateConfig
 from specchat.core.events import GenerationStats, TokenEvent
 from specchat.drafters.model import ModelDrafter

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specchat.models.eagle import DraftHead, HeadConfig, norm_scale_of
+from specchat.paths import assets_dir
 
 FORMAT = "specchat-head/1"
 
@@ -69,7 +70,7 @@ def default_head_dir(identity: dict) -> Path:
     return cache_dir() / "heads" / f"{slug(identity['name'])}-{identity['key']}"
 
 
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "assets" / "heads"
+SHIPPED_DIR = assets_dir() / "heads"
 
 
 def save_head(path: str | Path, head: DraftHead, identity: dict, meta: dict | None = None,
