@@ -94,6 +94,14 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 def cmd_bench(args) -> int:
     from specchat.args import load_for_cli, validate_sampling
 
+    # Options first: a wrong one is said at once, whatever the question file.
+    problem = ("--repeats must be at least 1" if args.repeats < 1 else
+               "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
+               validate_sampling(args))
+    problem = problem or _llama_problem(args)
+    if problem:
+        print(f"specchat: {problem}", file=sys.stderr)
+        return 2
     path = args.questions or default_questions_path()
     if path is None:
         print("specchat: no question file given and Spec-Bench's question.jsonl was not found "
@@ -107,13 +115,6 @@ def cmd_bench(args) -> int:
         return 2
     if not questions:
         print(f"specchat: no questions in {path}", file=sys.stderr)
-        return 2
-    problem = ("--repeats must be at least 1" if args.repeats < 1 else
-               "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
-               validate_sampling(args))
-    problem = problem or _llama_problem(args)
-    if problem:
-        print(f"specchat: {problem}", file=sys.stderr)
         return 2
     if args.threads > 0:
         import torch
@@ -144,6 +145,8 @@ def cmd_bench(args) -> int:
     extra = {"questions_file": str(path), "categories": categories or None,
              "limit_per_category": args.limit_per_category,
              "target": engine.target.label, "draft": report.draft.label if report.draft else None,
+             "runtime": engine.target.runtime.to_json()
+             if getattr(engine.target, "runtime", None) else None,
              "command": "python -m specchat " + " ".join(sys.argv[1:]),
              "peak_rss_after_load_mb": loaded_peak_mb, "rss_after_load_mb": loaded_rss_mb,
              **machine_config()}
