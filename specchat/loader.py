@@ -53,7 +53,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
                          f"its vocabulary does not match the target's ({problem}).")
             draft = None
         else:
-            engine.drafters["model"] = ModelDrafter(draft.model, engine.vocab_size)
+            engine.drafters["model"] = ModelDrafter(draft.model, engine.vocab_size,
+                                                    paged=draft.paged_cache)
     return LoadReport(engine, draft, notes)
 
 

@@ -7,7 +7,7 @@ import torch
 from test_engine import REPETITIVE, TOK, TopKTreeDrafter, run
 from tiny import loaded, tiny_gemma3, tiny_llama
 
-from specchat.core.attention import is_row_exact, padded, row_exact_sdpa, use_row_exact_attention
+from specchat.models.attention import is_row_exact, padded, row_exact_sdpa, use_row_exact_attention
 from specchat.core.engine import Engine
 from specchat.core.kvcache import PagedLayer, new_cache
 from specchat.drafters.ngram import NgramDrafter
@@ -26,19 +26,19 @@ class RowByRowHead(torch.nn.Module):
         return torch.cat([self.head(x[:, i:i + 1]) for i in range(x.shape[1])], 1)
 
 
-def bf16(make, exact=True):
+def bf16(make, exact=True, lib=None):
     model = make(0).to(torch.bfloat16)
     model.lm_head = RowByRowHead(model.lm_head)
     model.config._attn_implementation = "sdpa"
     if exact:
-        assert use_row_exact_attention(model) and is_row_exact(model)
+        assert use_row_exact_attention(model, lib) and is_row_exact(model)
     return model
 
 
 @torch.inference_mode()
 def logits_by_widths(model, prompt, new, widths):
     """Encode `prompt`, then feed `new` in chunks of `widths` (cycled); logits of each new token."""
-    cache = new_cache(model)
+    cache = new_cache(model, paged=is_row_exact(model))
     model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
     out, i, w = [], 0, 0
     while i < len(new):
@@ -102,7 +102,7 @@ def test_bf16_greedy_speculation_is_plain_greedy(make):
 
 def test_paged_cache_pads_keys_without_copying():
     model = bf16(tiny_gemma3)
-    cache = new_cache(model)
+    cache = new_cache(model, paged=is_row_exact(model))
     with torch.inference_mode():
         model(torch.arange(3, 73)[None], past_key_values=cache, use_cache=True)  # 70 tokens
         model(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
@@ -156,8 +156,8 @@ def test_narrow_forwards_attend_through_the_kernel(monkeypatch):
     calls = []
     attend = kernels.attend
     monkeypatch.setattr(kernels, "attend", lambda *a: calls.append(a[1].shape[2]) or attend(*a))
-    model = bf16(tiny_gemma3)
-    cache = new_cache(model)
+    model = bf16(tiny_gemma3, lib=kernels.load())
+    cache = new_cache(model, paged=is_row_exact(model))
     with torch.inference_mode():
         model(torch.arange(3, 73)[None], past_key_values=cache, use_cache=True)  # 70 rows
         assert calls == []

@@ -70,7 +70,7 @@ def tiny_dir(tmp_path_factory):
 def served(tiny_dir):
     """`python -m specchat serve` on the tiny model, in a subprocess, behind an API key."""
     port = free_port()
-    env = {**os.environ, "SPECCHAT_NO_KERNELS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SPECCHAT_CPU_PATH": "cpu-fp32-dense", "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "specchat", "serve", "--target", str(tiny_dir),
          "--quantization", "none", "--device", "cpu", "--port", str(port), "--db", "off",

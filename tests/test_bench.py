@@ -31,7 +31,7 @@ from specchat.core.engine import Engine
 from specchat.core.events import StepRecord
 from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
-from tests.tiny import byte_tokenizer, loaded, tiny_llama
+from tiny import byte_tokenizer, loaded, tiny_llama
 
 KEYS = {"tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len",
         "target_calls_per_token", "ttft_s"}

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from specchat.core.attention import NAME as ROW_EXACT
 from specchat.core.engine import GenerateConfig
 from specchat.core.events import KINDS, GenerationStats, TokenEvent
 from specchat.core.kvcache import new_cache
 from specchat.core.text import chat_prompt
 from specchat.loader import load_engine
+from specchat.models import runtime
+from specchat.models.attention import is_row_exact
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ def logit_mismatches(model) -> int:
     prompt, new = list(range(1000, 1030)), list(range(2000, 2024))
     logits = []
     for width in (1, 6):
-        cache = new_cache(model)
+        cache = new_cache(model, paged=is_row_exact(model))
         model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
         logits.append(torch.cat([
             model(torch.tensor([new[i:i + width]]), past_key_values=cache,
@@ -64,12 +65,13 @@ def test_embedded_nf4_ngram_speculation_and_fp32_greedy_equivalence():
         assert [t.id for t in spec] == [t.id for t in plain], (drafter, tree_nodes)
         assert s.drafted > 0
     model = nf4.model
-    assert logit_mismatches(model) == 0
+    assert nf4.target.runtime.row_exact and logit_mismatches(model) == 0
+    exact = model.config.get_text_config()._attn_implementation
     model.set_attn_implementation("sdpa")  # transformers' own: wide forwards differ in the last bits
     try:
         assert logit_mismatches(model) > 0
     finally:
-        model.set_attn_implementation(ROW_EXACT)
+        model.set_attn_implementation(exact)
 
     fp32 = load_engine("embedded", quantization="none").engine
     cfg = dict(max_new_tokens=48, adaptive=False, draft_len=4)
@@ -77,3 +79,32 @@ def test_embedded_nf4_ngram_speculation_and_fp32_greedy_equivalence():
     spec, s = collect(fp32, GenerateConfig(speculation=True, drafter="ngram", **cfg))
     assert [t.id for t in spec] == [t.id for t in plain]
     assert s.drafted > 0
+
+
+def _runnable() -> list[str]:
+    from specchat.models import kernels
+    return [p.name for p in runtime.candidates(forced="")
+            if p.kernels is None or kernels.load(p.kernels) is not None]
+
+
+@pytest.mark.ci
+def test_every_path_this_machine_runs_is_exact_on_the_embedded_target(monkeypatch):
+    """Each CPU path this machine can run, forced in turn on the embedded NF4 target: the
+    load-time proof passes, 24 tokens verified 6 at a time give the one-token logits bit for
+    bit, and greedy speculation gives plain greedy's reply."""
+    paths = _runnable()
+    assert paths[-1] == "cpu-fp32-dense" and len(paths) >= 2  # the plain C kernels build here
+    for name in paths:
+        monkeypatch.setenv(runtime.ENV, name)
+        engine = load_engine("embedded", quantization="nf4").engine
+        rt = engine.target.runtime
+        assert rt.path == name
+        if not rt.row_exact:  # only torch's own products may fail; the proof saw what is so
+            assert name == "cpu-fp32-dense" and logit_mismatches(engine.model) > 0, rt.proof
+            continue
+        assert logit_mismatches(engine.model) == 0, name
+        cfg = dict(max_new_tokens=32, adaptive=False, draft_len=4)
+        plain, _ = collect(engine, GenerateConfig(speculation=False, **cfg))
+        spec, s = collect(engine, GenerateConfig(drafter="ngram", **cfg))
+        assert [t.id for t in spec] == [t.id for t in plain] and s.accepted > 0, name
+        del engine

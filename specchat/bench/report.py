@@ -16,12 +16,21 @@ def _x(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _runtime_lines(runtime: dict | None) -> list[str]:
+    """The path the target ran on and the CPU kind, first: every figure below belongs to them."""
+    if not runtime:
+        return []
+    exact = "verifies row-exact (proved at load)" if runtime["row_exact"] else \
+        f"NOT row-exact: {runtime['proof']}"
+    return [f"runtime: {runtime['path']} on {runtime['cpu']}; {exact}", ""]
+
+
 def format_report(result: dict) -> str:
     modes = list(result["modes"])
     w = max([12] + [len(m) for m in modes])  # the mode column
     head = (f"{'category':<15} {'mode':<{w}} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
             f"{'acc.len':>7} {'calls/tok':>9} {'TTFT s':>7} {'ovh ms/tok':>10}")
-    lines = [head, "-" * len(head)]
+    lines = [*_runtime_lines(result["config"].get("runtime")), head, "-" * len(head)]
 
     def rows(label: str, get) -> None:
         for i, mode in enumerate(modes):

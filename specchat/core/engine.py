@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.core.attention import is_row_exact
 from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
 from specchat.core.events import (
     ACCEPTED,
@@ -47,7 +46,6 @@ from specchat.core.kvcache import (
     keep_fed,
     new_cache,
     tree_attention_mask,
-    tree_masks_supported,
 )
 from specchat.core.policy import DraftLengthPolicy
 from specchat.core.sampling import Noise, SamplingParams, prob_of, top_candidates, verify
@@ -122,8 +120,11 @@ class Engine:
         self._cache = None
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
         self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
-        self.row_exact = is_row_exact(self.model)  # verify logits = one-token logits, bit for bit
-        self.trees_ok = tree_masks_supported(self.model)  # flash attention takes no tree mask
+        # What the model runtime gives (models.LoadedModel): verify logits equal one-token
+        # logits bit for bit (proved at load), tree masks, the paged cache its attention needs.
+        self.row_exact = target.row_exact
+        self.trees_ok = target.tree_masks
+        self.paged_cache = target.paged_cache
 
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).
@@ -172,7 +173,7 @@ class Engine:
         Returns the logits of the last prompt position [1, vocab] and the tokens encoded."""
         keep = min(common_prefix_len(self._cache_ids, prompt_ids), len(prompt_ids) - 1)
         if self._cache is None or not crop_to(self._cache, len(self._cache_ids), keep):
-            self._cache, keep = new_cache(self.model), 0
+            self._cache, keep = new_cache(self.model, self.paged_cache), 0
         self._cache_ids = self._cache_ids[:keep]
         return self._forward(prompt_ids[keep:], 1), len(prompt_ids) - keep
 

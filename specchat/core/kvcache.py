@@ -15,14 +15,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specchat.core.attention import NAME as ROW_EXACT
-from specchat.core.attention import is_row_exact
 
 
-def new_cache(model) -> DynamicCache:
-    if is_row_exact(model):
-        # Every token from slot 0 in every layer, sliding ones too (their mask applies the
-        # window): the row-exact attention needs each key at the same slot in every call.
+def new_cache(model, paged: bool = False) -> DynamicCache:
+    """A cache for `model`'s forwards. `paged`: every token from slot 0 in every layer, sliding
+    ones too (their mask applies the window), in `PagedLayer`s: what the row-exact attention of
+    `models.attention` needs (each key at the same slot in every call). The model runtime says
+    which a model takes (`LoadedModel.paged_cache`)."""
+    if paged:
         cache = DynamicCache()
         cache.layer_class_to_replicate = PagedLayer
     else:
@@ -36,7 +36,8 @@ class PagedLayer(DynamicLayer):
     `GROW` slots at a time. New states are written in place, where DynamicLayer concatenates
     (a copy of the whole layer per forward). `keys` / `values` stay views of the cached tokens,
     so everything that reads, crops or rewrites them works unchanged; the buffer's spare slots
-    let `attention.row_exact_sdpa` pad the keys to a page without copying them."""
+    let the row-exact attention (`models.attention`) pad the keys to a page without copying
+    them: `has_spare_slots` tells it which key tensors are such views."""
 
     GROW = 256  # slots; a multiple of attention.PAGE
 
@@ -65,12 +66,19 @@ class PagedLayer(DynamicLayer):
         buffers[1][:, :, cached:total] = value_states
         self.keys, self.values = buffers[0][:, :, :total], buffers[1][:, :, :total]
         for view in (self.keys, self.values):
-            view._specchat_paged = True  # its buffer's spare slots are zeros or old states
+            view._paged = True  # see `has_spare_slots`
         return self.keys, self.values
 
     def reset(self) -> None:
         self._buffers = None
         super().reset()
+
+
+def has_spare_slots(states: torch.Tensor) -> bool:
+    """Whether `states` is a `PagedLayer`'s keys or values: a view at the start of a buffer
+    whose slots past the view hold zeros or older states (finite values a masked read may
+    touch)."""
+    return getattr(states, "_paged", False)
 
 
 def can_crop(cache: DynamicCache, remove: int) -> bool:
@@ -104,15 +112,6 @@ def crop_to(cache: DynamicCache, cached_len: int, keep: int) -> bool:
 # -- draft trees (specchat/tree.py) ------------------------------------------------------------
 
 
-def tree_masks_supported(model) -> bool:
-    """Can this model's attention take an arbitrary mask (sdpa, eager; not flash), and does it
-    have only causal and sliding-window layers, named in `layer_types` when there is a window?"""
-    config = model.config.get_text_config()
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if not kinds and getattr(config, "sliding_window", None):
-        return False  # which layers slide is not said: keep to chains
-    return impl in ("sdpa", "eager", ROW_EXACT) and kinds <= {"full_attention", "sliding_attention"}
 
 
 def tree_attention_mask(model, cache: DynamicCache, cached_len: int, visible: torch.Tensor,

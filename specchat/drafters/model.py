@@ -18,8 +18,9 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model, vocab_size: int, paged: bool = False):
         self.model = model
+        self.paged = paged  # the draft's attention needs paged caches (models.LoadedModel)
         self.vocab_size = vocab_size  # the target's logits width; the draft's is cut/padded to it
         self.device = next(model.parameters()).device
         self.cache = None
@@ -27,7 +28,7 @@ class ModelDrafter(Drafter):
 
     def begin(self, prompt_ids):
         from specchat.core.kvcache import new_cache
-        self.cache = new_cache(self.model)
+        self.cache = new_cache(self.model, self.paged)
         self.cached_ids = []
 
     def _sync(self, context: list[int]) -> list[int]:

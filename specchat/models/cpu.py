@@ -120,15 +120,6 @@ class _CpuNF4Forward:
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def cpu_computes_bf16() -> bool:
-    """Whether this CPU has native bf16 (AVX512-BF16, AMX). Without it oneDNN emulates bf16
-    matmuls, slower than float32 ones (docs/cpu.md), so there the model computes in float32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 DENSE_SHARE = 0.25  # dense copies of NF4 layers may take at most this share of the RAM
 
 
@@ -149,13 +140,12 @@ def _cpu_nf4_layers(model) -> list:
             and m.weight.device.type == "cpu" and "forward" not in vars(m)]
 
 
-def kernel_cpu_nf4(model) -> int:
-    """On x86 CPUs with AVX2 but no native bf16, where bitsandbytes has no fused NF4 kernel,
-    compute each NF4 layer with specchat's own kernel (`cpu_kernels.c`), which reads the
+def kernel_cpu_nf4(model, lib) -> int:
+    """On CPUs without native bf16, where bitsandbytes has no fused NF4 kernel, compute each
+    NF4 layer with specchat's own kernel (`lib`: a `kernels.load` build), which reads the
     4-bit weights and decodes them in registers: the weights a step reads are 8x smaller than
     float32 copies. Each layer is checked at load against bitsandbytes' dequantized weight.
-    Returns the layers changed (0 where the kernel cannot be built)."""
-    lib = kernels.load()
+    Returns the layers changed (0 without kernels)."""
     if lib is None:
         return 0
     exact: dict[tuple, bool] = {}
@@ -320,9 +310,9 @@ def _nf4_gemv_kernel(module):
     return prototype(ctypes.cast(function, ptr).value)
 
 
-def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
+def fast_lm_head(model, lib=None, share: float = DENSE_SHARE) -> bool:
     """A faster LM head for CPU inference. bf16: logits for a few rows (decoding, verifies) as
-    `weight @ x.T` instead of `linear` (`_NarrowHead`). float32: specchat's bf16 kernel where
+    `weight @ x.T` instead of `linear` (`_NarrowHead`). float32: the bf16 kernel of `lib` where
     the weights are bf16 values (`_Bf16KernelLinear`), else a copy packed for oneDNN
     (`_PackedHead`), where that is row-exact and the copy takes at most `share` of the RAM.
     Returns whether the head was changed."""
@@ -335,7 +325,7 @@ def fast_lm_head(model, share: float = DENSE_SHARE) -> bool:
         return True
     if head.weight.dtype != torch.float32:
         return False
-    bf16 = _Bf16KernelLinear.build(head)
+    bf16 = _Bf16KernelLinear.build(head, lib)
     if bf16 is not None:
         head.forward = bf16
         return True
@@ -381,7 +371,7 @@ def _packed_product(packed: torch.Tensor, x: torch.Tensor, bias=None) -> torch.T
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def kernel_cpu_linears(model) -> int:
+def kernel_cpu_linears(model, lib) -> int:
     """float32 `nn.Linear` layers whose weights are bf16 values (a bf16 checkpoint loaded in
     float32: `--quantization none` on a CPU without native bf16, draft models) computed by
     specchat's bf16 kernel from a bf16 copy (`_Bf16KernelLinear`): half the bytes read, and
@@ -391,7 +381,7 @@ def kernel_cpu_linears(model) -> int:
     for m in model.modules():
         if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" \
                 and "forward" not in vars(m):
-            forward = _Bf16KernelLinear.build(m)
+            forward = _Bf16KernelLinear.build(m, lib)
             if forward is not None:
                 m.forward = forward
                 changed += 1
@@ -409,11 +399,10 @@ class _Bf16KernelLinear:
         self.bias = linear.bias.detach() if linear.bias is not None else None
 
     @classmethod
-    def build(cls, linear: torch.nn.Linear) -> "_Bf16KernelLinear | None":
+    def build(cls, linear: torch.nn.Linear, lib) -> "_Bf16KernelLinear | None":
         weight = linear.weight.detach()
         if weight.dtype != torch.float32 or weight.shape[1] % 8:
             return None
-        lib = kernels.load()
         if lib is None or weight.shape[1] > lib.max_in():
             return None
         compact = weight.to(torch.bfloat16)
@@ -430,13 +419,13 @@ class _Bf16KernelLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.requires_grad:
-            return torch.nn.functional.linear(x, self.linear.weight, self.linear.bias)
+            return torch.nn.functional.linear(x, self.linear.weight.to(x.dtype), self.linear.bias)
         out = kernels.bf16_matmul(self.lib, x, self.weight)
         return out + self.bias if self.bias is not None else out
 
 
 class _PackedHead:
-    """A float32 LM head on a CPU without native bf16 (see `cpu_computes_bf16`), through a copy
+    """A float32 LM head on a path without kernels (`runtime.PATHS`), through a copy
     packed for oneDNN (`_pack`): a row's logits are the same bits whether it is decoded alone
     or verified among up to 10 drafts (greedy speculation stays plain greedy), and a row
     costs about half as much (docs/cpu.md). The copy takes as much memory again as the head:
@@ -447,7 +436,7 @@ class _PackedHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.requires_grad:
-            return torch.nn.functional.linear(x, self.head.weight)
+            return torch.nn.functional.linear(x, self.head.weight.to(x.dtype))
         return _packed_product(self.packed, x)
 
 
@@ -487,11 +476,10 @@ def _linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tenso
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")  # x * rsqrt(...) * (1 + w)
 
 
-def kernel_cpu_norms(model) -> int:
+def kernel_cpu_norms(model, lib) -> int:
     """Gemma's RMSNorms (six a layer) through specchat's kernel (`_GemmaNormKernel`): one call
     instead of nine small torch operations, whose dispatch costs more than the arithmetic on a
-    decoding step's one row. Returns the norms changed."""
-    lib = kernels.load()
+    decoding step's one row. Returns the norms changed (0 without kernels)."""
     if lib is None:
         return 0
     changed = 0
@@ -535,3 +523,79 @@ class _GemmaNormKernel:
         if x.requires_grad or x.dtype not in (torch.float32, torch.bfloat16):
             return self.fallback(x)
         return kernels.rms_norm(self.lib, x, self.w1, self.eps)
+
+
+def compact_embeddings(model) -> bool:
+    """float32 input embeddings holding bf16 values (a bf16 checkpoint computed in float32)
+    kept as bf16 and widened at lookup: the same float32 vectors from half the memory (the
+    embedded target's 262k x 640 table: 671 MB -> 336 MB). A tied LM head shares the bf16
+    weight; its own forward (`fast_lm_head`, the GGUF's Q8_0 head) must already read a copy
+    of its own. Checked on a sample of tokens against the module's own forward. Returns
+    whether the table was compacted."""
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not isinstance(embed, torch.nn.Embedding) or embed.weight.dtype != torch.float32 \
+            or embed.weight.device.type != "cpu" or "forward" in vars(embed) \
+            or embed.max_norm is not None:
+        return False
+    weight = embed.weight
+    if head is not None and getattr(head, "weight", None) is weight and "forward" not in vars(head):
+        return False  # the head still reads the float32 table
+    shared = getattr(vars(head).get("forward") if head is not None else None, "weight", None)
+    compact = shared if isinstance(shared, torch.Tensor) and shared.dtype == torch.bfloat16 \
+        and shared.shape == weight.shape else weight.detach().to(torch.bfloat16)
+    if not all(torch.equal(a.to(torch.float32), b)  # in chunks: no second float32 copy at once
+               for a, b in zip(compact.split(16384), weight.detach().split(16384))):
+        return False  # not bf16 values: a bf16 table would change the model
+    made = _WideEmbedding(embed, compact)
+    ids = torch.linspace(0, weight.shape[0] - 1, 64).long()[None]
+    with torch.inference_mode():
+        if not torch.equal(made(ids), embed(ids)):
+            return False
+    embed.forward = made
+    weight.data = compact  # a tied head's Parameter too: it reads its own copy
+    _release_freed_memory()
+    return True
+
+
+class _WideEmbedding:
+    """An embedding lookup from a bf16 table, widened to float32 (see `compact_embeddings`),
+    with Gemma's scale where the module has one."""
+
+    def __init__(self, embed: torch.nn.Embedding, table: torch.Tensor):
+        self.embed = embed
+        scale = getattr(embed, "embed_scale", None)
+        self.scale = scale.to(torch.float32) if isinstance(scale, torch.Tensor) else None
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed
+        out = torch.nn.functional.embedding(ids, e.weight, e.padding_idx).to(torch.float32)
+        return out * self.scale if self.scale is not None else out
+
+
+def widen_to_float32(model, keep_table: bool = False) -> None:
+    """Make a model loaded in bf16 (its checkpoint's dtype) compute what a float32 load
+    computes: every bf16 parameter and buffer widened to float32 (exact), bitsandbytes'
+    dequantized dtype float32, and a buffer with a Python value beside it (Gemma's
+    `scalar_embed_scale`) recomputed from that value, as a float32 load makes it. Loading in
+    bf16 and widening keeps no float32 copy of the whole file while it loads.
+
+    `keep_table`: the input embedding table stays bf16 and is widened at lookup
+    (`_WideEmbedding`); only where the LM head no longer reads it (a head with its own copy)."""
+    embed = model.get_input_embeddings()
+    table = embed.weight if keep_table and isinstance(embed, torch.nn.Embedding) else None
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype == torch.bfloat16 and p is not table:
+                p.data = p.data.to(torch.float32)
+        for name, b in module.named_buffers(recurse=False):
+            if b.dtype == torch.bfloat16:
+                value = getattr(module, f"scalar_{name}", None)
+                setattr(module, name, torch.tensor(value, dtype=torch.float32, device=b.device)
+                        if isinstance(value, (int, float)) else b.to(torch.float32))
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None and getattr(state, "dtype", None) == torch.bfloat16:
+            state.dtype = torch.float32
+    if table is not None:
+        embed.forward = _WideEmbedding(embed, table)
+    _release_freed_memory()

@@ -1,11 +1,20 @@
-"""specchat's own CPU kernels (`kernels.c`) for x86 CPUs with AVX2 and FMA: products with
-weights kept compact (NF4 where bitsandbytes has no fused kernel, bf16, GGUF's Q8_0), and the
-attention of a few query rows over the KV cache.
+"""specchat's own CPU kernels (the C files in `csrc/`): products with weights kept compact (NF4
+where bitsandbytes has no fused kernel, bf16, GGUF's Q8_0), the attention of a few query rows
+over the KV cache, and Gemma's RMSNorm. Every kernel is row-exact: a row's result is the same
+bits whatever the number of rows in the call.
 
-The C file is compiled once with the system's C compiler (`$CC`, else `gcc`) into specchat's
-cache and loaded with ctypes; its OpenMP loops run on torch's own OpenMP runtime, whose library
-is already loaded. Where it cannot be built (no compiler, another CPU), `load()` returns None
-and the caller keeps its other path.
+The C files are compiled with the system's C compiler (`$CC`, else `gcc`) into specchat's cache,
+once per build, and loaded with ctypes; their OpenMP loops run on torch's own OpenMP runtime,
+whose library is already loaded. Two builds of the same files (`build_flags`):
+
+- the SIMD build, for x86 CPUs with AVX2, FMA and F16C: the SIMD kernels, and beside each its
+  plain-C reference (`<name>_ref`);
+- the portable build, for any CPU: only the references.
+
+`load(variant)` gives one variant's functions under the plain names: "avx512" (the SIMD build,
+Q8_0 16 wide), "avx2" (the SIMD build, 8 wide) or "ref" (the portable build, computing the bits
+"avx2" computes). `reference(variant)` gives the references of "avx2" or "avx512". Where a
+variant cannot be built or run here, its `load` returns None and the caller keeps its other path.
 """
 
 from __future__ import annotations
@@ -18,12 +27,51 @@ import platform
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+CSRC = Path(__file__).with_name("csrc")
+VARIANTS = ("avx512", "avx2", "ref")
+SIMD_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared",
+              "-fPIC"]
+PORTABLE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_NEEDS = {"avx2": frozenset({"avx2", "fma", "f16c"}),  # F16C: the Q8_0 head's fp16 scales
+          "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                               "avx512dq"}),
+          "ref": frozenset()}
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ARGTYPES = {
+    "nf4_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int],
+    "bf16_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _int],
+    "q8_0_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
+    "q8_0_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
+    "attend": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64,
+               ctypes.c_float, _ptr, _ptr, _int],
+    "rms_norm": [_ptr, _i64, _i64, _int, _ptr, ctypes.c_float, _ptr],
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Kernels:
+    """One variant's kernels: ctypes functions under the plain names (the wrappers below call
+    them), all from the shared library at `path`."""
+
+    variant: str  # "avx512", "avx2" or "ref"
+    q8_width: int  # lanes of q8_0_matmul's accumulators: 16 ("avx512" and its reference) or 8
+    path: Path
+    nf4_matmul: Callable[..., None]
+    bf16_matmul: Callable[..., None]
+    q8_0_matmul: Callable[..., None]
+    # the Q8_0 product by integer dot products (x quantized to int8 per block of 32, as
+    # llama.cpp does): the AVX2 kernel in "avx2" and "avx512", else its reference
+    q8_0_matmul_i8: Callable[..., None]
+    attend: Callable[..., None]
+    rms_norm: Callable[..., None]
+    max_in: Callable[[], int]  # the longest weight row (inputs) the products take
 
 
 @functools.cache
@@ -36,76 +84,131 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def _cpu_runs_kernels() -> bool:
-    """AVX2 and FMA for the arithmetic, F16C for the Q8_0 head's fp16 scales."""
-    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+def runs_here(variant: str) -> bool:
+    """Whether this CPU runs `variant`'s instructions ("ref": any CPU)."""
+    return _NEEDS[_check(variant)] <= _cpu_flags()
 
 
-def uses_avx512() -> bool:
-    """Whether the Q8_0 head runs 16 wide (`q8_0_matmul_avx512`): on CPUs with AVX-512, unless
-    SPECCHAT_NO_AVX512 is set. Fixed for the process, so every row count takes the same path."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() \
-        and not os.environ.get("SPECCHAT_NO_AVX512")
+def build_flags(variant: str) -> list[str]:
+    """The compiler flags of `variant`'s build: the SIMD build's for "avx512" and "avx2"; for
+    "ref", no instruction-set flags but `-mfma` on x86 CPUs with FMA (so that `fmaf` is one
+    instruction; on aarch64 it is one anyway)."""
+    if _check(variant) != "ref":
+        return list(SIMD_FLAGS)
+    return PORTABLE_FLAGS + (["-mfma"] if "fma" in _cpu_flags() else [])
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot run here."""
-    if not _cpu_runs_kernels() or os.environ.get("SPECCHAT_NO_KERNELS"):
+def load(variant: str | None = None) -> Kernels | None:
+    """`variant`'s kernels, or None where they cannot run here. None: the default, "avx512"
+    where the CPU has AVX-512 (unless SPECCHAT_NO_AVX512 is set), else "avx2"; and None where the
+    CPU has neither or SPECCHAT_NO_KERNELS is set. The choice is fixed for the process, so every
+    row count takes the same path."""
+    if variant is None:
+        if os.environ.get("SPECCHAT_NO_KERNELS"):
+            return None
+        variant = "avx512" if runs_here("avx512") and not os.environ.get("SPECCHAT_NO_AVX512") \
+            else "avx2"
+    if not runs_here(variant):
         return None
+    if variant == "ref":
+        return _load(portable=True, wide=False)
+    return _load(portable=False, wide=variant == "avx512", simd=True)
+
+
+@functools.cache
+def reference(variant: str = "avx2", portable: bool = True) -> Kernels | None:
+    """The plain-C references computing exactly what `variant` ("avx2" or "avx512") computes,
+    as a Kernels of variant "ref" (q8_width 8 or 16): from the portable build (any CPU), or
+    with portable=False the SIMD build's own `_ref` functions (CPUs with AVX2, FMA and F16C)."""
+    if _check(variant) == "ref":
+        raise ValueError('reference("avx2") is what load("ref") gives')
+    if not runs_here("ref" if portable else "avx2"):
+        return None
+    return _load(portable=portable, wide=variant == "avx512")
+
+
+def _check(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernels variant {variant!r} (one of {', '.join(VARIANTS)})")
+    return variant
+
+
+def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
+    """Bind a build's functions (compiling it first if the cache has no copy): its SIMD kernels
+    (`simd`) or its references."""
+    path = _build(portable)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        _say(f"could not load specchat's {_what(portable)} ({path}): {e}", fallback=not portable)
+        return None
+    q8 = ("q8_0_matmul_avx512" if wide else "q8_0_matmul") if simd \
+        else ("q8_0_matmul16_ref" if wide else "q8_0_matmul_ref")
+    functions = {}
+    for name, argtypes in _ARGTYPES.items():
+        function = lib[q8 if name == "q8_0_matmul" else name if simd else f"{name}_ref"]
+        function.argtypes, function.restype = argtypes, None
+        functions[name] = function
+    max_in = lib["max_in"]
+    max_in.argtypes, max_in.restype = [], ctypes.c_int
+    variant = ("avx512" if wide else "avx2") if simd else "ref"
+    return Kernels(variant=variant, q8_width=16 if wide else 8, path=path, max_in=max_in,
+                   **functions)
+
+
+def _what(portable: bool) -> str:
+    return "reference kernels" if portable else "AVX2 kernels"
+
+
+def _build(portable: bool) -> Path | None:
+    """The build's library in specchat's cache, compiled there if missing (the file name holds a
+    hash of the sources and the flags), or None if it cannot be built."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if not compiler:
-        _say(f"no C compiler ({os.environ.get('CC', 'gcc')}) to build specchat's AVX2 kernels")
+        _say(f"no C compiler ({os.environ.get('CC', 'gcc')}) to build specchat's "
+             f"{_what(portable)}", fallback=not portable)
         return None
     from specchat.paths import cache_dir
 
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:12]
-    lib_path = cache_dir() / "kernels" / f"cpu_kernels-{tag}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        partial = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            partial.replace(lib_path)  # atomic: another process may be compiling too
-        except (OSError, subprocess.SubprocessError) as e:
-            partial.unlink(missing_ok=True)
-            detail = getattr(e, "stderr", b"") or str(e).encode()
-            _say(f"could not build specchat's AVX2 kernels with {compiler}: "
-                 f"{detail.decode(errors='replace').strip().splitlines()[0]}")
-            return None
+    flags = build_flags("ref" if portable else "avx2")
+    files = sorted(CSRC.glob("*.[ch]"))
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for file in files:
+        digest.update(b"\0" + file.name.encode() + b"\0" + file.read_bytes())
+    name = "cpu_kernels_ref" if portable else "cpu_kernels"
+    lib_path = cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:12]}.so"
+    if lib_path.exists():
+        return lib_path
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = lib_path.with_suffix(f".{os.getpid()}.tmp")
+    sources = [str(f) for f in files if f.suffix == ".c"]
     try:
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError as e:
-        _say(f"could not load specchat's AVX2 kernels ({lib_path}): {e}")
+        subprocess.run([compiler, *flags, "-o", str(partial), *sources, "-lm"], check=True,
+                       capture_output=True, timeout=300)
+        partial.replace(lib_path)  # atomic: another process may be compiling too
+    except (OSError, subprocess.SubprocessError) as e:
+        partial.unlink(missing_ok=True)
+        detail = getattr(e, "stderr", b"") or str(e).encode()
+        _say(f"could not build specchat's {_what(portable)} with {compiler}: "
+             f"{detail.decode(errors='replace').strip().splitlines()[0]}", fallback=not portable)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.nf4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
-    lib.bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
-    lib.q8_0_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
-    lib.q8_0_matmul_avx512.argtypes = lib.q8_0_matmul.argtypes
-    lib.q8_0_matmul_avx512.restype = None
-    lib.attend.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, i64,
-                           ctypes.c_float, ptr, ptr, ctypes.c_int]
-    lib.rms_norm.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_float, ptr]
-    lib.nf4_matmul.restype = lib.bf16_matmul.restype = lib.q8_0_matmul.restype = None
-    lib.attend.restype = lib.rms_norm.restype = None
-    lib.max_in.restype = ctypes.c_int
-    return lib
+    return lib_path
 
 
-def _say(why: str) -> None:
-    print(f"specchat: {why}; torch's and bitsandbytes' own paths run instead (slower; "
-          "on a CPU without native bf16 the NF4 layers become float32 copies, more memory)",
-          file=sys.stderr)
+def _say(why: str, fallback: bool = True) -> None:
+    print(f"specchat: {why}" + ("; torch's and bitsandbytes' own paths run instead (slower; "
+          "on a CPU without native bf16 the NF4 layers become float32 copies, more memory)"
+          if fallback else ""), file=sys.stderr)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
 
 
-def nf4_matmul(lib, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
+def nf4_matmul(lib: Kernels, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
                blocksize: int, table: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., in] @ W.T for W [out, in] in bitsandbytes' NF4 layout: `codes` its packed uint8
     weight, `absmax` one float32 scale per block (of a multiple of 32 codes), `table` the 16 NF4
@@ -118,7 +221,7 @@ def nf4_matmul(lib, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def bf16_matmul(lib: Kernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight.T in float32, for a contiguous bf16 weight [out, in]."""
     rows = _rows(x)
     y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
@@ -127,20 +230,37 @@ def bf16_matmul(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def q8_0_matmul(lib, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+def q8_0_matmul(lib: Kernels, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
                 avx512: bool | None = None) -> torch.Tensor:
     """x [..., in] @ W.T in float32 for W = q * d: `q` int8 [out, in], `d` float16
-    [out, in / 32], one scale per 32 values (GGUF's Q8_0). `avx512`: the 16-wide kernel
-    (default: `uses_avx512()`)."""
+    [out, in / 32], one scale per 32 values (GGUF's Q8_0), `lib.q8_width` lanes wide.
+    `avx512` (for older callers): True or False asks for 16 or 8 lanes, from `lib` where it has
+    that width, else from the "avx512" or "avx2" variant."""
+    if avx512 is not None and avx512 != (lib.q8_width == 16):
+        lib = load("avx512" if avx512 else "avx2")
+        if lib is None:
+            raise RuntimeError(f"no {'16' if avx512 else '8'}-wide Q8_0 kernel on this CPU")
     rows = _rows(x)
     y = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float32)
-    wide = uses_avx512() if avx512 is None else avx512
-    (lib.q8_0_matmul_avx512 if wide else lib.q8_0_matmul)(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
+    lib.q8_0_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
                     y.data_ptr(), q.shape[0], torch.get_num_threads())
     return y.reshape(*x.shape[:-1], q.shape[0])
 
 
-def attend(lib, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
+                   d: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W.T in float32 for W = q * d (GGUF's Q8_0, as `q8_0_matmul` takes it) by
+    integer dot products: each row of x quantized to int8 per block of 32 (llama.cpp's Q8_0
+    activations, the scale kept in float32), int32 sums of 4 products per lane, scaled per block
+    into 8 float lanes (csrc/q8_0.c). Other bits than `q8_0_matmul`, row-exact as it is."""
+    rows = _rows(x)
+    y = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float32)
+    lib.q8_0_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(),
+                       d.data_ptr(), y.data_ptr(), q.shape[0], torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+def attend(lib: Kernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            mask: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(scale * query @ key.T, over the slots `mask` allows) @ value, in float32.
 
@@ -168,7 +288,7 @@ def attend(lib, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.reshape(batch, heads, rows, dim)
 
 
-def rms_norm(lib, x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(lib: Kernels, x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm of x [..., dim] (float32 or bf16): x * rsqrt(mean(x^2) + eps) * w1, in
     float32, returned in x's dtype. `w1` float32 [dim]: 1 + the norm's weight."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()

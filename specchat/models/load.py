@@ -12,19 +12,22 @@ from pathlib import Path
 
 import torch
 
-from specchat.core.attention import use_row_exact_attention
+from specchat.models import kernels, runtime
+from specchat.models.attention import use_row_exact_attention
 from specchat.models.cpu import (
-    cpu_computes_bf16,
+    compact_embeddings,
     dense_cpu_nf4,
     fast_cpu_nf4,
     fast_lm_head,
     kernel_cpu_linears,
     kernel_cpu_norms,
     kernel_cpu_nf4,
+    widen_to_float32,
 )
 from specchat.models.embedded import EMBEDDED, EMBEDDED_NAME, embedded_checkpoint, gguf_path
 from specchat.models.gguf_head import gguf_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
+from specchat.models.runtime import Runtime
 from specchat.models.memory import (
     _copy_out_of_file_mapping,
     _keep_step_buffers,
@@ -50,13 +53,14 @@ def resolve(name_or_path: str, progress=print) -> str:
 
 def load_model(name_or_path: str, quantization: str = "nf4", device: str | None = None,
                progress=print) -> LoadedModel:
-    """Load a causal LM and its tokenizer. quantization: "nf4" (4-bit NF4) or "none"."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    """Load a causal LM and its tokenizer. quantization: "nf4" (4-bit NF4) or "none".
 
+    On a CPU the model runtime picks the path (`runtime.candidates`) and the loaded model
+    proves it row-exact (`runtime.prove_row_exact`); a path that fails the proof gives way to
+    the next one, and the model says what it runs on and what it proved (`LoadedModel.runtime`).
+    """
     if quantization not in ("nf4", "none"):
         raise ModelLoadError(f"unknown quantization {quantization!r}: use nf4 or none")
-    start = time.perf_counter()
-    _return_large_buffers_to_os()
     dev = pick_device(device)
     path = resolve(name_or_path, progress)
     local = Path(path).exists()
@@ -65,10 +69,60 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     if local and Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise ModelLoadError(f"{path} holds no model: it has no config.json (a model directory "
                              "has config.json, the weights and the tokenizer's files)")
-    if dev.type == "cpu":
-        compute = torch.bfloat16 if cpu_computes_bf16() else torch.float32
-    else:
-        compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    embedded = name_or_path in ("", EMBEDDED)
+    if dev.type != "cpu":
+        compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() \
+            else torch.float16
+        loaded = _load(name_or_path, path, quantization, dev, compute, local)
+        loaded.runtime = Runtime(dev.type, _device_name(dev), False,
+                                 "not checked off the CPU (GPU kernels differ by row count)")
+        return loaded
+    cpu = runtime.cpu_kind()
+    try:
+        tries = runtime.candidates(cpu)
+    except runtime.PathError as e:
+        raise ModelLoadError(str(e)) from e
+    forced, skipped = runtime.forced_path() is not None, []
+    for i, cpu_path in enumerate(tries):
+        lib = kernels.load(cpu_path.kernels) if cpu_path.kernels else None
+        if cpu_path.kernels and lib is None:
+            if forced:
+                raise ModelLoadError(f"{runtime.ENV}={cpu_path.name}: specchat's "
+                                     f"{cpu_path.kernels} kernels cannot be built here")
+            skipped.append(f"{cpu_path.name}: its kernels cannot be built here")
+            continue
+        loaded = _load(name_or_path, path, quantization, dev, cpu_path.compute, local,
+                       cpu_path, lib)
+        vocab = loaded.model.config.get_text_config().vocab_size
+        exact, proof = runtime.prove_row_exact(loaded.model, loaded.paged_cache, vocab)
+        if exact or forced or i == len(tries) - 1:
+            loaded.runtime = Runtime(cpu_path.name, cpu.describe(), exact, proof, forced,
+                                     tuple(skipped))
+            if not exact:
+                progress(f"specchat: {loaded.runtime.lossless_note}")
+            return loaded
+        skipped.append(f"{cpu_path.name}: {proof}")
+        progress(f"specchat: {cpu_path.name} is not row-exact on this CPU ({proof}); "
+                 "trying the next path")
+        del loaded
+        _release_freed_memory()
+    raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return dev.type
+
+
+def _load(name_or_path: str, path: str, quantization: str, dev: torch.device,
+          compute: torch.dtype, local: bool, cpu_path: runtime.Path | None = None,
+          lib=None) -> LoadedModel:
+    """One load of the model on `dev`, computing in `compute`; on a CPU, run by `cpu_path`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    start = time.perf_counter()
+    _return_large_buffers_to_os()
     kwargs: dict = {}
     label, how = quantization, ""
     if quantization == "nf4":
@@ -81,6 +135,11 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=compute)
             kwargs["dtype"] = compute
+            if cpu_path is not None and compute == torch.float32 \
+                    and _saved_dtype(path) == torch.bfloat16:
+                # Loaded as saved, then widened (`widen_to_float32`): no float32 copy of the
+                # whole file while it loads (peak 1.7 -> 0.9 GB for the embedded target).
+                kwargs["dtype"] = torch.bfloat16
     else:
         kwargs["dtype"] = torch.float32 if dev.type == "cpu" else compute
     try:
@@ -99,26 +158,59 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             f"network access, or pass a local path. Details: {str(e).splitlines()[0]}") from e
     model.eval()
     _release_freed_memory()
-    if dev.type == "cpu":
-        _copy_out_of_file_mapping(model)
-        _release_freed_memory()
-        if quantization == "nf4" and not fast_cpu_nf4(model):
-            if kernel_cpu_nf4(model):
-                how = "specchat's AVX2 NF4 kernel"
-            if dense_cpu_nf4(model):  # layers the kernel does not take, if any
-                how = how or f"dequantized once to {str(compute).removeprefix('torch.')}"
-        fast_lm_head(model)
-        if name_or_path in ("", EMBEDDED) and gguf_q8_head(model, gguf_path()):
-            how = f"{how}, LM head from the GGUF's Q8_0" if how else "LM head from the GGUF's Q8_0"
-        if compute == torch.float32 and kernel_cpu_linears(model):
-            how = how or "float32 from bf16 copies, specchat's AVX2 kernel"
-        kernel_cpu_norms(model)
-        use_row_exact_attention(model)  # greedy speculation = plain greedy, bit for bit
-    if name_or_path in ("", EMBEDDED):
+    embedded = name_or_path in ("", EMBEDDED)
+    if cpu_path is not None:
+        how = _run_on_cpu(model, cpu_path, lib, quantization == "nf4", embedded,
+                          widen=kwargs["dtype"] != cpu_path.compute)
+    if embedded:
         name_or_path = EMBEDDED_NAME
     _keep_step_buffers()
     return LoadedModel(model, tokenizer, name_or_path, label, dev, time.perf_counter() - start,
                        how)
+
+
+def _saved_dtype(path: str) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights were saved in."""
+    from transformers import AutoConfig
+
+    try:
+        saved = AutoConfig.from_pretrained(path).get_text_config().dtype
+    except (OSError, ValueError):
+        return None
+    return getattr(torch, saved) if isinstance(saved, str) else saved
+
+
+def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
+                widen: bool) -> str:
+    """Give a freshly loaded CPU model the forwards of `cpu_path` (`lib`: its kernels build);
+    `widen`: the model was loaded in bf16 for a float32 path. Returns how it runs, in words,
+    for its label."""
+    _copy_out_of_file_mapping(model)
+    _release_freed_memory()
+    how = []
+    # The GGUF's head first: it reads a copy of its own, so the tied table can stay bf16, and a
+    # bf16 copy for `fast_lm_head` would raise the peak by 336 MB.
+    q8_head = embedded and gguf_q8_head(model, gguf_path(), lib)
+    if q8_head:
+        how.append("LM head from the GGUF's Q8_0")
+    if widen:
+        widen_to_float32(model, keep_table=q8_head)
+    if nf4:
+        if cpu_path.fused_nf4 and fast_cpu_nf4(model):
+            how.append("bitsandbytes' fused NF4 kernel")
+        elif kernel_cpu_nf4(model, lib):
+            how.append(f"specchat's {lib.variant} NF4 kernel")
+        if dense_cpu_nf4(model):  # layers no kernel takes, if any
+            how.append(f"NF4 dequantized once to {str(cpu_path.compute).removeprefix('torch.')}")
+    if not q8_head:
+        fast_lm_head(model, lib)
+    if cpu_path.compute == torch.float32 and kernel_cpu_linears(model, lib):
+        how.append(f"float32 from bf16 copies ({lib.variant} kernel)")
+    if cpu_path.compute == torch.float32 and (compact_embeddings(model) or widen and q8_head):
+        how.append("bf16 embedding table")
+    kernel_cpu_norms(model, lib)
+    use_row_exact_attention(model, lib)  # greedy speculation = plain greedy, bit for bit
+    return ", ".join(how)
 
 
 def _drop_construction_copies(tokenizer) -> None:

@@ -1,8 +1,13 @@
 """What loading a model returns, and the error it raises."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
+
+from specchat.models.attention import is_row_exact, tree_masks_supported
+from specchat.models.runtime import Runtime
 
 
 class ModelLoadError(RuntimeError):
@@ -18,8 +23,31 @@ class LoadedModel:
     device: torch.device
     load_s: float
     compute: str = ""  # how it runs, where not obvious: "dequantized once to float32"
+    runtime: Runtime | None = None  # the path taken and what it proved (models.runtime)
 
     @property
     def label(self) -> str:
         how = f", {self.compute}" if self.compute else ""
-        return f"{self.name} [{self.quantization}{how}, {self.device.type}]"
+        where = self.runtime.path if self.runtime is not None else self.device.type
+        return f"{self.name} [{self.quantization}{how}, {where}]"
+
+    # -- what the engine reads: capabilities, never CPU details -------------------------------
+
+    @property
+    def row_exact(self) -> bool:
+        """A verify's logits are the one-token steps' logits, bit for bit: proved at load, or
+        (a model built by hand, as in tests) promised by its row-exact attention."""
+        if self.runtime is not None:
+            return self.runtime.row_exact
+        return is_row_exact(self.model)
+
+    @property
+    def paged_cache(self) -> bool:
+        """Its caches must be `kvcache.PagedLayer`s (the row-exact attention reads keys in
+        place, each at the same slot in every call)."""
+        return is_row_exact(self.model)
+
+    @property
+    def tree_masks(self) -> bool:
+        """Its attention takes a draft tree's mask (flash attention takes none)."""
+        return tree_masks_supported(self.model)

@@ -25,7 +25,8 @@ import torch
 from transformers import DynamicCache
 
 from specchat.core.features import FeatureTap
-from specchat.core.kvcache import PagedLayer, tree_masks_supported
+from specchat.core.kvcache import PagedLayer
+from specchat.models.attention import tree_masks_supported
 
 
 @dataclass

@@ -41,7 +41,7 @@ def _is_sampled(p: dict) -> bool:
 
 def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline: float,
                             path: Path, bar) -> int:
-    from specchat.core.attention import stock_attention
+    from specchat.models.attention import stock_attention
     from specchat.core.text import stop_check
     from specchat.models.cpu import dense_nf4
     from specchat.train.batched import sample_with_features

@@ -17,6 +17,7 @@ from specchat.core.events import (
     StepRecord,
     TokenEvent,
 )
+from specchat.paths import assets_dir
 from specchat.ui.inspector import ghost_html, step_cards, step_charts
 from specchat.ui.state import ModelSlot, Session, Turn
 
@@ -285,9 +286,15 @@ def models_html(slot: ModelSlot) -> str:
                   "continues text rather than chatting, so <b>Completion</b> mode suits it (try "
                   "an example below the chat). Real chat needs an instruct model: a preset on "
                   "a GPU, e.g. <code>python app.py --preset qwen2.5-7b</code>.</div>")
+    runtime = getattr(engine.target, "runtime", None)  # None for a serving backend
+    if runtime is not None and not runtime.row_exact:
+        notes += f'<div class="sc-note">⚠ {html.escape(runtime.lossless_note)}</div>'
     target = html.escape(slot.redact(engine.target.label))
+    cpu = (f'<span title="{html.escape(runtime.proof)}">Runs on: <code>'
+           f"{html.escape(runtime.cpu)}</code></span>" if runtime is not None else "")
     return (f'<div class="sc-models"><span>Target: <code>{target}'
-            f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span></div>{notes}")
+            f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span>{cpu}</div>"
+            f"{notes}")
 
 
 def status_html(slot: ModelSlot) -> str:
@@ -302,7 +309,7 @@ def status_html(slot: ModelSlot) -> str:
     return (f'<div class="sc-status sc-status-loading"><span class="sc-spinner"></span>Loading '
             f"models… {elapsed:.0f} s ({last})</div>{share}")
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = assets_dir()
 
 
 def asset(name: str) -> str:

@@ -14,10 +14,12 @@ embedded target the rest of the model is row-exact already (norms, MLPs, bitsand
 NF4 kernel, the bf16 LM head), so with this attention a verify forward's logits equal plain
 decoding's, bit for bit, and so does the reply (tests/test_real_model.py).
 
-Where specchat's kernels build (`models.kernels`), narrow forwards run `kernels.attend`
-instead: each query row alone, slot by slot, reading keys and values where the cache holds them.
-It is row-exact by construction, and for a few rows far cheaper than sdpa's CPU kernel with its
-packed mask and padded keys (docs/cpu.md). Without the kernels the packed sdpa path below runs.
+Where the model runtime's path has specchat's kernels (`models.runtime`), narrow forwards run
+their `attend` instead: each query row alone, slot by slot, reading keys and values where the
+cache holds them. It is row-exact by construction, and for a few rows far cheaper than sdpa's
+CPU kernel with its packed mask and padded keys (docs/cpu.md). Without kernels the packed sdpa
+path below runs. Each kernels build registers its own attention name (`register`), so the name
+a model's config holds says which attention it runs.
 
 Conditions:
 - Keys sit at the same slot in every call: the cache holds every token from slot 0, sliding-
@@ -31,28 +33,30 @@ Conditions:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specchat.core.kvcache import has_spare_slots
 from specchat.models import kernels
 
-NAME = "specchat_sdpa"
+NAME = "specchat_sdpa"  # without kernels; with them f"{NAME}_{variant}" (`register`)
 PAGE = 64  # keys are padded to a multiple of this many slots
 WIDE = 64  # query rows from which the stock sdpa runs instead (prompt encoding)
 
 
 def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                   is_causal=None, **kwargs):
+                   is_causal=None, lib=None, **kwargs):
     """transformers' attention-function signature: query [B, H, Q, D], key/value [B, KV, S, D],
-    attention_mask bool [B, 1, Q, >=S] or None (causal). Returns ([B, Q, H, D], None)."""
+    attention_mask bool [B, 1, Q, >=S] or None (causal). Returns ([B, Q, H, D], None).
+    `lib`: the runtime's kernels (`kernels.load`), or None for the packed sdpa path."""
     batch, heads, rows, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     if rows >= WIDE or kwargs.get("softcap") is not None or heads % kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    lib = kernels.load()
     if lib is not None and not module.training and dim % 8 == 0 \
             and key.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16) \
             and key.stride(3) == 1 and value.stride(3) == 1 \
@@ -136,34 +140,59 @@ def padded(states: torch.Tensor, slots: int) -> torch.Tensor:
     last = states.storage_offset() + sum((n - 1) * st for n, st in zip(size, states.stride()))
     if states.stride(2) == states.shape[3] and states.stride(3) == 1 \
             and last < states.untyped_storage().nbytes() // states.element_size() \
-            and getattr(states, "_specchat_paged", False):
+            and has_spare_slots(states):
         return states.as_strided(size, states.stride())
     return F.pad(states, (0, 0, 0, slots - states.shape[2]))
 
 
-def register() -> None:
+def register(lib=None) -> str:
+    """Register the row-exact attention with `lib`'s kernels (None: the packed sdpa path) under
+    its own name with transformers; returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, row_exact_sdpa)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    name = NAME if lib is None else f"{NAME}_{lib.variant}"
+    if name not in _registered:
+        AttentionInterface.register(name, functools.partial(row_exact_sdpa, lib=lib))
+        AttentionMaskInterface.register(name, sdpa_mask)
+        _registered.add(name)
+    return name
 
 
-def use_row_exact_attention(model) -> bool:
-    """Switch a CPU model from sdpa to `row_exact_sdpa`. Returns whether it was switched.
+_registered: set[str] = set()
+
+
+def use_row_exact_attention(model, lib=None) -> bool:
+    """Switch a CPU model from sdpa to the row-exact attention, with `lib`'s kernels (None: the
+    packed sdpa path). Returns whether it was switched.
 
     Only on CPU (the exactness was measured there; CUDA's NF4 kernels differ by row count
-    anyway) and only from sdpa, which takes the same masks."""
+    anyway) and only from sdpa or another row-exact attention, which take the same masks."""
     config = model.config.get_text_config()
-    if getattr(config, "_attn_implementation", None) != "sdpa" or model.device.type != "cpu":
+    impl = getattr(config, "_attn_implementation", None)
+    if (impl != "sdpa" and not is_row_exact(model)) or model.device.type != "cpu":
         return False
-    register()
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(register(lib))
     return True
 
 
 def is_row_exact(model) -> bool:
-    return getattr(model.config.get_text_config(), "_attn_implementation", None) == NAME
+    """Whether the model attends through `row_exact_sdpa` (with or without kernels)."""
+    impl = getattr(model.config.get_text_config(), "_attn_implementation", None) or ""
+    return impl == NAME or impl.startswith(f"{NAME}_")
+
+
+def tree_masks_supported(model) -> bool:
+    """Can this model's attention take an arbitrary mask (sdpa, eager, row-exact; not flash),
+    and does it have only causal and sliding-window layers, named in `layer_types` when there
+    is a window?"""
+    config = model.config.get_text_config()
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds and getattr(config, "sliding_window", None):
+        return False  # which layers slide is not said: keep to chains
+    return (impl in ("sdpa", "eager") or is_row_exact(model)) \
+        and kinds <= {"full_attention", "sliding_attention"}
 
 
 @contextlib.contextmanager
@@ -171,11 +200,12 @@ def stock_attention(model):
     """transformers' sdpa while active, on a model switched to `row_exact_sdpa`: for batched
     decoding (`batched.sample_with_features`), where no reply has to match another's bit for
     bit, and the packed path's mask for 64 rows costs more than the step's matmuls."""
-    exact = is_row_exact(model)
+    exact = getattr(model.config.get_text_config(), "_attn_implementation", None) \
+        if is_row_exact(model) else None
     if exact:
         model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
         if exact:
-            model.set_attn_implementation(NAME)
+            model.set_attn_implementation(exact)

@@ -1,0 +1,157 @@
+// specchat's CPU kernels: products y[n, O] = x[n, I] @ W^T for weights kept compact (bitsandbytes'
+// NF4 in nf4.c, bf16 in bf16.c, GGUF's Q8_0 in q8_0.c), the attention of a few query rows over
+// the KV cache (attention.c) and Gemma's RMSNorm (norms.c). Compiled together into one library
+// by specchat/models/kernels.py on first use; called through ctypes with torch tensors' pointers.
+//
+// Each output y[j, o] is computed by the same instructions in the same order whatever n is:
+// W's row o is decoded to float32 (exactly the value bitsandbytes' dequantize gives), then
+// dotted with x's row j in one 8-wide accumulator over the row in order (NF4: over each block,
+// then scaled once per block), then summed in a fixed order. So a row's result is the same bits
+// alone or among any number of rows, which is what keeps greedy speculative decoding identical
+// to plain greedy decoding.
+//
+// Two builds of the same files:
+// - the SIMD build (x86 with AVX2 + FMA + F16C: -mavx2 -mfma -mf16c) has the SIMD kernels
+//   (`nf4_matmul`, ...) and, beside each, its plain-C reference (`nf4_matmul_ref`, ...);
+// - the portable build (no ISA flags; any CPU with a C compiler) has only the references.
+// A reference emulates its kernel's SIMD lanes with small float arrays: the same fused
+// multiply-adds (`fmaf`), lane by lane, in the same order, then the same horizontal sum
+// (`sum_lanes8`, `sum_lanes16`). It gives the same bits as the kernel for every input, and it is
+// the plain statement of the kernel's arithmetic. Both builds use -ffp-contract=off, so that the
+// compiler fuses no a * b + c on its own (the SIMD kernels' machine code is the same with it).
+#ifndef SPECCHAT_KERNELS_COMMON_H
+#define SPECCHAT_KERNELS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECCHAT_SIMD 1
+#include <immintrin.h>
+#else
+#define SPECCHAT_SIMD 0
+#endif
+
+#define MAX_IN 16384  // floats of one decoded weight row (on the stack, OUT_TILE of them)
+#define OUT_TILE 4     // weight rows decoded and used together
+#define X_TILE 2       // rows of x per pass over them
+
+// ---- plain C, both builds -------------------------------------------------------------------
+
+// The sum of an 8-wide accumulator's lanes in `hsum`'s order: the high half onto the low half,
+// then lanes 2, 3 onto 0, 1, then lane 1 onto lane 0.
+static inline float sum_lanes8(const float v[8]) {
+    const float s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+// `hsum16`'s order (q8_0.c): the high 8 lanes onto the low 8, then `sum_lanes8`.
+static inline float sum_lanes16(const float v[16]) {
+    float h[8];
+    for (int l = 0; l < 8; l++) h[l] = v[l] + v[l + 8];
+    return sum_lanes8(h);
+}
+
+static inline float bf16_to_float(uint16_t h) {  // exact
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// fp16 -> float32, exactly, as F16C's vcvtph2ps does (subnormals kept, NaNs made quiet)
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 31)
+        u = sign | 0x7f800000u | (m ? 0x400000u | m << 13 : 0);  // infinity, NaN
+    else if (e)
+        u = sign | (e + 112) << 23 | m << 13;
+    else {  // zero or subnormal: m * 2^-24, exact in float32
+        const float f = (float)m * 0x1p-24f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// value c of a key, value or input row, float32 or bf16 (widened exactly)
+static inline float load1(const void *row, int64_t c, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[c]) : ((const float *)row)[c];
+}
+
+// ---- SIMD build only --------------------------------------------------------------------------
+#if SPECCHAT_SIMD
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+// y[j * out + o] for no decoded weight rows w (stride in) and nj rows of x (stride in). Every
+// (o, j) is one 8-wide accumulator over k in order, then `hsum`: the tiling changes nothing.
+static inline __attribute__((always_inline)) void tile(int no, int nj, const float *w,
+                                                       const float *x, int64_t in, float *y,
+                                                       int64_t out) {
+    __m256 acc[OUT_TILE][X_TILE];
+    for (int o = 0; o < no; o++)
+        for (int j = 0; j < nj; j++) acc[o][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k += 8) {
+        __m256 xv[X_TILE];
+        for (int j = 0; j < nj; j++) xv[j] = _mm256_loadu_ps(x + j * in + k);
+        for (int o = 0; o < no; o++) {
+            __m256 wv = _mm256_load_ps(w + o * in + k);
+            for (int j = 0; j < nj; j++) acc[o][j] = _mm256_fmadd_ps(wv, xv[j], acc[o][j]);
+        }
+    }
+    for (int o = 0; o < no; o++)
+        for (int j = 0; j < nj; j++) y[j * out + o] = hsum(acc[o][j]);
+}
+
+#define TILE(NO, NJ) tile(NO, NJ, w, x + j * in, in, y + j * out, out)
+
+// all rows of x against no (<= OUT_TILE) decoded weight rows; constant tile shapes, so the
+// accumulators stay in registers. A function of its own (noinline), called once per group of
+// weight rows.
+static __attribute__((noinline, unused)) void rows(int no, const float *w, const float *x,
+                                                   int64_t n, int64_t in, float *y,
+                                                   int64_t out) {
+    for (int64_t j = 0; j < n; j += X_TILE) {
+        int two = n - j >= 2;
+        switch (no * 2 + two) {
+            case 2: TILE(1, 1); break;
+            case 3: TILE(1, 2); break;
+            case 4: TILE(2, 1); break;
+            case 5: TILE(2, 2); break;
+            case 6: TILE(3, 1); break;
+            case 7: TILE(3, 2); break;
+            case 8: TILE(4, 1); break;
+            case 9: TILE(4, 2); break;
+        }
+    }
+}
+
+#undef TILE
+
+// 8 values of a key, value or input row, float32 or bf16 (widened exactly)
+static inline __m256 load8(const void *row, int64_t c, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + c);
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+#endif  // SPECCHAT_SIMD
+#endif  // SPECCHAT_KERNELS_COMMON_H

@@ -1,0 +1,452 @@
+// GGUF Q8_0 weights [out, in] as int8 values q and one fp16 scale d per 32 values (the file's,
+// widened exactly in registers): W = q * d, which float32 holds exactly (a 7-bit integer times
+// an 11-bit mantissa). Half the bytes of bf16. Requires in % 32 == 0.
+//
+// y[j, o] = hsum(acc), acc = fma(q * d, x[j], acc) over the row in order, 8 wide, as for the
+// other weights. One input row streams the weights (memory bounds it); from two rows on, the FMAs
+// bound it, so a few weight rows are decoded in registers and dotted with tiles of up to
+// Q8_TILE_X input rows at once (8 or 10 accumulators), no buffer in between. Both paths do the
+// same arithmetic in the same order for each (o, j).
+//
+// The same products 16 wide (`q8_0_matmul_avx512`), for CPUs with AVX-512: twice the FMA
+// width and 32 registers. One 16-wide accumulator per (o, j) over the row in order, then a fixed
+// reduction: other bits than the 8-wide kernel's, so a process uses one of the two for every
+// row count (kernels.py picks), and rows stay the same bits alone or among others.
+#include "common.h"
+
+// The references: acc over the row `width` lanes wide (8: `q8_0_matmul`, 16:
+// `q8_0_matmul_avx512`), then the kernel's horizontal sum.
+static void q8_ref(int width, const float *x, int64_t n, int64_t in, const int8_t *q,
+                   const uint16_t *d, float *y, int64_t out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < n; j++) {
+            const int8_t *qo = q + o * in;
+            const float *xj = x + j * in;
+            float acc[16] = {0};
+            for (int64_t k = 0; k < in; k += width) {
+                const float scale = half_to_float(d[o * (in / 32) + k / 32]);
+                for (int l = 0; l < width; l++)
+                    acc[l] = fmaf((float)qo[k + l] * scale, xj[k + l], acc[l]);  // q * d: exact
+            }
+            y[j * out + o] = width == 16 ? sum_lanes16(acc) : sum_lanes8(acc);
+        }
+}
+
+void q8_0_matmul_ref(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
+                     float *y, int64_t out, int threads) {
+    q8_ref(8, x, n, in, q, d, y, out, threads);
+}
+
+void q8_0_matmul16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
+                       const uint16_t *d, float *y, int64_t out, int threads) {
+    q8_ref(16, x, n, in, q, d, y, out, threads);
+}
+
+#if SPECCHAT_SIMD
+#define Q8_TILE_X 5
+
+static inline __attribute__((always_inline)) __m256 q8_decode8(const int8_t *q, __m256 scale) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                             _mm_loadl_epi64((const __m128i *)q))), scale);
+}
+
+// R weight rows from q / d (row stride in, in / 32) against J input rows of x (stride in)
+static inline __attribute__((always_inline)) void q8_tile(int R, int J, const int8_t *q,
+                                                          const uint16_t *d, const float *x,
+                                                          int64_t in, float *y, int64_t out) {
+    __m256 acc[4][Q8_TILE_X];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < in; b += 32) {
+        __m256 scale[4];
+        for (int r = 0; r < R; r++) scale[r] = _mm256_set1_ps(_cvtsh_ss(d[r * (in / 32) + b / 32]));
+        for (int64_t k = b; k < b + 32; k += 8) {
+            __m256 w[4];
+            for (int r = 0; r < R; r++) w[r] = q8_decode8(q + r * in + k, scale[r]);
+            for (int j = 0; j < J; j++) {
+                const __m256 xv = _mm256_loadu_ps(x + j * in + k);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(w[r], xv, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[j * out + r] = hsum(acc[r][j]);
+}
+
+#define Q8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+Q8_512 static inline __attribute__((always_inline)) __m512 q8_decode16(const int8_t *q,
+                                                                        __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                             _mm_loadu_si128((const __m128i *)q))), scale);
+}
+
+Q8_512 static inline float hsum16(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+Q8_512 static inline __attribute__((always_inline)) void q8_tile16(int R, int J,
+                                                                   const int8_t *q,
+                                                                   const uint16_t *d,
+                                                                   const float *x, int64_t in,
+                                                                   float *y, int64_t out) {
+    __m512 acc[4][Q8_TILE_X];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < in; b += 32) {
+        __m512 scale[4];
+        for (int r = 0; r < R; r++) scale[r] = _mm512_set1_ps(_cvtsh_ss(d[r * (in / 32) + b / 32]));
+        for (int64_t k = b; k < b + 32; k += 16) {
+            __m512 w[4];
+            for (int r = 0; r < R; r++) w[r] = q8_decode16(q + r * in + k, scale[r]);
+            for (int j = 0; j < J; j++) {
+                const __m512 xv = _mm512_loadu_ps(x + j * in + k);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(w[r], xv, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[j * out + r] = hsum16(acc[r][j]);
+}
+
+// one function per tile shape: each keeps its accumulators in registers
+#define Q8_TILE16_FN(RR, JJ)                                                                  \
+    Q8_512 __attribute__((noinline)) static void q8_tile16_##RR##_##JJ(                       \
+        const int8_t *q, const uint16_t *d, const float *x, int64_t in, float *y, int64_t out) { \
+        q8_tile16(RR, JJ, q, d, x, in, y, out);                                               \
+    }
+Q8_TILE16_FN(1, 1) Q8_TILE16_FN(1, 2) Q8_TILE16_FN(1, 3) Q8_TILE16_FN(1, 4) Q8_TILE16_FN(1, 5)
+Q8_TILE16_FN(2, 1) Q8_TILE16_FN(2, 2) Q8_TILE16_FN(2, 3) Q8_TILE16_FN(2, 4) Q8_TILE16_FN(2, 5)
+Q8_TILE16_FN(3, 1) Q8_TILE16_FN(3, 2) Q8_TILE16_FN(3, 3) Q8_TILE16_FN(3, 4) Q8_TILE16_FN(3, 5)
+Q8_TILE16_FN(4, 1) Q8_TILE16_FN(4, 2) Q8_TILE16_FN(4, 3) Q8_TILE16_FN(4, 4) Q8_TILE16_FN(4, 5)
+#undef Q8_TILE16_FN
+
+typedef void (*q8_tile_fn)(const int8_t *, const uint16_t *, const float *, int64_t, float *,
+                           int64_t);
+static const q8_tile_fn q8_tiles16[4][Q8_TILE_X] = {
+    {q8_tile16_1_1, q8_tile16_1_2, q8_tile16_1_3, q8_tile16_1_4, q8_tile16_1_5},
+    {q8_tile16_2_1, q8_tile16_2_2, q8_tile16_2_3, q8_tile16_2_4, q8_tile16_2_5},
+    {q8_tile16_3_1, q8_tile16_3_2, q8_tile16_3_3, q8_tile16_3_4, q8_tile16_3_5},
+    {q8_tile16_4_1, q8_tile16_4_2, q8_tile16_4_3, q8_tile16_4_4, q8_tile16_4_5}};
+
+// 4 weight rows (32 registers: up to 4 x 5 accumulators) against tiles of up to 5 input rows,
+// a block of Q8_BLOCK weight rows at a time: the block stays in cache for every tile after the
+// first, and each tile writes whole cache lines of y.
+#define Q8_BLOCK 64
+Q8_512 void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
+                               const uint16_t *d, float *y, int64_t out, int threads) {
+    const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
+        const int64_t b1 = out - b0 < Q8_BLOCK ? out : b0 + Q8_BLOCK;
+        for (int64_t j = 0; j < n; j += per) {
+            const int J = n - j < per ? (int)(n - j) : (int)per;
+            for (int64_t o0 = b0; o0 < b1; o0 += 4) {
+                const int R = b1 - o0 >= 4 ? 4 : (int)(b1 - o0);
+                q8_tiles16[R - 1][J - 1](q + o0 * in, d + o0 * (in / 32), x + j * in, in,
+                                         y + j * out + o0, out);
+            }
+        }
+    }
+}
+
+#define Q8_TILE8_FN(RR, JJ)                                                                   \
+    __attribute__((noinline)) static void q8_tile8_##RR##_##JJ(                               \
+        const int8_t *q, const uint16_t *d, const float *x, int64_t in, float *y, int64_t out) { \
+        q8_tile(RR, JJ, q, d, x, in, y, out);                                                 \
+    }
+Q8_TILE8_FN(1, 1) Q8_TILE8_FN(1, 2) Q8_TILE8_FN(1, 3) Q8_TILE8_FN(1, 4) Q8_TILE8_FN(1, 5)
+Q8_TILE8_FN(2, 1) Q8_TILE8_FN(2, 2) Q8_TILE8_FN(2, 3) Q8_TILE8_FN(2, 4) Q8_TILE8_FN(2, 5)
+Q8_TILE8_FN(3, 2) Q8_TILE8_FN(4, 2)
+#undef Q8_TILE8_FN
+
+static const q8_tile_fn q8_tiles8[4][Q8_TILE_X] = {
+    {q8_tile8_1_1, q8_tile8_1_2, q8_tile8_1_3, q8_tile8_1_4, q8_tile8_1_5},
+    {q8_tile8_2_1, q8_tile8_2_2, q8_tile8_2_3, q8_tile8_2_4, q8_tile8_2_5},
+    {0, q8_tile8_3_2, 0, 0, 0},  // a block's last rows when 4 are decoded together (n = 2)
+    {0, q8_tile8_4_2, 0, 0, 0}};
+
+void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
+                 float *y, int64_t out, int threads) {
+    if (n == 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
+            float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));
+            int no = out - o0 < OUT_TILE ? (int)(out - o0) : OUT_TILE;
+            for (int64_t c = 0; c < no * in; c += 32) {
+                const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[(o0 * in + c) / 32]));
+                for (int64_t e = c; e < c + 32; e += 8)
+                    _mm256_store_ps(w + e, q8_decode8(q + o0 * in + e, scale));
+            }
+            rows(no, w, x, n, in, y + o0, out);
+        }
+        return;
+    }
+    const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
+    const int step = n == 2 ? 4 : 2;  // weight rows decoded together: 8 or 10 accumulators
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
+        const int64_t b1 = out - b0 < Q8_BLOCK ? out : b0 + Q8_BLOCK;
+        for (int64_t j = 0; j < n; j += per) {
+            const int J = n - j < per ? (int)(n - j) : (int)per;
+            for (int64_t o0 = b0; o0 < b1; o0 += step) {
+                const int R = b1 - o0 >= step ? step : (int)(b1 - o0);
+                q8_tiles8[R - 1][J - 1](q + o0 * in, d + o0 * (in / 32), x + j * in, in,
+                                        y + j * out + o0, out);
+            }
+        }
+    }
+}
+#endif  // SPECCHAT_SIMD
+
+// ---- integer dot products: `q8_0_matmul_i8` ---------------------------------------------------
+// The same product y = x @ (q * d)^T with the activations quantized too, as llama.cpp computes
+// Q8_0 products (`quantize_row_q8_0` for x, then `ggml_vec_dot_q8_0_q8_0`): integer dot products
+// of 32 int8 pairs per block, scaled once per block. Fewer instructions per weight than widening
+// q to float, and other bits than `q8_0_matmul` (x is rounded to 8 bits per block first).
+//
+// 1. Each row of x is quantized once per call, per block of 32 values, as llama.cpp quantizes
+//    activations to Q8_0 (but its scale dx kept in float32, not rounded to fp16):
+//      amax = max |x|, dx = amax / 127.0f, id = dx != 0 ? 1.0f / dx : 0.0f,
+//      qx = nearest-even rounding of x * id (|x * id| < 127.5, so qx in [-127, 127]).
+//    Two cases llama.cpp leaves undefined are defined here: where 1 / dx overflows (amax below
+//    about 3.7e-37), id = 0 (the block's qx are 0); where the block holds an infinity or a NaN,
+//    qx = 0 and dx = NaN, so every output of that row is NaN. (amax is taken on the bits of |x|,
+//    as integers, which orders non-negative floats as floats do and puts NaNs above all.)
+// 2. For each (o, j): eight float lanes acc = 0; for each block b in order,
+//      s[l] = sum of q[o, 32b + 4l + t] * qx[j, 32b + 4l + t] for t = 0..3 (int32, exact),
+//      acc[l] = fmaf((float)s[l], dw * dx, acc[l])  (dw the fp16 scale widened exactly; one
+//      float multiply, then one fused multiply-add; |s| <= 4 * 128 * 127, exact in float),
+//    then y[j, o] = `sum_lanes8`(acc) (`hsum`'s order).
+// The AVX2 kernel's lanes: vpmaddubsw of |q| (unsigned) with qx signed by q (the sign trick),
+//    then vpmaddwd with ones, leave s[l] in int32 lane l. A weight byte of -128 is exact: its
+//    |q| is 128 as an unsigned byte, and 128 * 127 + 127 * 127 = 32385 fits an int16 (no
+//    saturation), because |qx| <= 127. (llama.cpp's Q8_0 files hold no -128; others may.)
+// Integer sums are exact in any order, so every (o, j) gets the same bits whatever n, the tiling
+// or the thread count: the kernel is row-exact.
+
+// dx of a block whose max |x| has the bits amax_bits; *id the factor that quantizes it
+static inline float q8i_scale(uint32_t amax_bits, float *id) {
+    if (amax_bits >= 0x7f800000u) {  // an infinity or a NaN in the block
+        *id = 0.0f;
+        return __builtin_nanf("");
+    }
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    const float dx = amax / 127.0f;
+    float inv = dx != 0.0f ? 1.0f / dx : 0.0f;
+    if (!(inv <= 0x1.fffffep127f)) inv = 0.0f;  // 1 / dx overflowed: dx tinier than 2^-128
+    *id = inv;
+    return dx;
+}
+
+// x [n, in] -> qx [n, in] (int8) and dx [n, in / 32], plain C
+static void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
+    for (int64_t b = 0; b < n * in / 32; b++) {
+        const float *xb = x + 32 * b;
+        uint32_t m = 0;
+        for (int t = 0; t < 32; t++) {
+            uint32_t u;
+            memcpy(&u, xb + t, 4);
+            u &= 0x7fffffffu;
+            m = u > m ? u : m;
+        }
+        float id;
+        dx[b] = q8i_scale(m, &id);
+        for (int t = 0; t < 32; t++)
+            qx[32 * b + t] = id == 0.0f ? 0 : (int8_t)nearbyintf(xb[t] * id);
+    }
+}
+
+void q8_0_matmul_i8_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
+                        const uint16_t *d, float *y, int64_t out, int threads) {
+    const int64_t nb = in / 32;
+    int8_t *qx = malloc((size_t)(n * in));
+    float *dx = malloc((size_t)(n * nb) * sizeof(float));
+    if (!qx || !dx) {  // no memory: say so in the output rather than return stale values
+        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+        free(qx);
+        free(dx);
+        return;
+    }
+    q8i_quantize_ref(x, n, in, qx, dx);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < n; j++) {
+            const int8_t *qo = q + o * in, *xj = qx + j * in;
+            float acc[8] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const float f = half_to_float(d[o * nb + b]) * dx[j * nb + b];
+                for (int l = 0; l < 8; l++) {
+                    int32_t s = 0;
+                    for (int t = 4 * l; t < 4 * l + 4; t++)
+                        s += (int32_t)qo[32 * b + t] * (int32_t)xj[32 * b + t];
+                    acc[l] = fmaf((float)s, f, acc[l]);
+                }
+            }
+            y[j * out + o] = sum_lanes8(acc);
+        }
+    free(qx);
+    free(dx);
+}
+
+#if SPECCHAT_SIMD
+// Tiles: one or two input rows are bound by streaming the weights (memory), so a tile takes one
+// weight row at a time (one stream, measured the fastest); from three rows on, the arithmetic
+// bounds it, so a tile takes 2 weight rows x up to 5 input rows (10 accumulators in registers),
+// a block of Q8_BLOCK weight rows at a time (it stays in cache for each tile of input rows).
+#define Q8I_R 2         // most weight rows of a tile
+#define Q8I_J 5         // most input rows of a tile
+#define Q8I_AHEAD 2048  // bytes of weights prefetched ahead of each row
+
+// x [n, in] -> qx, dx as `q8i_quantize_ref` does, 32 values at a time
+static void q8i_quantize(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lanes
+    for (int64_t b = 0; b < n * in / 32; b++) {
+        __m256 v[4];
+        __m256i m = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask));
+        }
+        __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+        h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+        h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+        float id;
+        dx[b] = q8i_scale((uint32_t)_mm_cvtsi128_si32(h), &id);
+        if (id == 0.0f) {
+            _mm256_storeu_si256((__m256i *)(qx + 32 * b), _mm256_setzero_si256());
+            continue;
+        }
+        const __m256 mul = _mm256_set1_ps(id);
+        __m256i i32[4];
+        for (int i = 0; i < 4; i++)
+            i32[i] = _mm256_cvttps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
+                                             _mm256_packs_epi32(i32[2], i32[3]));
+        _mm256_storeu_si256((__m256i *)(qx + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+    }
+}
+
+// f[(r * J + j) * nb + b] = dw[r, b] * dx[j, b] (one float multiply each) for R weight rows'
+// scales d (stride nb) and J input rows' dx (stride nb), 8 blocks at a time: the last 8 end at
+// the row's end (overlapping the previous 8 when nb % 8 != 0; the same values again), so no
+// load reads past a row. Fewer than 8 blocks: one at a time.
+static inline __attribute__((always_inline)) void q8i_factors(int R, int J, const uint16_t *d,
+                                                              const float *dx, int64_t nb,
+                                                              float *f) {
+    if (nb < 8) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < J; j++)
+                for (int64_t b = 0; b < nb; b++)
+                    f[(r * J + j) * nb + b] = _cvtsh_ss(d[r * nb + b]) * dx[j * nb + b];
+        return;
+    }
+    for (int64_t b = 0;; b += 8) {
+        if (b > nb - 8) b = nb - 8;
+        for (int r = 0; r < R; r++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + r * nb + b)));
+            for (int j = 0; j < J; j++)
+                _mm256_storeu_ps(f + (r * J + j) * nb + b,
+                                 _mm256_mul_ps(dw, _mm256_loadu_ps(dx + j * nb + b)));
+        }
+        if (b == nb - 8) break;
+    }
+}
+
+// y[j * out + r] for R weight rows from q / d (row stride in, nb) against J quantized input rows
+// qx / dx (stride in, nb); f: room for the R * J * nb block factors dw * dx (`q8i_factors`),
+// computed first, then broadcast from there.
+static inline __attribute__((always_inline)) void q8i_tile(int R, int J, const int8_t *q,
+                                                           const uint16_t *d, const int8_t *qx,
+                                                           const float *dx, float *f,
+                                                           int64_t in, float *y, int64_t out) {
+    const int64_t nb = in / 32;
+    q8i_factors(R, J, d, dx, nb, f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[Q8I_R][Q8I_J];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+    int64_t b = 0;
+    do {  // nb >= 1 (a for loop here leaves the accumulators stored to the stack each block)
+        const int64_t k = 32 * b;
+        __m256i w[Q8I_R], wa[Q8I_R];
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)q + r * in + k + Q8I_AHEAD, _MM_HINT_T0);
+            w[r] = _mm256_loadu_si256((const __m256i *)(q + r * in + k));
+            wa[r] = _mm256_sign_epi8(w[r], w[r]);  // |q|: -128 becomes 128 unsigned
+        }
+        for (int j = 0; j < J; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + j * in + k));
+            for (int r = 0; r < R; r++) {
+                const __m256i p = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(xv, w[r]));
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                            _mm256_broadcast_ss(f + (r * J + j) * nb + b),
+                                            acc[r][j]);
+            }
+        }
+    } while (++b < nb);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[j * out + r] = hsum(acc[r][j]);
+}
+
+#define Q8I_TILE_FN(RR, JJ)                                                                   \
+    __attribute__((noinline)) static void q8i_tile_##RR##_##JJ(                               \
+        const int8_t *q, const uint16_t *d, const int8_t *qx, const float *dx, float *f,      \
+        int64_t in, float *y, int64_t out) {                                                  \
+        q8i_tile(RR, JJ, q, d, qx, dx, f, in, y, out);                                        \
+    }
+Q8I_TILE_FN(1, 1) Q8I_TILE_FN(1, 2) Q8I_TILE_FN(1, 3) Q8I_TILE_FN(1, 4) Q8I_TILE_FN(1, 5)
+Q8I_TILE_FN(2, 1) Q8I_TILE_FN(2, 2) Q8I_TILE_FN(2, 3) Q8I_TILE_FN(2, 4) Q8I_TILE_FN(2, 5)
+#undef Q8I_TILE_FN
+
+typedef void (*q8i_tile_fn)(const int8_t *, const uint16_t *, const int8_t *, const float *,
+                            float *, int64_t, float *, int64_t);
+static const q8i_tile_fn q8i_tiles[Q8I_R][Q8I_J] = {
+    {q8i_tile_1_1, q8i_tile_1_2, q8i_tile_1_3, q8i_tile_1_4, q8i_tile_1_5},
+    {q8i_tile_2_1, q8i_tile_2_2, q8i_tile_2_3, q8i_tile_2_4, q8i_tile_2_5}};
+
+void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
+                    float *y, int64_t out, int threads) {
+    if (n <= 0) return;
+    if (in > MAX_IN || in < 32) {  // the factors' buffer is on the stack: the reference's bits
+        q8_0_matmul_i8_ref(x, n, in, q, d, y, out, threads);
+        return;
+    }
+    const int64_t nb = in / 32;
+    int8_t *qx = malloc((size_t)(n * in));
+    float *dx = malloc((size_t)(n * nb) * sizeof(float));
+    if (!qx || !dx) {  // no memory: say so in the output rather than return stale values
+        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+        free(qx);
+        free(dx);
+        return;
+    }
+    q8i_quantize(x, n, in, qx, dx);
+    // input rows in as few tiles as fit, of sizes as equal as can be (11: 4, 4, 3)
+    const int64_t tiles = (n + Q8I_J - 1) / Q8I_J, per = (n + tiles - 1) / tiles;
+    const int step = n <= 2 ? 1 : Q8I_R;  // weight rows per tile
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
+        const int64_t b1 = out - b0 < Q8_BLOCK ? out : b0 + Q8_BLOCK;
+        float f[Q8I_R * Q8I_J * nb];
+        for (int64_t j = 0; j < n; j += per) {
+            const int J = n - j < per ? (int)(n - j) : (int)per;
+            for (int64_t o0 = b0; o0 < b1; o0 += step) {
+                const int R = b1 - o0 >= step ? step : (int)(b1 - o0);
+                q8i_tiles[R - 1][J - 1](q + o0 * in, d + o0 * nb, qx + j * in, dx + j * nb, f, in,
+                                        y + j * out + o0, out);
+            }
+        }
+    }
+    free(qx);
+    free(dx);
+}
+#endif  // SPECCHAT_SIMD

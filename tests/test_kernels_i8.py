@@ -1,0 +1,252 @@
+"""`q8_0_matmul_i8` (models/csrc/q8_0.c): the Q8_0 product by integer dot products, x quantized
+to int8 per block of 32 as llama.cpp quantizes activations. The AVX2 kernel gives its plain-C
+reference's bits (both builds) for 1 to 16 rows and every tile's tail, is row-exact and the same
+for any thread count, handles weight bytes of -128 exactly, and is the float64 product up to
+what the activations' quantization explains (bounded below, not fudged)."""
+
+import ctypes
+import os
+import shutil
+
+import pytest
+import torch
+
+from specchat.models import kernels
+
+ROWS = range(1, 17)
+U = 2.0 ** -24  # float32's unit roundoff
+
+
+def _compiler() -> bool:
+    return shutil.which(os.environ.get("CC", "gcc")) is not None
+
+
+def _simd():
+    """The AVX2 kernel (and the "avx512" variant's, the same function, where this CPU runs it)
+    and every reference that must give its bits: the SIMD build's and the portable build's."""
+    if not kernels.runs_here("avx2"):
+        pytest.skip("this CPU lacks the instructions of the AVX2 kernels")
+    if not _compiler():
+        pytest.skip("no C compiler")
+    lib = kernels.load("avx2")
+    refs = [kernels.reference("avx2", portable=False), kernels.reference("avx2"),
+            kernels.reference("avx512"), kernels.load("ref")]
+    assert lib is not None and None not in refs
+    assert [r.variant for r in refs] == ["ref"] * 4
+    assert refs[0].path == lib.path and refs[1].path != lib.path
+    others = [kernels.load("avx512")] if kernels.runs_here("avx512") else []
+    return lib, refs + others
+
+
+def _portable():
+    if not _compiler():
+        pytest.skip("no C compiler")
+    lib = kernels.load("ref")
+    assert lib is not None and lib.variant == "ref"
+    return lib
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaNs included."""
+    a, b = a.contiguous(), b.contiguous()
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _weights(out: int, inp: int, g: torch.Generator):
+    """int8 weights with some bytes of -128, fp16 scales of both signs, some subnormal."""
+    q = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=g)
+    q[1::5, ::3] = -128
+    d = (torch.rand(out, inp // 32, generator=g) * 0.02 - 0.005).half()
+    d[::7, 0] = torch.tensor(3e-6).half()  # fp16 subnormals
+    d[3::11, -1] = torch.tensor(-6e-8).half()
+    return q, d
+
+
+def _inputs(inp: int, g: torch.Generator, special: bool = True) -> torch.Tensor:
+    """16 rows of several magnitudes; with `special`, blocks the quantization treats apart."""
+    x = torch.randn(16, inp, generator=g) * torch.logspace(-3, 3, 16)[:, None]
+    x[1, 32:64] = 0  # a zero block: dx = 0, id = 0
+    x[2] *= 1e30  # large values
+    x[3, 5] = 4e4  # a block dominated by one value (the others round to few levels)
+    x[4, :32] = torch.arange(32) - 15.5  # halves ...
+    x[4, 31] = 127  # ... with dx = 1, id = 1: ties, rounded to even
+    x[5, 32:64] *= 1e-36 / x[5, 32:64].abs().max()  # amax 1e-36: dx subnormal, 1 / dx finite
+    if special:
+        x[6, :32] *= 1e-42  # 1 / dx overflows: id = 0, the block's qx are 0
+        x[7, 40] = float("inf")  # row 7's outputs: NaN
+        x[8, 0] = float("nan")  # row 8's too
+        x[9] = 0  # every block zero: y = 0
+    return x
+
+
+# ---- the AVX2 kernel gives its references' bits -----------------------------------------------
+
+@pytest.mark.parametrize("out,inp", [(67, 160), (67, 320), (131, 256), (9, 96)])
+def test_i8_kernel_is_its_reference(out, inp):
+    """Blocks per row: 5 and 3 (the block factors one at a time), 10 (8 at a time, the last 8
+    overlapping), 8 (exactly). 67 and 131 weight rows leave a tail of every tiling (blocks of
+    64 rows, tiles of 1 or 2 rows x up to 5 input rows); 9 are fewer than a block."""
+    lib, refs = _simd()
+    g = torch.Generator().manual_seed(out * inp)
+    q, d = _weights(out, inp, g)
+    x = _inputs(inp, g)
+    for n in ROWS:
+        got = kernels.q8_0_matmul_i8(lib, x[:n], q, d)
+        for ref in refs:
+            assert _same_bits(got, kernels.q8_0_matmul_i8(ref, x[:n], q, d)), (ref.path.name, n)
+
+
+def test_i8_special_blocks():
+    """A non-finite value makes its row's outputs NaN (and nothing else); a block whose 1 / dx
+    overflows counts 0; a zero row gives zeros; no rows, no outputs."""
+    lib, refs = _simd()
+    g = torch.Generator().manual_seed(3)
+    q, d = _weights(67, 160, g)
+    x = _inputs(160, g)
+    only_tiny = torch.zeros(1, 160)
+    only_tiny[0, 64:96] = torch.randn(32, generator=g) * 1e-42
+    for k in [lib, *refs]:
+        y = kernels.q8_0_matmul_i8(k, x, q, d)
+        assert y[7].isnan().all() and y[8].isnan().all()
+        assert not y[torch.arange(16) < 7].isnan().any() and not y[9:].isnan().any()
+        assert _same_bits(y[9], torch.zeros(67))
+        assert _same_bits(kernels.q8_0_matmul_i8(k, only_tiny, q, d), torch.zeros(1, 67))
+        without = x[6:7].clone()
+        without[0, :32] = 0  # the tiny block dropped
+        assert _same_bits(y[6:7], kernels.q8_0_matmul_i8(k, without, q, d))
+        assert kernels.q8_0_matmul_i8(k, x[:0], q, d).shape == (0, 67)
+
+
+# ---- row-exact, any thread count ------------------------------------------------------------
+
+def _row_exact(product, x: torch.Tensor) -> torch.Tensor:
+    """Each row alone, against every prefix of the rows and the rows reversed."""
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    for n in range(2, len(x) + 1):
+        assert _same_bits(product(x[:n]), alone[:n]), n
+    assert _same_bits(product(x.flip(0)).flip(0), alone)
+    return alone
+
+
+@pytest.mark.parametrize("which", ["simd", "portable"])
+def test_i8_is_row_exact(which):
+    lib = _simd()[0] if which == "simd" else _portable()
+    g = torch.Generator().manual_seed(4)
+    q, d = _weights(67, 320, g)
+    _row_exact(lambda r: kernels.q8_0_matmul_i8(lib, r, q, d), _inputs(320, g))
+
+
+def _call(function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+          threads: int) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], q.shape[0])
+    function(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), y.data_ptr(),
+             q.shape[0], threads)
+    return y
+
+
+def test_i8_thread_count_changes_no_bits():
+    lib, refs = _simd()
+    g = torch.Generator().manual_seed(5)
+    q, d = _weights(261, 256, g)  # 4 blocks of 64 weight rows and a row
+    x = _inputs(256, g)
+    for function in (lib.q8_0_matmul_i8, refs[1].q8_0_matmul_i8):
+        for n in (1, 2, 5, 11, 16):
+            one = _call(function, x[:n], q, d, 1)
+            for threads in (2, 3, 5):
+                assert _same_bits(_call(function, x[:n], q, d, threads), one), (n, threads)
+
+
+# ---- what it computes -----------------------------------------------------------------------
+
+def _quantize(x: torch.Tensor):
+    """llama.cpp's Q8_0 activation quantization as the kernels do it, in float32: qx [n, nb, 32]
+    (integers) and dx [n, nb], for finite x."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(-1) / 127
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    inv = torch.where(inv.isfinite(), inv, torch.zeros_like(dx))
+    return torch.round(blocks * inv[..., None]), dx  # round: to nearest, ties to even
+
+
+@pytest.mark.parametrize("which", ["simd", "portable"])
+def test_i8_is_the_product_up_to_the_quantization_of_x(which):
+    """Two bounds, each derived, not fitted:
+
+    1. the kernel's floats against the exact product of the quantized activations
+       y_q[j, o] = sum_b dw * dx_b * s_b (s_b the exact integer dot product of block b):
+       each term s * f with f = fl(dw * dx) (one rounding), through a chain of nb fused
+       multiply-adds per lane and 3 additions of lanes, so |y - y_q| <= (nb + 4) u T / (1 -
+       (nb + 4) u), T = sum_b |dw dx_b| sum_l |s_bl| (u = 2^-24; no subnormals here);
+    2. the quantization: qx = round(fl(x * id)), id = fl(1 / dx), so
+       |qx dx - x| <= dx |qx - fl(x id)| + dx |fl(x id) - x id| + |x| |id dx - 1|
+                   <= dx / 2 + 2 u |x| (1 + u), and |y_q - x @ W^T| <= sum_k |w_k| (that).
+    The sum of the two bounds the distance to the float64 product."""
+    lib = _simd()[0] if which == "simd" else _portable()
+    g = torch.Generator().manual_seed(6)
+    out, inp = 67, 320
+    q, d = _weights(out, inp, g)
+    x = _inputs(inp, g, special=False)
+    x[5] = torch.randn(inp, generator=g)  # subnormal scales have a bound of their own
+    y = kernels.q8_0_matmul_i8(lib, x, q, d).double()
+
+    nb = inp // 32
+    qx, dx = _quantize(x)
+    qx, dx = qx.double(), dx.double()
+    dw = d.double()  # [out, nb]
+    qb = q.double().view(out, nb, 32)
+    s = torch.einsum("oblk,jblk->jobl", qb.view(out, nb, 8, 4), qx.view(-1, nb, 8, 4))  # exact
+    factor = dw[None] * dx[:, None]  # [n, out, nb]
+    y_q = (s.sum(-1) * factor).sum(-1)
+    terms = (s.abs() * factor.abs()[..., None]).sum((-1, -2))
+    k = (nb + 4) * U
+    assert ((y - y_q).abs() <= k / (1 - k) * terms).all()
+
+    w = (qb * dw[..., None]).view(out, inp)
+    exact = x.double() @ w.T
+    per_value = dx[..., None].expand(-1, -1, 32).reshape(x.shape) / 2 \
+        + 2 * U * (1 + U) * x.double().abs()
+    assert ((qx.view(x.shape) * dx.repeat_interleave(32, -1) - x.double()).abs()
+            <= per_value).all()
+    quantization = per_value @ w.abs().T
+    assert ((y_q - exact).abs() <= quantization).all()
+    assert ((y - exact).abs() <= quantization + k / (1 - k) * terms).all()
+    # and the bound says something: within it, but not far within it everywhere
+    assert ((y - exact).abs() / quantization).max() > 0.05
+
+
+def test_i8_weight_bytes_of_minus_128_are_exact():
+    """|q| = 128 as an unsigned byte, qx signed by q: the largest pair, -128 * -127 twice, is
+    32512 < 32767 (no saturation). With d = 1 and integer x holding +-127 in every block
+    (dx = 1, id = 1, qx = x), every sum is an integer below 2^24: y is the exact product."""
+    lib, refs = _simd()
+    g = torch.Generator().manual_seed(7)
+    out, inp = 13, 256
+    q = torch.randint(-128, 128, (out, inp), dtype=torch.int8, generator=g)
+    q[0] = -128
+    q[1, ::2] = -128
+    q[2, 1::2] = 127
+    d = torch.ones(out, inp // 32, dtype=torch.float16)
+    x = torch.randint(-127, 128, (6, inp), generator=g).float()
+    x[:, ::32] = 127 * torch.where(torch.rand(6, inp // 32, generator=g) < 0.5, 1, -1)
+    x[0] = -127  # against q[0]: every pair is 128 * 127 * 2
+    x[1] = torch.tensor([127.0, -127.0]).repeat(inp // 2)
+    want = (x.long() @ q.long().T).float()
+    assert want[0, 0] == 128 * 127 * inp
+    for k in [lib, *refs]:
+        assert torch.equal(kernels.q8_0_matmul_i8(k, x, q, d), want), k.path.name
+
+
+def test_i8_binds_the_kernel_of_each_variant():
+    """The AVX2 kernel in the SIMD build's variants, the reference elsewhere; the portable
+    build has only the reference."""
+    if not _compiler():
+        pytest.skip("no C compiler")
+    raw = ctypes.CDLL(str(_portable().path))
+    assert not hasattr(raw, "q8_0_matmul_i8") and hasattr(raw, "q8_0_matmul_i8_ref")
+    if kernels.runs_here("avx2"):
+        lib = kernels.load("avx2")
+        assert lib.q8_0_matmul_i8.__name__ == "q8_0_matmul_i8"
+        assert kernels.reference("avx2", portable=False).q8_0_matmul_i8.__name__ == \
+            "q8_0_matmul_i8_ref"
+    assert kernels.load("ref").q8_0_matmul_i8.__name__ == "q8_0_matmul_i8_ref"
