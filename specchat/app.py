@@ -18,7 +18,7 @@ import os
 import sys
 
 from specchat.api.server import Api, api_router
-from specchat.args import add_model_arguments, load_from_args, model_choice
+from specchat.args import HelpFormatter, add_model_arguments, load_from_args, model_choice
 from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
 from specchat.ui.access import Access
@@ -32,7 +32,7 @@ AUTH_ENV = "SPECCHAT_AUTH"  # "user:pass" (or "u1:p1,u2:p2"), the same as --auth
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python app.py",
+        prog="python app.py", formatter_class=HelpFormatter,
         description="specchat: speculative decoding you can see, as a local chat in the browser.")
     add_model_arguments(parser)
     serve = parser.add_argument_group("serving")
@@ -138,16 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     access = Access(auth=bool(auth), exposed=exposed, admins=args.admin)
     demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
                                         max_new_tokens_cap=args.max_new_tokens_cap), access)
-    # The login (if any) is throttled per user and per address (ui/login.py).
-    launch(demo, server_name=args.host, server_port=args.port, share=args.share,
-           **guarded_launch_kwargs(auth),
+    # The login (if any) is throttled per user and per address (ui/login.py); the API's
+    # "user:password" keys go through the same guard, so guesses there count the same.
+    login = guarded_launch_kwargs(auth)
+    guard = login["auth"].__self__ if login["auth"] else None
+    launch(demo, server_name=args.host, server_port=args.port, share=args.share, **login,
            auth_message="specchat: log in with the user and password the host gave you.",
            prevent_thread_lock=True)
     # The OpenAI-compatible API on the same port, behind the same logins (or --api-key).
     demo.app.include_router(api_router(Api(
         lambda: slot.report, store, {key: f"key{i + 1}" for i, key in enumerate(args.api_key)},
         logins=auth, max_input_chars=args.max_input_chars,
-        max_tokens_cap=args.max_new_tokens_cap, redact=slot.redact)))
+        max_tokens_cap=args.max_new_tokens_cap, redact=slot.redact, guard=guard)))
     print(f"specchat: OpenAI-compatible API at {demo.local_url.rstrip('/')}/v1",
           file=sys.stderr)
     if args.share:

@@ -70,7 +70,10 @@ def test_streamed_completion_carries_kinds_and_ends_with_timings(server):
     url, api, store = server
     c = client(url)
     chunks = list(c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=20,
-                                       temperature=0, stream=True, extra_body={"drafter": "model"}))
+                                       temperature=0, stream=True, extra_body={"drafter": "model"},
+                                       stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    chunks, usage = chunks[:-1], chunks[-1].usage
     pieces = [ch for ch in chunks if ch.choices[0].text]
     text = "".join(ch.choices[0].text for ch in pieces)
     kinds = [k for ch in pieces for k in ch.choices[0].model_extra["specchat"]["kinds"]]
@@ -80,7 +83,7 @@ def test_streamed_completion_carries_kinds_and_ends_with_timings(server):
     assert last.choices[0].finish_reason == "length"
     assert last.model_extra["timings"]["draft_n"] == last.model_extra["specchat"]["stats"][
         "drafted"]
-    assert last.usage.completion_tokens == 20
+    assert last.usage is None and usage.prompt_tokens_details.cached_tokens >= 0
     # The same request without streaming and with speculation off gives the same text.
     plain = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=20,
                                  temperature=0, extra_body={"speculation": False})
@@ -264,3 +267,71 @@ def test_a_client_that_leaves_frees_the_engine_and_its_turn_is_kept(server):
              if t["prompt"].startswith("leaving")]
     assert len(turns) == 1 and turns[0]["interrupted"]
     assert turns[0]["stop_reason"] == "cancelled" and 0 < turns[0]["new_tokens"] < 60
+
+
+def test_the_fields_clients_send_are_taken_or_refused_by_name(server):
+    """Nulls mean "unset"; fields specchat cannot honour are refused by name, not ignored; a
+    stream starts with the role and sends usage only when asked; errors everywhere under /v1
+    are OpenAI's; /health answers."""
+    url, api, _ = server
+    ok = _post(url, prompt="hi", max_tokens=3, temperature=None, top_p=None, top_k=None,
+               seed=None, n=1, logprobs=None, response_format={"type": "text"})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    timings = ok.json()["timings"]
+    assert {"cache_n", "prompt_per_second", "prompt_per_token_ms",
+            "predicted_per_token_ms"} <= set(timings)
+    for body, name in ((dict(n=2), "'n'"), (dict(logprobs=True), "'logprobs'"),
+                       (dict(response_format={"type": "json_object"}), "'response_format'"),
+                       (dict(tools=[{"type": "function"}]), "'tools'"),
+                       (dict(max_tokens=0), "max_tokens"), (dict(seed=-5), "seed"),
+                       (dict(stop=["y" * 1000]), "'stop'"), (dict(stop=["a"] * 40), "'stop'")):
+        r = _post(url, prompt="hi", **body)
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (body, r.text)
+    huge = httpx.post(f"{url}/completions", content=b'{"prompt": "' + b"x" * 300000 + b'"}',
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
+    nested = httpx.post(f"{url}/completions", content="[" * 100000 + "]" * 100000,
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert nested.status_code in (400, 413) and "error" in nested.json()
+    deep = httpx.post(f"{url}/completions", content="[" * 5000 + "]" * 5000,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert deep.status_code == 400 and "JSON" in deep.json()["error"]["message"]
+
+    with httpx.stream("POST", f"{url}/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                            "stream": True}) as r:
+        import json
+        data = [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: {")]
+    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(d["choices"] for d in data) and "usage" not in data[-1]  # not asked for
+
+    root = url.removesuffix("/v1")
+    assert httpx.get(f"{root}/health").json()["status"] == "ok"
+    missing = httpx.get(f"{url}/nope", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong = httpx.get(f"{url}/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
+    assert "use POST" in wrong.json()["error"]["message"]
+
+
+def test_wrong_keys_count_as_failed_logins(server, caplog):
+    """A bearer key that is no API key is a login attempt ("user:password"): each failure is
+    logged and counted for that user and this address, so guessing through the API is
+    throttled like the page's login (the app shares one guard between the two)."""
+    import logging
+    url, api, _ = server
+    with caplog.at_level(logging.WARNING, logger="specchat.ui.login"):
+        for n in range(3):
+            r = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer bob:guess{n}"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    try:
+        assert api.guard.failures("bob", "127.0.0.1") >= 3
+        assert sum("login failed for user 'bob'" in r.getMessage() for r in caplog.records) == 3
+        assert api.guard.delay("bob") > 0  # the next guess for bob waits
+    finally:
+        api.guard._failures.clear()
+    assert httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code \
+        == 200

@@ -52,8 +52,7 @@ def test_accepts_right_password_only():
     assert not attempt(guard, "alice", "builder")
     assert not attempt(guard, "alice", "")
     assert not attempt(guard, "carol", "wonderland")
-    with pytest.raises(ValueError):
-        LoginGuard([])
+    assert not attempt(LoginGuard([]), "", "")  # no accounts: it only throttles and logs
 
 
 def test_gradio_awaits_check():
@@ -201,3 +200,21 @@ def test_login_route_is_throttled(caplog):
     assert len(failures) == 20
     assert all("'alice' from 127.0.0.1" in m for m in failures)
     assert not any("guess" in m for m in failures)
+
+
+def test_parallel_guesses_for_one_user_wait_in_line():
+    """Guesses sent at once for one username are checked one after another, each after the
+    delay its predecessors earned: together they take the sum of the delays, not the longest
+    one, so parallelism buys an attacker nothing."""
+    guard = LoginGuard(PAIRS, free=2, base=0.02, cap=10.0)
+
+    async def go():
+        return await asyncio.gather(*(guard.check("alice", f"guess{n}", "10.0.0.9")
+                                      for n in range(8)))
+
+    start = time.perf_counter()
+    assert asyncio.run(go()) == [False] * 8
+    took = time.perf_counter() - start
+    assert guard.failures("alice") == 8
+    assert took >= sum(guard.delay_for(n) for n in range(1, 9))  # 1.26 s; at once: 0.64 s
+    assert not guard._lines  # no lock kept once the line is empty

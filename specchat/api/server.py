@@ -45,11 +45,19 @@ from specchat.core.text import chat_prompt, raw_prompt
 from specchat.drafters import preferred
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
+from specchat.ui.login import LoginGuard
 
 MAX_WAITING = 8  # requests queued behind the one generating; more get 429
 RETRY_AFTER_S = 5
 MAX_INPUT_CHARS = 16000
 MAX_TOKENS_CAP = 1024
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may give, and their length
+# OpenAI fields specchat cannot honour: refused by name rather than ignored. A value equal to
+# the default (n: 1, logprobs: false, response_format: text, ...) is accepted.
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
+               "top_logprobs": (None, 0), "echo": (None, False), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none")}
 
 
 class ApiError(Exception):
@@ -59,10 +67,12 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.headers = headers
 
+    def response_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": None}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param, "code": None}}, self.status,
-                            headers=self.headers)
+        return JSONResponse(self.response_body(), self.status, headers=self.headers)
 
 
 class Gate:
@@ -131,16 +141,19 @@ class Api:
                  api_keys: dict[str, str] | None = None,
                  logins: list[tuple[str, str]] | None = None,
                  max_input_chars: int = MAX_INPUT_CHARS, max_tokens_cap: int = MAX_TOKENS_CAP,
-                 writer: StatsWriter | None = None, redact=str):
+                 writer: StatsWriter | None = None, redact=str, guard: LoginGuard | None = None):
         # `report`: a LoadReport, or a function returning one (None while the models load).
         self._report = report if callable(report) else (lambda: report)
         self.store = store or StatsStore.open_or_disabled("off")
         self.writer = writer or StatsWriter(self.store)
         self.api_keys = api_keys or {}  # key -> owner name
-        # The page's logins: "user:password" is accepted as a bearer token.
-        self.logins = {f"{user}:{password}": f"user:{user}" for user, password in logins or []}
+        # The page's logins: "user:password" is accepted as a bearer token, checked (and its
+        # failures throttled and logged) by the page's guard when it shares one, else by ours.
+        self.logins = bool(logins)
+        self.guard = guard or LoginGuard(logins or [])
         self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
         self.gate = Gate(MAX_WAITING)  # the engine serves one reply at a time
+        self.started = int(time.time())
         self.redact = redact  # model names as visitors may see them (paths cut on exposed pages)
 
     @property
@@ -161,16 +174,24 @@ class Api:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def owner(self, request: Request) -> str:
-        """The key's owner; 401 without a valid key when keys or logins are set."""
+    async def owner(self, request: Request) -> str:
+        """The key's owner; 401 without a valid key when keys or logins are set. A key that is
+        no API key goes through the login guard as "user:password": a wrong one counts as a
+        failed login for that user and this address (logged, answered later and later)."""
         if not self.api_keys and not self.logins:
             return "api"
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        owners = {**{k: f"api:{name}" for k, name in self.api_keys.items()}, **self.logins}
-        for key, owner in owners.items():
+        found = None
+        for key, name in self.api_keys.items():  # every key compared: no early exit
             if given and hmac.compare_digest(given.encode(), key.encode()):
-                return owner
+                found = f"api:{name}"
+        if found:
+            return found
+        user, colon, password = given.partition(":")
+        address = request.client.host if request.client else None
+        if await self.guard.check(user if colon else "", password if colon else given, address):
+            return f"user:{user}"
         raise ApiError(401, "A valid API key is required: send 'Authorization: Bearer KEY'.",
                        "authentication_error")
 
@@ -221,18 +242,53 @@ class Api:
                                 f"{self.max_input_chars:,}.")
         return list(ids), (), self.engine.tokenizer.decode(ids)
 
+    async def read_json(self, request: Request) -> dict:
+        """The request's JSON body, read no further than a size that its longest allowed
+        input explains (413 beyond it), and parsed to no deeper than Python's recursion
+        allows (400 beyond it)."""
+        limit = 8 * self.max_input_chars + 65536  # 4 UTF-8 bytes a character, escapes, fields
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"The request body is {int(declared):,} bytes; the limit here "
+                                f"is {limit:,}.")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise ApiError(413, f"The request body is over {limit:,} bytes, the limit "
+                                    "here.")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "The request body must be JSON (and nested no deeper than a "
+                                "few hundred levels).") from None
+        return body
+
     def _check_length(self, text: str) -> None:
         if len(text) > self.max_input_chars:
             raise ApiError(413, f"The input is {len(text):,} characters; the limit here is "
                                 f"{self.max_input_chars:,}.")
 
     def config(self, body: dict) -> GenerateConfig:
+        for name, defaults in UNSUPPORTED.items():
+            if body.get(name) not in defaults:
+                raise ApiError(400, f"'{name}' is not supported by specchat (one greedy or "
+                                    "sampled reply of plain text per request).", param=name)
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise ApiError(400, "'response_format' other than text (JSON mode, schemas) is not "
+                                "supported by specchat.", param="response_format")
+
+        def given(name: str, default):  # many clients send unset fields as null
+            value = body.get(name)
+            return default if value is None else value
+
+        max_tokens = given("max_tokens", given("max_completion_tokens", 256))
         try:
             v = check_settings(
-                max_new_tokens=body.get("max_tokens") or body.get("max_completion_tokens")
-                or 256, temperature=body.get("temperature", 1.0),
-                top_p=body.get("top_p", 1.0), top_k=body.get("top_k", 0),
-                seed=body.get("seed"), draft_len=body.get("draft_len", 4),
+                max_new_tokens=max_tokens, temperature=given("temperature", 1.0),
+                top_p=given("top_p", 1.0), top_k=given("top_k", 0),
+                seed=body.get("seed"), draft_len=given("draft_len", 4),
                 names={"max_new_tokens": "max_tokens", "temperature": "temperature",
                        "top_p": "top_p", "top_k": "top_k", "seed": "seed",
                        "draft_len": "draft_len"})
@@ -242,6 +298,9 @@ class Api:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ApiError(400, "'stop' must be a string or a list of strings.", param="stop")
+        if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings of at most "
+                                f"{MAX_STOP_CHARS} characters each.", param="stop")
         drafters = self.engine.drafters
         drafter = body.get("drafter") or preferred(drafters)
         if drafter not in drafters:
@@ -297,10 +356,18 @@ class Api:
 
 
 def timings(stats: GenerationStats) -> dict:
-    """llama-server's `timings` object, from specchat's stats."""
+    """llama-server's `timings` object, from specchat's stats (`cache_n`: prompt tokens whose
+    keys and values came from the cache)."""
     predicted_s = max(stats.seconds - stats.ttft_s, 0.0)
-    return {"prompt_n": stats.prefill_tokens, "prompt_ms": 1000 * stats.ttft_s,
-            "predicted_n": stats.new_tokens, "predicted_ms": 1000 * predicted_s,
+    prompt_ms, predicted_ms = 1000 * stats.ttft_s, 1000 * predicted_s
+    return {"cache_n": stats.prompt_tokens - stats.prefill_tokens,
+            "prompt_n": stats.prefill_tokens, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / stats.prefill_tokens
+            if stats.prefill_tokens else 0.0,
+            "prompt_per_second": 1000 * stats.prefill_tokens / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": stats.new_tokens, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / stats.new_tokens if stats.new_tokens
+            else 0.0,
             "predicted_per_second": stats.new_tokens / predicted_s if predicted_s else 0.0,
             "draft_n": stats.drafted, "draft_n_accepted": stats.accepted}
 
@@ -337,16 +404,22 @@ def api_router(api: Api) -> APIRouter:
     @router.get("/v1/models")
     @answered
     async def models(request: Request):
-        api.owner(request)
+        await api.owner(request)
         return {"object": "list", "data": [{"id": api.model_id, "object": "model",
-                                            "created": 0, "owned_by": "specchat"}]}
+                                            "created": api.started, "owned_by": "specchat"}]}
+
+    @router.get("/health")
+    async def health():
+        """llama-server's health check: 200 once the models are loaded, 503 before."""
+        try:
+            api.report
+        except ApiError as error:
+            return JSONResponse({"status": "loading model", **error.response_body()}, 503)
+        return {"status": "ok", "waiting": api.gate.waiting}
 
     async def complete(request: Request, chat: bool):
-        owner = api.owner(request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "The request body must be JSON.") from None
+        owner = await api.owner(request)
+        body = await api.read_json(request)
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         ids, stops, prompt = api.prompt(body, chat)
@@ -367,18 +440,19 @@ def api_router(api: Api) -> APIRouter:
                 return {"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}
             return {"index": 0, "text": text, "finish_reason": None, **extra}
 
-        def chunk(choice: dict, **more) -> str:
+        def chunk(choice: dict | None, **more) -> str:
             return "data: " + json.dumps({"id": ident, "object": kind + (".chunk" if chat else ""),
                                           "created": created, "model": api.model_id,
-                                          "choices": [choice], **more},
+                                          "choices": [choice] if choice else [], **more},
                                          ensure_ascii=False) + "\n\n"
 
         def finish(stats: GenerationStats) -> tuple[dict, dict]:
             usage = {"prompt_tokens": stats.prompt_tokens,
                      "completion_tokens": stats.new_tokens,
-                     "total_tokens": stats.prompt_tokens + stats.new_tokens}
-            return usage, {"usage": usage, "timings": timings(stats),
-                           "specchat": {"stats": stats.to_json()}}
+                     "total_tokens": stats.prompt_tokens + stats.new_tokens,
+                     "prompt_tokens_details": {
+                         "cached_tokens": stats.prompt_tokens - stats.prefill_tokens}}
+            return usage, {"timings": timings(stats), "specchat": {"stats": stats.to_json()}}
 
         def steps(events: Iterator, stop: threading.Event) -> Iterator:
             """(new tokens, the step records that decided them) per step, then the stats;
@@ -424,13 +498,21 @@ def api_router(api: Api) -> APIRouter:
                 stop.set()  # a no-op once the reply ended; else the client went away
 
         if body.get("stream"):
+            options = body.get("stream_options") or {}
+            with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+
             async def sse():
+                if chat:  # OpenAI's first chunk: the role, no content yet
+                    yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None})
                 async for item in items():
                     if isinstance(item, GenerationStats):
                         usage, extra = finish(item)
                         end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
                         end.update({"delta": {}} if chat else {"text": ""})
                         yield chunk(end, **extra)
+                        if with_usage:  # its own chunk, with no choices, as OpenAI sends it
+                            yield chunk(None, usage=usage)
                     else:
                         yield chunk(piece(*item))
                 yield "data: [DONE]\n\n"
@@ -449,7 +531,7 @@ def api_router(api: Api) -> APIRouter:
         choice.update({"message": {"role": "assistant", "content": text}} if chat
                       else {"text": text})
         return {"id": ident, "object": kind, "created": created, "model": api.model_id,
-                "choices": [choice], **extra}
+                "choices": [choice], "usage": usage, **extra}
 
     @router.post("/v1/chat/completions")
     @answered
@@ -460,6 +542,19 @@ def api_router(api: Api) -> APIRouter:
     @answered
     async def completions(request: Request):
         return await complete(request, chat=False)
+
+    routes = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+
+    @router.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                      include_in_schema=False)
+    async def elsewhere(request: Request, rest: str):
+        """Under /v1, OpenAI's error objects for unknown routes and wrong methods."""
+        path = f"/v1/{rest}"
+        if path in routes:
+            return ApiError(405, f"{request.method} is not allowed on {path}; use "
+                                 f"{routes[path]}.", headers={"Allow": routes[path]}).response()
+        return ApiError(404, f"No route {path} here: {', '.join(routes)}.",
+                        "not_found_error").response()
 
     return router
 

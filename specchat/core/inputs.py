@@ -39,7 +39,7 @@ def check_settings(*, max_new_tokens, temperature, top_p, top_k, seed, draft_len
                    tree_nodes=None, names: Mapping[str, str] | None = None) -> dict:
     """Raw values (numbers or numeric strings) -> normalized ones, or InputError.
 
-    seed None or negative means a fresh random seed (returned as None); tree_nodes None means
+    seed None or -1 means a fresh random seed (returned as None); tree_nodes None means
     the default. `names` relabels settings in messages (the CLI names its flags)."""
     labels = {**LABELS, **(names or {})}
 
@@ -76,7 +76,7 @@ def check_settings(*, max_new_tokens, temperature, top_p, top_k, seed, draft_len
         x = _exact_int(seed)
         if x is None:
             x = number("seed", seed)
-        if x != int(x) or x > SEED_MAX:
+        if x != int(x) or x > SEED_MAX or x < -1:
             raise InputError(f"{labels['seed']} must be a whole number between 0 and "
                              f"{SEED_MAX}, or -1 for a random seed (got {seed!r}).")
         out["seed"] = int(x) if x >= 0 else None

@@ -3,8 +3,10 @@
 Gradio's `/login` route answers a wrong password at once and logs nothing. `LoginGuard` checks
 the `(user, password)` pairs from `--auth` in constant time, logs every failure, and delays its
 answer by a time that doubles with the recent failures for that username and for that client
-address (the larger of the two applies). The delay is awaited, so other visitors are served
-meanwhile.
+address (the larger of the two applies). Attempts for one username are checked one after the
+other, so guesses sent in parallel wait in line and each pays the delay its predecessors
+earned. The delay is awaited, so other visitors are served meanwhile. The API checks its
+"user:password" bearer tokens through the same guard (`api.server.Api`).
 
 Gradio calls `auth(username, password)` without the request, so `ClientAddress`, a small ASGI
 middleware, records the address of each `/login` request in a context variable the guard reads.
@@ -71,13 +73,12 @@ class LoginGuard:
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[object]] = asyncio.sleep):
         self._accounts = [(_digest(user), _digest(password)) for user, password in pairs]
-        if not self._accounts:
-            raise ValueError("LoginGuard needs at least one (user, password) pair")
         self.free, self.base, self.cap = free, base, cap
         self.window, self.max_keys = window, max_keys
         self.clock, self.sleep = clock, sleep
         # ("user", name) or ("addr", host) -> failures, oldest latest-failure first.
         self._failures: OrderedDict[tuple[str, str], _Failures] = OrderedDict()
+        self._lines: dict[str, list] = {}  # username -> [lock, attempts holding or awaiting it]
 
     def delay_for(self, failures: int) -> float:
         """Seconds to hold an answer after `failures` recent failures."""
@@ -95,11 +96,24 @@ class LoginGuard:
         """Seconds an attempt for `username` from `address` now waits before it is checked."""
         return self.delay_for(self.failures(username, address))
 
-    async def check(self, username: str, password: str) -> bool:
-        """Gradio's `auth` callback: True when the pair is one of ours (after any delay)."""
-        address = client_address.get()
-        # Already over the threshold: wait before checking, so guesses sent in parallel are
-        # held too, not only the answers to failed ones.
+    async def check(self, username: str, password: str, address: str | None = None) -> bool:
+        """Gradio's `auth` callback: True when the pair is one of ours (after any delay).
+        `address`: the client's, where the caller knows it (else the /login middleware's)."""
+        address = address or client_address.get()
+        name = username[:128]
+        line = self._lines.setdefault(name, [asyncio.Lock(), 0])
+        line[1] += 1
+        try:
+            async with line[0]:  # one attempt at a time per username: parallel guesses queue
+                return await self._check(username, password, address)
+        finally:
+            line[1] -= 1
+            if not line[1]:
+                del self._lines[name]
+
+    async def _check(self, username: str, password: str, address: str | None) -> bool:
+        # Already over the threshold: wait before checking, so guesses in line are held too,
+        # not only the answers to failed ones.
         waited = self.delay(username, address)
         if waited:
             await self.sleep(waited)
