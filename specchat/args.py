@@ -9,10 +9,13 @@ import sys
 
 from specchat.core.engine import TREE_NODES, default_tree_nodes
 from specchat.drafters import NAMES, preferred
+from specchat.help import HelpFormatter  # noqa: F401 - the commands' help format
 from specchat.models.presets import PRESETS
 
 
 BACKEND_KEY_ENV = "SPECCHAT_BACKEND_KEY"
+
+
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +52,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--speculation", choices=["on", "off"], default="on")
+    g.add_argument("--speculation", choices=["on", "off"], default="on",
+                   help="draft and verify, or plain decoding")
     g.add_argument("--drafter", choices=NAMES, default=None,
                    help="who proposes drafts: a draft model, ngram prompt lookup, the trained "
                         "draft head, combined (ngram when it finds a continuation, else the "
@@ -62,10 +66,11 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1 keeps all")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest: 0 keeps all")
+    g.add_argument("--seed", type=int, default=0,
+                   help="0..2^63-1 gives the same sampled reply each time; -1 a random one")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="longest reply, in tokens")
 
 
 def model_choice(args) -> tuple[str, str]:

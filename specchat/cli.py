@@ -13,6 +13,7 @@ import logging
 import sys
 
 from specchat.args import (
+    HelpFormatter,
     add_model_arguments,
     add_sampling_arguments,
     config_from_args,
@@ -123,11 +124,11 @@ def _record(store, report, prompt, reply, stats_json) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m specchat",
+        prog="python -m specchat", formatter_class=HelpFormatter,
         description="specchat: speculative decoding you can see. Headless commands.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate one reply",
+    gen = sub.add_parser("generate", help="generate one reply", formatter_class=HelpFormatter,
                          description="Generate one reply; --json writes one JSON line per "
                                      "token ({type: token, id, text, kind, ...}), one per "
                                      "verification step ({type: step, ...}: what was drafted, "
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="feed the prompt as plain text, without the chat format")
     gen.add_argument("--json", action="store_true", help="JSON lines instead of plain text")
-    gen.add_argument("--db", default=None,
+    gen.add_argument("--db", default=None, metavar="PATH",
                      help="record this turn in the stats database at this path")
     add_model_arguments(gen)
     add_sampling_arguments(gen)

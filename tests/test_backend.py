@@ -99,10 +99,14 @@ def events(stream):
 
 def test_a_specchat_server_gives_the_local_engines_tokens_kinds_and_steps(served, tiny_dir,
                                                                           one_thread):
+    from specchat.core.protocol import StreamingEngine
     remote = RemoteEngine(served, KEY)
     assert remote.target.server == "specchat" and remote.drafters == {"server": None}
     local = load_engine(str(tiny_dir), quantization="none", device="cpu",
                         progress=lambda m: None).engine
+    # Both provide what the front ends use of an engine, and nothing needs more.
+    assert isinstance(remote, StreamingEngine) and isinstance(local, StreamingEngine)
+    assert not isinstance(object(), StreamingEngine)
     cfg = GenerateConfig(max_new_tokens=24, temperature=0.0, drafter="ngram", adaptive=False)
     ids, _ = local.text_prompt(PROMPT)
     want, want_steps, _ = events(local.stream(ids, cfg))

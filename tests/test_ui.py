@@ -4,6 +4,7 @@ server-side, errors stay readable, A/B replay compares and records both runs."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from html.parser import HTMLParser
 
@@ -358,7 +359,10 @@ def test_warm_up_and_build_ui(engine):
     from specchat.ui.handlers import warm_up
     from specchat.ui.page import build_ui
     warm_up(engine)  # the launcher runs it right after loading
-    assert build_ui(engine) is not None
+    demo = build_ui(engine)
+    kinds = collections.Counter(type(b).__name__ for b in demo.blocks.values())
+    assert kinds["Chatbot"] >= 1 and kinds["Textbox"] >= 1 and kinds["Tab"] >= 2, kinds
+    assert any(getattr(b, "api_name", None) == "generate" for b in demo.fns.values())
 
 
 def test_launcher_auth_and_exposure_warning():

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from specchat.args import add_model_arguments, load_for_cli
+from specchat.args import HelpFormatter, add_model_arguments, load_for_cli
 from specchat.stats.cli import add_db_argument
 
 API_KEY_ENV = "SPECCHAT_API_KEY"  # one key, the same as --api-key
@@ -14,18 +14,19 @@ API_KEY_ENV = "SPECCHAT_API_KEY"  # one key, the same as --api-key
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "serve", help="serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions)",
+        "serve", formatter_class=HelpFormatter, help="serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions)",
         description="Serve the engine over an OpenAI-compatible HTTP API. Streamed chunks "
                     "carry each token's kind; the last one carries usage, llama.cpp-style "
                     "timings and specchat's stats.")
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' (repeatable; or ${API_KEY_ENV})")
-    parser.add_argument("--max-tokens-cap", type=int, default=1024,
-                        help="most new tokens per reply, whatever a request asks (default 1024)")
+    parser.add_argument("--max-new-tokens-cap", "--max-tokens-cap", dest="max_tokens_cap",
+                        type=int, default=1024, metavar="N",
+                        help="most new tokens per reply, whatever a request asks")
     add_db_argument(parser)
     parser.set_defaults(func=run_serve)
     return parser

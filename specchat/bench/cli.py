@@ -13,6 +13,7 @@ from specchat.bench.questions import default_questions_path, load_questions
 from specchat.bench.report import format_report
 from specchat.bench.run import available_modes, bench, current_rss_mb, machine_config, peak_rss_mb
 from specchat.core.engine import TREE_NODES
+from specchat.help import HelpFormatter
 
 # ---------------------------------------------------------------------------------------------
 # CLI
@@ -31,7 +32,7 @@ def _modes_arg(value: str) -> tuple[str, ...]:
 def add_cli(subparsers) -> argparse.ArgumentParser:
     from specchat.args import add_model_arguments
     p = subparsers.add_parser(
-        "bench", help="benchmark decoding modes on a question set (Spec-Bench)",
+        "bench", formatter_class=HelpFormatter, help="benchmark decoding modes on a question set (Spec-Bench)",
         description="Run a JSONL question set (Spec-Bench's by default) in several decoding "
                     "modes side by side on one loaded target, interleaved per question, and "
                     "report tokens/s, speedup over plain decoding, acceptance, target calls per "

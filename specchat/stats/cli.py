@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from specchat.help import HelpFormatter
 from specchat.stats.format import (
     _clip,
     fmt_date,
@@ -39,7 +40,7 @@ def add_db_argument(parser: argparse.ArgumentParser) -> None:
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `stats`; the main CLI then calls `args.func(args)`."""
     parser = subparsers.add_parser(
-        "stats", help="list past conversations with their speedup and acceptance",
+        "stats", formatter_class=HelpFormatter, help="list past conversations with their speedup and acceptance",
         description="List stored conversations with their speedup over plain decoding and "
                     "their draft acceptance rate.")
     add_db_argument(parser)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specchat.help import HelpFormatter
 from specchat.models.eagle_files import default_head_dir, save_head, target_identity
 from specchat.train.config import TrainConfig
 from specchat.train.data import load_data, load_prompts, sequences, with_samples
@@ -164,7 +165,7 @@ def cmd_train_draft(args) -> int:
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train-draft", help="train a draft head (EAGLE) for a target, on text the target writes",
+        "train-draft", formatter_class=HelpFormatter, help="train a draft head (EAGLE) for a target, on text the target writes",
         description="Self-distillation: the target answers a prompt set, then an EAGLE-style "
                     "draft head is trained on the target's features. Resumable (run the same "
                     "command again to continue), bounded by --minutes, CPU or CUDA. The head is "
@@ -199,15 +200,17 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=3,
                    help="replies per prompt (the extra ones sampled): more text from the same "
                         "prompts (default 3)")
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced vocabulary size N")
     p.add_argument("--intermediate-size", type=int, default=0,
                    help="MLP width of the head's block (default 0: the target's); narrower "
                         "drafts faster and makes a smaller file")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ce-weight", type=float, default=1.0)
-    p.add_argument("--feature-weight", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    p.add_argument("--ce-weight", type=float, default=1.0,
+                   help="weight of the token loss (cross-entropy against the target's)")
+    p.add_argument("--feature-weight", type=float, default=0.1,
+                   help="weight of the feature loss (predicted vs the target's features)")
     p.add_argument("--noise", type=float, default=0.1,
                    help="uniform noise on input features, in feature std units")
     p.add_argument("--unroll", type=int, default=1,
@@ -217,8 +220,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop training after this many optimizer steps in total (0: only the "
                         "clock); makes a run reproducible on machines of any speed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialization")
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads (default 0: torch's choice)")
     p.add_argument("--evaluate", type=int, default=0, metavar="N",
                    help="afterwards, decode N held-out prompts with the head vs plain and "
                         "report alpha and speed")
