@@ -18,7 +18,8 @@ import os
 import sys
 
 from specchat.api.server import Api, api_router
-from specchat.args import HelpFormatter, add_model_arguments, load_from_args, model_choice
+from specchat.args import add_model_arguments, load_from_args, model_choice
+from specchat.help import HelpFormatter
 from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
 from specchat.ui.access import Access

@@ -9,7 +9,6 @@ import sys
 
 from specchat.core.engine import TREE_NODES, default_tree_nodes
 from specchat.drafters import NAMES, preferred
-from specchat.help import HelpFormatter  # noqa: F401 - the commands' help format
 from specchat.models.presets import PRESETS
 
 

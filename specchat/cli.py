@@ -13,7 +13,6 @@ import logging
 import sys
 
 from specchat.args import (
-    HelpFormatter,
     add_model_arguments,
     add_sampling_arguments,
     config_from_args,
@@ -22,6 +21,7 @@ from specchat.args import (
 )
 from specchat.api.cli import add_cli as add_serve
 from specchat.bench.cli import add_cli as add_bench
+from specchat.help import HelpFormatter
 from specchat.stats.cli import add_cli as add_stats
 from specchat.train.cli import add_cli as add_train_draft
 

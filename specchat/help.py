@@ -8,7 +8,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if not action.option_strings or "default" in text.lower() \
-                or action.default in (None, False, [], argparse.SUPPRESS):
+        default = action.default
+        if not action.option_strings or "default" in text.lower() or default is None \
+                or default is False or default == [] or default is argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"

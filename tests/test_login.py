@@ -8,7 +8,6 @@ import time
 
 import gradio as gr
 import httpx
-import pytest
 
 from specchat.ui.login import ClientAddress, LoginGuard, client_address, guarded_launch_kwargs
 

@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from specchat.args import HelpFormatter, add_model_arguments, load_for_cli
+from specchat.args import add_model_arguments, load_for_cli
+from specchat.help import HelpFormatter
 from specchat.stats.cli import add_db_argument
 
 API_KEY_ENV = "SPECCHAT_API_KEY"  # one key, the same as --api-key

@@ -69,7 +69,6 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     if local and Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise ModelLoadError(f"{path} holds no model: it has no config.json (a model directory "
                              "has config.json, the weights and the tokenizer's files)")
-    embedded = name_or_path in ("", EMBEDDED)
     if dev.type != "cpu":
         compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() \
             else torch.float16

@@ -6,7 +6,6 @@ import bisect
 import html
 import re
 import time
-from pathlib import Path
 
 from specchat.core.events import (
     ACCEPTED,
