@@ -111,9 +111,10 @@ def _test(e: Evidence) -> str:
         return (f"Greedy: the draft {refused}{p} is not the target's most likely token, so "
                 f"{chosen} replaces it.")
     if e.q == 1.0:
-        return (f"The draft {refused} passes with the target's probability for it, "
-                f"p = {_num(e.p)} (a one-hot draft: q = 1, min(1, p/q) = {_num(e.accept_prob)}); "
-                f"the target's draw fell elsewhere: {chosen}.")
+        return (f"The draft {refused} could be kept only with the target's probability for "
+                f"it, p = {_num(e.p)} (a one-hot draft: q = 1, min(1, p/q) = "
+                f"{_num(e.accept_prob)}); it was refused: the target's draw fell elsewhere, on "
+                f"{chosen}.")
     return (f"Leviathan's test for {refused}: p = {_num(e.p)} (target), q = {_num(e.q)} "
             f"(draft), kept with probability min(1, p/q) = {_num(e.accept_prob)}; it failed, and "
             f"{chosen} was drawn from (p − q)+.")

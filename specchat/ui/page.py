@@ -81,8 +81,9 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                     with gr.Column(scale=1, min_width=260):
                         mode = gr.Radio([("Chat", "chat"), ("Completion", "completion")],
                                         value=default_mode(slot, d), label="Mode",
-                                        info="Completion: the model continues your text, no "
-                                             "chat format (what a base model is good at)",
+                                        info="Chat: your turns in the model's chat "
+                                             "format. Completion: the model continues your "
+                                             "text as is (what a base model is good at)",
                                         elem_id="sc-mode")
                         ghosts = gr.Checkbox(value=True, label="Show refused drafts",
                                              elem_id="sc-ghosts")
