@@ -1,5 +1,6 @@
 // The speculation inspector: a click on a token (or Enter / Space on a focused one) opens its
-// step's card under the reply; again, or Escape, closes it. The open card survives the page's
+// step's card under the reply; again, or Escape, closes it. A reply is one tab stop; the left
+// and right arrows move the focus to the previous or next step's first token. The open card survives the page's
 // repaints (gradio replaces a message's HTML while replies stream). Steps and turns are named
 // by classes (sc-step-N, sc-card-N, sc-turn-KEY): gradio's sanitizer keeps classes only.
 (() => {
@@ -37,6 +38,18 @@
     if (token && (event.key === "Enter" || event.key === " ")) {
       event.preventDefault();
       toggle(token);
+    } else if (token && (event.key === "ArrowRight" || event.key === "ArrowLeft")) {
+      const reply = token.closest(".sc-reply");
+      const step = named(token, "sc-step-");
+      // each step's first token, in reading order
+      const firsts = [...(reply || document).querySelectorAll(".tk.sc-step")].filter(
+        (t, i, all) => i === 0 || named(all[i - 1], "sc-step-") !== named(t, "sc-step-"));
+      const at = firsts.findIndex((t) => named(t, "sc-step-") === step);
+      const next = firsts[at + (event.key === "ArrowRight" ? 1 : -1)];
+      if (next) {
+        event.preventDefault();
+        next.focus();
+      }
     } else if (event.key === "Escape" && open) {
       open = null;
       apply();

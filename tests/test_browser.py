@@ -339,6 +339,16 @@ def test_inspector_ghost_text_step_cards_and_modes(shared):
             token.focus()
             page.keyboard.press("Enter")
             card.wait_for(state="visible")
+            # One tab stop a reply; the arrows walk its steps.
+            assert page.evaluate("[...document.querySelectorAll('#sc-chat .sc-reply')].every("
+                                 "r => r.querySelectorAll('[tabindex=\"0\"]').length <= 1)")
+            focused_step = ("[...document.activeElement.classList]"
+                            ".find(c => c.startsWith('sc-step-'))")
+            page.keyboard.press("ArrowRight")
+            after = page.evaluate(focused_step)
+            page.keyboard.press("ArrowLeft")
+            assert after and after != f"sc-step-{step}"
+            assert page.evaluate(focused_step) == f"sc-step-{step}"
 
             # Completion mode: the text itself is continued, no chat format.
             page.locator("#sc-mode").get_by_label("Completion", exact=True).check()
