@@ -200,12 +200,17 @@ def test_tab_wiring_runs_the_handlers_per_request(seeded):
     _, table, picker = call("on_refresh", [None], bob)
     assert [row[-1] for row in table["data"]] == [b] and picker["value"] == b
     with pytest.raises(gr.Error):
-        call("on_delete", [a], bob)
+        call("on_delete", [a, a], bob)
     with pytest.raises(gr.Error):
         call("on_pick", [a], bob)
     assert store.conversation(a) is not None
-    (message,) = call("on_delete", [a], alice)
+    # Delete asks first; only a second click on the same conversation deletes it.
+    message, asked, button = call("on_delete", [a, None], alice)
+    assert "cannot be undone" in message and button["value"] == "Confirm delete"
+    assert store.conversation(a) is not None
+    message, asked, button = call("on_delete", [a, a], alice)
     assert message == "Conversation deleted." and store.conversation(a) is None
+    assert button["value"] == "Delete conversation"
 
 
 def test_exports_are_removed_after_a_while(seeded, tmp_path):

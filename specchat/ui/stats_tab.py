@@ -122,6 +122,9 @@ def chat_history(store: StatsStore, owner: str | None, conversation_id: str | No
     return messages
 
 
+DELETE, CONFIRM = "Delete conversation", "Confirm delete"
+
+
 def delete_conversation(store: StatsStore, owner: str | None, conversation_id: str | None) -> str:
     if not conversation_id:
         return "Pick a conversation first."
@@ -235,7 +238,8 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
                          sanitize_html=True, latex_delimiters=[], elem_id="sc-stats-history")
     with gr.Row():
         export_button = gr.Button("Export CSV")
-        delete_button = gr.Button("Delete conversation", variant="stop")
+        delete_button = gr.Button(DELETE, variant="stop")
+    pending = gr.State(None)  # the conversation a first click on Delete asked to confirm
     csv_file = gr.File(label="CSV export", interactive=False)
     message = gr.Markdown()
 
@@ -259,8 +263,20 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     def on_row_select(evt: gr.SelectData):
         return evt.row_value[-1] if evt.row_value else gr.skip()  # "id" is the last column
 
-    def on_delete(picked: str | None, browser_id: str | None, request: gr.Request):
-        return delete_conversation(store, owner(request, browser_id), picked)
+    def on_delete(picked: str | None, asked: str | None, browser_id: str | None,
+                  request: gr.Request):
+        """A first click asks; a second on the same conversation deletes it."""
+        if not picked:
+            return "Pick a conversation first.", None, gr.Button(value=DELETE)
+        if asked != picked:
+            return ("Delete this conversation and all its turns? This cannot be undone: click "
+                    f"**{CONFIRM}** to delete it, or pick another conversation to keep it.",
+                    picked, gr.Button(value=CONFIRM))
+        return (delete_conversation(store, owner(request, browser_id), picked), None,
+                gr.Button(value=DELETE))
+
+    def on_pick_reset():
+        return None, gr.Button(value=DELETE), ""
 
     def on_export(picked: str | None, browser_id: str | None, request: gr.Request):
         return export_csv(store, owner(request, browser_id), picked, exports)
@@ -272,8 +288,11 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     refresh.click(on_refresh, inputs, list_outputs, api_visibility="private")
     picker.change(on_pick, inputs, detail_outputs, api_visibility="private")
     conversations.select(on_row_select, None, picker, api_visibility="private")
-    delete_button.click(on_delete, inputs, message, api_visibility="private").then(
+    delete_button.click(on_delete, [picker, pending, browser], [message, pending, delete_button],
+                        api_visibility="private").then(
         on_refresh, inputs, list_outputs, api_visibility="private")
+    picker.change(on_pick_reset, None, [pending, delete_button, message],
+                  api_visibility="private")
     export_button.click(on_export, inputs, csv_file, api_visibility="private")
     if demo is not None:
         demo.load(on_refresh, inputs, list_outputs, api_visibility="private")
