@@ -356,5 +356,11 @@ def test_inspector_ghost_text_step_cards_and_modes(shared):
             box.press("Enter")
             page.wait_for_function(
                 "document.querySelectorAll('#sc-chat .sc-stats').length >= 2")
+
+            # An example starts a conversation of its own: only its turn is in the chat.
+            page.locator("#sc-examples tbody tr").nth(1).click()
+            page.wait_for_function(
+                "document.querySelectorAll('#sc-chat .sc-stats').length === 1")
+            assert "Eiffel Tower" in page.locator("#sc-chat").inner_text()
         finally:
             browser.close()

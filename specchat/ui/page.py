@@ -175,13 +175,17 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
         instant = dict(concurrency_limit=None, show_progress="hidden", **private)
         chat_out = [chat, session, notice]
 
-        def on_example(index: int):
+        def on_example(index: int, current: Session):
+            """An example starts a conversation of its own (one example's turns never become
+            another's context), with the example's text and settings."""
             text, _, settings = EXAMPLES[index]
-            return (text, settings["mode"], settings["temperature"], settings["seed"],
-                    settings["max_new_tokens"])
+            fresh = self.new_conversation(current)
+            return (text, *fresh[1:], settings["mode"], settings["temperature"],
+                    settings["seed"], settings["max_new_tokens"])
 
-        examples.click(on_example, examples, [box, mode, temperature, seed, max_new],
-                       **instant).then(
+        new_outputs = [box, chat, session, notice, ab_off, ab_on, verdict]
+        examples.click(on_example, [examples, session],
+                       [*new_outputs, mode, temperature, seed, max_new], **instant).then(
             on_user, [box, session, *controls], [box, chat, session, notice], **instant).then(
             on_bot, [session, browser, *controls], chat_out, show_progress="minimal",
             **engine_lane)
@@ -196,7 +200,6 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
             on_bot, [session, browser, *controls], chat_out, show_progress="minimal",
             **engine_lane)
         undo_btn.click(self.undo, session, [box, chat, session, notice], **instant)
-        new_outputs = [box, chat, session, notice, ab_off, ab_on, verdict]
         new_btn.click(self.new_conversation, session, new_outputs, **instant)
         chat.clear(self.new_conversation, session, new_outputs, **instant)
         ab_btn.click(on_ab, [session, browser, *controls],
