@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,12 +224,33 @@ def test_load_questions(tmp_path):
         load_questions(f)
 
 
-def test_default_question_file_is_spec_bench():
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                         "stem", "humanities", "translation", "summarization", "qa",
+                         "math_reasoning", "rag")
+
+
+def test_default_question_file_ships_in_the_package_with_every_category():
     path = default_questions_path()
-    if path is None:
-        pytest.skip("Spec-Bench's question.jsonl is not next to this checkout")
-    qs = load_questions(path, limit_per_category=1)
-    assert len(qs) == 13 and {"writing", "translation", "rag"} <= {q["category"] for q in qs}
+    assert path.is_file() and path.parent == Path(bench_cli.__file__).parent
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert all(set(q) == {"question_id", "category", "turns"} for q in lines)
+    assert len({q["question_id"] for q in lines}) == len(lines)  # ids are unique
+    qs = load_questions(path)
+    assert len(qs) == len(lines)
+    assert sorted({q["category"] for q in qs}) == sorted(SPEC_BENCH_CATEGORIES)
+    assert len(load_questions(path, limit_per_category=1)) == len(SPEC_BENCH_CATEGORIES)
+    assert all(t.strip() for q in qs for t in q["turns"])
+
+
+def test_default_question_file_is_none_of_the_training_prompts():
+    # The bench measures a trained head on questions its training never saw.
+    prompts_dir = Path(bench_cli.__file__).parents[1] / "train" / "prompts"
+    seen = {json.loads(line).get("prompt", "").strip().lower()
+            for f in prompts_dir.glob("*.jsonl")
+            for line in f.read_text(encoding="utf-8").splitlines() if line.strip()}
+    turns = {t.strip().lower() for q in load_questions(default_questions_path())
+             for t in q["turns"]}
+    assert not turns & seen
 
 
 def test_cli_registers_bench():
@@ -310,6 +332,28 @@ def test_bench_rejects_modes_the_models_cannot_run():
         bench(engine, QUESTIONS, BenchSettings(modes=("plain", "model")), progress=False)
     with pytest.raises(ValueError, match="hf-assisted"):
         bench(engine, QUESTIONS, BenchSettings(modes=("hf-assisted",)), progress=False)
+
+
+def test_cli_bench_without_questions_runs_the_default_set(tmp_path, capsys):
+    from specchat.cli import main
+    model_dir = tmp_path / "tiny"
+    tiny_llama(0).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--target", str(model_dir), "--quantization", "none", "--device", "cpu",
+               "--modes", "plain", "--categories", "qa,rag", "--limit-per-category", "1",
+               "--max-new-tokens", "2", "--warmup-tokens", "0", "--no-progress",
+               "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["questions_file"] == str(default_questions_path())
+    assert set(result["modes"]["plain"]["by_category"]) == {"qa", "rag"}
+
+
+def test_cli_bench_says_a_missing_question_file(tmp_path, capsys):
+    from specchat.cli import main
+    assert main(["bench", "--questions", str(tmp_path / "nope.jsonl")]) == 2
+    assert "no question file at" in capsys.readouterr().err
 
 
 def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, capsys):

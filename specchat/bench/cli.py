@@ -32,14 +32,16 @@ def _modes_arg(value: str) -> tuple[str, ...]:
 def add_cli(subparsers) -> argparse.ArgumentParser:
     from specchat.args import add_model_arguments
     p = subparsers.add_parser(
-        "bench", formatter_class=HelpFormatter, help="benchmark decoding modes on a question set (Spec-Bench)",
-        description="Run a JSONL question set (Spec-Bench's by default) in several decoding "
-                    "modes side by side on one loaded target, interleaved per question, and "
-                    "report tokens/s, speedup over plain decoding, acceptance, target calls per "
-                    "token and time to first token, per category and overall.")
+        "bench", formatter_class=HelpFormatter, help="benchmark decoding modes on a question set",
+        description="Run a JSONL question set (specchat's own by default, Spec-Bench's with "
+                    "--questions) in several decoding modes side by side on one loaded target, "
+                    "interleaved per question, and report tokens/s, speedup over plain "
+                    "decoding, acceptance, target calls per token and time to first token, per "
+                    "category and overall.")
     p.add_argument("--questions", default=None,
-                   help="JSONL file, one question a line with `turns` and `category` (default: "
-                        "../shared/benchmarks/spec_bench/question.jsonl next to the repository)")
+                   help="JSONL file, one question a line with `turns` and `category`, such as "
+                        "Spec-Bench's question.jsonl (default: specchat's own set, 3 questions "
+                        "in each of Spec-Bench's 13 categories)")
     p.add_argument("--categories", nargs="+", default=None,
                    help="only these categories (space or comma separated)")
     p.add_argument("--limit-per-category", type=int, default=None, metavar="N",
@@ -104,9 +106,11 @@ def cmd_bench(args) -> int:
         print(f"specchat: {problem}", file=sys.stderr)
         return 2
     path = args.questions or default_questions_path()
-    if path is None:
-        print("specchat: no question file given and Spec-Bench's question.jsonl was not found "
-              "next to the repository; pass --questions FILE.", file=sys.stderr)
+    if not Path(path).is_file():
+        print(f"specchat: no question file at {path}; pass --questions FILE (Spec-Bench's is "
+              "data/spec_bench/question.jsonl in its repository)" if args.questions else
+              f"specchat: the default question file {path} is missing from this install; "
+              "pass --questions FILE.", file=sys.stderr)
         return 2
     categories = [c for arg in (args.categories or []) for c in arg.split(",") if c]
     try:

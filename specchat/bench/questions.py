@@ -1,4 +1,4 @@
-"""Reading Spec-Bench-style question files."""
+"""Reading Spec-Bench-style question files, and the default set shipped with specchat."""
 
 from __future__ import annotations
 
@@ -7,24 +7,19 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-QUESTIONS_REL = Path("benchmarks") / "spec_bench" / "question.jsonl"
+# specchat's own question set: 3 questions in each of Spec-Bench's 13 categories, written for
+# this project (none from Spec-Bench, MT-Bench or train-draft's prompts). Spec-Bench's own
+# question.jsonl has the same shape and is read with --questions.
+DEFAULT_QUESTIONS = Path(__file__).with_name("questions.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------
 # Questions
 
 
-def default_questions_path(start: Path | None = None) -> Path | None:
-    """Spec-Bench's question.jsonl in a `shared/` folder next to (or above) the repository."""
-    repo = Path(__file__).resolve().parents[2]
-    bases = [repo, *repo.parents, Path.cwd(), *Path.cwd().parents]
-    if start is not None:
-        bases.insert(0, start)
-    for base in bases:
-        for candidate in (base / "shared" / QUESTIONS_REL, base / QUESTIONS_REL):
-            if candidate.is_file():
-                return candidate
-    return None
+def default_questions_path() -> Path:
+    """The question file shipped in the package, used when no --questions is given."""
+    return DEFAULT_QUESTIONS
 
 
 def load_questions(path: str | Path, categories: Iterable[str] | None = None,
