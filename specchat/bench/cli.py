@@ -74,6 +74,15 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice). On a machine shared with "
                         "other busy processes, 1 avoids threads waiting on each other")
+    _add_llama_arguments(p)
+    p.add_argument("--json", metavar="OUT", default=None, help="write the full report here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _add_llama_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "llama.cpp in the same table",
         "Race a llama.cpp server on the same questions, prompt ids and stop condition: mode "
@@ -87,47 +96,26 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--llama-spec-type", metavar="T", action="append", default=[],
                    help="with --llama-server-bin: also a server with llama.cpp's own "
                         "speculation T (ngram-simple, ngram-cache, ...); repeatable")
-    p.add_argument("--json", metavar="OUT", default=None, help="write the full report here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_model_arguments(p)
-    p.set_defaults(func=cmd_bench)
-    return p
 
 
 def cmd_bench(args) -> int:
-    from specchat.args import load_for_cli, validate_sampling
+    from specchat.args import load_for_cli
 
     # Options first: a wrong one is said at once, whatever the question file.
-    problem = ("--repeats must be at least 1" if args.repeats < 1 else
-               "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
-               validate_sampling(args))
-    problem = problem or _llama_problem(args)
+    problem = _option_problem(args)
     if problem:
-        print(f"specchat: {problem}", file=sys.stderr)
-        return 2
+        return _fail(problem, 2)
     path = args.questions or default_questions_path()
-    if not Path(path).is_file():
-        print(f"specchat: no question file at {path}; pass --questions FILE (Spec-Bench's is "
-              "data/spec_bench/question.jsonl in its repository)" if args.questions else
-              f"specchat: the default question file {path} is missing from this install; "
-              "pass --questions FILE.", file=sys.stderr)
-        return 2
     categories = [c for arg in (args.categories or []) for c in arg.split(",") if c]
-    try:
-        questions = load_questions(path, categories, args.limit_per_category)
-    except (OSError, ValueError) as e:
-        print(f"specchat: {e}", file=sys.stderr)
-        return 2
-    if not questions:
-        print(f"specchat: no questions in {path}", file=sys.stderr)
+    questions = _read_questions(args, path, categories)
+    if questions is None:
         return 2
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)
     if getattr(args, "backend", None):
-        print("specchat: bench measures specchat's own engine on this machine; race a server "
-              "beside it with --llama-server URL", file=sys.stderr)
-        return 2
+        return _fail("bench measures specchat's own engine on this machine; race a server "
+                     "beside it with --llama-server URL", 2)
     report = load_for_cli(args)
     if report is None:
         return 1
@@ -135,18 +123,8 @@ def cmd_bench(args) -> int:
     engine = report.engine
     assistant = report.draft.model if report.draft else None
     modes = args.modes or tuple(available_modes(engine, assistant))
-    try:
-        import transformers
-        transformers.logging.set_verbosity_error()  # generate()'s per-call advice, not results
-    except Exception:  # noqa: BLE001
-        pass
-    settings = BenchSettings(modes=modes, turns=args.turns, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                             seed=args.seed, draft_len=args.draft_len,
-                             adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
-                             tree_nodes=args.tree_nodes,
-                             repeats=args.repeats, warmup_tokens=args.warmup_tokens,
-                             stop_strings=not args.ignore_stop_strings)
+    _quiet_transformers()
+    settings = _settings(args, modes)
     extra = {"questions_file": str(path), "categories": categories or None,
              "limit_per_category": args.limit_per_category,
              "target": engine.target.label, "draft": report.draft.label if report.draft else None,
@@ -155,22 +133,9 @@ def cmd_bench(args) -> int:
              "command": "python -m specchat " + " ".join(sys.argv[1:]),
              "peak_rss_after_load_mb": loaded_peak_mb, "rss_after_load_mb": loaded_rss_mb,
              **machine_config()}
-    from specchat.backends.llama_cpp import LlamaCppError
-    from specchat.backends.remote import BackendError
-    with contextlib.ExitStack() as servers:
-        try:
-            remotes = _llama_servers(args, servers)
-        except (LlamaCppError, BackendError) as e:
-            print(f"specchat: {e}", file=sys.stderr)
-            return 1
-        settings.modes = tuple(m for m in settings.modes if m not in remotes) + tuple(remotes)
-        extra["llama_cpp"] = {mode: r.url for mode, r in remotes.items()} or None
-        try:
-            result = bench(engine, questions, settings, assistant,
-                           progress=not args.no_progress, extra_config=extra, remotes=remotes)
-        except (ValueError, BackendError) as e:
-            print(f"specchat: {e}", file=sys.stderr)
-            return 2
+    result = _bench_beside_servers(args, engine, questions, settings, assistant, extra)
+    if isinstance(result, int):
+        return result
     print(format_report(result))
     if args.json:
         out = Path(args.json)
@@ -178,6 +143,76 @@ def cmd_bench(args) -> int:
         out.write_text(json.dumps(result, indent=1))
         print(f"report written to {out}", file=sys.stderr)
     return 130 if result["config"]["interrupted"] else 0
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"specchat: {message}", file=sys.stderr)
+    return code
+
+
+def _option_problem(args) -> str | None:
+    from specchat.args import validate_sampling
+    problem = ("--repeats must be at least 1" if args.repeats < 1 else
+               "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
+               validate_sampling(args))
+    return problem or _llama_problem(args)
+
+
+def _read_questions(args, path, categories: list[str]) -> list[dict] | None:
+    """The questions asked for, or None once the problem with them is said."""
+    if not Path(path).is_file():
+        _fail(f"no question file at {path}; pass --questions FILE (Spec-Bench's is "
+              "data/spec_bench/question.jsonl in its repository)" if args.questions else
+              f"the default question file {path} is missing from this install; pass "
+              "--questions FILE.", 2)
+        return None
+    try:
+        questions = load_questions(path, categories, args.limit_per_category)
+    except (OSError, ValueError) as e:
+        _fail(str(e), 2)
+        return None
+    if not questions:
+        _fail(f"no questions in {path}", 2)
+        return None
+    return questions
+
+
+def _quiet_transformers() -> None:
+    try:
+        import transformers
+        transformers.logging.set_verbosity_error()  # generate()'s per-call advice, not results
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _settings(args, modes: tuple[str, ...]) -> BenchSettings:
+    return BenchSettings(modes=modes, turns=args.turns, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                         seed=args.seed, draft_len=args.draft_len,
+                         adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
+                         tree_nodes=args.tree_nodes,
+                         repeats=args.repeats, warmup_tokens=args.warmup_tokens,
+                         stop_strings=not args.ignore_stop_strings)
+
+
+def _bench_beside_servers(args, engine, questions: list[dict], settings: BenchSettings,
+                          assistant, extra: dict) -> dict | int:
+    """The bench's result, with the llama.cpp servers asked for running beside the engine (and
+    stopped after); or the exit code once a problem is said."""
+    from specchat.backends.llama_cpp import LlamaCppError
+    from specchat.backends.remote import BackendError
+    with contextlib.ExitStack() as servers:
+        try:
+            remotes = _llama_servers(args, servers)
+        except (LlamaCppError, BackendError) as e:
+            return _fail(str(e), 1)
+        settings.modes = tuple(m for m in settings.modes if m not in remotes) + tuple(remotes)
+        extra["llama_cpp"] = {mode: r.url for mode, r in remotes.items()} or None
+        try:
+            return bench(engine, questions, settings, assistant,
+                         progress=not args.no_progress, extra_config=extra, remotes=remotes)
+        except (ValueError, BackendError) as e:
+            return _fail(str(e), 2)
 
 
 def _llama_problem(args) -> str | None:

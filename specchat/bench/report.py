@@ -26,94 +26,140 @@ def _runtime_lines(runtime: dict | None) -> list[str]:
 
 
 def format_report(result: dict) -> str:
+    """The text report: the per-category table, then one section each for follow-up turns, the
+    cost model, llama.cpp, identical replies and memory, where the result has them."""
+    vs = result.get("versus_llama_cpp")
+    return "\n".join([*_runtime_lines(result["config"].get("runtime")),
+                      *_table_lines(result),
+                      *_turn2_lines(result),
+                      *_cost_model_lines(result),
+                      *_versus_lines(vs),
+                      *_identical_lines(result, vs),
+                      *_footer_lines(result["config"])])
+
+
+def _table_lines(result: dict) -> list[str]:
+    """Per category and overall, one row per mode."""
     modes = list(result["modes"])
     w = max([12] + [len(m) for m in modes])  # the mode column
     head = (f"{'category':<15} {'mode':<{w}} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
             f"{'acc.len':>7} {'calls/tok':>9} {'TTFT s':>7} {'ovh ms/tok':>10}")
-    lines = [*_runtime_lines(result["config"].get("runtime")), head, "-" * len(head)]
+    lines = [head, "-" * len(head)]
 
     def rows(label: str, get) -> None:
         for i, mode in enumerate(modes):
             m = get(result["modes"][mode])
-            if m is None:
-                continue
-            lines.append(
-                f"{label if i == 0 else '':<15} {mode:<{w}} {m['tokens_per_s']:>7.1f} "
-                f"{_f(m['speedup'], '.2f') + 'x' if m['speedup'] is not None else '-':>8} "
-                f"{_f(m['acceptance_rate'], '.0%'):>7} {_f(m['mean_accepted_len'], '.2f'):>7} "
-                f"{_f(m['target_calls_per_token'], '.2f'):>9} {_f(m['ttft_s'], '.3f'):>7} "
-                f"{_f(m['overhead_ms_per_token'], '.1f'):>10}")
+            if m is not None:
+                lines.append(_table_row(label if i == 0 else "", mode, w, m))
 
     categories = list(dict.fromkeys(c for m in result["modes"].values() for c in m["by_category"]))
     for cat in categories:
         rows(cat, lambda e, cat=cat: e["by_category"].get(cat))
     lines.append("-" * len(head))
     rows("overall", lambda e: e["overall"])
+    return lines
 
+
+def _table_row(label: str, mode: str, w: int, m: dict) -> str:
+    return (f"{label:<15} {mode:<{w}} {m['tokens_per_s']:>7.1f} "
+            f"{_f(m['speedup'], '.2f') + 'x' if m['speedup'] is not None else '-':>8} "
+            f"{_f(m['acceptance_rate'], '.0%'):>7} {_f(m['mean_accepted_len'], '.2f'):>7} "
+            f"{_f(m['target_calls_per_token'], '.2f'):>9} {_f(m['ttft_s'], '.3f'):>7} "
+            f"{_f(m['overhead_ms_per_token'], '.1f'):>10}")
+
+
+def _turn2_lines(result: dict) -> list[str]:
+    """Follow-up turns, which reuse the cached history, apart from first turns."""
     turn2 = [(mode, e["overall"]) for mode, e in result["modes"].items()
              if "turn2_ttft_s" in e["overall"]]
-    if turn2:
-        lines.append("")
-        lines.append("follow-up turns (turn 2): mean TTFT, prompt tokens, tokens encoded")
-        for mode, o in turn2:
-            lines.append(f"  {mode:<12} TTFT {o['turn2_ttft_s']:.3f} s  prompt "
-                         f"{o['turn2_prompt_tokens']:.0f}  prefilled "
-                         f"{o['turn2_prefill_tokens']:.0f}  (turn 1 TTFT "
-                         f"{_f(o['ttft_s'], '.3f')} s)")
+    if not turn2:
+        return []
+    lines = ["", "follow-up turns (turn 2): mean TTFT, prompt tokens, tokens encoded"]
+    for mode, o in turn2:
+        lines.append(f"  {mode:<12} TTFT {o['turn2_ttft_s']:.3f} s  prompt "
+                     f"{o['turn2_prompt_tokens']:.0f}  prefilled "
+                     f"{o['turn2_prefill_tokens']:.0f}  (turn 1 TTFT "
+                     f"{_f(o['ttft_s'], '.3f')} s)")
+    return lines
 
+
+def _cost_model_lines(result: dict) -> list[str]:
+    """The predicted speedups of each speculative mode beside the achieved one."""
     analysed = [(mode, e["analysis"]) for mode, e in result["modes"].items() if "analysis" in e]
-    if analysed:
-        lines.append("")
-        lines.append("cost model (Leviathan et al.: (1 - a^(k+1)) / ((1 - a)(c k + verify)),"
-                     " costs in plain target steps)")
-        lines.append("  formula: at the mean k of drafting steps; per-step: the same model summed"
-                     " over every step's own k, steps with nothing to draft included;")
-        lines.append("  +prefill: per-step with the prompt's encoding, which speculation does not"
-                     " speed up (Amdahl, prefill share of plain's time)")
-        lines.append(f"  {'mode':<12} {'alpha':>6} {'k mean':>6} {'c':>7} {'verify':>7} "
-                     f"{'formula':>8} {'per-step':>8} {'prefill':>7} {'+prefill':>8} "
-                     f"{'achieved':>8} {'ach/form':>8} {'ach/step':>8} {'ach/+pf':>8}")
-        for mode, a in analysed:
-            ach, pred, step, e2e = (a["achieved_speedup"], a["predicted_speedup"],
-                                    a["predicted_speedup_steps"], a.get("predicted_speedup_e2e"))
-            lines.append(
-                f"  {mode:<12} {_f(a['alpha'], '.3f'):>6} {a['k_mean']:>6.2f} "
-                f"{_f(a['c'], '.4f'):>7} {_f(a['verify_ratio'], '.3f'):>7} "
-                f"{_x(pred):>8} {_x(step):>8} {_f(a.get('prefill_share'), '.0%'):>7} "
-                f"{_x(e2e):>8} {_x(ach):>8} "
-                f"{_f(ach / pred if ach and pred else None, '.0%'):>8} "
-                f"{_f(ach / step if ach and step else None, '.0%'):>8} "
-                f"{_f(ach / e2e if ach and e2e else None, '.0%'):>8}")
-            by_fed = " ".join(f"{m}:{r:.2f}" for m, r in a["verify_ratio_by_fed"].items())
-            if by_fed:
-                lines.append(f"  {'':<12} verify cost by tokens fed: {by_fed}  "
-                             f"(plain step {1000 * a['plain_step_s']:.1f} ms)")
-            else:
-                base = "hf-plain" if mode in HF_MODES else "plain"
-                lines.append(f"  {'':<12} (no costs: run {base} too for a baseline step)")
-    vs = result.get("versus_llama_cpp")
-    if vs:
-        lines.append("")
-        lines.append(f"specchat vs llama.cpp on the same {vs['items']} items (llama.cpp modes: "
-                     f"speedup over llama.cpp's own plain decoding, text compared with its "
-                     f"replies)")
-        lines.append(f"  best: specchat {vs['best']} {vs['best_tokens_per_s']:.1f} tok/s vs "
-                     f"{vs['their_best']} {vs['their_best_tokens_per_s']:.1f} tok/s = "
-                     f"{_x(vs['best_ratio'])}")
-        if vs.get("plain_ratio") is not None:
-            lines.append(f"  plain: specchat plain / llama.cpp plain = {_x(vs['plain_ratio'])}")
+    if not analysed:
+        return []
+    lines = [
+        "",
+        "cost model (Leviathan et al.: (1 - a^(k+1)) / ((1 - a)(c k + verify)),"
+        " costs in plain target steps)",
+        "  formula: at the mean k of drafting steps; per-step: the same model summed"
+        " over every step's own k, steps with nothing to draft included;",
+        "  +prefill: per-step with the prompt's encoding, which speculation does not"
+        " speed up (Amdahl, prefill share of plain's time)",
+        f"  {'mode':<12} {'alpha':>6} {'k mean':>6} {'c':>7} {'verify':>7} "
+        f"{'formula':>8} {'per-step':>8} {'prefill':>7} {'+prefill':>8} "
+        f"{'achieved':>8} {'ach/form':>8} {'ach/step':>8} {'ach/+pf':>8}"]
+    for mode, a in analysed:
+        lines += [_cost_row(mode, a), _verify_costs_line(mode, a)]
+    return lines
+
+
+def _cost_row(mode: str, a: dict) -> str:
+    ach, pred, step, e2e = (a["achieved_speedup"], a["predicted_speedup"],
+                            a["predicted_speedup_steps"], a.get("predicted_speedup_e2e"))
+    return (f"  {mode:<12} {_f(a['alpha'], '.3f'):>6} {a['k_mean']:>6.2f} "
+            f"{_f(a['c'], '.4f'):>7} {_f(a['verify_ratio'], '.3f'):>7} "
+            f"{_x(pred):>8} {_x(step):>8} {_f(a.get('prefill_share'), '.0%'):>7} "
+            f"{_x(e2e):>8} {_x(ach):>8} "
+            f"{_f(ach / pred if ach and pred else None, '.0%'):>8} "
+            f"{_f(ach / step if ach and step else None, '.0%'):>8} "
+            f"{_f(ach / e2e if ach and e2e else None, '.0%'):>8}")
+
+
+def _verify_costs_line(mode: str, a: dict) -> str:
+    """The verify ratio per width fed, or why there is none."""
+    by_fed = " ".join(f"{m}:{r:.2f}" for m, r in a["verify_ratio_by_fed"].items())
+    if by_fed:
+        return (f"  {'':<12} verify cost by tokens fed: {by_fed}  "
+                f"(plain step {1000 * a['plain_step_s']:.1f} ms)")
+    base = "hf-plain" if mode in HF_MODES else "plain"
+    return f"  {'':<12} (no costs: run {base} too for a baseline step)"
+
+
+def _versus_lines(vs: dict | None) -> list[str]:
+    """specchat's best and plain modes against llama.cpp's, when the bench raced a server."""
+    if not vs:
+        return []
+    lines = ["",
+             f"specchat vs llama.cpp on the same {vs['items']} items (llama.cpp modes: "
+             f"speedup over llama.cpp's own plain decoding, text compared with its replies)",
+             f"  best: specchat {vs['best']} {vs['best_tokens_per_s']:.1f} tok/s vs "
+             f"{vs['their_best']} {vs['their_best_tokens_per_s']:.1f} tok/s = "
+             f"{_x(vs['best_ratio'])}"]
+    if vs.get("plain_ratio") is not None:
+        lines.append(f"  plain: specchat plain / llama.cpp plain = {_x(vs['plain_ratio'])}")
+    return lines
+
+
+def _identical_lines(result: dict, vs: dict | None) -> list[str]:
+    """The share of replies identical to plain's, and the speedup on those alone."""
     ident = {m: v for m, v in result.get("identical_to_plain", {}).items() if v is not None}
-    if ident:
-        lines.append("")
-        to = "; llama.cpp modes: to llama.cpp's" if vs else ""
-        lines.append(f"text identical to plain (same seed{to}): " +
-                     ", ".join(f"{m} {v:.0%}" for m, v in ident.items()))
-        same = [(m, e["overall"]) for m, e in result["modes"].items()
-                if m != "plain" and e["overall"].get("same_text_speedup") is not None]
-        if same:
-            lines.append("speedup on those identical replies only: " + ", ".join(
-                f"{m} {_x(o['same_text_speedup'])} ({o['same_text_items']})" for m, o in same))
-    cfg = result["config"]
+    if not ident:
+        return []
+    to = "; llama.cpp modes: to llama.cpp's" if vs else ""
+    lines = ["", f"text identical to plain (same seed{to}): " +
+             ", ".join(f"{m} {v:.0%}" for m, v in ident.items())]
+    same = [(m, e["overall"]) for m, e in result["modes"].items()
+            if m != "plain" and e["overall"].get("same_text_speedup") is not None]
+    if same:
+        lines.append("speedup on those identical replies only: " + ", ".join(
+            f"{m} {_x(o['same_text_speedup'])} ({o['same_text_items']})" for m, o in same))
+    return lines
+
+
+def _footer_lines(cfg: dict) -> list[str]:
+    """Memory, and how much of the question set an interrupted run measured."""
+    lines = []
     if cfg.get("peak_rss_mb"):
         after = (f" (after loading: peak {cfg['peak_rss_after_load_mb']:.0f} MB, resident "
                  f"{cfg['rss_after_load_mb']:.0f} MB)" if cfg.get("rss_after_load_mb") else "")
@@ -121,4 +167,4 @@ def format_report(result: dict) -> str:
     if cfg.get("interrupted"):
         lines.append(f"interrupted: {cfg.get('questions_done', 0)} of "
                      f"{cfg.get('questions_planned', 0)} questions measured")
-    return "\n".join(lines)
+    return lines

@@ -262,11 +262,41 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
     compared on the same ones."""
     from tqdm import tqdm
 
-    from specchat.core.text import chat_prompt
-
     log = log or (lambda msg: print(msg, file=sys.stderr))
     remotes = remotes or {}
-    for m in s.modes:
+    _check_modes(engine, s.modes, assistant, remotes)
+    run_mode = _ModeRunner(engine, s, assistant, remotes)
+    runs: list[Run] = []
+    bar = None
+    done = 0
+    interrupted = False
+    started = time.time()
+    try:
+        _warm_up(run_mode, engine, questions, s)
+        bar = tqdm(questions, desc="bench", unit="question", file=sys.stderr, disable=not progress,
+                   dynamic_ncols=True)
+        for qi, q in enumerate(bar):
+            runs.extend(_run_question(run_mode, engine, q, qi, s, bar, log))
+            done += 1
+        bar.close()
+    except KeyboardInterrupt:
+        interrupted = True
+        if bar is not None:
+            bar.close()
+        log("bench: interrupted; reporting the questions measured so far")
+    finally:
+        run_mode.detach()
+    config = {**asdict(s), "modes": list(s.modes),
+              "questions_planned": len(questions), "questions_done": done,
+              "interrupted": interrupted, "wall_s": time.time() - started,
+              "peak_rss_mb": peak_rss_mb(), **(extra_config or {})}
+    return summarize_bench(runs, s.modes, config, remote_modes=tuple(remotes)) | \
+        {"runs": [_run_json(r) for r in runs]}
+
+
+def _check_modes(engine, modes, assistant, remotes: dict) -> None:
+    """ValueError for a mode that is unknown or that the loaded models cannot run."""
+    for m in modes:
         if m in remotes:
             continue
         if m not in ALL_MODES + HEAD_MODES:
@@ -278,71 +308,79 @@ def bench(engine, questions: list[dict], s: BenchSettings, assistant=None,
             raise ValueError(f"mode {m!r} needs the {m!r} drafter (load a --draft-model)")
         if m == "hf-assisted" and assistant is None:
             raise ValueError("mode 'hf-assisted' needs a draft model (--draft-model)")
-    probe, draft_probe = _Probe(), _Probe()
-    hooks = probe.attach(engine.model) + (draft_probe.attach(assistant) if assistant is not None
-                                          else [])
-    runs: list[Run] = []
-    bar = None
-    done = 0
-    interrupted = False
-    started = time.time()
 
-    def run_mode(mode, ids, stops, fresh, max_new=None) -> dict:
-        if mode in remotes:
-            return run_remote_mode(remotes[mode], ids, stops, s, fresh, max_new)
+
+class _ModeRunner:
+    """Runs one mode on one prompt with the right runner; holds the forward hooks that time the
+    target (and the assistant of hf-assisted) until `detach`."""
+
+    def __init__(self, engine, s: BenchSettings, assistant, remotes: dict):
+        self.engine, self.s, self.assistant, self.remotes = engine, s, assistant, remotes
+        self.probe, self.draft_probe = _Probe(), _Probe()
+        self.hooks = self.probe.attach(engine.model) + (
+            self.draft_probe.attach(assistant) if assistant is not None else [])
+
+    def __call__(self, mode: str, ids: list[int], stops, fresh: bool,
+                 max_new: int | None = None) -> dict:
+        engine, s = self.engine, self.s
+        if mode in self.remotes:
+            return run_remote_mode(self.remotes[mode], ids, stops, s, fresh, max_new)
         if mode in ENGINE_MODES + HEAD_MODES:
-            return run_engine_mode(engine, probe, ids, stops, mode, s, fresh, max_new)
-        draft_probe.reset()
-        r = run_hf_mode(engine, probe, ids, stops, mode, s, assistant, max_new)
+            return run_engine_mode(engine, self.probe, ids, stops, mode, s, fresh, max_new)
+        self.draft_probe.reset()
+        r = run_hf_mode(engine, self.probe, ids, stops, mode, s, self.assistant, max_new)
         if mode == "hf-assisted":  # spread the assistant's forward time over the drafts
             drafted = sum(st.drafted for st in r["steps"])
-            per_token = sum(t for _, t in draft_probe.calls) / drafted if drafted else 0.0
+            per_token = sum(t for _, t in self.draft_probe.calls) / drafted if drafted else 0.0
             for st in r["steps"]:
                 st.draft_s = st.drafted * per_token
         return r
 
-    try:
-        if s.warmup_tokens and questions:
-            ids, stops = chat_prompt(engine.tokenizer,
-                                     [{"role": "user", "content": questions[0]["turns"][0]}])
-            for mode in s.modes:
-                run_mode(mode, ids, stops, True, s.warmup_tokens)
-        bar = tqdm(questions, desc="bench", unit="question", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True)
-        for qi, q in enumerate(bar):
-            turns = q["turns"] if s.turns == "all" else q["turns"][:1]
-            q_runs: list[Run] = []
-            for rep in range(s.repeats):
-                shift = (qi + rep) % len(s.modes)
-                for mode in s.modes[shift:] + s.modes[:shift]:
-                    bar.set_postfix_str(f"{q['category']} {mode}", refresh=False)
-                    messages: list[dict] = []
-                    for ti, user in enumerate(turns):
-                        messages.append({"role": "user", "content": user})
-                        ids, stops = chat_prompt(engine.tokenizer, messages)
-                        r = run_mode(mode, ids, stops if s.stop_strings else (), fresh=ti == 0)
-                        if r["error"]:
-                            log(f"bench: {mode} on question {q['question_id']}: {r['error']}")
-                        q_runs.append(Run(q["question_id"], q["category"], ti + 1, mode, rep,
-                                          **r))
-                        messages.append({"role": "assistant", "content": r["text"]})
-            runs.extend(q_runs)
-            done += 1
-        bar.close()
-    except KeyboardInterrupt:
-        interrupted = True
-        if bar is not None:
-            bar.close()
-        log("bench: interrupted; reporting the questions measured so far")
-    finally:
-        for h in hooks:
+    def detach(self) -> None:
+        for h in self.hooks:
             h.remove()
-    config = {**asdict(s), "modes": list(s.modes),
-              "questions_planned": len(questions), "questions_done": done,
-              "interrupted": interrupted, "wall_s": time.time() - started,
-              "peak_rss_mb": peak_rss_mb(), **(extra_config or {})}
-    return summarize_bench(runs, s.modes, config, remote_modes=tuple(remotes)) | \
-        {"runs": [_run_json(r) for r in runs]}
+
+
+def _warm_up(run_mode: _ModeRunner, engine, questions: list[dict], s: BenchSettings) -> None:
+    """One short unrecorded run per mode on the first question."""
+    from specchat.core.text import chat_prompt
+    if s.warmup_tokens and questions:
+        ids, stops = chat_prompt(engine.tokenizer,
+                                 [{"role": "user", "content": questions[0]["turns"][0]}])
+        for mode in s.modes:
+            run_mode(mode, ids, stops, True, s.warmup_tokens)
+
+
+def _run_question(run_mode: _ModeRunner, engine, q: dict, qi: int, s: BenchSettings, bar,
+                  log: Callable[[str], None]) -> list[Run]:
+    """Every repeat of every mode on one question; the mode order rotates with the question and
+    the repeat, so that drift over time hits every mode alike."""
+    q_runs: list[Run] = []
+    for rep in range(s.repeats):
+        shift = (qi + rep) % len(s.modes)
+        for mode in s.modes[shift:] + s.modes[:shift]:
+            bar.set_postfix_str(f"{q['category']} {mode}", refresh=False)
+            q_runs.extend(_run_turns(run_mode, engine, q, mode, rep, s, log))
+    return q_runs
+
+
+def _run_turns(run_mode: _ModeRunner, engine, q: dict, mode: str, rep: int, s: BenchSettings,
+               log: Callable[[str], None]) -> list[Run]:
+    """One mode on a question's turns (the first, or all), each follow-up after the mode's own
+    reply to the one before."""
+    from specchat.core.text import chat_prompt
+    turns = q["turns"] if s.turns == "all" else q["turns"][:1]
+    runs: list[Run] = []
+    messages: list[dict] = []
+    for ti, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        ids, stops = chat_prompt(engine.tokenizer, messages)
+        r = run_mode(mode, ids, stops if s.stop_strings else (), fresh=ti == 0)
+        if r["error"]:
+            log(f"bench: {mode} on question {q['question_id']}: {r['error']}")
+        runs.append(Run(q["question_id"], q["category"], ti + 1, mode, rep, **r))
+        messages.append({"role": "assistant", "content": r["text"]})
+    return runs
 
 
 def _run_json(r: Run) -> dict:

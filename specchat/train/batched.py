@@ -103,14 +103,14 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
     string (`text.stop_check`): the end of the turn in a plain chat format, where a base model
     would go on to write the user's next message itself."""
     device = model.device
-    batch, width = len(prompts), max(map(len, prompts))
+    width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     masks = _Masks(model, torch.tensor([[False] * (width - len(p)) + [True] * len(p)
                                         for p in prompts], device=device))
     cache = DynamicCache()
     cache.layer_class_to_replicate = PagedLayer  # every token in every layer, written in place
     tap = FeatureTap(model)
-    rows = list(range(batch))  # batch row -> prompt index, for the rows still writing
+    rows = list(range(len(prompts)))  # batch row -> prompt index, for the rows still writing
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
     top1: list[list[torch.Tensor]] = [[] for _ in prompts]
     replies: list[list[int]] = [[] for _ in prompts]
@@ -123,23 +123,10 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
             feats[i].append(tap.last[i, width - len(p):].to(torch.bfloat16))
             top1[i].append(torch.full((len(p) - 1,), -1, dtype=torch.int32))
         for step in range(max_new_tokens):
-            values, indices = out.logits[:, -1].topk(top_k, dim=-1)  # [R, k], sorted
-            choice = torch.zeros(len(rows), dtype=torch.long, device=device)
-            if bool(do_sample.any()):
-                u = torch.rand(values.shape, generator=generator, device=device)
-                gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0)))
-                raced = (values.float() / temperature + gumbel).argmax(-1)
-                choice = torch.where(do_sample, raced, choice)
-            tokens = indices.gather(1, choice[:, None])[:, 0].tolist()
-            best = indices[:, 0].int().cpu()
-            keep = []
-            for r, (i, t) in enumerate(zip(rows, tokens)):
-                top1[i].append(best[r:r + 1])
-                if t in stop:
-                    continue
-                replies[i].append(t)
-                if step + 1 < max_new_tokens and not (ends is not None and ends(replies[i])):
-                    keep.append(r)
+            tokens, best = _draw(out.logits[:, -1], do_sample, temperature, top_k, generator,
+                                 device)
+            keep = _write(rows, tokens, best, top1, replies, stop, ends,
+                          last=step + 1 >= max_new_tokens)
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -159,6 +146,41 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                 feats[i].append(step_feats[r:r + 1])
     finally:
         tap.close()
+    return _results(prompts, replies, feats, top1)
+
+
+def _draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: float, top_k: int,
+          generator: torch.Generator | None, device) -> tuple[list[int], torch.Tensor]:
+    """Each row's next token from its logits [R, vocab]: the top-1 in greedy rows, a Gumbel-max
+    draw from the tempered top-k in sampled ones. Returns (tokens, top-1s [R] int32 on the CPU)."""
+    values, indices = logits.topk(top_k, dim=-1)  # [R, k], sorted
+    choice = torch.zeros(len(logits), dtype=torch.long, device=device)
+    if bool(do_sample.any()):
+        u = torch.rand(values.shape, generator=generator, device=device)
+        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0)))
+        raced = (values.float() / temperature + gumbel).argmax(-1)
+        choice = torch.where(do_sample, raced, choice)
+    tokens = indices.gather(1, choice[:, None])[:, 0].tolist()
+    return tokens, indices[:, 0].int().cpu()
+
+
+def _write(rows: list[int], tokens: list[int], best: torch.Tensor, top1: list[list[torch.Tensor]],
+           replies: list[list[int]], stop: set[int], ends, last: bool) -> list[int]:
+    """Records each row's top-1 and appends its token to its reply (a stop token is not part
+    of it). Returns the batch rows that go on writing."""
+    keep = []
+    for r, (i, t) in enumerate(zip(rows, tokens)):
+        top1[i].append(best[r:r + 1])
+        if t in stop:
+            continue
+        replies[i].append(t)
+        if not last and not (ends is not None and ends(replies[i])):
+            keep.append(r)
+    return keep
+
+
+def _results(prompts: list[list[int]], replies: list[list[int]],
+             feats: list[list[torch.Tensor]], top1: list[list[torch.Tensor]]) -> list[Sampled]:
     results = []
     for i, p in enumerate(prompts):
         f = torch.cat(feats[i]).cpu()

@@ -188,6 +188,21 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="work directory and head location (default: next to the target's "
                         "cache, where the app finds it)")
+    _add_generation_arguments(p)
+    _add_training_arguments(p)
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="torch CPU threads (default 0: torch's choice)")
+    p.add_argument("--evaluate", type=int, default=0, metavar="N",
+                   help="afterwards, decode N held-out prompts with the head vs plain and "
+                        "report alpha and speed")
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--json", action="store_true", help="summary as one JSON line")
+    p.set_defaults(func=cmd_train_draft)
+    return p
+
+
+def _add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    """Phase 1: how the target writes the text the head learns from."""
     p.add_argument("--gen-share", type=float, default=0.5,
                    help="most of the budget spent generating text (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per generated reply")
@@ -200,6 +215,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=3,
                    help="replies per prompt (the extra ones sampled): more text from the same "
                         "prompts (default 3)")
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """Phase 4: the head's size, the loss and the optimizer."""
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced vocabulary size N")
     p.add_argument("--intermediate-size", type=int, default=0,
@@ -221,15 +240,6 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="stop training after this many optimizer steps in total (0: only the "
                         "clock); makes a run reproducible on machines of any speed")
     p.add_argument("--seed", type=int, default=0, help="data order and initialization")
-    p.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="torch CPU threads (default 0: torch's choice)")
-    p.add_argument("--evaluate", type=int, default=0, metavar="N",
-                   help="afterwards, decode N held-out prompts with the head vs plain and "
-                        "report alpha and speed")
-    p.add_argument("--eval-tokens", type=int, default=96)
-    p.add_argument("--json", action="store_true", help="summary as one JSON line")
-    p.set_defaults(func=cmd_train_draft)
-    return p
 
 
 __all__ = ["TrainConfig", "add_cli", "run", "evaluate_engine"]

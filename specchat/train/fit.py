@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -174,86 +174,141 @@ def train_head(target, records: list[dict], cfg: TrainConfig, deadline: float,
                identity: dict) -> tuple[DraftHead, dict]:
     """Phase 3-4: vocabulary, then training until the deadline. Resumes from train.pt."""
     device = target.device
-    train_recs = [r for r in records if not r["heldout"]]
-    held = [r for r in records if r["heldout"]]
-    if not train_recs:
-        raise SystemExit("train-draft: no training data (generation or extraction got nothing "
-                         "done in the time given); run again with more --minutes")
+    train_recs, held = _split_records(records)
     ckpt_path = cfg.out / "train.pt"
-    state = torch.load(ckpt_path, weights_only=True) if ckpt_path.exists() else None
-    if state is not None and state["identity_key"] != identity["key"]:
-        raise SystemExit(f"train-draft: {ckpt_path} belongs to another target; use another --out")
-    if state is not None:
-        head = DraftHead(HeadConfig(**json.loads(state["config"])))
-        head.load_state_dict(state["head"])
-        coverage = state["coverage"]
-    else:
-        vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
-        head = DraftHead(HeadConfig.for_target(target.model, len(vocab),
-                                               cfg.intermediate_size or None))
-        head.vocab_ids = vocab
-        head.norm_scale = norm_scale_of(target.model)
-        sample = torch.cat([r["feats"].float() for r in train_recs[:64]])
-        head.feat_std = sample.std().reshape(())
+    state = _load_checkpoint(ckpt_path, identity)
+    head, coverage = _head_to_train(target, train_recs, cfg, state)
     head = head.to(device).attach(target.model).train()
     embed = target.model.get_input_embeddings()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step, seen, trained_s = 0, 0, 0.0
+    progress = _Progress()
     if state is not None:
         opt.load_state_dict(state["opt"])
-        step, seen, trained_s = state["step"], state["seen"], state["trained_s"]
-    batches = Batches(train_recs, cfg.batch_tokens, cfg.seq_len, cfg.seed + step)
-    torch.manual_seed(cfg.seed + step)
-
-    def checkpoint():
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"head": head.state_dict(), "config": json.dumps(asdict(head.cfg)),
-                    "opt": opt.state_dict(), "step": step, "seen": seen,
-                    "trained_s": trained_s, "coverage": coverage,
-                    "identity_key": identity["key"]}, tmp)
-        tmp.replace(ckpt_path)
-
-    start = time.time()
-    budget = max(0.0, deadline - start)
-    last_ckpt = start
-    bar = _bar(total=round(budget), desc="train", unit="s",
-               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s [{elapsed}<{remaining}{postfix}]")
-    ema: dict[str, float] = {}
-    while time.time() < deadline and not (cfg.max_steps and step >= cfg.max_steps):
-        frac = max((time.time() - start) / max(budget, 1e-9),
-                   step / cfg.max_steps if cfg.max_steps else 0.0)
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * max(0.1, 1.0 - frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = collate(next(batches), device)
-        with autocast(device, cfg):
-            loss, m = head_loss(head, embed, batch, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        seen += int(batch["mask"].sum())
-        a, b = m["top1@1"]
-        for k, v in (("loss", loss.item()), ("ce", m["ce"])) + ((("top1", a / b),) if b else ()):
-            ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
-        now = time.time()
-        bar.n = min(round(now - start), bar.total)
-        bar.set_postfix(step=step, loss=f"{ema['loss']:.3f}", top1=f"{ema.get('top1', 0):.3f}",
-                        refresh=False)
-        bar.refresh()
-        if now - last_ckpt > cfg.checkpoint_minutes * 60:
-            trained_s += now - last_ckpt
-            last_ckpt = now
-            checkpoint()
-    bar.close()
-    trained_s += time.time() - last_ckpt
-    checkpoint()
-    result = {"steps": step, "tokens_seen": seen, "train_seconds": round(trained_s),
+        progress = _Progress(state["step"], state["seen"], state["trained_s"])
+    batches = Batches(train_recs, cfg.batch_tokens, cfg.seq_len, cfg.seed + progress.step)
+    torch.manual_seed(cfg.seed + progress.step)
+    ema = _train_until(head, embed, opt, batches, cfg, device, deadline, progress, lambda: (
+        _save_checkpoint(ckpt_path, head, opt, progress, coverage, identity)))
+    result = {"steps": progress.step, "tokens_seen": progress.seen,
+              "train_seconds": round(progress.trained_s),
               "train_positions": sum(len(r["ids"]) - 1 - r.get("start", 0)
                                      for r in train_recs),
               "vocab_coverage": round(coverage, 4), "final_loss_ema": round(ema.get("loss", 0), 4),
               **{f"holdout_{k}": v for k, v in
                  evaluate_holdout(head, embed, held, device, cfg).items()}}
     return head.eval(), result
+
+
+@dataclass
+class _Progress:
+    """Where training stands: saved in each checkpoint, restored on resuming."""
+    step: int = 0  # optimizer steps taken
+    seen: int = 0  # tokens trained on
+    trained_s: float = 0.0  # seconds spent training, over every run
+
+
+def _split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(training records, held-out records); there must be something to train on."""
+    train_recs = [r for r in records if not r["heldout"]]
+    held = [r for r in records if r["heldout"]]
+    if not train_recs:
+        raise SystemExit("train-draft: no training data (generation or extraction got nothing "
+                         "done in the time given); run again with more --minutes")
+    return train_recs, held
+
+
+def _load_checkpoint(path, identity: dict) -> dict | None:
+    """train.pt's state if there is one, refused when it was trained for another target."""
+    state = torch.load(path, weights_only=True) if path.exists() else None
+    if state is not None and state["identity_key"] != identity["key"]:
+        raise SystemExit(f"train-draft: {path} belongs to another target; use another --out")
+    return state
+
+
+def _head_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: dict | None
+                   ) -> tuple[DraftHead, float]:
+    """(head, vocabulary coverage): the checkpoint's, or a new head over the reduced vocabulary
+    chosen from the training records."""
+    if state is not None:
+        head = DraftHead(HeadConfig(**json.loads(state["config"])))
+        head.load_state_dict(state["head"])
+        return head, state["coverage"]
+    vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
+    head = DraftHead(HeadConfig.for_target(target.model, len(vocab),
+                                           cfg.intermediate_size or None))
+    head.vocab_ids = vocab
+    head.norm_scale = norm_scale_of(target.model)
+    sample = torch.cat([r["feats"].float() for r in train_recs[:64]])
+    head.feat_std = sample.std().reshape(())
+    return head, coverage
+
+
+def _save_checkpoint(path, head: DraftHead, opt, progress: _Progress, coverage: float,
+                     identity: dict) -> None:
+    """Written aside, then moved into place: an interrupted save leaves the last one whole."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "config": json.dumps(asdict(head.cfg)),
+                "opt": opt.state_dict(), "step": progress.step, "seen": progress.seen,
+                "trained_s": progress.trained_s, "coverage": coverage,
+                "identity_key": identity["key"]}, tmp)
+    tmp.replace(path)
+
+
+def _train_until(head: DraftHead, embed, opt, batches: Batches, cfg: TrainConfig, device,
+                 deadline: float, progress: _Progress, checkpoint) -> dict[str, float]:
+    """Optimizer steps until the deadline or cfg.max_steps, calling `checkpoint` every
+    cfg.checkpoint_minutes and at the end. The learning rate warms up, then decays linearly
+    with the share of the budget spent (time or steps, whichever is further), to 10%.
+    Returns the moving averages of the loss, the cross-entropy and top-1 agreement."""
+    start = time.time()
+    budget = max(0.0, deadline - start)
+    last_ckpt = start
+    bar = _bar(total=round(budget), desc="train", unit="s",
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s [{elapsed}<{remaining}{postfix}]")
+    ema: dict[str, float] = {}
+    while time.time() < deadline and not (cfg.max_steps and progress.step >= cfg.max_steps):
+        frac = max((time.time() - start) / max(budget, 1e-9),
+                   progress.step / cfg.max_steps if cfg.max_steps else 0.0)
+        lr = cfg.lr * min(1.0, (progress.step + 1) / cfg.warmup_steps) * max(0.1, 1.0 - frac)
+        loss, m, tokens = _train_step(head, embed, opt, next(batches), cfg, device, lr)
+        progress.step += 1
+        progress.seen += tokens
+        _update_ema(ema, loss, m)
+        now = time.time()
+        bar.n = min(round(now - start), bar.total)
+        bar.set_postfix(step=progress.step, loss=f"{ema['loss']:.3f}",
+                        top1=f"{ema.get('top1', 0):.3f}", refresh=False)
+        bar.refresh()
+        if now - last_ckpt > cfg.checkpoint_minutes * 60:
+            progress.trained_s += now - last_ckpt
+            last_ckpt = now
+            checkpoint()
+    bar.close()
+    progress.trained_s += time.time() - last_ckpt
+    checkpoint()
+    return ema
+
+
+def _train_step(head: DraftHead, embed, opt, rows: list[dict], cfg: TrainConfig, device,
+                lr: float) -> tuple[float, dict, int]:
+    """One optimizer step on one batch at learning rate `lr`: (loss, head_loss's metrics,
+    tokens in the batch)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    batch = collate(rows, device)
+    with autocast(device, cfg):
+        loss, m = head_loss(head, embed, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+    opt.step()
+    return loss.item(), m, int(batch["mask"].sum())
+
+
+def _update_ema(ema: dict[str, float], loss: float, m: dict) -> None:
+    """Moving averages (0.9) of the loss, the cross-entropy and, where the batch had known
+    top-1s, top-1 agreement: the progress bar's figures and the summary's final loss."""
+    a, b = m["top1@1"]
+    for k, v in (("loss", loss), ("ce", m["ce"])) + ((("top1", a / b),) if b else ()):
+        ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
