@@ -7,14 +7,19 @@ import argparse
 import os
 import sys
 
-from specchat.core.engine import TREE_NODES, default_tree_nodes
-from specchat.drafters import NAMES, preferred
+from specchat.core.settings import (
+    SETTINGS,
+    add_arguments,
+    build_config,
+    check,
+    flag_names,
+    values_from_args,
+)
+from specchat.drafters import NAMES
 from specchat.models.presets import PRESETS
 
 
 BACKEND_KEY_ENV = "SPECCHAT_BACKEND_KEY"
-
-
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,19 +62,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="who proposes drafts: a draft model, ngram prompt lookup, the trained "
                         "draft head, combined (ngram when it finds a continuation, else the "
                         "head), or a --backend server's own. Default: the best loaded")
-    g.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
-    g.add_argument("--tree-nodes", type=int, default=None,
-                   help="the head (and combined, when it uses the head) drafts a tree of up to "
-                        "this many tokens, verified in one forward; 0: a chain, sampled at T > 0 "
-                        f"(default: {TREE_NODES} for the head when greedy, else 0)")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1 keeps all")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest: 0 keeps all")
-    g.add_argument("--seed", type=int, default=0,
-                   help="0..2^63-1 gives the same sampled reply each time; -1 a random one")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="longest reply, in tokens")
+    add_arguments(p)
 
 
 def model_choice(args) -> tuple[str, str]:
@@ -116,40 +111,26 @@ def load_for_cli(args):
 
 
 def config_from_args(args, report):
-    from specchat.core.engine import GenerateConfig
-    drafters = report.engine.drafters
-    drafter = args.drafter or preferred(report.engine.drafters)
-    if drafter not in drafters:
-        needs = ("a compatible --draft-model" if drafter == "model" else
-                 "a draft head for this target (python -m specchat train-draft)")
-        drafter = preferred(report.engine.drafters)
-        print(f"specchat: drafter {args.drafter!r} needs {needs}; using {drafter}.",
-              file=sys.stderr)
-    return GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          speculation=args.speculation == "on", drafter=drafter,
-                          draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
-                          tree_nodes=default_tree_nodes(args.temperature, drafter)
-                          if args.tree_nodes is None else args.tree_nodes)
-
-
-FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
-         "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "draft_len": "--draft-len",
-         "tree_nodes": "--tree-nodes"}
+    """The request the flags describe (`core.settings.build_config`, as the page and the API
+    build theirs); raises InputError for a drafter that is not loaded."""
+    values = {**values_from_args(args), "speculation": args.speculation == "on",
+              "drafter": args.drafter, "adaptive": not args.fixed_draft_len}
+    cfg, notes = build_config(values, list(report.engine.drafters), names=flag_names())
+    for note in notes:
+        print(f"specchat: {note}", file=sys.stderr)
+    return cfg
 
 
 def validate_sampling(args) -> str | None:
-    """Check the sampling flags (`core.inputs`, the page's check too) and write the normalized
-    values back; the message for the first bad one, or None."""
-    from specchat.core.inputs import InputError, check_settings
+    """Check the setting flags before any model loads and write the checked values back; the
+    message for the first bad one, or None."""
+    from specchat.core.inputs import InputError
+    values = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
     try:
-        values = check_settings(max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, draft_len=args.draft_len,
-                                tree_nodes=getattr(args, "tree_nodes", None), names=FLAGS)
+        checked = check(values, flag_names())
     except InputError as e:
         return str(e)
-    for key, value in values.items():
-        if hasattr(args, key):
+    for key, value in checked.items():
+        if getattr(args, key) is not None:
             setattr(args, key, value)
     return None

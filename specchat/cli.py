@@ -28,7 +28,7 @@ from specchat.train.cli import add_cli as add_train_draft
 
 def cmd_generate(args) -> int:
     from specchat.core.events import GenerationStats, StepRecord, TokenEvent
-    from specchat.core.inputs import clean_text
+    from specchat.core.inputs import InputError, clean_text
 
     prompt = clean_text(args.prompt if args.prompt is not None else sys.stdin.read())
     if not prompt.strip():
@@ -47,7 +47,11 @@ def cmd_generate(args) -> int:
     if report is None:
         return 1
     engine = report.engine
-    cfg = config_from_args(args, report)
+    try:
+        cfg = config_from_args(args, report)
+    except InputError as e:
+        print(f"specchat: {e}", file=sys.stderr)
+        return 2
     if args.raw:
         ids, stops = engine.text_prompt(prompt)
     else:

@@ -121,7 +121,7 @@ def test_auth_and_bad_input_get_openai_errors_and_the_server_keeps_serving(serve
     assert raw.status_code == 400
     assert "temperature must be a finite number" in raw.json()["error"]["message"]
     for kwargs, message in ((dict(seed=2**63), "seed must be a whole number"),
-                            (dict(top_p=0), "top_p must be in (0, 1]")):
+                            (dict(top_p=0), "top_p must be a number in (0, 1]")):
         with pytest.raises(openai.BadRequestError) as error:
             c.completions.create(model=api.model_id, prompt="hi", max_tokens=4, **kwargs)
         assert message in str(error.value)
@@ -130,7 +130,7 @@ def test_auth_and_bad_input_get_openai_errors_and_the_server_keeps_serving(serve
     with pytest.raises(openai.APIStatusError) as error:
         c.completions.create(model=api.model_id, prompt="x" * 3000, max_tokens=4)
     assert error.value.status_code == 413
-    with pytest.raises(openai.BadRequestError, match="drafter 'nope' is not loaded"):
+    with pytest.raises(openai.BadRequestError, match="Drafter 'nope' is not loaded"):
         c.completions.create(model=api.model_id, prompt="hi", extra_body={"drafter": "nope"})
     # A lone surrogate (valid JSON, not valid UTF-8) is replaced, not an error.
     raw = httpx.post(f"{url}/completions",
@@ -187,7 +187,7 @@ def test_gradio_client_reaches_the_public_generate_endpoint_and_nothing_else():
                                 api_name="/generate")
         assert len(tokens) == 16
         assert {t["kind"] for t in tokens} <= {"accepted", "resampled", "bonus", "target"}
-        with pytest.raises(Exception, match="Temperature must be a finite number >= 0"):
+        with pytest.raises(Exception, match="Temperature must be a number >= 0"):
             remote.predict(PROMPT, "completion", -1.0, 1.0, 0, 16, 0, True, "", 4,
                            api_name="/generate")
         with pytest.raises(Exception):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -65,3 +67,9 @@ def dense_probs(logits: torch.Tensor, params) -> torch.Tensor:
         rows.append(probs.float() if ids is None
                     else torch.zeros(logits.shape[-1]).index_put_((ids,), probs.float()))
     return torch.stack(rows)
+
+
+def most_repeats(seq, n: int = 6) -> int:
+    """How many times the most frequent n-gram of `seq` occurs (0 when shorter than n)."""
+    grams = collections.Counter(tuple(seq[i:i + n]) for i in range(len(seq) - n + 1))
+    return max(grams.values(), default=0)

@@ -38,11 +38,11 @@ from collections.abc import Iterator
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from specchat.core.engine import GenerateConfig, default_tree_nodes
+from specchat.core.engine import GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
-from specchat.core.inputs import InputError, check_settings, clean_text
+from specchat.core.inputs import InputError, clean_text
+from specchat.core.settings import build_config, values_from_body
 from specchat.core.text import chat_prompt, raw_prompt
-from specchat.drafters import preferred
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.login import LoginGuard
@@ -279,21 +279,6 @@ class Api:
             raise ApiError(400, "'response_format' other than text (JSON mode, schemas) is not "
                                 "supported by specchat.", param="response_format")
 
-        def given(name: str, default):  # many clients send unset fields as null
-            value = body.get(name)
-            return default if value is None else value
-
-        max_tokens = given("max_tokens", given("max_completion_tokens", 256))
-        try:
-            v = check_settings(
-                max_new_tokens=max_tokens, temperature=given("temperature", 1.0),
-                top_p=given("top_p", 1.0), top_k=given("top_k", 0),
-                seed=body.get("seed"), draft_len=given("draft_len", 4),
-                names={"max_new_tokens": "max_tokens", "temperature": "temperature",
-                       "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-                       "draft_len": "draft_len"})
-        except InputError as e:
-            raise ApiError(400, str(e)) from None
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -301,18 +286,16 @@ class Api:
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings of at most "
                                 f"{MAX_STOP_CHARS} characters each.", param="stop")
-        drafters = self.engine.drafters
-        drafter = body.get("drafter") or preferred(drafters)
-        if drafter not in drafters:
-            raise ApiError(400, f"drafter {drafter!r} is not loaded; loaded: "
-                                f"{', '.join(drafters) or 'none'}.", param="drafter")
-        speculation = bool(body.get("speculation", True)) and bool(drafters)
-        return GenerateConfig(
-            max_new_tokens=min(v["max_new_tokens"], self.max_tokens_cap),
-            temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
-            seed=v["seed"], speculation=speculation, drafter=drafter,
-            draft_len=v["draft_len"], adaptive=bool(body.get("adaptive", True)),
-            tree_nodes=default_tree_nodes(v["temperature"], drafter), stop=tuple(stop))
+        values, names = values_from_body(body)  # nulls mean "not given": the defaults
+        values.update(stop=stop, drafter=body.get("drafter"),
+                      speculation=body.get("speculation"), adaptive=body.get("adaptive"),
+                      dry_sequence_breakers=body.get("dry_sequence_breakers"))
+        try:
+            cfg, _ = build_config(values, list(self.engine.drafters),
+                                  max_new_cap=self.max_tokens_cap, names=names)
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        return cfg
 
     # -- generation -------------------------------------------------------------------------
 

@@ -235,12 +235,8 @@ class RemoteEngine:
         body = self._request(prompt, cfg)
         chat = prompt.messages is not None
         create = self.client.chat.completions.create if chat else self.client.completions.create
-        stats = GenerationStats(speculation=cfg.speculation and bool(self.drafters),
-                                drafter="server" if cfg.speculation and self.drafters
-                                else "none",
-                                draft_len=cfg.draft_len if cfg.speculation else 0,
-                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                seed=cfg.seed)
+        speculates = cfg.speculation and bool(self.drafters)
+        stats = GenerationStats.for_config(cfg, speculates, "server" if speculates else "none")
         reader = _Reader(self.target.server, bool(self.speculates))
         steps: list[StepRecord] = []
         with self.lock:

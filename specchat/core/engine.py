@@ -41,6 +41,7 @@ from specchat.core.events import (
     summarize,
 )
 from specchat.core.features import FeatureTap
+from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.kvcache import (
     crop_to,
     keep_fed,
@@ -75,6 +76,16 @@ class GenerateConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    # Penalties on what the text so far repeats (core/penalties.py); the defaults are off.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
     seed: int | None = 0  # None: a fresh random seed per request
     speculation: bool = True  # False: plain decoding, same code path with k = 0
     drafter: str = "ngram"  # key into Engine.drafters
@@ -87,7 +98,28 @@ class GenerateConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k)
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repeat_penalty, self.repeat_last_n, self.frequency_penalty,
+                         self.presence_penalty, self.dry_multiplier, self.dry_base,
+                         self.dry_allowed_length, tuple(self.dry_sequence_breakers))
+
+    def samplers(self) -> list[str]:
+        """The samplers that shape this request's distribution, in the order they apply."""
+        p = self.sampling
+        out = self.penalties.names()
+        if p.greedy:
+            return out
+        out.append(f"temperature {p.temperature:g}")
+        if p.top_k > 0:
+            out.append(f"top-k {p.top_k}")
+        if p.top_p < 1:
+            out.append(f"top-p {p.top_p:g}")
+        if p.min_p > 0:
+            out.append(f"min-p {p.min_p:g}")
+        return out
 
 
 @dataclass
@@ -96,6 +128,7 @@ class _Request:
     cfg: GenerateConfig
     drafter: Drafter | None  # None: speculation off
     params: SamplingParams
+    shaper: Shaper | None  # the penalties, None when off
     noise: Noise
     stats: GenerationStats
     policy: DraftLengthPolicy | None
@@ -215,6 +248,9 @@ class Engine:
         draft_ids, draft_probs = draft
         k = len(draft_ids)
         logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
+        if run.shaper:  # row i continues the context and drafts 0..i-1
+            drafted = draft_ids.tolist()
+            logits = run.shaper.shape(logits, context, [drafted[:i] for i in range(k + 1)])
         verdict = verify(draft_ids, draft_probs, logits, run.params, run.noise, len(context))
         n = verdict.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
@@ -231,6 +267,8 @@ class Engine:
         context = run.context
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
+        if run.shaper:  # a node's row continues the context and the node's path
+            logits = run.shaper.shape(logits, context, tree.paths())
         verdict = verify_tree(tree, logits, run.params, run.noise, len(context))
         keep = [0] + [1 + i for i in verdict.path]  # the root and the accepted path
         keep_fed(self._cache, len(ids), keep)
@@ -322,7 +360,7 @@ class Engine:
             min(1.0, p / q) if refused is not None and q and p is not None else None,
             run.params.greedy, [Candidate(i, text(i), pr) for i, pr in top],
             [Candidate(i, text(i), pr) for i, pr in drafts_top[position]]
-            if position < len(drafts_top) else [])
+            if position < len(drafts_top) else [], run.stats.samplers)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -345,16 +383,16 @@ class Engine:
                              f"{', '.join(self.drafters) or 'none'}")
         params = cfg.sampling
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        stats = GenerationStats(speculation=drafter is not None,
-                                drafter=drafter.name if drafter else "none",
-                                draft_len=cfg.draft_len if drafter else 0,
-                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                seed=seed, prompt_tokens=len(prompt_ids))
+        stats = GenerationStats.for_config(cfg, drafter is not None,
+                                           drafter.name if drafter else "none",
+                                           prompt_tokens=len(prompt_ids))
+        stats.seed = seed
         trees = bool(drafter and cfg.tree_nodes and self.trees_ok and drafter.supports_trees)
         stats.tree_nodes = cfg.tree_nodes if trees else 0
         policy = self.policy(stats.drafter + "+tree" * trees, params.greedy) if drafter else None
         # Noise: the draw at reply position t depends on (seed, t) alone.
-        return _Request(cfg, drafter, params, Noise(seed), stats, policy, trees, max_new,
+        return _Request(cfg, drafter, params, Shaper.build(cfg.penalties, self.tokenizer),
+                        Noise(seed), stats, policy, trees, max_new,
                         ReplyText(self.tokenizer, prompt_ids, cfg.stop), list(prompt_ids))
 
     def _emit(self, run: _Request, tokens: list[tuple[int, str]], record: StepRecord,
@@ -394,6 +432,8 @@ class Engine:
             run.wants = self._feature_drafters()
             try:
                 logits, stats.prefill_tokens = self._prefill(prompt_ids)
+                if run.shaper:
+                    logits = run.shaper.shape(logits, prompt_ids, [[]])
                 stats.target_calls = 1
                 first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
                 tokens = [(first.next_token, TARGET)]

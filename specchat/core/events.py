@@ -64,6 +64,7 @@ class Evidence:
     greedy: bool = True
     target_top: list[Candidate] = field(default_factory=list)  # at the decisive position
     draft_top: list[Candidate] = field(default_factory=list)  # where the drafter has a q
+    samplers: list[str] = field(default_factory=list)  # what shaped target_top, in order
 
 
 @dataclass
@@ -128,6 +129,8 @@ class GenerationStats:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    samplers: list[str] = field(default_factory=list)  # what shaped the distribution, in order
     seed: int | None = None
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -135,6 +138,19 @@ class GenerationStats:
     drafted_by_position: list[int] = field(default_factory=list)  # [k] proposed at draft pos i
     stop_reason: str = ""  # eos | stop_string | length | stopped | error
     error: str = ""
+
+    @classmethod
+    def for_config(cls, cfg, speculation: bool | None = None, drafter: str | None = None,
+                   **fields) -> GenerationStats:
+        """The stats of a reply to `cfg` (an engine.GenerateConfig), before any token: the
+        settings it records. `speculation`/`drafter` override what the config asked for with
+        what runs it (None: as asked)."""
+        speculation = cfg.speculation if speculation is None else speculation
+        drafter = drafter if drafter is not None else (cfg.drafter if speculation else "none")
+        return cls(speculation=speculation, drafter=drafter,
+                   draft_len=cfg.draft_len if speculation else 0, temperature=cfg.temperature,
+                   top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, samplers=cfg.samplers(),
+                   seed=cfg.seed, **fields)
 
     def to_json(self) -> dict:
         return {"type": "stats", **asdict(self)}

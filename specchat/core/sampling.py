@@ -36,6 +36,7 @@ it wins (rarely: under 3% of the mass at T = 0.7) do they race one by one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept (1 = off)
     top_k: int = 0  # keep the k most likely tokens (0 = off)
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the top one (0 = off)
 
     @property
     def greedy(self) -> bool:
@@ -62,8 +64,12 @@ class SamplingParams:
 def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None,
                                                                     torch.Tensor]:
     """One row of logits [vocab] -> (ids [m], probs [m] float64 summing to 1): the tokens
-    sampling can pick after temperature, top-k and top-p, and their probabilities. ids None:
-    the whole vocabulary, in order (no truncation).
+    sampling can pick after temperature, top-k, top-p and min-p, and their probabilities. ids
+    None: the whole vocabulary, in order (no truncation).
+
+    min-p keeps the tokens whose probability is at least min_p times the top token's, that is
+    whose scaled logit is within -log(min_p) of the largest: it commutes with top-k and top-p
+    (both keep the ratios of the tokens they keep), so it is applied last.
 
     Exact: a token is kept iff the reference (sort everything) implementation keeps it, up to
     the order of exact ties.
@@ -71,8 +77,13 @@ def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor 
     x, z, top, total = _scaled(logits, params)
     vocab = x.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
+    floor = top + math.log(params.min_p) if params.min_p > 0 else None
     if not top_k and params.top_p >= 1.0:
-        return None, z.double() / total
+        if floor is None:
+            return None, z.double() / total
+        ids = (x >= floor).nonzero()[:, 0]
+        probs, order = torch.sort(z[ids].double(), descending=True)
+        return ids[order], probs / probs.sum()
 
     ids, mass = _candidates(x, z, top, total, top_k, params.top_p)
     if top_k:
@@ -86,6 +97,9 @@ def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor 
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         keep = int(((torch.cumsum(probs, 0) - probs) < params.top_p).sum())
         ids, probs = ids[:keep], probs[:keep]
+    if floor is not None:
+        keep = x[ids] >= floor  # holds the top token: ids are in descending order
+        ids, probs = ids[keep], probs[keep]
     return ids, probs / probs.sum()
 
 
@@ -186,7 +200,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, noise: Noise,
                position: int) -> int:
     """One row of logits [vocab] -> the token plain decoding draws at reply position
     `position`, from the transformed distribution."""
-    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1]:
+    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] and params.min_p <= 0:
         return _sample_untruncated(logits, params, noise, position)
     ids, probs = nucleus(logits, params)
     return draw(ids, probs, noise, position)

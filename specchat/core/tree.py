@@ -48,6 +48,14 @@ class DraftTree:
     def depth(self) -> int:
         return max(self.depths(), default=0)
 
+    def paths(self) -> list[list[int]]:
+        """The tokens from the root down to each row of a tree forward: [] for the root, then
+        node i's ancestors and node i (what a node's row continues after the context)."""
+        out: list[list[int]] = [[]]
+        for token, p in zip(self.tokens.tolist(), self.parents):
+            out.append(out[p + 1] + [token])
+        return out
+
 
 def visibility(parents: list[int]) -> torch.Tensor:
     """[N + 1, N + 1] bool: row i sees column j iff j is i or an ancestor of i, over the root

@@ -7,7 +7,7 @@ import html
 import gradio as gr
 
 from specchat.core.engine import Engine
-from specchat.core.inputs import MAX_DRAFT_LEN
+from specchat.core.settings import MAX_DRAFT_LEN
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore

@@ -1,0 +1,151 @@
+"""Samplers that reshape the target's logits from the text so far: repetition, frequency and
+presence penalties, and DRY ("don't repeat yourself").
+
+    shaper = Shaper.build(penalties, tokenizer)   # None when every penalty is off
+    rows = shaper.shape(logits, context, [[], [d0], [d0, d1]])  # row r continues context + extras[r]
+
+Each penalty is a function of one row's prefix (the prompt and the reply up to that position)
+and nothing else, so it reshapes a row the same way whether the row came from plain decoding,
+from a chain's verify forward (row i continues the context plus drafts 0..i-1) or from a node of
+a draft tree (the context plus the node's ancestors). Applied before the sampling test, it keeps
+speculation lossless: greedy replies and seeded sampled replies are plain decoding's, token for
+token, with every penalty on (tests/test_penalties.py).
+
+The definitions follow llama.cpp's, with OpenAI's names where OpenAI has the setting:
+- repeat_penalty r over the last `repeat_last_n` tokens: a logit l of a token in that window
+  becomes l / r when l > 0, l * r otherwise (Keskar et al. 2019, CTRL);
+- frequency_penalty f and presence_penalty p over the same window: l -= f * count + p * [count > 0]
+  (OpenAI's definition);
+- DRY (p-e-w, 2024): where the text ends with a sequence that occurred earlier followed by token t,
+  t's logit drops by multiplier * base ** (n - allowed_length), n the length of the repeated
+  sequence, once n >= allowed_length. A sequence breaker (a token whose text holds one of the
+  breaker strings: newlines, colons, quotes, asterisks) ends a match, so the formats of lists and
+  dialogues can repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+DRY_BREAKERS = ("\n", ":", '"', "*")
+# Longest repeat DRY measures: base ** 60 already pushes any logit out of reach.
+_DRY_MAX_MATCH = 64
+
+
+@dataclass(frozen=True)
+class Penalties:
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64  # the window of the three penalties above, in tokens (0 = off)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0  # 0 = DRY off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
+
+    @property
+    def windowed(self) -> bool:
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0
+                                           or self.presence_penalty != 0)
+
+    @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0
+
+    @property
+    def active(self) -> bool:
+        return self.windowed or self.dry
+
+    def names(self) -> list[str]:
+        """The penalties that are on, as the step card and the stats name them."""
+        out = []
+        if self.windowed:
+            for label, value, off in (("repeat penalty", self.repeat_penalty, 1.0),
+                                      ("frequency penalty", self.frequency_penalty, 0.0),
+                                      ("presence penalty", self.presence_penalty, 0.0)):
+                if value != off:
+                    out.append(f"{label} {value:g} (last {self.repeat_last_n} tokens)")
+        if self.dry:
+            out.append(f"DRY {self.dry_multiplier:g} (base {self.dry_base:g}, allowed length "
+                       f"{self.dry_allowed_length})")
+        return out
+
+
+@dataclass
+class Shaper:
+    """Penalties bound to a tokenizer (which tokens break DRY's sequences)."""
+    penalties: Penalties
+    tokenizer: object
+    _breaks: dict[int, bool] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, penalties: Penalties, tokenizer) -> Shaper | None:
+        return cls(penalties, tokenizer) if penalties.active else None
+
+    def shape(self, logits: torch.Tensor, context: list[int],
+              extras: list[list[int]]) -> torch.Tensor:
+        """logits [n, vocab] -> new float32 CPU logits, row r reshaped for the prefix
+        context + extras[r]."""
+        out = logits.float().cpu().clone()
+        base = np.asarray(context, dtype=np.int64)
+        for r, extra in enumerate(extras):
+            prefix = np.concatenate([base, np.asarray(extra, dtype=np.int64)]) if extra else base
+            self.shape_row(out[r], prefix)
+        return out
+
+    def shape_row(self, row: torch.Tensor, prefix: np.ndarray) -> None:
+        """Reshape one float32 row [vocab] in place for the tokens `prefix` before it."""
+        pen = self.penalties
+        if pen.windowed:
+            window = prefix[-pen.repeat_last_n:]
+            ids, counts = np.unique(window, return_counts=True)
+            ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts).float()
+            values = row[ids_t]
+            if pen.repeat_penalty != 1.0:
+                values = torch.where(values > 0, values / pen.repeat_penalty,
+                                     values * pen.repeat_penalty)
+            values = values - counts_t * pen.frequency_penalty - pen.presence_penalty
+            row[ids_t] = values
+        if pen.dry:
+            for token, length in self.dry_matches(prefix).items():
+                if length >= pen.dry_allowed_length:
+                    row[token] -= pen.dry_multiplier * pen.dry_base ** (
+                        length - pen.dry_allowed_length)
+
+    def dry_matches(self, prefix: np.ndarray) -> dict[int, int]:
+        """token t -> the length of the longest sequence that ends the prefix and that also
+        occurred earlier followed by t (breakers end sequences). Vectorized over the earlier
+        occurrences of the last token, one numpy pass per matched length."""
+        n = len(prefix)
+        if n < 2 or self._is_breaker(int(prefix[-1])):
+            return {}
+        starts = np.nonzero(prefix[:-1] == prefix[-1])[0]  # earlier places of the last token
+        following = prefix[starts + 1]
+        ok = np.array([not self._is_breaker(int(t)) for t in following], dtype=bool)
+        starts, following = starts[ok], following[ok]
+        if not len(starts):
+            return {}
+        lengths = np.ones(len(starts), dtype=np.int64)
+        alive = np.ones(len(starts), dtype=bool)
+        for m in range(1, min(_DRY_MAX_MATCH, n - 1)):
+            alive &= starts - m >= 0
+            if not alive.any():
+                break
+            idx = np.where(alive, starts - m, 0)
+            token = int(prefix[n - 1 - m])
+            alive &= (prefix[idx] == token) & (not self._is_breaker(token))
+            lengths += alive
+        best: dict[int, int] = {}
+        for t, length in zip(following.tolist(), lengths.tolist()):
+            best[t] = max(best.get(t, 0), length)
+        return best
+
+    def _is_breaker(self, token: int) -> bool:
+        hit = self._breaks.get(token)
+        if hit is None:
+            text = self.tokenizer.decode([token])
+            hit = self._breaks[token] = any(b in text for b in self.penalties.dry_sequence_breakers)
+        return hit
