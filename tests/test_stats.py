@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import threading
@@ -111,7 +112,7 @@ def test_speedup_against_the_conversations_plain_turns(store):
     store.record_turn(cid, "5", "r", plain_stats(new_tokens=1, seconds=2.0, stop_reason="stopped"))
     hot = store.record_turn(cid, "6", "r", spec_stats(new_tokens=4, seconds=2.0, temperature=0.7))
     by_id = {t["id"]: t for t in store.turns(cid)}
-    assert by_id[early]["speedup"] == pytest.approx(30 / 15)  # mean of 10 and 20 tok/s
+    assert by_id[early]["speedup"] == pytest.approx(30 / 15)  # median of 10 and 20 tok/s
     assert by_id[hot]["speedup"] == pytest.approx(2 / 1)  # against the 0.7 plain turn only
     # Another conversation's plain turns are not this one's baseline.
     other = store.new_conversation("other")
@@ -129,7 +130,8 @@ def test_conversation_list_summarizes_its_turns(store):
     assert [r["id"] for r in rows] == [b, a]  # newest first
     row = rows[1]
     assert row["turns"] == 3 and row["title"] == "first" and row["owner"] == "sess-a"
-    assert row["mean_speedup"] == pytest.approx(2.5)
+    assert row["mean_speedup"] == pytest.approx((2.0 * 3.0) ** 0.5)  # geometric mean
+    assert (row["speedup_turns"], row["spec_turns"]) == (2, 2)
     assert row["acceptance"] == pytest.approx(24 / 40)
     assert row["spec_tokens_per_s"] == pytest.approx(25.0)
     assert row["plain_tokens_per_s"] == pytest.approx(10.0)
@@ -202,7 +204,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
     store = StatsStore(path)
     assert [m.name for m in MIGRATIONS.applied(store.db)] == [
         "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
-        "m005_steps"]
+        "m005_steps", "m006_speedup_basis"]
     assert store.db["conversations"].count == 3 and store.db["turns"].count == 30
     got = {t["prompt"]: t for c in conversations for t in store.turns(c["id"])}
     for i, old in enumerate(turns):
@@ -214,18 +216,22 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
         assert new["interrupted"] is (i == 5)
         assert new["accepted_by_position"] == []
     assert {c["owner"] for c in store.conversations()} == {"local"}
-    # Speedups back-filled from each conversation's plain turns.
+    # Speedups back-filled by today's definition: over the median of the plain turns.
     c1 = store.turns("c1")
-    plain_mean = sum(t["tokens_per_s"] for t in c1 if not t["speculation"]) / sum(
-        1 for t in c1 if not t["speculation"])
+    plain_median = statistics.median(t["tokens_per_s"] for t in c1 if not t["speculation"])
     for turn in c1:
-        expected = turn["tokens_per_s"] / plain_mean if turn["speculation"] else None
+        expected = turn["tokens_per_s"] / plain_median if turn["speculation"] else None
         assert turn["speedup"] == pytest.approx(expected)
+        if turn["speculation"]:
+            assert turn["speedup_baseline"] == pytest.approx(plain_median)
+    # The stopped speculative turn gets no figure, and says why.
+    (stopped,) = [t for t in store.turns("c2") if t["prompt"] == "prompt 5"]
+    assert stopped["speedup"] is None and "stopped" in stopped["speedup_note"]
     # The upgraded file takes new turns, and opening it again changes nothing.
     store.record_turn("c0", "new", "turn", spec_stats())
     store.close()
     again = StatsStore(path)
-    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 5
+    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 6
     again.close()
 
 
@@ -306,7 +312,7 @@ def test_connections_opening_a_new_file_at_once_migrate_it_once(tmp_path):
     assert errors == [] and len(stores) == 6
     assert [m.name for m in MIGRATIONS.applied(stores[0].db)] == [
         "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
-        "m005_steps"]
+        "m005_steps", "m006_speedup_basis"]
     for store in stores:
         store.close()
 

@@ -38,7 +38,7 @@ def seeded():
     store.record_turn(a, "What is 2+2?", "4", plain(10))  # 10 tok/s
     store.record_turn(a, "And 3+3?", "6", spec(25))  # 2.5x
     store.record_turn(a, "Why?", "Because", spec(15, drafted_by=(2, 2), accepted_by=(2, 0),
-                                                   stop="stopped"))  # 1.5x, interrupted
+                                                   stop="stopped"))  # interrupted: no figure
     replay = store.record_turn(a, "Why?", "Because", plain(12))  # an A/B replay
     store.record_turn(a, "Why?", "Because", spec(30), baseline_turn_id=replay)  # 2.5x
     b = store.new_conversation("B's chat", "user:bob", "gemma", "ngram")
@@ -56,11 +56,14 @@ def test_conversation_table_for_the_owner(seeded):
     row = table.set_index("id").loc[a]
     assert row["title"] == "A's chat" and row["models"] == "Qwen2.5-7B + Qwen2.5-0.5B"
     assert row["turns"] == 5
-    # Speedups 2.5 (vs the plain 10 tok/s... and 12: mean 11), 15/11, and 30/12 from the replay.
-    assert row["mean speedup"] == f"{(25 / 11 + 15 / 11 + 30 / 12) / 3:.2f}x"
+    # Speedups 25/11 (the plain turns' 10 and 12 tok/s: median 11) and 30/12 from the replay;
+    # the stopped turn has none. Their geometric mean:
+    assert row["mean speedup"] == f"{(25 / 11 * 30 / 12) ** 0.5:.2f}x"
+    assert row["speedup over"] == "geometric mean, 2 of 3 speculative turns"
     assert row["acceptance"] == f"{100 * (4 + 2 + 4) / (7 + 4 + 7):.1f}%"
     assert row["date"].endswith("UTC")
-    assert table.set_index("id").loc[mine]["mean speedup"] == "-"
+    assert table.set_index("id").loc[mine]["mean speedup"] == "—"
+    assert table.set_index("id").loc[mine]["speedup over"] == "no speculative turn"
 
 
 def test_turn_table_and_plots(seeded):
@@ -70,22 +73,35 @@ def test_turn_table_and_plots(seeded):
     assert list(turns["turn"]) == [1, 2, 3, 4, 5]
     assert list(turns["speculation"]) == ["off", "on", "on", "off", "on"]
     assert list(turns["tokens/s"]) == ["10.0", "25.0", "15.0", "12.0", "30.0"]
-    assert list(turns["speedup"]) == ["-", f"{25 / 11:.2f}x", f"{15 / 11:.2f}x", "-", "2.50x"]
+    assert list(turns["speedup"]) == ["—", f"{25 / 11:.2f}x", "—", "—", "2.50x"]
+    assert list(turns["speedup vs"]) == [
+        "plain turn (a baseline)", "vs the median of 2 plain turns: 11.0 tok/s",
+        "stopped: a partial reply is not compared", "plain turn (a baseline)",
+        "vs its A/B plain run: 12.0 tok/s"]
     assert turns["stop"][2] == "stopped (interrupted)"
     assert turns["acceptance"][1] == f"{100 * 4 / 7:.1f}%"
 
     frames = stats_tab.plot_frames(store, None, a)
-    assert list(frames.speedup["turn"]) == [2, 3, 5]
-    assert list(frames.speedup["speedup"]) == pytest.approx([25 / 11, 15 / 11, 2.5], abs=0.005)
+    speedup = frames.speedup.frame
+    assert list(speedup["turn"]) == [2, 5]
+    assert list(speedup["speedup"]) == pytest.approx([25 / 11, 2.5], abs=0.005)
     # Pooled over the turns: position 1 accepted 3+2+3 of 4+2+4, position 2: 1+0+1 of 3+2+3.
-    assert list(frames.acceptance["position"]) == ["1", "2"]
-    assert list(frames.acceptance["acceptance"]) == pytest.approx([8 / 10, 2 / 8])
-    assert list(frames.acceptance["drafted"]) == [10, 8]
-    assert list(frames.tokens_per_s["speculation"]) == ["off", "on", "on", "off", "on"]
-    assert list(frames.tokens_per_s["tokens/s"]) == pytest.approx([10, 25, 15, 12, 30])
+    acceptance = frames.acceptance.frame
+    assert list(acceptance["position"]) == [1, 2]
+    assert list(acceptance["acceptance"]) == pytest.approx([8 / 10, 2 / 8])
+    assert list(acceptance["drafted"]) == [10, 8]
+    tokens = frames.tokens_per_s.frame
+    assert list(tokens["speculation"]) == ["off", "on", "on", "off", "on"]
+    assert list(tokens["tokens/s"]) == pytest.approx([10, 25, 15, 12, 30])
+    # Every value fits under its chart's top, with room to spare; 1x stays in view.
+    assert frames.speedup.y_lim == [0.0, 2.9] and frames.tokens_per_s.y_lim == [0.0, 35.0]
+    assert frames.acceptance.y_lim[1] > 1
+    assert "2 of 3 speculative turns" in frames.speedup.caption
+    assert "3 speculative (on) and 2 plain (off)" in frames.tokens_per_s.caption
 
     empty = stats_tab.plot_frames(store, None, None)
-    assert empty.speedup.empty and empty.acceptance.empty and empty.tokens_per_s.empty
+    for chart in (empty.speedup, empty.acceptance, empty.tokens_per_s):
+        assert chart.frame.empty and chart.caption == "Pick a conversation."
 
 
 def test_reopened_conversation_is_chatbot_messages(seeded):
@@ -107,7 +123,7 @@ def test_visitor_isolation(seeded):
     # A asks for B's conversation by id: nothing comes back.
     assert stats_tab.turn_table(store, "user:alice", b).empty
     assert stats_tab.chat_history(store, "user:alice", b) == []
-    assert stats_tab.plot_frames(store, "user:alice", b).tokens_per_s.empty
+    assert stats_tab.plot_frames(store, "user:alice", b).tokens_per_s.frame.empty
     assert stats_tab.export_csv(store, "user:alice", b) is None
     assert "not yours" in stats_tab.delete_conversation(store, "user:alice", b)
     assert stats_tab.delete_conversation(store, "user:alice", mine).startswith("Nothing deleted")
@@ -173,6 +189,11 @@ def test_tab_wiring_runs_the_handlers_per_request(seeded):
             tab_ui = stats_tab.build_stats_tab(store, Access(auth=True, admins={"owner"}),
                                                browser, demo)
         tab_ui.refresh_on(tab.select)
+    # The read-only conversation's title is a heading above it, not a label floating over it.
+    assert tab_ui.history.show_label is False
+    blocks = list(demo.blocks.values())
+    heading = blocks[blocks.index(tab_ui.history) - 1]
+    assert isinstance(heading, gr.Markdown) and "Conversation (read-only)" in heading.value
     fns = {fn.name: fn for fn in demo.fns.values()}
     sessions = {}  # session hash -> its browser state (e.g. the picker's current choices)
 
@@ -190,8 +211,14 @@ def test_tab_wiring_runs_the_handlers_per_request(seeded):
     assert [row[-1] for row in table["data"]] == [mine, b, a]
 
     turns, speedup, acceptance, tokens, history, _ = call("on_pick", [a], alice)
-    assert len(turns["data"]) == 5 and len(speedup["data"]) == 3 and len(acceptance["data"]) == 2
-    assert len(tokens["data"]) == 5 and len(history) == 10
+    assert len(turns["data"]) == 5 and len(history) == 10
+    assert [len(plot["data"]) for plot in (speedup, acceptance, tokens)] == [2, 2, 5]
+    for plot in (speedup, acceptance, tokens):  # numeric axes
+        x = "position" if "position" in plot["columns"] else "turn"
+        assert plot["datatypes"][x] == plot["datatypes"][plot["columns"][1]] == "quantitative"
+    # Then the plots' ranges and captions, which make gradio redraw them for the new data.
+    for plot in call("on_plot_settings", [a], alice):
+        assert plot["y_lim"][0] == 0 and plot["x_lim"][0] == 0.5 and plot["caption"]
     (path,) = call("on_export", [a], alice)
     assert path["path"].endswith(".csv")
 

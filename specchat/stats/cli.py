@@ -98,10 +98,13 @@ def print_conversations(store: StatsStore, as_json: bool, out: IO[str]) -> None:
     if not rows:
         print("No conversations recorded yet.", file=out)
         return
-    header = ["id", "date", "title", "models", "turns", "speedup", "acceptance"]
+    header = ["id", "date", "title", "models", "turns", "speedup", "over", "acceptance"]
     print(format_table([[r["id"][:8], fmt_date(r["created"]), _clip(r["title"], 40), r["models"],
                          str(r["turns"]), fmt_speedup(r["mean_speedup"]),
+                         f"{r['speedup_turns']}/{r['spec_turns']} spec",
                          fmt_percent(r["acceptance"])] for r in rows], header), file=out)
+    print("\nspeedup: the geometric mean of the speculative turns' speedups (over: the turns "
+          "with a plain baseline)", file=out)
 
 
 def print_conversation(store: StatsStore, conversation_id: str, as_json: bool,
@@ -113,10 +116,10 @@ def print_conversation(store: StatsStore, conversation_id: str, as_json: bool,
         return
     c = store.conversation(conversation_id)
     print(f"{c['title']}  ({fmt_date(c['created'])}, {models_label(c['target'], c['draft'])})\n"
-          f"mean speedup {fmt_speedup(c['mean_speedup'])}, "
+          f"mean speedup {fmt_speedup(c['mean_speedup'])} ({c['speedup_note']}), "
           f"acceptance {fmt_percent(c['acceptance'])}\n", file=out)
     header = ["turn", "spec", "drafter", "k", "temp", "tokens", "tok/s", "accept", "mean len",
-              "speedup", "stop"]
+              "speedup", "vs", "stop"]
     print(format_table([_turn_cells(t) for t in turns], header), file=out)
 
 
@@ -126,4 +129,4 @@ def _turn_cells(t: dict) -> list[str]:
             str(t["draft_len"]) if spec else "", fmt_number(t["temperature"], 2),
             str(t["new_tokens"]), fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
             fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]),
-            t["stop_reason"] or ""]
+            t["speedup_note"] or "", t["stop_reason"] or ""]

@@ -9,8 +9,10 @@ def models_label(target: str | None, draft: str | None) -> str:
     return f"{target or '?'} + {draft}" if draft else (target or "?")
 
 
-def fmt_speedup(value: float | None) -> str:
-    return f"{value:.2f}x" if value is not None else "-"
+def fmt_speedup(value: float | None, sign: str = "x") -> str:
+    """A speedup to two decimals ("1.11x"; the page writes "1.11×"); "—" without one. Every
+    view rounds through here, so they show the same figure."""
+    return f"{value:.2f}{sign}" if value is not None else "—"
 
 
 def fmt_percent(value: float | None) -> str:

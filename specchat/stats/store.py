@@ -10,13 +10,12 @@ instead of failing, and `StatsStore.open_or_disabled` which turns a corrupt or u
 into a clear message while the chat keeps working. The app writes through `StatsWriter`
 (writer.py), one background thread, so no reply ever waits on the database.
 
-Speedup of a speculative turn = its tokens/s divided by
-- the tokens/s of its A/B baseline turn (the same prompt replayed with speculation off), when
-  `baseline_turn_id` is given; otherwise
-- the mean tokens/s of the conversation's finished plain turns at the same temperature. These
-  speedups are re-derived each time a turn is recorded, so a plain turn recorded later fills in
-  (and refreshes) the speedup of earlier speculative turns that have no A/B baseline.
-Plain turns have no speedup (NULL), so a conversation's mean speedup averages speculative turns.
+Speedups follow `speedup.py`'s one definition (a speculative turn's tokens/s over its A/B plain
+run's, else over the median of the conversation's finished plain turns at the same temperature;
+a conversation's is the geometric mean of its turns'). Each turn row keeps its `speedup`, the
+`speedup_baseline` tokens/s it was compared with and a `speedup_note`; they are re-derived for
+the whole conversation each time a turn is recorded, so a plain turn recorded later fills in
+the speedup of earlier speculative turns.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
 from specchat.stats.format import models_label
+from specchat.stats.speedup import INTERRUPTED_REASONS, conversation_speedup, conversation_speedups
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,7 +49,6 @@ DB_ENV_VAR = "SPECCHAT_DB"
 OFF_VALUES = ("off", "none")  # `--db off` / SPECCHAT_DB=off: run without stats
 BUSY_TIMEOUT_S = 2.0  # SQLite's own wait for a lock, per attempt
 WRITE_ATTEMPTS = 8  # then give up: worst case about 8 * 2 s + backoff, bounded
-INTERRUPTED_REASONS = ("stopped", "error", "cancelled")  # cancelled: the page went away
 
 # Stats keys copied verbatim into a turn row (the derived ones are computed in `turn_row`).
 COPIED_STATS = ("speculation", "drafter", "draft_len", "temperature", "top_p", "top_k", "seed",
@@ -117,10 +116,17 @@ def m003_ab_baseline(db: Database) -> None:
     # baseline_turn_id: the A/B plain replay (same prompt, speculation off) it is timed against.
     db["turns"].add_column("baseline_turn_id", int)
     db["turns"].add_column("speedup", float)
-    # Old spec turns get a speedup from their plain turns. (refresh_speedups must keep working
-    # on this schema; if a later migration changes its columns, freeze a copy of it here.)
+    # Old spec turns get a speedup over the mean of their plain turns (m006 re-derives every
+    # speedup by speedup.py's definition).
     for row in list(db.query("SELECT id FROM conversations")):
-        refresh_speedups(db, row["id"])
+        db.execute("""
+            UPDATE turns SET speedup = (
+                SELECT NULLIF(turns.tokens_per_s, 0) / AVG(plain.tokens_per_s) FROM turns AS plain
+                WHERE plain.conversation_id = turns.conversation_id
+                  AND NOT plain.speculation AND NOT plain.interrupted AND plain.tokens_per_s > 0
+                  AND ROUND(plain.temperature, 4) IS ROUND(turns.temperature, 4))
+            WHERE conversation_id = ? AND speculation AND baseline_turn_id IS NULL
+        """, [row["id"]])
 
 
 @MIGRATIONS()
@@ -139,6 +145,17 @@ def m005_steps(db: Database) -> None:
         "draft_s": float, "verify_s": float, "k": int, "tree_depth": int, "record": str,
     }, pk="id", foreign_keys=[("turn_id", "turns", "id")])
     db["steps"].create_index(["turn_id", "step"])
+
+
+@MIGRATIONS()
+def m006_speedup_basis(db: Database) -> None:
+    # What each speedup was compared with (speedup.py's one definition), re-derived for every
+    # stored turn. (refresh_speedups must keep working on this schema; if a later migration
+    # changes its columns, freeze a copy of it here.)
+    db["turns"].add_column("speedup_baseline", float)
+    db["turns"].add_column("speedup_note", str)
+    for row in list(db.query("SELECT id FROM conversations")):
+        refresh_speedups(db, row["id"])
 
 
 STEP_COLUMNS = ("step", "drafted", "accepted", "draft_s", "verify_s", "k", "tree_depth")
@@ -178,17 +195,24 @@ def turn_row(conversation_id: str, prompt: str, reply: str, stats: Mapping | Any
     return row
 
 
+SPEEDUP_INPUTS = ("id", "speculation", "new_tokens", "seconds", "tokens_per_s", "temperature",
+                  "stop_reason", "interrupted", "baseline_turn_id")
+
+
 def refresh_speedups(db: Database, conversation_id: str) -> None:
-    """Speedup of the conversation's spec turns without an A/B baseline: their tokens/s over
-    the mean tokens/s of its finished plain turns at the same temperature (NULL when none)."""
-    db.execute("""
-        UPDATE turns SET speedup = (
-            SELECT NULLIF(turns.tokens_per_s, 0) / AVG(plain.tokens_per_s) FROM turns AS plain
-            WHERE plain.conversation_id = turns.conversation_id
-              AND NOT plain.speculation AND NOT plain.interrupted AND plain.tokens_per_s > 0
-              AND ROUND(plain.temperature, 4) IS ROUND(turns.temperature, 4))
-        WHERE conversation_id = ? AND speculation AND baseline_turn_id IS NULL
-    """, [conversation_id])
+    """Re-derive the speedup, its baseline and its note for every turn of the conversation
+    (`speedup.conversation_speedups`: one definition for every reader)."""
+    columns = ", ".join(SPEEDUP_INPUTS)
+    turns = list(db.query(f"SELECT {columns} FROM turns WHERE conversation_id = ? ORDER BY idx",
+                          [conversation_id]))
+    # An A/B run is recorded in its turn's conversation; one kept elsewhere is looked up too.
+    outside = sorted({t["baseline_turn_id"] for t in turns} - {t["id"] for t in turns} - {None})
+    others = list(db.query(f"SELECT {columns} FROM turns WHERE id IN "
+                           f"({', '.join('?' * len(outside))})", outside)) if outside else []
+    db.conn.executemany(
+        "UPDATE turns SET speedup = ?, speedup_baseline = ?, speedup_note = ? WHERE id = ?",
+        [(result.value, result.baseline, result.note, turn["id"])
+         for turn, result in zip(turns, conversation_speedups(turns, others))])
 
 
 def conversation_row(id: str | None = None, title: str = "", owner: str = "local",  # noqa: A002
@@ -332,7 +356,9 @@ class StatsStore:
             # Inside the write lock, so two writers never take the same index.
             row["idx"] = db.execute("SELECT COALESCE(MAX(idx), 0) + 1 FROM turns "
                                     "WHERE conversation_id = ?", [conversation_id]).fetchone()[0]
-            row["speedup"] = _speedup_against(db, row["tokens_per_s"], baseline_turn_id)
+            if baseline_turn_id is not None and \
+                    not db["turns"].count_where("id = ?", [baseline_turn_id]):
+                raise KeyError(f"no baseline turn {baseline_turn_id}")
             turn_id = db["turns"].insert(row).last_pk
             if steps:
                 db["steps"].insert_all(
@@ -362,12 +388,13 @@ class StatsStore:
     # -- reads ----------------------------------------------------------------------------------
 
     def conversations(self, owner: str | None = None) -> list[dict]:
-        """Conversations, newest first, with turn count, mean speedup (speculative turns with a
-        baseline) and acceptance (all accepted / all drafted). `owner` None = everyone's."""
+        """Conversations, newest first, with turn count, acceptance (all accepted / all
+        drafted) and mean speedup (`speedup.conversation_speedup`: the geometric mean of its
+        speculative turns' speedups, with `speedup_turns` counted, `spec_turns` in all and a
+        `speedup_note`). `owner` None = everyone's."""
         sql = """
             SELECT c.id, c.title, c.created, c.owner, c.target, c.draft, c.quantization, c.device,
                    COUNT(t.id) AS turns,
-                   AVG(t.speedup) AS mean_speedup,
                    CAST(SUM(t.accepted) AS REAL) / NULLIF(SUM(t.drafted), 0) AS acceptance,
                    AVG(CASE WHEN t.speculation THEN t.tokens_per_s END) AS spec_tokens_per_s,
                    AVG(CASE WHEN NOT t.speculation THEN t.tokens_per_s END) AS plain_tokens_per_s
@@ -375,7 +402,24 @@ class StatsStore:
             WHERE :owner IS NULL OR c.owner = :owner
             GROUP BY c.id ORDER BY c.created DESC, c.rowid DESC
         """
-        return self._read(lambda db: list(db.query(sql, {"owner": owner})), [])
+        speedups_sql = """
+            SELECT t.conversation_id, t.speculation, t.speedup, t.speedup_note
+            FROM turns AS t JOIN conversations AS c ON c.id = t.conversation_id
+            WHERE :owner IS NULL OR c.owner = :owner ORDER BY t.conversation_id, t.idx
+        """
+
+        def read(db: Database) -> list[dict]:
+            rows = list(db.query(sql, {"owner": owner}))
+            by_conversation: dict[str, list[dict]] = {}
+            for turn in db.query(speedups_sql, {"owner": owner}):
+                by_conversation.setdefault(turn["conversation_id"], []).append(turn)
+            for row in rows:
+                mean = conversation_speedup(by_conversation.get(row["id"], []))
+                row.update(mean_speedup=mean.mean, speedup_turns=mean.counted,
+                           spec_turns=mean.speculative, speedup_note=mean.note)
+            return rows
+
+        return self._read(read, [])
 
     def conversation(self, conversation_id: str, owner: str | None = None) -> dict | None:
         """One row of `conversations(owner)`, or None when missing or not the owner's."""
@@ -435,8 +479,9 @@ class StatsStore:
         return [{"id": c["id"], "title": c["title"], "created": c["created"], "owner": c["owner"],
                  "target": c["target"], "draft": c["draft"],
                  "models": models_label(c["target"], c["draft"]), "turns": c["turns"],
-                 "mean_speedup": c["mean_speedup"], "acceptance": c["acceptance"],
-                 "spec_tokens_per_s": c["spec_tokens_per_s"],
+                 "mean_speedup": c["mean_speedup"], "speedup_turns": c["speedup_turns"],
+                 "spec_turns": c["spec_turns"], "speedup_note": c["speedup_note"],
+                 "acceptance": c["acceptance"], "spec_tokens_per_s": c["spec_tokens_per_s"],
                  "plain_tokens_per_s": c["plain_tokens_per_s"]}
                 for c in self.conversations(owner)]
 
@@ -449,6 +494,7 @@ class StatsStore:
         rows = [{"conversation_id": c["id"], "conversation_title": c["title"],
                  "target": c["target"], "draft": c["draft"], "quantization": c["quantization"],
                  "device": c["device"], "owner": c["owner"],
+                 "conversation_mean_speedup": c["mean_speedup"],
                  **{key: value for key, value in turn.items() if key != "tokens"}}
                 for c in conversations for turn in self.turns(c["id"], owner)]
         return _export(path_or_file, rows, ["conversation_id", "conversation_title"])
@@ -540,17 +586,6 @@ def _open(path: str) -> Database:
     except BaseException:
         conn.close()
         raise
-
-
-def _speedup_against(db: Database, tokens_per_s: float, baseline_turn_id: int | None
-                     ) -> float | None:
-    if baseline_turn_id is None:
-        return None
-    rows = list(db.query("SELECT tokens_per_s FROM turns WHERE id = ?", [baseline_turn_id]))
-    if not rows:
-        raise KeyError(f"no baseline turn {baseline_turn_id}")
-    baseline = rows[0]["tokens_per_s"] or 0.0
-    return tokens_per_s / baseline if baseline > 0 and tokens_per_s > 0 else None
 
 
 def _export(path_or_file: str | os.PathLike | IO[str], rows: list[dict],

@@ -33,6 +33,8 @@ from specchat.core.inputs import InputError, check_settings, clean_text
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.loader import LoadReport
+from specchat.stats.format import fmt_speedup
+from specchat.stats.speedup import turn_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import NOBODY, Access
@@ -426,7 +428,8 @@ class ChatApp:
                 self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name])
             if stop.is_set() or stats.stop_reason == "error":
                 break
-        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact)
+        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact,
+                             [t.stats for t in session.turns if t.stats] + session.ab_plain)
         # The plain run is a baseline for this conversation's speculative replies too.
         yield *panels(), verdict, render_history(session), session, notice
 
@@ -465,11 +468,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
-               row_exact: bool = False) -> str:
+               row_exact: bool = False, plain: list[GenerationStats] | None = None) -> str:
+    """The replay's verdict. Its speedup is the "on" turn's as the stats store records it:
+    over the "off" run, or (that run untimed) over the median of `plain`, the session's runs."""
     (off_tokens, off), (on_tokens, on) = runs.get("off", ([], None)), runs.get("on", ([], None))
     if off is None or on is None:
         return '<div class="sc-verdict">Replay stopped before both runs finished.</div>'
-    speedup = on.tokens_per_s / off.tokens_per_s if off.tokens_per_s > 0 else 0.0
+    speedup = turn_speedup(on, plain or [], ab_baseline=off)
     rows = [("", "speculation off", "speculation on"),
             ("latency", f"{off.seconds:.2f} s", f"{on.seconds:.2f} s"),
             ("first token", f"{off.ttft_s:.2f} s", f"{on.ttft_s:.2f} s"),
@@ -516,8 +521,8 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
                    "CPU, specchat's row-exact attention makes them match).")
         same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
                 f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
-    return (f'<div class="sc-verdict"><b>Speedup: {speedup:.2f}×</b> '
-            f'(tokens/s on ÷ off)<div class="sc-ab-grid">{table}</div>{same}</div>')
+    return (f'<div class="sc-verdict"><b>Speedup: {fmt_speedup(speedup.value, "×")}</b> '
+            f'({html.escape(speedup.note)})<div class="sc-ab-grid">{table}</div>{same}</div>')
 
 
 def warm_up(engine: Engine) -> None:

@@ -17,6 +17,8 @@ from specchat.core.events import (
     TokenEvent,
 )
 from specchat.paths import assets_dir
+from specchat.stats import speedup as speedups
+from specchat.stats.format import fmt_speedup
 from specchat.ui.inspector import ghost_html, step_cards, step_charts
 from specchat.ui.state import ModelSlot, Session, Turn
 
@@ -138,11 +140,9 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False,
 
 
 def plain_baseline(runs: list[GenerationStats], temperature: float) -> float | None:
-    """Mean tokens/s of finished plain runs at this temperature (the stats store's rule)."""
-    rates = [s.tokens_per_s for s in runs
-             if not s.speculation and s.stop_reason not in ("stopped", "error")
-             and s.tokens_per_s > 0 and round(s.temperature, 4) == round(temperature, 4)]
-    return sum(rates) / len(rates) if rates else None
+    """Median tokens/s of finished plain runs at this temperature (stats/speedup.py's one
+    definition, which the stats store applies too)."""
+    return speedups.plain_baseline(runs, temperature)[0]
 
 
 STOP_WORDS = {"eos": "", "stop_string": "", "length": "max tokens reached",
@@ -167,12 +167,15 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
         if stats.target_calls:  # 0: a server that does not say
             parts.append(chip(str(stats.target_calls), "target passes", "",
                               "target forward passes, prefill included"))
+        figure = speedups.speedup_over(stats, baseline)  # as the Stats tab and CSV show it
         if not speedup:
             pass  # shown elsewhere (the A/B verdict)
-        elif baseline:
-            parts.append(chip(f"{stats.tokens_per_s / baseline:.2f}×", "vs plain", "sc-speedup",
-                              f"tokens/s over this conversation's plain tokens/s "
-                              f"({baseline:.1f} at the same temperature)"))
+        elif figure.value is not None:
+            parts.append(chip(fmt_speedup(figure.value, "×"), "vs plain", "sc-speedup",
+                              f"tokens/s over the median tokens/s of this conversation's "
+                              f"finished plain replies at the same temperature ({baseline:.1f})"))
+        elif baseline or speedups.interrupted(stats):
+            parts.append(chip("—", "vs plain", "", figure.note))
         else:
             parts.append(chip("no plain baseline yet", "", "",
                               "Speedup needs a plain reply at the same temperature in this "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import html
+import math
 import shutil
 import tempfile
 import time
@@ -23,14 +24,19 @@ import pandas as pd
 
 from specchat.core.events import StepRecord, TokenEvent
 from specchat.stats.format import fmt_date, fmt_number, fmt_percent, fmt_speedup
+from specchat.stats.speedup import conversation_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import Access
 from specchat.ui.render import inspected, user_html
 
-CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "acceptance", "id"]
+CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "speedup over",
+                        "acceptance", "id"]
 TURN_COLUMNS = ["turn", "speculation", "drafter", "k", "temperature", "tokens", "seconds",
-                "ttft s", "tokens/s", "acceptance", "mean accepted len", "speedup", "stop"]
+                "ttft s", "tokens/s", "acceptance", "mean accepted len", "speedup", "speedup vs",
+                "stop"]
+HEADROOM = 1.15  # a chart's y axis reaches this far above its highest value
+MIN_X_SPAN = 3  # turns (or draft positions) a chart's x axis spans at least: whole-number ticks
 EXPORT_KEEP_S = 600  # an export's file is removed this long after it was made
 
 
@@ -40,9 +46,17 @@ EXPORT_KEEP_S = 600  # an export's file is removed this long after it was made
 def conversation_table(store: StatsStore, owner: str | None) -> pd.DataFrame:
     """One row per visible conversation, newest first (the numbers `specchat stats` prints)."""
     rows = [[r["title"], fmt_date(r["created"]), r["models"], r["turns"],
-             fmt_speedup(r["mean_speedup"]), fmt_percent(r["acceptance"]), r["id"]]
+             fmt_speedup(r["mean_speedup"]), _speedup_over(r), fmt_percent(r["acceptance"]),
+             r["id"]]
             for r in store.summary_rows(owner)]
     return pd.DataFrame(rows, columns=CONVERSATION_COLUMNS)
+
+
+def _speedup_over(row: dict) -> str:
+    """Which turns the mean covers, or why there is none."""
+    if row["mean_speedup"] is None:
+        return row["speedup_note"]
+    return f"geometric mean, {row['speedup_turns']} of {row['spec_turns']} speculative turns"
 
 
 def conversation_choices(store: StatsStore, owner: str | None) -> list[tuple[str, str]]:
@@ -63,21 +77,78 @@ def _turn_cells(t: dict) -> list:
             t["draft_len"] if spec else "", fmt_number(t["temperature"], 2), t["new_tokens"],
             fmt_number(t["seconds"], 2), fmt_number(t["ttft_s"], 2),
             fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
-            fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]), stop]
+            fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]),
+            t["speedup_note"] or "", stop]
+
+
+@dataclass
+class Chart:
+    frame: pd.DataFrame  # numeric axes (int turn or position, float value), even when empty
+    x_lim: list[float]  # half a step beyond the first and last turn (or position)
+    y_lim: list[float]  # from 0 to above the highest value: nothing is clipped
+    caption: str  # what the chart shows, or why it is empty
 
 
 @dataclass
 class PlotFrames:
-    speedup: pd.DataFrame  # turn, speedup: speculative turns with a measured speedup
-    acceptance: pd.DataFrame  # position, acceptance, drafted: over all of its turns
-    tokens_per_s: pd.DataFrame  # turn, tokens/s, speculation ("on" / "off")
+    speedup: Chart  # turn, speedup, vs: speculative turns with a speedup (stats.speedup)
+    acceptance: Chart  # position, acceptance, drafted: pooled over the conversation's turns
+    tokens_per_s: Chart  # turn, tokens/s, speculation ("on" / "off"): every timed turn
+
+
+def _frame(columns: dict[str, str], rows: list[list]) -> pd.DataFrame:
+    """A frame with these dtypes whatever the rows: gradio types a chart's axes by dtype, and
+    an empty frame would otherwise be all "object" (a categorical axis)."""
+    frame = pd.DataFrame(rows, columns=list(columns))
+    return frame.astype(columns)
+
+
+def _x_lim(last: int) -> list[float]:
+    """1 .. last with half a step of margin, and at least MIN_X_SPAN wide: the axis then ticks
+    whole numbers (a narrower span ticks halves, which whole-number labels would repeat)."""
+    return [0.5, max(last, MIN_X_SPAN) + 0.5]
+
+
+def _y_top(values: list[float], at_least: float = 0.0) -> float:
+    """The highest value plus headroom, rounded up to two significant digits."""
+    top = max([*values, at_least]) * HEADROOM
+    if top <= 0:
+        return 1.0
+    step = 10.0 ** (math.floor(math.log10(top)) - 1)
+    return round(math.ceil(round(top / step, 6)) * step, 10)
 
 
 def plot_frames(store: StatsStore, owner: str | None, conversation_id: str | None) -> PlotFrames:
     turns = _turns(store, owner, conversation_id)
-    speedup = pd.DataFrame([[t["idx"], round(t["speedup"], 2)] for t in turns
-                            if t["speedup"] is not None],
-                           columns=["turn", "speedup"])
+    if not turns:
+        why = "Pick a conversation." if not conversation_id else "No turns in this conversation."
+        return PlotFrames(_speedup_chart([], why), _acceptance_chart([], why),
+                          _tokens_chart([], why))
+    return PlotFrames(_speedup_chart(turns), _acceptance_chart(turns), _tokens_chart(turns))
+
+
+def _speedup_chart(turns: list[dict], empty: str = "") -> Chart:
+    rows = [[t["idx"], round(t["speedup"], 2), t["speedup_note"] or ""] for t in turns
+            if t["speedup"] is not None]
+    frame = _frame({"turn": "int64", "speedup": "float64", "vs": "str"}, rows)
+    # 1x (plain decoding's speed) stays in view, so a slowdown reads as one.
+    y_lim = [0.0, _y_top(list(frame["speedup"]), at_least=1.0)]
+    mean = conversation_speedup(turns)
+    if rows:
+        caption = (f"{fmt_speedup(mean.mean)}: {mean.note}. 1.00x is plain decoding's "
+                   "speed; each turn is compared with its A/B plain run, else with the median "
+                   "plain turn at its temperature.")
+    elif empty:
+        caption = empty
+    elif not mean.speculative:
+        caption = "No speculative turn in this conversation yet."
+    else:
+        caption = (f"No speedup yet ({mean.note}): turn speculation off for one reply, or "
+                   "run A/B replay.")
+    return Chart(frame, _x_lim(max((t["idx"] for t in turns), default=0)), y_lim, caption)
+
+
+def _acceptance_chart(turns: list[dict], empty: str = "") -> Chart:
     # Acceptance at draft position i = accepted there / proposed there, pooled over the turns:
     # the curve Leviathan et al.'s alpha^i model predicts, so a steep drop says "lower k".
     width = max((len(t["drafted_by_position"]) for t in turns), default=0)
@@ -86,14 +157,29 @@ def plot_frames(store: StatsStore, owner: str | None, conversation_id: str | Non
         for i, (d, a) in enumerate(zip(t["drafted_by_position"], t["accepted_by_position"])):
             drafted[i] += d
             accepted[i] += a
-    acceptance = pd.DataFrame(
-        [[str(i + 1), accepted[i] / drafted[i], drafted[i]] for i in range(width) if drafted[i]],
-        columns=["position", "acceptance", "drafted"])
-    tokens_per_s = pd.DataFrame(
-        [[t["idx"], round(t["tokens_per_s"] or 0.0, 1), "on" if t["speculation"] else "off"]
-         for t in turns],
-        columns=["turn", "tokens/s", "speculation"])
-    return PlotFrames(speedup, acceptance, tokens_per_s)
+    frame = _frame({"position": "int64", "acceptance": "float64", "drafted": "int64"},
+                   [[i + 1, accepted[i] / drafted[i], drafted[i]]
+                    for i in range(width) if drafted[i]])
+    spec = sum(1 for t in turns if t["drafted"])
+    caption = (f"Accepted / drafted at each draft position, over {spec} speculative turns."
+               if len(frame) else empty or "Nothing drafted in this conversation yet.")
+    return Chart(frame, _x_lim(width), [0.0, 1.05], caption)
+
+
+def _tokens_chart(turns: list[dict], empty: str = "") -> Chart:
+    rows = [[t["idx"], round(t["tokens_per_s"], 1), "on" if t["speculation"] else "off"]
+            for t in turns if (t["tokens_per_s"] or 0) > 0]
+    frame = _frame({"turn": "int64", "tokens/s": "float64", "speculation": "str"}, rows)
+    on = sum(1 for row in rows if row[2] == "on")
+    off = len(rows) - on
+    if not rows:
+        caption = empty or "No timed turn in this conversation yet."
+    else:
+        caption = f"{on} speculative (on) and {off} plain (off) turns."
+        if not off:
+            caption += " No plain turn to compare with yet."
+    return Chart(frame, _x_lim(max((t["idx"] for t in turns), default=0)),
+                 [0.0, _y_top(list(frame["tokens/s"]))], caption)
 
 
 def chat_history(store: StatsStore, owner: str | None, conversation_id: str | None
@@ -105,8 +191,8 @@ def chat_history(store: StatsStore, owner: str | None, conversation_id: str | No
         mode = f"speculation on ({t['drafter']}, k={t['draft_len']})" if t["speculation"] \
             else "speculation off"
         footer = f"{mode} · {fmt_number(t['tokens_per_s'])} tok/s"
-        if t["speedup"] is not None:
-            footer += f" · {fmt_speedup(t['speedup'])}"
+        if t["speculation"]:
+            footer += f" · speedup {fmt_speedup(t['speedup'])} ({t['speedup_note']})"
         if t["interrupted"]:
             footer += f" · {t['stop_reason']}"
         messages.append({"role": "user", "content": user_html(t["prompt"] or "")})
@@ -190,6 +276,16 @@ def _turns(store: StatsStore, owner: str | None, conversation_id: str | None) ->
 # ---------------------------------------------------------------------------------------------
 # Gradio wiring
 
+SPECULATION_COLORS = {"on": "#16a34a", "off": "#9ca3af"}  # the accepted tokens' green; gray
+
+
+def chart_settings(chart: Chart) -> dict:
+    """A plot's ranges and caption. Sent after its data: gradio's plot swaps new data into
+    its drawn axes, and redraws axes, axis types and series only when a setting like these
+    changes, from the data it holds then."""
+    return gr.update(x_lim=chart.x_lim, y_lim=chart.y_lim, caption=chart.caption)
+
+
 @dataclass
 class StatsTab:
     refresh: gr.Button
@@ -225,17 +321,25 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
                                  interactive=False, wrap=True, elem_id="sc-stats-conversations")
     turns = gr.Dataframe(label="Turns", headers=TURN_COLUMNS, interactive=False)
     with gr.Row():
-        speedup_plot = gr.LinePlot(x="turn", y="speedup", title="Speedup per turn",
-                                   y_title="speedup (x plain)", label="Speedup per turn",
-                                   y_lim=[0, None])
-        acceptance_plot = gr.BarPlot(x="position", y="acceptance", y_lim=[0, 1],
-                                     title="Acceptance by draft position",
-                                     label="Acceptance by draft position")
-        tokens_plot = gr.BarPlot(x="speculation", y="tokens/s", y_aggregate="mean", y_lim=[0, None],
-                                 color="speculation", title="Mean tokens/s, speculation on vs off",
-                                 label="Tokens/s, speculation on vs off")
-    history = gr.Chatbot(label="Conversation (read-only)", height=360, render_markdown=False,
-                         sanitize_html=True, latex_delimiters=[], elem_id="sc-stats-history")
+        # Turns and positions on numeric axes with whole-number ticks ("d"); each pick sends
+        # the data, then the ranges and captions (`chart_settings`). Points for speedups: a
+        # line through a single turn would draw nothing.
+        speedup_plot = gr.ScatterPlot(x="turn", y="speedup", y_title="speedup (x plain)",
+                                      x_axis_format="d", tooltip=["vs"],
+                                      label="Speedup per turn", elem_id="sc-stats-speedup")
+        acceptance_plot = gr.BarPlot(x="position", y="acceptance", x_title="draft position",
+                                     x_axis_format="d", y_lim=[0, 1.05],
+                                     label="Acceptance by draft position",
+                                     elem_id="sc-stats-acceptance")
+        tokens_plot = gr.BarPlot(x="turn", y="tokens/s", color="speculation",
+                                 color_map=SPECULATION_COLORS, x_axis_format="d",
+                                 label="Tokens/s per turn, speculation on vs off",
+                                 elem_id="sc-stats-tokens")
+    # The Chatbot's own label floats over its first message: a heading above it instead.
+    gr.Markdown("**Conversation (read-only)**", elem_id="sc-stats-history-label")
+    history = gr.Chatbot(label="Conversation (read-only)", show_label=False, height=360,
+                         render_markdown=False, sanitize_html=True, latex_delimiters=[],
+                         elem_id="sc-stats-history")
     with gr.Row():
         export_button = gr.Button("Export CSV")
         delete_button = gr.Button(DELETE, variant="stop")
@@ -257,8 +361,13 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     def on_pick(picked: str | None, browser_id: str | None, request: gr.Request):
         who = owner(request, browser_id)
         frames = plot_frames(store, who, picked)
-        return (turn_table(store, who, picked), frames.speedup, frames.acceptance,
-                frames.tokens_per_s, chat_history(store, who, picked), None)
+        return (turn_table(store, who, picked), frames.speedup.frame, frames.acceptance.frame,
+                frames.tokens_per_s.frame, chat_history(store, who, picked), None)
+
+    def on_plot_settings(picked: str | None, browser_id: str | None, request: gr.Request):
+        frames = plot_frames(store, owner(request, browser_id), picked)
+        return [chart_settings(chart) for chart in
+                (frames.speedup, frames.acceptance, frames.tokens_per_s)]
 
     def on_row_select(evt: gr.SelectData):
         return evt.row_value[-1] if evt.row_value else gr.skip()  # "id" is the last column
@@ -286,7 +395,9 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     inputs = [picker, browser]
     # api_visibility="private": these act on the caller's data; keep them off the public API.
     refresh.click(on_refresh, inputs, list_outputs, api_visibility="private")
-    picker.change(on_pick, inputs, detail_outputs, api_visibility="private")
+    picker.change(on_pick, inputs, detail_outputs, api_visibility="private").then(
+        on_plot_settings, inputs, [speedup_plot, acceptance_plot, tokens_plot],
+        api_visibility="private")
     conversations.select(on_row_select, None, picker, api_visibility="private")
     delete_button.click(on_delete, [picker, pending, browser], [message, pending, delete_button],
                         api_visibility="private").then(
