@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     access = Access(auth=bool(auth), exposed=exposed, admins=args.admin)
     demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
                                         max_new_tokens_cap=args.max_new_tokens_cap), access)
-    # The login (if any) is throttled per user and per address (ui/login.py); the API's
+    # The login (if any) is throttled per user and per address (auth.py); the API's
     # "user:password" keys go through the same guard, so guesses there count the same.
     login = guarded_launch_kwargs(auth)
     guard = login["auth"].__self__ if login["auth"] else None

@@ -323,7 +323,7 @@ def test_wrong_keys_count_as_failed_logins(server, caplog):
     throttled like the page's login (the app shares one guard between the two)."""
     import logging
     url, api, _ = server
-    with caplog.at_level(logging.WARNING, logger="specchat.ui.login"):
+    with caplog.at_level(logging.WARNING, logger="specchat.auth"):
         for n in range(3):
             r = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer bob:guess{n}"})
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

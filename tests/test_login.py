@@ -1,4 +1,5 @@
-"""LoginGuard: constant-time checks, throttling per username and address, the /login route."""
+"""LoginGuard (specchat/auth.py): constant-time checks, throttling per username and address; the
+page's /login route wired to it (ui/login.py)."""
 
 import asyncio
 import inspect
@@ -9,7 +10,8 @@ import time
 import gradio as gr
 import httpx
 
-from specchat.ui.login import ClientAddress, LoginGuard, client_address, guarded_launch_kwargs
+from specchat.auth import LoginGuard, client_address
+from specchat.ui.login import ClientAddress, guarded_launch_kwargs
 
 PAIRS = [("alice", "wonderland"), ("bob", "builder")]
 
@@ -126,7 +128,7 @@ def test_failures_expire_and_keys_are_bounded():
 
 def test_failures_logged_without_password(caplog):
     guard, _ = make_guard()
-    with caplog.at_level(logging.WARNING, logger="specchat.ui.login"):
+    with caplog.at_level(logging.WARNING, logger="specchat.auth"):
         attempt(guard, "alice", "hunter2-secret", "10.0.0.1")
         attempt(guard, "x" * 1000, "hunter2-secret")
         attempt(guard, "alice", "wonderland", "10.0.0.1")
@@ -177,7 +179,7 @@ def test_login_route_is_throttled(caplog):
         return response, time.perf_counter() - start
 
     try:
-        with caplog.at_level(logging.WARNING, logger="specchat.ui.login"), \
+        with caplog.at_level(logging.WARNING, logger="specchat.auth"), \
                 httpx.Client(timeout=30) as client:
             assert post("bob", "builder")[0].status_code == 200  # warms the server up
             answers = [post("alice", f"guess{n}") for n in range(20)]
@@ -195,7 +197,7 @@ def test_login_route_is_throttled(caplog):
             assert guard.failures("alice", "127.0.0.1") == 0
     finally:
         demo.close()
-    failures = [r.getMessage() for r in caplog.records if r.name == "specchat.ui.login"]
+    failures = [r.getMessage() for r in caplog.records if r.name == "specchat.auth"]
     assert len(failures) == 20
     assert all("'alice' from 127.0.0.1" in m for m in failures)
     assert not any("guess" in m for m in failures)
@@ -217,3 +219,16 @@ def test_parallel_guesses_for_one_user_wait_in_line():
     assert guard.failures("alice") == 8
     assert took >= sum(guard.delay_for(n) for n in range(1, 9))  # 1.26 s; at once: 0.64 s
     assert not guard._lines  # no lock kept once the line is empty
+
+
+def test_the_api_shares_the_guard_without_importing_the_page():
+    """The guard is neutral ground: the HTTP API checks its "user:password" keys through it
+    and loads none of the page's modules (an api -> ui import would tie the two together)."""
+    import subprocess
+    import sys
+    code = ("import sys, specchat.api.server; "
+            "print(sorted(m for m in sys.modules if m.startswith('specchat.ui')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

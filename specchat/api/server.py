@@ -45,7 +45,7 @@ from specchat.core.settings import build_config, values_from_body
 from specchat.core.text import chat_prompt, raw_prompt
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
-from specchat.ui.login import LoginGuard
+from specchat.auth import LoginGuard
 
 MAX_WAITING = 8  # requests queued behind the one generating; more get 429
 RETRY_AFTER_S = 5
