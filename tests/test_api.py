@@ -22,13 +22,15 @@ from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
 
 KEY = "sk-test-123"
+LABEL = "test-org/Tiny Llama 0.1B (random weights)"  # the target's display name
+MODEL = "tiny-llama-0.1b"  # its id in the API
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
 
 @pytest.fixture(scope="module")
 def server():
     tok = byte_tokenizer()
-    engine = Engine(loaded(tiny_llama(0), tok),
+    engine = Engine(loaded(tiny_llama(0), tok, name=LABEL),
                     {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(1), len(tok))})
     store = StatsStore(":memory:")
     app = create_app(LoadReport(engine, None, []), store, {KEY: "tests"}, max_tokens_cap=64,
@@ -53,9 +55,13 @@ def client(url, key=KEY):
 def test_models_and_a_plain_chat_completion(server):
     url, api, _ = server
     c = client(url)
-    assert [m.id for m in c.models.list().data] == [api.model_id]
-    reply = c.chat.completions.create(model=api.model_id, max_tokens=12, temperature=0, seed=0,
+    models = c.models.list().data
+    assert [m.id for m in models] == [MODEL]  # a stable id, the display name beside it
+    assert models[0].model_extra["specchat"]["name"] == LABEL
+    assert abs(models[0].created - time.time()) < 3600
+    reply = c.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, seed=0,
                                       messages=[{"role": "user", "content": PROMPT}])
+    assert reply.model == MODEL and abs(reply.created - time.time()) < 600
     text = reply.choices[0].message.content
     extra = reply.model_extra["specchat"]
     assert "".join(extra["texts"]) == text and len(extra["kinds"]) == 12
@@ -64,12 +70,27 @@ def test_models_and_a_plain_chat_completion(server):
     timings = reply.model_extra["timings"]
     assert {"draft_n", "draft_n_accepted", "predicted_per_second", "prompt_ms",
             "predicted_ms"} <= set(timings)
+    # The display name, as the id used to be, and no model at all are answered alike.
+    for model in (LABEL, None):
+        body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
+        r = httpx.post(f"{url}/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
+def test_model_ids_are_slugs_of_the_targets_name():
+    from specchat.api.server import model_slug
+    assert model_slug("Gemma 3 270M (embedded, Gemma Terms of Use)") == "gemma-3-270m"
+    assert model_slug("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b-instruct"
+    assert model_slug("./my-model/") == "my-model"
+    assert model_slug("/models/Llama 3.1 8B [nf4]") == "llama-3.1-8b"
+    assert model_slug("(nothing left)") == "model"
 
 
 def test_streamed_completion_carries_kinds_and_ends_with_timings(server):
     url, api, store = server
     c = client(url)
-    chunks = list(c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=20,
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
                                        temperature=0, stream=True, extra_body={"drafter": "model"},
                                        stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
@@ -85,7 +106,7 @@ def test_streamed_completion_carries_kinds_and_ends_with_timings(server):
         "drafted"]
     assert last.usage is None and usage.prompt_tokens_details.cached_tokens >= 0
     # The same request without streaming and with speculation off gives the same text.
-    plain = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=20,
+    plain = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
                                  temperature=0, extra_body={"speculation": False})
     assert plain.choices[0].text == text
     assert set(plain.model_extra["specchat"]["kinds"]) == {"target"}
@@ -97,15 +118,15 @@ def test_streamed_completion_carries_kinds_and_ends_with_timings(server):
 def test_stop_and_max_tokens_are_honored_and_capped(server):
     url, api, _ = server
     c = client(url)
-    full = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=30, temperature=0)
+    full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
     text = full.choices[0].text
     stop = text[5:7]
     if stop.strip():
-        cut = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=30,
+        cut = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30,
                                    temperature=0, stop=[stop])
         assert stop not in cut.choices[0].text and text.startswith(cut.choices[0].text)
         assert cut.choices[0].finish_reason == "stop"
-    capped = c.completions.create(model=api.model_id, prompt=PROMPT, max_tokens=5000)
+    capped = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5000)
     assert capped.usage.completion_tokens <= 64
 
 
@@ -123,15 +144,15 @@ def test_auth_and_bad_input_get_openai_errors_and_the_server_keeps_serving(serve
     for kwargs, message in ((dict(seed=2**63), "seed must be a whole number"),
                             (dict(top_p=0), "top_p must be a number in (0, 1]")):
         with pytest.raises(openai.BadRequestError) as error:
-            c.completions.create(model=api.model_id, prompt="hi", max_tokens=4, **kwargs)
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=4, **kwargs)
         assert message in str(error.value)
     with pytest.raises(openai.BadRequestError, match="messages"):
-        c.chat.completions.create(model=api.model_id, messages=[])
+        c.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.APIStatusError) as error:
-        c.completions.create(model=api.model_id, prompt="x" * 3000, max_tokens=4)
+        c.completions.create(model=MODEL, prompt="x" * 3000, max_tokens=4)
     assert error.value.status_code == 413
     with pytest.raises(openai.BadRequestError, match="Drafter 'nope' is not loaded"):
-        c.completions.create(model=api.model_id, prompt="hi", extra_body={"drafter": "nope"})
+        c.completions.create(model=MODEL, prompt="hi", extra_body={"drafter": "nope"})
     # A lone surrogate (valid JSON, not valid UTF-8) is replaced, not an error.
     raw = httpx.post(f"{url}/completions",
                      content='{"prompt": "bad \\ud800 text", "max_tokens": 4}',
@@ -158,7 +179,7 @@ def test_the_web_app_serves_the_api_on_its_port_behind_its_logins():
         demo.app.include_router(api_router(api))
         url = demo.local_url.rstrip("/") + "/v1"
         reply = client(url, key="alice:pw").completions.create(
-            model=api.model_id, prompt=PROMPT, max_tokens=8, temperature=0)
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
         assert reply.usage.completion_tokens == 8
         with pytest.raises(openai.AuthenticationError):
             client(url, key="alice:wrong").models.list()

@@ -30,6 +30,7 @@ import asyncio
 import collections
 import hmac
 import json
+import re
 import threading
 import time
 import uuid
@@ -170,7 +171,20 @@ class Api:
 
     @property
     def model_id(self) -> str:
+        """The served model's id in /v1/models and every response: a stable slug."""
+        return model_slug(self.engine.target.name)
+
+    @property
+    def model_label(self) -> str:
+        """The target's display name, as visitors may see it."""
         return self.redact(self.engine.target.name)
+
+    def model_object(self) -> dict:
+        """The one entry of /v1/models; the display name and the drafters ride in `specchat`."""
+        return {"id": self.model_id, "object": "model", "created": self.started,
+                "owned_by": "specchat",
+                "specchat": {"name": self.model_label, "drafters": list(self.engine.drafters),
+                             "quantization": self.engine.target.quantization}}
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -338,6 +352,16 @@ class Api:
                            None, [t.to_json() for t in tokens], [r.to_json() for r in steps])
 
 
+def model_slug(name: str) -> str:
+    """A model's name as an id clients can keep in their configuration: remarks in brackets
+    dropped, only the last part of a path or hub id, lowercase, and each run of characters
+    other than a-z, 0-9, '.' and '-' made one '-' ("Gemma 3 270M (embedded, ...)" ->
+    "gemma-3-270m", "Qwen/Qwen2.5-7B-Instruct" -> "qwen2.5-7b-instruct")."""
+    name = re.sub(r"\s*[(\[][^)\]]*[)\]]", "", name).strip().rstrip("/\\")
+    name = re.split(r"[/\\]", name)[-1].lower()
+    return re.sub(r"[^a-z0-9.-]+", "-", name).strip("-.") or "model"
+
+
 def timings(stats: GenerationStats) -> dict:
     """llama-server's `timings` object, from specchat's stats (`cache_n`: prompt tokens whose
     keys and values came from the cache)."""
@@ -388,8 +412,7 @@ def api_router(api: Api) -> APIRouter:
     @answered
     async def models(request: Request):
         await api.owner(request)
-        return {"object": "list", "data": [{"id": api.model_id, "object": "model",
-                                            "created": api.started, "owned_by": "specchat"}]}
+        return {"object": "list", "data": [api.model_object()]}
 
     @router.get("/health")
     async def health():
@@ -405,6 +428,8 @@ def api_router(api: Api) -> APIRouter:
         body = await api.read_json(request)
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
+        if not isinstance(body.get("model", ""), (str, type(None))):
+            raise ApiError(400, "'model' must be a string.", param="model")
         ids, stops, prompt = api.prompt(body, chat)
         cfg = api.config(body)
         cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
