@@ -339,6 +339,79 @@ class Api:
             raise
         return queue, stop
 
+    # -- routes ---------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> dict:
+        await self.owner(request)
+        return {"object": "list", "data": [self.model_object()]}
+
+    async def health(self):
+        """llama-server's health check: 200 once the models are loaded, 503 before."""
+        try:
+            self.report
+        except ApiError as error:
+            return JSONResponse({"status": "loading model", **error.response_body()}, 503)
+        return {"status": "ok", "waiting": self.gate.waiting}
+
+    async def chat_completions(self, request: Request):
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self.complete(request, chat=False)
+
+    async def complete(self, request: Request, chat: bool) -> dict | StreamingResponse:
+        """One completion: checked, queued for the engine, then streamed or answered whole."""
+        owner = await self.owner(request)
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        if not isinstance(body.get("model", ""), (str, type(None))):
+            raise ApiError(400, "'model' must be a string.", param="model")
+        ids, stops, prompt = self.prompt(body, chat)
+        cfg = self.config(body)
+        cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
+        reply = Reply(chat, self.model_id)
+        queue, stop = await self.start(ids, cfg, lambda events, stop: self.steps(
+            events, stop, owner, prompt))
+        first = await queue.get()
+        if isinstance(first, ValueError):  # the engine checks the request before any work
+            raise ApiError(400, str(first))
+        if isinstance(first, Exception):
+            raise ApiError(500, f"The reply failed: {first}", "server_error") from first
+        items = reply_items(first, queue, stop)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            return StreamingResponse(reply.events(items, with_usage),
+                                     media_type="text/event-stream")
+        return await reply.whole(items)
+
+    def steps(self, events: Iterator, stop: threading.Event, owner: str, prompt: str
+              ) -> Iterator:
+        """(new tokens, the step records that decided them) per step, then the stats; the
+        turn is recorded at the end, as interrupted when the client went away. Runs in the
+        reply's thread."""
+        pending, records, tokens, done = [], [], [], []
+        stats = None
+        for event in events:
+            if isinstance(event, TokenEvent):
+                pending.append(event)
+                tokens.append(event)
+            elif isinstance(event, StepRecord):
+                done.append(event)
+                records.append(event)
+                if pending:  # a step whose tokens are held back (a possible stop
+                    yield pending, records  # string) rides with the next ones
+                    pending, records = [], []
+            elif isinstance(event, GenerationStats):
+                stats = event
+        if stop.is_set() and stats.stop_reason == "stopped":
+            stats.stop_reason = "cancelled"  # only a client that left sets it
+        if pending or records:
+            yield pending, records
+        self.record(owner, prompt, tokens, done, stats)
+        yield stats
+
     def record(self, owner: str, prompt: str, tokens: list[TokenEvent],
                steps: list[StepRecord], stats: GenerationStats) -> None:
         engine, draft = self.engine, self.report.draft
@@ -381,6 +454,120 @@ def timings(stats: GenerationStats) -> dict:
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "stopped": "stop",
           "error": "stop"}
+ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+
+
+def usage(stats: GenerationStats) -> dict:
+    """OpenAI's `usage` object (`cached_tokens`: prompt tokens taken from the cache)."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {
+                "cached_tokens": stats.prompt_tokens - stats.prefill_tokens}}
+
+
+class Reply:
+    """One response in OpenAI's shapes: its id, object type and time, the chunks of a stream
+    or the whole object, each token carrying its kind, text, step and id."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+
+    def piece(self, tokens: list[TokenEvent], records: list[StepRecord]) -> dict:
+        """A streamed choice: a step's new text, with specchat's provenance of each token."""
+        text = "".join(t.text for t in tokens)
+        extra = {"specchat": {"kinds": [t.kind for t in tokens],
+                              "texts": [t.text for t in tokens],
+                              "steps": [t.step for t in tokens],
+                              "ids": [t.id for t in tokens],
+                              "records": [r.to_json() for r in records]}}
+        if self.chat:
+            return {"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}
+        return {"index": 0, "text": text, "finish_reason": None, **extra}
+
+    def chunk(self, choice: dict | None, **more) -> str:
+        """One server-sent event; no choice: a chunk with empty `choices` (the usage one)."""
+        return "data: " + json.dumps(
+            {"id": self.ident, "object": self.kind + (".chunk" if self.chat else ""),
+             "created": self.created, "model": self.model,
+             "choices": [choice] if choice else [], **more}, ensure_ascii=False) + "\n\n"
+
+    @staticmethod
+    def extra(stats: GenerationStats) -> dict:
+        """What the last chunk (or the whole object) adds: llama.cpp's timings, our stats."""
+        return {"timings": timings(stats), "specchat": {"stats": stats.to_json()}}
+
+    async def events(self, items, with_usage: bool):
+        """The stream: the role (chat), a chunk per step, the finish with timings and stats,
+        the usage when asked for, [DONE]."""
+        if self.chat:  # OpenAI's first chunk: the role, no content yet
+            yield self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None})
+        async for item in items:
+            if not isinstance(item, GenerationStats):
+                yield self.chunk(self.piece(*item))
+                continue
+            end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
+            end.update({"delta": {}} if self.chat else {"text": ""})
+            yield self.chunk(end, **self.extra(item))
+            if with_usage:  # its own chunk, with no choices, as OpenAI sends it
+                yield self.chunk(None, usage=usage(item))
+        yield "data: [DONE]\n\n"
+
+    async def whole(self, items) -> dict:
+        """The response of a request that did not ask to stream."""
+        tokens, stats = [], None
+        async for item in items:
+            if isinstance(item, GenerationStats):
+                stats = item
+            else:
+                tokens += item[0]
+        text = "".join(t.text for t in tokens)
+        extra = self.extra(stats)
+        extra["specchat"].update(kinds=[t.kind for t in tokens], texts=[t.text for t in tokens])
+        choice = {"index": 0, "finish_reason": FINISH.get(stats.stop_reason, "stop")}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat
+                      else {"text": text})
+        return {"id": self.ident, "object": self.kind, "created": self.created,
+                "model": self.model, "choices": [choice], "usage": usage(stats), **extra}
+
+
+async def reply_items(first, queue: asyncio.Queue, stop: threading.Event):
+    """A reply's items as its thread makes them, from `first`; the reply stops at its next step
+    when the one reading goes away."""
+    item = first
+    try:
+        while not isinstance(item, _Finished):
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            item = await queue.get()
+    finally:
+        stop.set()  # a no-op once the reply ended; else the client went away
+
+
+def answered(route):
+    """ApiError -> its OpenAI error object (handled here, not by an app-wide handler, so the
+    routes can join an app that is already serving)."""
+    async def handler(request: Request):
+        try:
+            return await route(request)
+        except ApiError as error:
+            return error.response()
+    handler.__name__ = route.__name__
+    return handler
+
+
+async def not_here(request: Request, rest: str) -> JSONResponse:
+    """Under /v1, OpenAI's error objects for unknown routes and wrong methods."""
+    path = f"/v1/{rest}"
+    if path in ROUTES:
+        return ApiError(405, f"{request.method} is not allowed on {path}; use {ROUTES[path]}.",
+                        headers={"Allow": ROUTES[path]}).response()
+    return ApiError(404, f"No route {path} here: {', '.join(ROUTES)}.",
+                    "not_found_error").response()
 
 
 def create_app(report, store: StatsStore | None = None, api_keys: dict[str, str] | None = None,
@@ -394,175 +581,13 @@ def create_app(report, store: StatsStore | None = None, api_keys: dict[str, str]
 
 
 def api_router(api: Api) -> APIRouter:
-    """The /v1 routes over `api`; the web app adds them to gradio's own server."""
+    """The /v1 routes over `api` (and /health); the web app adds them to gradio's server."""
     router = APIRouter()
-
-    def answered(route):
-        """ApiError -> its OpenAI error object (handled here, not by an app-wide handler, so
-        the routes can join an app that is already serving)."""
-        async def handler(request: Request):
-            try:
-                return await route(request)
-            except ApiError as error:
-                return error.response()
-        handler.__name__ = route.__name__
-        return handler
-
-    @router.get("/v1/models")
-    @answered
-    async def models(request: Request):
-        await api.owner(request)
-        return {"object": "list", "data": [api.model_object()]}
-
-    @router.get("/health")
-    async def health():
-        """llama-server's health check: 200 once the models are loaded, 503 before."""
-        try:
-            api.report
-        except ApiError as error:
-            return JSONResponse({"status": "loading model", **error.response_body()}, 503)
-        return {"status": "ok", "waiting": api.gate.waiting}
-
-    async def complete(request: Request, chat: bool):
-        owner = await api.owner(request)
-        body = await api.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
-        if not isinstance(body.get("model", ""), (str, type(None))):
-            raise ApiError(400, "'model' must be a string.", param="model")
-        ids, stops, prompt = api.prompt(body, chat)
-        cfg = api.config(body)
-        cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
-        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        kind = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
-
-        def piece(tokens: list[TokenEvent], records: list[StepRecord]) -> dict:
-            text = "".join(t.text for t in tokens)
-            extra = {"specchat": {"kinds": [t.kind for t in tokens],
-                                  "texts": [t.text for t in tokens],
-                                  "steps": [t.step for t in tokens],
-                                  "ids": [t.id for t in tokens],
-                                  "records": [r.to_json() for r in records]}}
-            if chat:
-                return {"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}
-            return {"index": 0, "text": text, "finish_reason": None, **extra}
-
-        def chunk(choice: dict | None, **more) -> str:
-            return "data: " + json.dumps({"id": ident, "object": kind + (".chunk" if chat else ""),
-                                          "created": created, "model": api.model_id,
-                                          "choices": [choice] if choice else [], **more},
-                                         ensure_ascii=False) + "\n\n"
-
-        def finish(stats: GenerationStats) -> tuple[dict, dict]:
-            usage = {"prompt_tokens": stats.prompt_tokens,
-                     "completion_tokens": stats.new_tokens,
-                     "total_tokens": stats.prompt_tokens + stats.new_tokens,
-                     "prompt_tokens_details": {
-                         "cached_tokens": stats.prompt_tokens - stats.prefill_tokens}}
-            return usage, {"timings": timings(stats), "specchat": {"stats": stats.to_json()}}
-
-        def steps(events: Iterator, stop: threading.Event) -> Iterator:
-            """(new tokens, the step records that decided them) per step, then the stats;
-            the turn is recorded at the end, as interrupted when the client went away."""
-            pending, records, tokens, done = [], [], [], []
-            stats = None
-            for event in events:
-                if isinstance(event, TokenEvent):
-                    pending.append(event)
-                    tokens.append(event)
-                elif isinstance(event, StepRecord):
-                    done.append(event)
-                    records.append(event)
-                    if pending:  # a step whose tokens are held back (a possible stop
-                        yield pending, records  # string) rides with the next ones
-                        pending, records = [], []
-                elif isinstance(event, GenerationStats):
-                    stats = event
-            if stop.is_set() and stats.stop_reason == "stopped":
-                stats.stop_reason = "cancelled"  # only a client that left sets it
-            if pending or records:
-                yield pending, records
-            api.record(owner, prompt, tokens, done, stats)
-            yield stats
-
-        queue, stop = await api.start(ids, cfg, steps)
-        first = await queue.get()
-        if isinstance(first, ValueError):  # the engine checks the request before any work
-            raise ApiError(400, str(first))
-        if isinstance(first, Exception):
-            raise ApiError(500, f"The reply failed: {first}", "server_error") from first
-
-        async def items():
-            """The reply's items as its thread makes them; the reply stops if we are left."""
-            item = first
-            try:
-                while not isinstance(item, _Finished):
-                    if isinstance(item, Exception):
-                        raise item
-                    yield item
-                    item = await queue.get()
-            finally:
-                stop.set()  # a no-op once the reply ended; else the client went away
-
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-
-            async def sse():
-                if chat:  # OpenAI's first chunk: the role, no content yet
-                    yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "finish_reason": None})
-                async for item in items():
-                    if isinstance(item, GenerationStats):
-                        usage, extra = finish(item)
-                        end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
-                        end.update({"delta": {}} if chat else {"text": ""})
-                        yield chunk(end, **extra)
-                        if with_usage:  # its own chunk, with no choices, as OpenAI sends it
-                            yield chunk(None, usage=usage)
-                    else:
-                        yield chunk(piece(*item))
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        tokens, stats = [], None
-        async for item in items():
-            if isinstance(item, GenerationStats):
-                stats = item
-            else:
-                tokens += item[0]
-        text = "".join(t.text for t in tokens)
-        usage, extra = finish(stats)
-        extra["specchat"].update(kinds=[t.kind for t in tokens], texts=[t.text for t in tokens])
-        choice = {"index": 0, "finish_reason": FINISH.get(stats.stop_reason, "stop")}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat
-                      else {"text": text})
-        return {"id": ident, "object": kind, "created": created, "model": api.model_id,
-                "choices": [choice], "usage": usage, **extra}
-
-    @router.post("/v1/chat/completions")
-    @answered
-    async def chat_completions(request: Request):
-        return await complete(request, chat=True)
-
-    @router.post("/v1/completions")
-    @answered
-    async def completions(request: Request):
-        return await complete(request, chat=False)
-
-    routes = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
-
-    @router.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                      include_in_schema=False)
-    async def elsewhere(request: Request, rest: str):
-        """Under /v1, OpenAI's error objects for unknown routes and wrong methods."""
-        path = f"/v1/{rest}"
-        if path in routes:
-            return ApiError(405, f"{request.method} is not allowed on {path}; use "
-                                 f"{routes[path]}.", headers={"Allow": routes[path]}).response()
-        return ApiError(404, f"No route {path} here: {', '.join(routes)}.",
-                        "not_found_error").response()
-
+    router.add_api_route("/v1/models", answered(api.models), methods=["GET"])
+    router.add_api_route("/health", api.health, methods=["GET"])
+    router.add_api_route("/v1/chat/completions", answered(api.chat_completions),
+                         methods=["POST"])
+    router.add_api_route("/v1/completions", answered(api.completions), methods=["POST"])
+    router.add_api_route("/v1/{rest:path}", not_here, include_in_schema=False,
+                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     return router
-
