@@ -358,9 +358,41 @@ def test_inspector_ghost_text_step_cards_and_modes(shared):
                 "document.querySelectorAll('#sc-chat .sc-stats').length >= 2")
 
             # An example starts a conversation of its own: only its turn is in the chat.
-            page.locator("#sc-examples tbody tr").nth(1).click()
+            page.locator("#sc-examples .gallery-item").nth(1).click()
             page.wait_for_function(
                 "document.querySelectorAll('#sc-chat .sc-stats').length === 1")
             assert "Eiffel Tower" in page.locator("#sc-chat").inner_text()
+        finally:
+            browser.close()
+
+
+@pytest.mark.parametrize("size", [(1280, 800), (390, 844)])
+def test_the_first_screen_holds_the_message_box_at_laptop_and_phone_sizes(served, size, tmp_path):
+    sync_playwright = _sync_playwright()
+    url, _ = served
+    width, height = size
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(url)
+            page.wait_for_selector("#sc-input textarea", timeout=WAIT_MS)
+            page.screenshot(path=str(tmp_path / f"first-screen-{width}.png"))
+            box = page.locator("#sc-input textarea").bounding_box()
+            assert box["y"] + box["height"] <= height, f"message box below the fold: {box}"
+            assert box["width"] >= min(600, width * 0.7), f"message box too narrow: {box}"
+            if width >= 1000:  # on a laptop the examples are on the first screen too
+                chips = page.locator("#sc-examples .gallery-item")
+                last = chips.nth(chips.count() - 1).bounding_box()
+                assert last["y"] + last["height"] <= height, f"examples below the fold: {last}"
+            # nothing wider than the screen: no sideways scrolling on a phone
+            assert page.evaluate("document.documentElement.scrollWidth") <= width
+            # Tab from the top reaches the message box in a bounded number of stops
+            page.locator("body").click(position={"x": 1, "y": 1})
+            for stops in range(1, 60):
+                page.keyboard.press("Tab")
+                if page.evaluate("document.activeElement?.closest('#sc-input') !== null"):
+                    break
+            assert stops < 40, f"{stops} tab stops before the message box"
         finally:
             browser.close()

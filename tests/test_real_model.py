@@ -1,5 +1,7 @@
 """The embedded Gemma 3 270M, for real (slow: ~1-2 min; the first run converts the GGUF)."""
 
+import re
+
 import pytest
 import torch
 
@@ -108,3 +110,79 @@ def test_every_path_this_machine_runs_is_exact_on_the_embedded_target(monkeypatc
         spec, s = collect(engine, GenerateConfig(drafter="ngram", **cfg))
         assert [t.id for t in spec] == [t.id for t in plain] and s.accepted > 0, name
         del engine
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_engine("embedded", quantization="nf4").engine
+
+
+def _reply(engine, ids, cfg) -> tuple[list[int], str]:
+    tokens = [e for e in engine.stream(ids, cfg) if isinstance(e, TokenEvent)]
+    return [t.id for t in tokens], "".join(t.text for t in tokens)
+
+
+@pytest.mark.ci
+def test_every_sampler_on_keeps_speculation_lossless_on_the_embedded_target(embedded):
+    """Penalties, DRY and min-p reshape each verified row from its own prefix: greedy and
+    seeded replies with speculation are plain decoding's, token for token."""
+    from specchat.ui.examples import ANTI_LOOP
+    ids, _ = embedded.text_prompt("Photosynthesis is the process by which plants")
+    samplers = dict(ANTI_LOOP, frequency_penalty=0.2, presence_penalty=0.1)
+    for sampling in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, top_k=50)):
+        cfg = dict(max_new_tokens=64, seed=7, adaptive=False, draft_len=4, **samplers, **sampling)
+        plain, _ = _reply(embedded, ids, GenerateConfig(speculation=False, **cfg))
+        for drafter in ("ngram", "combined"):
+            spec, _ = _reply(embedded, ids, GenerateConfig(drafter=drafter, **cfg))
+            assert spec == plain, (drafter, sampling)
+
+
+@pytest.mark.ci
+@pytest.mark.parametrize("index", range(5))
+def test_each_example_reads_without_loops_and_stays_on_topic(embedded, index):
+    """What a newcomer's first click shows (ui/examples.py, with its own settings): no 6-token
+    sequence more than twice, and at least two of the example's topic words."""
+    from tiny import most_repeats
+
+    from specchat.core.settings import build_config
+    from specchat.ui.examples import EXAMPLES
+    example = EXAMPLES[index]
+    settings = dict(example.settings)
+    if settings.pop("mode") == "chat":
+        ids, stops = embedded.chat_prompt([{"role": "user", "content": example.text}])
+    else:
+        ids, stops = embedded.text_prompt(example.text)
+    cfg, _ = build_config(settings, list(embedded.drafters))
+    cfg.stop = stops
+    tokens, text = _reply(embedded, ids, cfg)
+    assert len(tokens) >= 20, text
+    assert most_repeats(tokens, 6) <= 2, text
+    words = set(re.findall(r"[a-z]+", text.lower()))
+    assert len(words & set(example.topic)) >= 2, text
+
+
+CHAT_QUESTIONS = [("Why is the sky blue?", ("sky", "sun", "light", "blue", "air")),
+                  ("What is the capital of Australia?", ("capital", "australia", "city")),
+                  ("How many legs does a spider have?", ("legs", "spider", "spiders", "eight")),
+                  ("What is photosynthesis?", ("plants", "light", "energy", "sun", "food")),
+                  ("Who wrote Romeo and Juliet?", ("shakespeare", "william", "play", "wrote"))]
+
+
+@pytest.mark.ci
+def test_chat_on_the_base_model_answers_simple_questions_on_topic(embedded):
+    """A base model has no chat format: its chat is a few-shot transcript (core/text.py).
+    Five simple questions, greedy with the examples' anti-loop samplers: each answer is a
+    short, loop-free reply on the question's subject, and no two answers are the same."""
+    from tiny import most_repeats
+
+    from specchat.ui.examples import ANTI_LOOP
+    answers = set()
+    for question, topic in CHAT_QUESTIONS:
+        ids, stops = embedded.chat_prompt([{"role": "user", "content": question}])
+        cfg = GenerateConfig(max_new_tokens=64, stop=stops, **ANTI_LOOP)
+        tokens, text = _reply(embedded, ids, cfg)
+        words = set(re.findall(r"[a-z]+", text.lower()))
+        assert text.strip() and most_repeats(tokens, 6) <= 2, (question, text)
+        assert words & set(topic), (question, text)
+        answers.add(text.strip())
+    assert len(answers) == len(CHAT_QUESTIONS)

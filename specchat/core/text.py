@@ -140,15 +140,22 @@ class ReplyText:
 # Base models have no chat template: plain turns, and the next "User:" ends the reply.
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_STOPS = ("\nUser:",)
-# A base model continues text; the preamble tells it what kind of text this is. Its example
-# exchange is a greeting: a 270M base model copies the example's answer when it knows no better,
-# and with a factual one every "Hi" got "Yes, Paris is the capital of France." With no example
-# at all it loops instead, repeating a sentence until max_new_tokens.
+# A base model continues text; the preamble tells it what kind of text this is: a short
+# conversation in which the assistant answers each question directly. With a greeting alone a
+# 270M base model answered every question with the same invented persona; with a single factual
+# exchange it copied that answer to every greeting. A greeting and two factual exchanges on
+# different subjects give on-topic answers (tests/test_real_model.py asks five questions).
 PLAIN_PREAMBLE = (
     "A conversation between a user and a helpful, knowledgeable assistant. The assistant "
-    "answers the user's questions clearly and in full sentences.\n\n"
+    "answers each question directly, correctly and in one or two full sentences.\n\n"
     "User: Hello!\n"
-    "Assistant: Hello! What would you like to talk about?\n"
+    "Assistant: Hello! What would you like to know?\n"
+    "User: What is the largest planet in the solar system?\n"
+    "Assistant: Jupiter is the largest planet in the solar system. It is a gas giant more than "
+    "eleven times as wide as Earth.\n"
+    "User: Why do we have seasons?\n"
+    "Assistant: Earth's axis is tilted, so each hemisphere gets more direct sunlight for part "
+    "of the year (summer) and less for the rest (winter).\n"
 )
 
 

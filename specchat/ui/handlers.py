@@ -27,9 +27,10 @@ from dataclasses import replace
 
 import gradio as gr
 
-from specchat.core.engine import Engine, GenerateConfig, default_tree_nodes
+from specchat.core.engine import Engine, GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
-from specchat.core.inputs import InputError, check_settings, clean_text
+from specchat.core.inputs import InputError, clean_text
+from specchat.core.settings import SETTINGS, build_config
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.loader import LoadReport
@@ -41,7 +42,6 @@ from specchat.ui.access import NOBODY, Access
 from specchat.ui.render import ab_panel, ab_placeholders, render_history
 from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
 
-MAX_TEMPERATURE = 2.0  # the page's slider range; a sampled reply past it is noise
 
 # ---------------------------------------------------------------------------------------------
 # The app: handlers over (Session, Settings)
@@ -93,35 +93,21 @@ class ChatApp:
         return sorted(engine.drafters, key=lambda d: (DRAFTER_NAMES + (d,)).index(d))
 
     def config(self, s: Settings) -> tuple[GenerateConfig, list[str]]:
-        """Settings -> GenerateConfig, checked (`core.inputs`: raises InputError) and capped
-        server-side; notes say which caps applied."""
-        v = check_settings(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                           top_p=s.top_p, top_k=s.top_k, seed=s.seed, draft_len=s.draft_len)
-        notes = []
-        cap = self.limits.max_new_tokens_cap
-        max_new = v["max_new_tokens"]
-        if max_new > cap:
-            notes.append(f"Max new tokens capped at {cap} by the server (asked {max_new}).")
-        max_new = min(max_new, cap)
-        temperature = v["temperature"]
-        if temperature > MAX_TEMPERATURE:
-            notes.append(f"Temperature capped at {MAX_TEMPERATURE} (asked {temperature}).")
-            temperature = MAX_TEMPERATURE
+        """Settings -> GenerateConfig (`core.settings.build_config`: raises InputError), capped
+        server-side; notes say which caps applied. A random seed is drawn here, so the reply's
+        stats and its A/B replay name it."""
+        values = {name: getattr(s, name) for name in SETTINGS if hasattr(s, name)}
         available = self.drafters()
-        drafter = s.drafter
-        if s.speculation and drafter not in available:
-            fallback = available[0] if available else "ngram"
-            if drafter:
-                notes.append(f"Drafter {DRAFTER_LABELS.get(drafter, drafter)!r} is not loaded: "
-                             f"using {DRAFTER_LABELS.get(fallback, fallback)}.")
-            drafter = fallback
-        seed = v["seed"] if v["seed"] is not None else random.randrange(2**31 - 1)
-        cfg = GenerateConfig(max_new_tokens=max_new, temperature=temperature,
-                             top_p=v["top_p"], top_k=v["top_k"], seed=seed,
-                             speculation=bool(s.speculation) and bool(available),
-                             drafter=drafter, draft_len=v["draft_len"],
-                             adaptive=bool(s.adaptive),
-                             tree_nodes=default_tree_nodes(temperature, drafter))
+        # A choice made before the models changed may name a drafter no longer loaded: the
+        # page goes on with the best loaded one and says so.
+        drafter = s.drafter if s.drafter in available else ""
+        values.update(speculation=s.speculation, drafter=drafter, adaptive=s.adaptive)
+        cfg, notes = build_config(values, available, max_new_cap=self.limits.max_new_tokens_cap)
+        if s.drafter and s.drafter != drafter and cfg.speculation:
+            notes.insert(0, f"Drafter {DRAFTER_LABELS.get(s.drafter, s.drafter)!r} is not "
+                            f"loaded: using {DRAFTER_LABELS.get(cfg.drafter, cfg.drafter)}.")
+        if cfg.seed is None:
+            cfg.seed = random.randrange(2**31 - 1)
         return cfg, notes
 
     def system_prompt(self, s: Settings, notes: list[str]) -> str:
@@ -194,12 +180,9 @@ class ChatApp:
             engine.reset_cache()
             stats, error = None, f"{type(e).__name__}: {e}"
         if stats is None:
-            stats = GenerationStats(new_tokens=len(tokens), speculation=cfg.speculation,
-                                    drafter=cfg.drafter if cfg.speculation else "none",
-                                    draft_len=cfg.draft_len if cfg.speculation else 0,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    seed=cfg.seed, stop_reason="error",
-                                    error=error or "the engine ended without a result")
+            stats = GenerationStats.for_config(
+                cfg, new_tokens=len(tokens), stop_reason="error",
+                error=error or "the engine ended without a result")
         if stats.error:
             stats.error = readable_error(stats.error)
         yield stats
@@ -437,12 +420,8 @@ class ChatApp:
 def cut_short(cfg: GenerateConfig, tokens: list[TokenEvent], seconds: float) -> GenerationStats:
     """Stats for a reply whose page went away mid-stream (the engine's own summary never
     came): what was emitted, marked "cancelled", an interrupted turn like a stopped one."""
-    return GenerationStats(new_tokens=len(tokens), seconds=seconds,
-                           speculation=cfg.speculation,
-                           drafter=cfg.drafter if cfg.speculation else "none",
-                           draft_len=cfg.draft_len if cfg.speculation else 0,
-                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                           seed=cfg.seed, stop_reason="cancelled")
+    return GenerationStats.for_config(cfg, new_tokens=len(tokens), seconds=seconds,
+                                      stop_reason="cancelled")
 
 
 def readable_error(error: str) -> str:

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import html
+from dataclasses import asdict, dataclass
 
 import gradio as gr
 
 from specchat.core.engine import Engine
-from specchat.core.settings import MAX_DRAFT_LEN
+from specchat.core.settings import MAX_DRAFT_LEN, MAX_TEMPERATURE, SETTINGS
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
 from specchat.ui import stats_tab
 from specchat.ui.access import Access, new_browser_id
+from specchat.ui.examples import EXAMPLES
 from specchat.ui.handlers import ChatApp
 from specchat.ui.render import ASSETS, ab_placeholders, asset, header_html, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
 # ---------------------------------------------------------------------------------------------
-# Gradio wiring
+# Layout: what the page shows. Wiring: what each control does.
 
 def build_ui(source: Engine | LoadReport | ModelSlot, store: StatsStore | None = None,
              limits: Limits | None = None, access: Access | None = None,
@@ -29,207 +31,251 @@ def build_ui(source: Engine | LoadReport | ModelSlot, store: StatsStore | None =
     return page(ChatApp(source, store, limits, access, min_interval), defaults)
 
 
+@dataclass
+class View:
+    """The page's components that events read or write."""
+    session: gr.State
+    browser: gr.BrowserState
+    header: gr.HTML
+    status: gr.HTML
+    chat: gr.Chatbot
+    box: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    notice: gr.Markdown
+    examples: gr.Dataset
+    retry: gr.Button
+    undo: gr.Button
+    new: gr.Button
+    ab: gr.Button
+    ab_off: gr.HTML
+    ab_on: gr.HTML
+    verdict: gr.HTML
+    ghosts: gr.Checkbox
+    timer: gr.Timer
+    controls: dict[str, gr.components.Component]  # Settings field -> its control
+
+    @property
+    def new_outputs(self) -> list:
+        return [self.box, self.chat, self.session, self.notice, self.ab_off, self.ab_on,
+                self.verdict]
+
+
 def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
     """The chat page, wired to `self`'s handlers."""
     d = defaults or Settings()
-    limits, slot = self.limits, self.slot
-    ready = slot.state == "ready"
     # delete_cache: gradio's copies of served files (CSV exports) go after an hour.
     with gr.Blocks(title="specchat · speculative decoding you can see",
                    delete_cache=(600, 3600)) as demo:
         session = gr.State(Session())
         # The visitor's browser id (`access`): kept in the browser across reloads.
         browser = gr.BrowserState(None, storage_key="specchat-browser-id")
-        with gr.Row(equal_height=False):
-            header = gr.HTML(header_html(slot), elem_id="sc-header", scale=4)
-            status = gr.HTML(status_html(slot), elem_id="sc-status", scale=1, min_width=200)
+        with gr.Row(equal_height=False, elem_id="sc-top"):
+            header = gr.HTML(header_html(self.slot), elem_id="sc-header", scale=4, min_width=300)
+            status = gr.HTML(status_html(self.slot), elem_id="sc-status", scale=1,
+                             min_width=160)
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
                 with gr.Row(equal_height=False):
-                    with gr.Column(scale=3, min_width=380):
-                        gr.HTML(asset("legend.html"))
-                        chat = gr.Chatbot(
-                            label="Chat", show_label=False, elem_id="sc-chat", height=540,
-                            render_markdown=False,
-                            sanitize_html=True, latex_delimiters=[], feedback_options=None,
-                            autoscroll=True, buttons=[],
-                            placeholder="Ask something. Replies stream in as the target verifies "
-                                        "each batch of draft tokens.")
-                        with gr.Row(equal_height=True):
-                            box = gr.Textbox(show_label=False, placeholder="Message (Enter to "
-                                             "send, Shift+Enter for a new line)", lines=1,
-                                             max_lines=10, scale=6, autofocus=True,
-                                             elem_id="sc-input", interactive=ready)
-                            with gr.Column(scale=1, min_width=110):
-                                send = gr.Button("Send", variant="primary", elem_id="sc-send",
-                                                 interactive=ready)
-                                stop_btn = gr.Button("Stop", variant="stop", elem_id="sc-stop")
-                        notice = gr.Markdown("", elem_id="sc-notice", elem_classes="sc-notice")
-                        examples = gr.Dataset(
-                            components=[gr.Textbox(visible=False), gr.Textbox(visible=False)],
-                            samples=[[text, label] for text, label, _ in EXAMPLES],
-                            headers=["Try an example (one click runs it)", "mode"],
-                            elem_id="sc-examples", samples_per_page=len(EXAMPLES),
-                            type="index")
-                        with gr.Row():
-                            retry_btn = gr.Button("↻ Retry", size="sm", elem_id="sc-retry")
-                            undo_btn = gr.Button("↶ Undo", size="sm", elem_id="sc-undo")
-                            new_btn = gr.Button("✚ New conversation", size="sm",
-                                                elem_id="sc-new")
-                            ab_btn = gr.Button("⇄ A/B replay", size="sm", variant="secondary",
-                                               elem_id="sc-ab", interactive=ready)
-                    with gr.Column(scale=1, min_width=260):
-                        mode = gr.Radio([("Chat", "chat"), ("Completion", "completion")],
-                                        value=default_mode(slot, d), label="Mode",
-                                        info="Chat: your turns in the model's chat "
-                                             "format. Completion: the model continues your "
-                                             "text as is (what a base model is good at)",
-                                        elem_id="sc-mode")
-                        ghosts = gr.Checkbox(value=True, label="Show refused drafts",
-                                             elem_id="sc-ghosts")
-                        gr.Markdown("#### Speculation")
-                        speculation = gr.Checkbox(value=d.speculation, label="Speculative decoding",
-                                                  elem_id="sc-speculation")
-                        choices = self.drafters() or ["ngram"]
-                        drafter = gr.Radio(
-                            [(DRAFTER_LABELS.get(c, c), c) for c in choices],
-                            value=d.drafter if d.drafter in choices else choices[0],
-                            label="Drafter", elem_id="sc-drafter")
-                        draft_len = gr.Slider(1, MAX_DRAFT_LEN, value=d.draft_len, step=1,
-                                              label="Draft length k (most drafts per step)")
-                        adaptive = gr.Checkbox(value=d.adaptive, label="Adapt k to measured "
-                                               "acceptance and cost")
-                        gr.Markdown("#### Sampling")
-                        temperature = gr.Slider(0, 2, value=d.temperature, step=0.05,
-                                                label="Temperature (0 = greedy)")
-                        top_p = gr.Slider(0.05, 1, value=d.top_p, step=0.05, label="Top-p")
-                        top_k = gr.Slider(0, 200, value=d.top_k, step=1, label="Top-k (0 = off)")
-                        max_new = gr.Slider(1, limits.max_new_tokens_cap,
-                                            value=min(d.max_new_tokens, limits.max_new_tokens_cap),
-                                            step=1, label=f"Max new tokens (cap "
-                                                          f"{limits.max_new_tokens_cap})",
-                                            elem_id="sc-max-new")
-                        seed = gr.Number(value=d.seed, precision=0,
-                                         label="Seed (-1 = random each reply)")
-                        system = gr.Textbox(value=d.system, label="System prompt", lines=3,
-                                            placeholder="Optional instructions for the model")
-                with gr.Group():
-                    with gr.Row(equal_height=False):
-                        off_panel, on_panel, verdict_empty = ab_placeholders()
-                        ab_off = gr.HTML(off_panel, elem_id="sc-ab-off")
-                        ab_on = gr.HTML(on_panel, elem_id="sc-ab-on")
-                    verdict = gr.HTML(verdict_empty, elem_id="sc-ab-verdict")
+                    with gr.Column(scale=3, min_width=320):
+                        parts = _chat_column(self)
+                    with gr.Column(scale=1, min_width=260, elem_id="sc-settings"):
+                        ghosts, controls = _settings_column(self, d)
             with gr.Tab("Stats", id="stats") as tab:
                 stats = stats_tab.build_stats_tab(self.store, self.access, browser, demo,
-                                                  self.writer, slot.redact)
+                                                  self.writer, self.slot.redact)
                 stats.refresh_on(tab.select)
-        timer = gr.Timer(1.0, active=not ready and slot.state != "failed")
-
-        # In the order of Settings' fields.
-        controls = [system, speculation, drafter, draft_len, adaptive, temperature, top_p, top_k,
-                    max_new, seed, mode]
-
-        # Explicit parameters: gradio injects `request` only into a named, annotated one.
-        def on_bot(state, browser_id, system, speculation, drafter, draft_len, adaptive,
-                   temperature, top_p, top_k, max_new_tokens, seed, mode, request: gr.Request):
-            yield from self.bot(state, Settings(system, speculation, drafter, draft_len, adaptive,
-                                                temperature, top_p, top_k, max_new_tokens, seed,
-                                                mode), request, browser_id)
-
-        def on_ab(state, browser_id, system, speculation, drafter, draft_len, adaptive,
-                  temperature, top_p, top_k, max_new_tokens, seed, mode, request: gr.Request):
-            yield from self.ab_replay(state, Settings(system, speculation, drafter, draft_len,
-                                                      adaptive, temperature, top_p, top_k,
-                                                      max_new_tokens, seed, mode),
-                                      request, browser_id)
-
-        def on_user(text, state, system, speculation, drafter, draft_len, adaptive, temperature,
-                    top_p, top_k, max_new_tokens, seed, mode, request: gr.Request):
-            return self.user(text, state, request,
-                             Settings(system, speculation, drafter, draft_len, adaptive,
-                                      temperature, top_p, top_k, max_new_tokens, seed, mode))
-
-        def on_browser(browser_id):
-            """Give a browser its id on its first visit; keep the one it has."""
-            return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
-
-        def on_stop(request: gr.Request):
-            return self.stop(request) or gr.skip()
-
-        def on_page(request: gr.Request):
-            now_ready = slot.state == "ready"
-            choices = self.drafters() or ["ngram"]
-            # A failed load is also said in the chat itself, where the user looks.
-            failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
-                       f"failed to load: {html.escape(slot.redact(slot.error))}</div>"}]
-            return (header_html(slot), status_html(slot),
-                    failed if slot.state == "failed" else gr.skip(),
-                    gr.Radio(choices=[(DRAFTER_LABELS.get(c, c), c) for c in choices],
-                             value=d.drafter if d.drafter in choices else choices[0]),
-                    gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
-                    gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"),
-                    gr.Radio(value=default_mode(slot, d)))
-
-        private = dict(api_visibility="private")
-        engine_lane = dict(concurrency_id="engine", concurrency_limit=1, **private)
-        instant = dict(concurrency_limit=None, show_progress="hidden", **private)
-        chat_out = [chat, session, notice]
-
-        def on_example(index: int, current: Session):
-            """An example starts a conversation of its own (one example's turns never become
-            another's context), with the example's text and settings."""
-            text, _, settings = EXAMPLES[index]
-            fresh = self.new_conversation(current)
-            return (text, *fresh[1:], settings["mode"], settings["temperature"],
-                    settings["seed"], settings["max_new_tokens"])
-
-        new_outputs = [box, chat, session, notice, ab_off, ab_on, verdict]
-        examples.click(on_example, [examples, session],
-                       [*new_outputs, mode, temperature, seed, max_new], **instant).then(
-            on_user, [box, session, *controls], [box, chat, session, notice], **instant).then(
-            on_bot, [session, browser, *controls], chat_out, show_progress="minimal",
-            **engine_lane)
-        ghosts.change(None, ghosts, None,
-                      js="(show) => { document.body.classList.toggle('sc-hide-ghosts', !show); }")
-
-        for trigger in (box.submit, send.click):
-            trigger(on_user, [box, session, *controls], [box, chat, session, notice],
-                    **instant).then(on_bot, [session, browser, *controls], chat_out,
-                                    show_progress="minimal", **engine_lane)
-        retry_btn.click(self.retry, session, chat_out, **instant).then(
-            on_bot, [session, browser, *controls], chat_out, show_progress="minimal",
-            **engine_lane)
-        undo_btn.click(self.undo, session, [box, chat, session, notice], **instant)
-        new_btn.click(self.new_conversation, session, new_outputs, **instant)
-        chat.clear(self.new_conversation, session, new_outputs, **instant)
-        ab_btn.click(on_ab, [session, browser, *controls],
-                     [ab_off, ab_on, verdict, chat, session, notice],
-                     show_progress="minimal", **engine_lane)
-        stop_btn.click(on_stop, None, notice, queue=False, **private)
-        page_out = [header, status, chat, drafter, box, send, ab_btn, timer, mode]
-        # The one public endpoint: a stateless reply for gradio_client and "Use via API".
-        gr.api(self.generate, api_name="generate", concurrency_id="engine",
-               concurrency_limit=1)
-        timer.tick(on_page, None, page_out, **instant)
-        demo.load(on_page, None, page_out, **instant)
-        demo.load(on_browser, browser, browser, **instant)
+        timer = gr.Timer(1.0, active=self.slot.state not in ("ready", "failed"))
+        view = View(session, browser, header, status, ghosts=ghosts, timer=timer,
+                    controls=controls, **parts)
+        _wire(self, demo, view, d)
     return demo
 
 
-# Prompts that make good demos on the embedded 270M base model (checked: sensible text, long
-# enough for speculation to show). Completion suits a base model; chat needs an instruct one.
-EXAMPLES = [
-    ("Water is a chemical compound made of", "completion",
-     dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=96)),
-    ("The Eiffel Tower is a wrought-iron lattice tower in Paris. It was", "completion",
-     dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=96)),
-    ("Photosynthesis is the process by which plants", "completion (greedy)",
-     dict(mode="completion", temperature=0.0, seed=0, max_new_tokens=128)),
-    ("# A Python function that reverses a string\ndef reverse_string(s):", "completion",
-     dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=64)),
-    ("Tell me a fun fact about octopuses.", "chat",
-     dict(mode="chat", temperature=0.0, seed=0, max_new_tokens=64)),
-]
+def _chat_column(self: ChatApp) -> dict:
+    """The legend, the chat, the message box, the examples, the turn buttons and the A/B
+    panels right under their button."""
+    ready = self.slot.state == "ready"
+    gr.HTML(asset("legend.html"))
+    chat = gr.Chatbot(
+        label="Chat", show_label=False, elem_id="sc-chat", height="max(260px, 100vh - 540px)",
+        render_markdown=False, sanitize_html=True, latex_delimiters=[], feedback_options=None,
+        autoscroll=True, buttons=[],
+        placeholder="Ask something, or try an example below. Replies stream in as the target "
+                    "verifies each batch of draft tokens.")
+    with gr.Row(equal_height=True, elem_id="sc-input-row"):
+        box = gr.Textbox(show_label=False, placeholder="Message (Enter to send, Shift+Enter "
+                         "for a new line)", lines=1, max_lines=10, scale=6, min_width=240,
+                         autofocus=True, elem_id="sc-input", interactive=ready)
+        with gr.Column(elem_id="sc-send-col", scale=1, min_width=150):
+            with gr.Row():
+                send = gr.Button("Send", variant="primary", elem_id="sc-send",
+                                 interactive=ready, min_width=70)
+                stop = gr.Button("Stop", variant="stop", elem_id="sc-stop", min_width=70)
+    notice = gr.Markdown("", elem_id="sc-notice", elem_classes="sc-notice")
+    examples = gr.Dataset(
+        components=[gr.Textbox(visible=False)], samples=[[e.text] for e in EXAMPLES],
+        label="Try an example (each starts a new conversation)", elem_id="sc-examples",
+        samples_per_page=len(EXAMPLES), type="index", layout="gallery")
+    with gr.Row(elem_id="sc-turn-buttons"):
+        retry = gr.Button("↻ Retry", size="sm", elem_id="sc-retry", min_width=80)
+        undo = gr.Button("↶ Undo", size="sm", elem_id="sc-undo", min_width=80)
+        new = gr.Button("✚ New conversation", size="sm", elem_id="sc-new", min_width=80)
+        ab = gr.Button("⇄ A/B replay", size="sm", variant="secondary", elem_id="sc-ab",
+                       interactive=ready, min_width=80)
+    with gr.Group(elem_id="sc-ab-panel"):
+        verdict_empty = ab_placeholders()[2]
+        verdict = gr.HTML(verdict_empty, elem_id="sc-ab-verdict")
+        with gr.Row(equal_height=False):
+            off_panel, on_panel, _ = ab_placeholders()
+            ab_off = gr.HTML(off_panel, elem_id="sc-ab-off", min_width=240)
+            ab_on = gr.HTML(on_panel, elem_id="sc-ab-on", min_width=240)
+    return dict(chat=chat, box=box, send=send, stop=stop, notice=notice, examples=examples,
+                retry=retry, undo=undo, new=new, ab=ab, ab_off=ab_off, ab_on=ab_on,
+                verdict=verdict)
+
+
+def _settings_column(self: ChatApp, d: Settings) -> tuple[gr.Checkbox, dict]:
+    """Mode, speculation, sampling and the penalties: -> (the ghosts toggle, Settings field
+    -> control)."""
+    c = {}
+    c["mode"] = gr.Radio([("Chat", "chat"), ("Completion", "completion")],
+                         value=default_mode(self.slot, d), label="Mode",
+                         info=MODE_HELP[default_mode(self.slot, d)], elem_id="sc-mode")
+    ghosts = gr.Checkbox(value=True, label="Show refused drafts", elem_id="sc-ghosts")
+    with gr.Accordion("Speculation", open=True, elem_id="sc-spec-settings"):
+        c["speculation"] = gr.Checkbox(value=d.speculation, label="Speculative decoding",
+                                       elem_id="sc-speculation")
+        choices = self.drafters() or ["ngram"]
+        c["drafter"] = gr.Radio([(DRAFTER_LABELS.get(x, x), x) for x in choices],
+                                value=d.drafter if d.drafter in choices else choices[0],
+                                label="Drafter", elem_id="sc-drafter")
+        c["draft_len"] = gr.Slider(1, MAX_DRAFT_LEN, value=d.draft_len, step=1,
+                                   label="Draft length k (most drafts per step)")
+        c["adaptive"] = gr.Checkbox(value=d.adaptive,
+                                    label="Adapt k to measured acceptance and cost")
+    with gr.Accordion("Sampling", open=True, elem_id="sc-sampling"):
+        c["temperature"] = gr.Slider(0, MAX_TEMPERATURE, value=d.temperature, step=0.05,
+                                     label="Temperature (0 = greedy)")
+        c["top_p"] = gr.Slider(0.05, 1, value=d.top_p, step=0.05, label="Top-p")
+        c["top_k"] = gr.Slider(0, 200, value=d.top_k, step=1, label="Top-k (0 = off)")
+        c["min_p"] = _slider("min_p", d, 0, 0.5, 0.01)
+        cap = self.limits.max_new_tokens_cap
+        c["max_new_tokens"] = gr.Slider(1, cap, value=min(d.max_new_tokens, cap), step=1,
+                                        label=f"Max new tokens (cap {cap})",
+                                        elem_id="sc-max-new")
+        c["seed"] = gr.Number(value=d.seed, precision=0, label="Seed (-1 = random each reply)")
+    with gr.Accordion("Penalties (stop loops; lossless)", open=False, elem_id="sc-penalties"):
+        c["repeat_penalty"] = _slider("repeat_penalty", d, 1, 2, 0.05)
+        c["repeat_last_n"] = _slider("repeat_last_n", d, 0, 512, 1)
+        c["frequency_penalty"] = _slider("frequency_penalty", d, -2, 2, 0.05)
+        c["presence_penalty"] = _slider("presence_penalty", d, -2, 2, 0.05)
+        c["dry_multiplier"] = _slider("dry_multiplier", d, 0, 2, 0.05)
+        c["dry_base"] = _slider("dry_base", d, 1, 3, 0.05)
+        c["dry_allowed_length"] = _slider("dry_allowed_length", d, 1, 8, 1)
+    c["system"] = gr.Textbox(value=d.system, label="System prompt", lines=3,
+                             placeholder="Optional instructions for the model")
+    return ghosts, c
+
+
+def _slider(name: str, d: Settings, low: float, high: float, step: float) -> gr.Slider:
+    """A slider for one of `core.settings`' rows: its label and help come from the table."""
+    row = SETTINGS[name]
+    return gr.Slider(low, high, value=getattr(d, name), step=step, label=row.label,
+                     info=row.help)
+
+
+def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
+    """Every event of the page."""
+    slot = self.slot
+    settings_in = {v.session, v.browser, *v.controls.values()}
+
+    def settings_of(data: dict) -> Settings:
+        return Settings(**{name: data[c] for name, c in v.controls.items()})
+
+    # A set of inputs arrives as one dict; gradio injects `request` into a named, annotated
+    # positional parameter.
+    def on_bot(data: dict, request: gr.Request):
+        yield from self.bot(data[v.session], settings_of(data), request, data[v.browser])
+
+    def on_ab(data: dict, request: gr.Request):
+        yield from self.ab_replay(data[v.session], settings_of(data), request, data[v.browser])
+
+    def on_user(data: dict, request: gr.Request):
+        return self.user(data[v.box], data[v.session], request, settings_of(data))
+
+    def on_browser(browser_id):
+        """Give a browser its id on its first visit; keep the one it has."""
+        return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
+
+    def on_stop(request: gr.Request):
+        return self.stop(request) or gr.skip()
+
+    def on_page(request: gr.Request):
+        now_ready = slot.state == "ready"
+        choices = self.drafters() or ["ngram"]
+        # A failed load is also said in the chat itself, where the user looks.
+        failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
+                   f"failed to load: {html.escape(slot.redact(slot.error))}</div>"}]
+        mode = default_mode(slot, d)
+        return (header_html(slot), status_html(slot),
+                failed if slot.state == "failed" else gr.skip(),
+                gr.Radio(choices=[(DRAFTER_LABELS.get(x, x), x) for x in choices],
+                         value=d.drafter if d.drafter in choices else choices[0]),
+                gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
+                gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"),
+                gr.Radio(value=mode, info=MODE_HELP[mode]))
+
+    def on_example(index: int, current: Session):
+        """An example starts a conversation of its own (one example's turns never become
+        another's context), with the example's text and every setting it names (the others
+        back to their defaults)."""
+        example = EXAMPLES[index]
+        fresh = dict(zip(v.new_outputs, self.new_conversation(current)))
+        fresh[v.box] = example.text
+        values = {**asdict(d), **example.settings}
+        return {**fresh, **{c: values[name] for name, c in v.controls.items()
+                            if name not in ("system", "speculation", "drafter")}}
+
+    private = dict(api_visibility="private")
+    engine_lane = dict(concurrency_id="engine", concurrency_limit=1, **private)
+    instant = dict(concurrency_limit=None, show_progress="hidden", **private)
+    chat_out = [v.chat, v.session, v.notice]
+    user_out = [v.box, v.chat, v.session, v.notice]
+    bot = dict(fn=on_bot, inputs=settings_in, outputs=chat_out, show_progress="minimal",
+               **engine_lane)
+
+    v.examples.click(on_example, [v.examples, v.session],
+                     [*v.new_outputs, *v.controls.values()], **instant).then(
+        on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
+    v.ghosts.change(None, v.ghosts, None,
+                    js="(show) => { document.body.classList.toggle('sc-hide-ghosts', !show); }")
+    v.controls["mode"].change(lambda m: gr.Radio(info=MODE_HELP[m]), v.controls["mode"],
+                              v.controls["mode"], **instant)
+    for trigger in (v.box.submit, v.send.click):
+        trigger(on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
+    v.retry.click(self.retry, v.session, chat_out, **instant).then(**bot)
+    v.undo.click(self.undo, v.session, user_out, **instant)
+    v.new.click(self.new_conversation, v.session, v.new_outputs, **instant)
+    v.chat.clear(self.new_conversation, v.session, v.new_outputs, **instant)
+    v.ab.click(on_ab, settings_in, [v.ab_off, v.ab_on, v.verdict, v.chat, v.session, v.notice],
+               show_progress="minimal", **engine_lane)
+    v.stop.click(on_stop, None, v.notice, queue=False, **private)
+    page_out = [v.header, v.status, v.chat, v.controls["drafter"], v.box, v.send, v.ab,
+                v.timer, v.controls["mode"]]
+    # The one public endpoint: a stateless reply for gradio_client and "Use via API".
+    gr.api(self.generate, api_name="generate", concurrency_id="engine", concurrency_limit=1)
+    v.timer.tick(on_page, None, page_out, **instant)
+    demo.load(on_page, None, page_out, **instant)
+    demo.load(on_browser, v.browser, v.browser, **instant)
+
+
+MODE_HELP = {
+    "chat": "Chat: your turns in the model's chat format (a base model gets a short example "
+            "conversation to continue).",
+    "completion": "Completion: the model continues your text as is (what a base model is "
+                  "good at); no history.",
+}
 
 
 def default_mode(slot: ModelSlot, d: Settings) -> str:

@@ -270,6 +270,10 @@ def header_html(slot: ModelSlot) -> str:
     return top + models_html(slot)
 
 
+SHORT_DRAFTER_NAMES = {"model": "draft model", "ngram": "n-gram", "head": "EAGLE head",
+                       "combined": "n-gram + head", "server": "the server's"}
+
+
 def models_html(slot: ModelSlot) -> str:
     if slot.report is None:
         what = html.escape(slot.redact(slot.description or "the models"))
@@ -287,22 +291,30 @@ def models_html(slot: ModelSlot) -> str:
         drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
     if "server" in engine.drafters:
         drafters.append("<code>the server's own speculation</code>")
-    notes = "".join(f'<div class="sc-note">⚠ {html.escape(slot.redact(n))}</div>'
-                    for n in report.notes)
-    if not engine.chats:
-        notes += ('<div class="sc-note sc-base">This target is a small <b>base model</b>: it '
-                  "continues text rather than chatting, so <b>Completion</b> mode suits it (try "
-                  "an example below the chat). Real chat needs an instruct model: a preset on "
-                  "a GPU, e.g. <code>python app.py --preset qwen2.5-7b</code>.</div>")
+    warnings = "".join(f'<div class="sc-note">⚠ {html.escape(slot.redact(n))}</div>'
+                       for n in report.notes)
     runtime = getattr(engine.target, "runtime", None)  # None for a serving backend
     if runtime is not None and not runtime.row_exact:
-        notes += f'<div class="sc-note">⚠ {html.escape(runtime.lossless_note)}</div>'
-    target = html.escape(slot.redact(engine.target.label))
+        warnings += f'<div class="sc-note">⚠ {html.escape(runtime.lossless_note)}</div>'
+    base = ""
+    if not engine.chats:
+        base = ('<div class="sc-note sc-base">This target is a small <b>base model</b>: it '
+                "continues text, so <b>Completion</b> mode suits it best; Chat gives it a short "
+                "example conversation to continue. Real chat needs an instruct model: a preset "
+                "on a GPU, e.g. <code>python app.py --preset qwen2.5-7b</code>.</div>")
+    label = slot.redact(engine.target.label)
+    target, short = html.escape(label), html.escape(re.split(r" [(\[]", label)[0])
     cpu = (f'<span title="{html.escape(runtime.proof)}">Runs on: <code>'
            f"{html.escape(runtime.cpu)}</code></span>" if runtime is not None else "")
-    return (f'<div class="sc-models"><span>Target: <code>{target}'
-            f"</code></span><span>Draft: {' + '.join(drafters) or 'none'}</span>{cpu}</div>"
-            f"{notes}")
+    where = f" · {html.escape(runtime.cpu.split(' (')[0])}" if runtime is not None else ""
+    # One line by default (the page's first screen belongs to the chat); the details open.
+    names = " + ".join(SHORT_DRAFTER_NAMES.get(d, d) for d in engine.drafters
+                       if d != "combined") or "none"  # combined is n-gram + head
+    kind = " · base model" if base else ""
+    summary = f"<summary><b>{short}</b>{kind} · drafts: {names}{where}</summary>"
+    return (f'<details class="sc-models">{summary}<div class="sc-models-full"><span>Target: '
+            f"<code>{target}</code></span><span>Draft: {' + '.join(drafters) or 'none'}"
+            f"</span>{cpu}</div>{base}</details>{warnings}")
 
 
 def status_html(slot: ModelSlot) -> str:

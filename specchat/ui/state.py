@@ -50,6 +50,15 @@ class Settings:
     max_new_tokens: int = 256
     seed: int = -1  # -1: a fresh random seed per reply (shown in the stats line)
     mode: str = "chat"  # "chat" | "completion" (the model continues the message as text)
+    # Samplers against repetition (core/penalties.py); the defaults (core/settings.py) are off.
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
 
 
 @dataclass
