@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     launch(demo, server_name=args.host, server_port=args.port, share=args.share, **login,
            auth_message="specchat: log in with the user and password the host gave you.",
            prevent_thread_lock=True)
-    # The OpenAI-compatible API on the same port, behind the same logins (or --api-key).
+    # The OpenAI-compatible API on the same port, behind the same logins (or --api-key). Its
+    # requests and the page's replies wait for the engine in one queue (engine_queue.py).
     demo.app.include_router(api_router(Api(
         lambda: slot.report, store, {key: f"key{i + 1}" for i, key in enumerate(args.api_key)},
         logins=auth, max_input_chars=args.max_input_chars,

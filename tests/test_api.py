@@ -244,26 +244,84 @@ def test_concurrent_streams_are_served_in_turn_and_a_full_queue_gets_429(server)
     assert all(r is not None and r[0] == 200 and r[1][-1] == "data: [DONE]" for r in replies)
     assert _post(url, prompt="hi", max_tokens=3).status_code == 200
 
-    api.engine.lock.acquire()  # hold the engine: the next reply waits inside it
-    capacity, api.gate.capacity = api.gate.capacity, 2
+    holder = api.queue.join()  # hold the engine: the next requests wait in its queue
+    limit, api.max_waiting = api.max_waiting, 2
     try:
         codes: list = []
         waiting = [threading.Thread(target=lambda: codes.append(
-            _post(url, prompt="x", max_tokens=3).status_code)) for _ in range(3)]
+            _post(url, prompt="x", max_tokens=3).status_code)) for _ in range(2)]
         for t in waiting:
             t.start()
         deadline = time.time() + 30
-        while api.gate.waiting < 2 and time.time() < deadline:
+        while api.queue.waiting < 2 and time.time() < deadline:
             time.sleep(0.02)
         refused = _post(url, prompt="y", max_tokens=3)
         assert refused.status_code == 429 and refused.headers["Retry-After"].isdigit()
         assert "busy" in refused.json()["error"]["message"]
+        assert httpx.get(url.removesuffix("/v1") + "/health").json()["waiting"] == 2
     finally:
-        api.engine.lock.release()
-        api.gate.capacity = capacity
+        holder.leave()
+        api.max_waiting = limit
     for t in waiting:
         t.join(60)
-    assert codes == [200, 200, 200]
+    assert codes == [200, 200]
+
+
+def test_the_page_and_the_api_take_turns_in_arrival_order(server):
+    """A page reply and API requests wait in one queue: served in the order they asked, the
+    page's reply saying meanwhile how many are ahead of it."""
+    from specchat.ui.handlers import ChatApp
+    from specchat.ui.state import Session, Settings
+
+    url, api, _ = server
+    engine = api.engine
+    started: list[str] = []
+    real = engine.stream
+
+    def stream(ids, cfg, stop_event=None):  # notes which reply the engine begins
+        started.append(engine.tokenizer.decode(ids))
+        yield from real(ids, cfg, stop_event=stop_event)
+
+    def until(condition) -> None:
+        deadline = time.time() + 30
+        while not condition() and time.time() < deadline:
+            time.sleep(0.02)
+        assert condition()
+
+    page = ChatApp(LoadReport(engine, None, []), StatsStore(":memory:"))
+    session, settings = Session(), Settings(max_new_tokens=3, temperature=0.0,
+                                            mode="completion")
+    page.user("from the page", session, settings=settings)
+    notices: list[str] = []
+    codes: list[int] = []
+    engine.stream = stream
+    holder = api.queue.join()  # the engine is busy: everyone below waits
+    try:
+        first = threading.Thread(target=lambda: codes.append(
+            _post(url, prompt="api first", max_tokens=3).status_code))
+        first.start()
+        until(lambda: api.queue.waiting == 1)
+        reply = threading.Thread(target=lambda: notices.extend(
+            out[2] for out in page.bot(session, settings) if isinstance(out[2], str)))
+        reply.start()
+        until(lambda: api.queue.waiting == 2)
+        second = threading.Thread(target=lambda: codes.append(
+            _post(url, prompt="api second", max_tokens=3).status_code))
+        second.start()
+        until(lambda: api.queue.waiting == 3)
+        assert started == []
+        holder.leave()
+        for t in (first, reply, second):
+            t.join(60)
+    finally:
+        holder.leave()
+        del engine.stream
+    assert codes == [200, 200] and session.turns[-1].stats.new_tokens == 3
+    assert [next(name for name in ("api first", "from the page", "api second") if name in p)
+            for p in started] == ["api first", "from the page", "api second"]
+    assert "Waiting for the model: 2 ahead of you." in notices  # the holder and "api first"
+    assert "Waiting for the model: 1 ahead of you." in notices
+    assert api.queue.waiting == 0
 
 
 def test_a_client_that_leaves_frees_the_engine_and_its_turn_is_kept(server):

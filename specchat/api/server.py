@@ -6,28 +6,28 @@
     POST /v1/chat/completions                  # messages, in the model's chat format
     POST /v1/completions                       # a prompt the model continues
 
-Requests take OpenAI's fields (max_tokens, temperature, top_p, seed, stop, stream) and
-specchat's own (speculation, drafter, draft_len, top_k). What no other server gives: each
-streamed chunk carries its tokens' kinds (`"specchat": {"kinds": [...], "steps": [...]}`), and
-the last one `usage`, llama.cpp-compatible `timings` (draft_n, draft_n_accepted,
-predicted_per_second, prompt_ms, predicted_ms) and specchat's own stats, so clients written for
-llama-server read it unchanged.
+Requests take OpenAI's fields (max_tokens, temperature, top_p, seed, stop, stream, the
+penalties), llama.cpp's (top_k, min_p, repeat_penalty, dry_*) and specchat's own (speculation,
+drafter, draft_len). What no other server gives: each streamed chunk carries its tokens' kinds
+(`"specchat": {"kinds": [...], "steps": [...]}`), and the last one llama.cpp-compatible
+`timings` (draft_n, draft_n_accepted, cache_n, ...) and specchat's own stats, so clients written
+for llama-server read it unchanged. The model's id is a slug of the target's name
+(`model_slug`: "gemma-3-270m"); its display name is in the model object's `specchat` field.
 
-Settings pass the same check as the page and the CLI (`core.inputs`), and the same caps. One
-reply is generated at a time (`Gate`): a few more wait in the event loop, holding no thread,
-and beyond that a request gets 429 with `Retry-After`. Each reply runs in a thread of its own; a
-client that goes away stops it at the next step, frees the engine, and its turn is recorded as
-interrupted. Errors are
-OpenAI error objects with the HTTP status that says whose fault it was. Turns are saved to the
-stats database in the background, owned by the API key's name, or by the login whose
-"user:password" is the bearer token (the same owner as that login's page: the Stats tab shows
-API turns too), or "api" where no key is needed.
+Settings pass the same check as the page and the CLI (`core.settings.build_config`), and the
+same caps. One reply is generated at a time, in the order asked, the page's included: requests
+wait in the engine's queue (`engine_queue.py`) as coroutines, holding no thread, and past
+`MAX_WAITING` waiting a request gets 429 with `Retry-After`. Each reply runs in a thread of its
+own; a client that goes away stops it at the next step, frees the engine, and its turn is
+recorded as interrupted. Errors are OpenAI error objects with the HTTP status that says whose
+fault it was. Turns are saved to the stats database in the background, owned by the API key's
+name, or by the login whose "user:password" is the bearer token (the same owner as that login's
+page: the Stats tab shows API turns too), or "api" where no key is needed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import json
 import re
@@ -44,11 +44,12 @@ from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
 from specchat.core.settings import build_config, values_from_body
 from specchat.core.text import chat_prompt, raw_prompt
+from specchat.engine_queue import EngineQueue, QueueFull
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.auth import LoginGuard
 
-MAX_WAITING = 8  # requests queued behind the one generating; more get 429
+MAX_WAITING = 8  # replies waiting behind the one generating, the page's included; more: 429
 RETRY_AFTER_S = 5
 MAX_INPUT_CHARS = 16000
 MAX_TOKENS_CAP = 1024
@@ -76,61 +77,6 @@ class ApiError(Exception):
         return JSONResponse(self.response_body(), self.status, headers=self.headers)
 
 
-class Gate:
-    """One reply at a time on the engine, in arrival order, for requests that wait in the event
-    loop. A waiting request holds no thread: were it blocked on a lock in a worker thread, a
-    few of them would take every thread of the loop's executor, and the reply holding the lock
-    could never get one to continue (the whole server hung). Beyond `capacity` waiting,
-    `enter` raises ApiError 429. `leave` may be called from any thread."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._mutex = threading.Lock()
-        self._busy = False
-        self._waiters: collections.deque = collections.deque()  # (loop, future), oldest first
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    async def enter(self) -> None:
-        loop = asyncio.get_running_loop()
-        with self._mutex:
-            if not self._busy:
-                self._busy = True
-                return
-            if len(self._waiters) >= self.capacity:
-                raise ApiError(429, f"The server is busy: {len(self._waiters)} requests are "
-                                    "waiting already. Retry shortly.", "server_error",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
-            turn = loop.create_future()
-            self._waiters.append((loop, turn))
-        try:
-            await turn
-        except asyncio.CancelledError:
-            with self._mutex:
-                if (loop, turn) in self._waiters:  # still waiting: leave the line
-                    self._waiters.remove((loop, turn))
-                    raise
-            if not turn.cancelled():  # handed the engine just as the client left: pass it on
-                self.leave()
-            raise
-
-    def leave(self) -> None:
-        with self._mutex:
-            if not self._waiters:
-                self._busy = False
-                return
-            loop, turn = self._waiters.popleft()  # the engine stays busy: it is handed over
-        loop.call_soon_threadsafe(self._hand_over, turn)
-
-    def _hand_over(self, turn: asyncio.Future) -> None:
-        if turn.cancelled():  # its client left between the two steps
-            self.leave()
-        else:
-            turn.set_result(None)
-
-
 class _Finished:
     """The last item a reply's thread puts on its queue."""
 
@@ -153,7 +99,7 @@ class Api:
         self.logins = bool(logins)
         self.guard = guard or LoginGuard(logins or [])
         self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
-        self.gate = Gate(MAX_WAITING)  # the engine serves one reply at a time
+        self.max_waiting = MAX_WAITING  # a request finding this many waiting gets 429
         self.started = int(time.time())
         self.redact = redact  # model names as visitors may see them (paths cut on exposed pages)
 
@@ -168,6 +114,11 @@ class Api:
     @property
     def engine(self):
         return self.report.engine
+
+    @property
+    def queue(self) -> EngineQueue:
+        """The engine's one queue, which the page's replies join too."""
+        return EngineQueue.of(self.engine)
 
     @property
     def model_id(self) -> str:
@@ -315,11 +266,21 @@ class Api:
 
     async def start(self, ids: list[int], cfg: GenerateConfig, steps) -> tuple[
             asyncio.Queue, threading.Event]:
-        """Wait for the engine (`gate`), then run one reply in a thread of its own: `steps`
-        turns the engine's events into what the route sends, each put on the returned queue
-        as it comes, then `_Finished`. Setting the returned event stops the reply at its next
-        step. Raises ApiError 400 when the engine refuses the request."""
-        await self.gate.enter()
+        """Wait for the engine in its queue (429 when full), then run one reply in a thread of
+        its own: `steps` turns the engine's events into what the route sends, each put on the
+        returned queue as it comes, then `_Finished`. Setting the returned event stops the
+        reply at its next step."""
+        try:
+            ticket = self.queue.join(self.max_waiting)
+        except QueueFull as full:
+            raise ApiError(429, f"The server is busy: {full.waiting} replies are waiting "
+                                "already. Retry shortly.", "server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            await ticket.granted()  # waits as a coroutine: no thread is held meanwhile
+        except BaseException:  # the client left while waiting (or got the engine as it left)
+            ticket.leave()
+            raise
         loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
 
         def reply() -> None:
@@ -329,13 +290,13 @@ class Api:
             except Exception as e:  # noqa: BLE001 - handed to the route, which answers it
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             finally:
-                self.gate.leave()
+                ticket.leave()
                 loop.call_soon_threadsafe(queue.put_nowait, _Finished())
 
         try:
             threading.Thread(target=reply, name="specchat-api-reply", daemon=True).start()
         except BaseException:
-            self.gate.leave()
+            ticket.leave()
             raise
         return queue, stop
 
@@ -351,7 +312,7 @@ class Api:
             self.report
         except ApiError as error:
             return JSONResponse({"status": "loading model", **error.response_body()}, 503)
-        return {"status": "ok", "waiting": self.gate.waiting}
+        return {"status": "ok", "waiting": self.queue.waiting}
 
     async def chat_completions(self, request: Request):
         return await self.complete(request, chat=True)

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -33,6 +33,7 @@ from specchat.core.inputs import InputError, clean_text
 from specchat.core.settings import SETTINGS, build_config
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
+from specchat.engine_queue import EngineQueue, Waiting
 from specchat.loader import LoadReport
 from specchat.stats.format import fmt_speedup
 from specchat.stats.speedup import turn_speedup
@@ -157,14 +158,38 @@ class ChatApp:
 
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
                tokens: list[TokenEvent], steps: list[StepRecord] | None = None
-               ) -> Iterator[GenerationStats | None]:
-        """One generation: appends TokenEvents to `tokens` (and StepRecords to `steps`), yields
-        None when a repaint is due, the GenerationStats last. An engine error becomes stats
-        with `error` set."""
+               ) -> Iterator[GenerationStats | Waiting | None]:
+        """One generation in its turn: the engine's queue, shared with the API's requests,
+        yields Waiting reports while replies are ahead. Then appends TokenEvents to `tokens`
+        (and StepRecords to `steps`), yields None when a repaint is due, the GenerationStats
+        last. An engine error becomes stats with `error` set."""
         engine = self.slot.engine
-        last, stats, error = 0.0, None, ""
+        stats, error = None, ""
+        ticket = EngineQueue.of(engine).join()
         try:
-            for event in engine.stream(ids, cfg, stop_event=stop):
+            yield from ticket.reports(stop)
+            if ticket.ahead:  # stopped before its turn came: the engine never ran
+                stats = GenerationStats.for_config(cfg, stop_reason="stopped")
+            else:
+                stats, error = yield from self._stream(engine, ids, cfg, stop, tokens, steps)
+        finally:
+            ticket.leave()  # the next in line, the page's reply or the API's, goes on
+        if stats is None:
+            stats = GenerationStats.for_config(
+                cfg, new_tokens=len(tokens), stop_reason="error",
+                error=error or "the engine ended without a result")
+        if stats.error:
+            stats.error = readable_error(stats.error)
+        yield stats
+
+    def _stream(self, engine, ids, cfg, stop, tokens, steps
+                ) -> Generator[None, None, tuple[GenerationStats | None, str]]:
+        """The engine's reply, its events kept as they come; yields None when a repaint is due
+        and returns (its stats or None, the error)."""
+        last, stats, error = 0.0, None, ""
+        events = engine.stream(ids, cfg, stop_event=stop)
+        try:
+            for event in events:
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
                 elif isinstance(event, StepRecord):
@@ -179,13 +204,9 @@ class ChatApp:
         except Exception as e:  # keep the app alive; the engine's cache may be inconsistent
             engine.reset_cache()
             stats, error = None, f"{type(e).__name__}: {e}"
-        if stats is None:
-            stats = GenerationStats.for_config(
-                cfg, new_tokens=len(tokens), stop_reason="error",
-                error=error or "the engine ended without a result")
-        if stats.error:
-            stats.error = readable_error(stats.error)
-        yield stats
+        finally:
+            events.close()  # ended at a step boundary before the next reply gets the engine
+        return stats, error
 
     def _record(self, session: Session, viewer_owner: str, prompt: str, reply: str,
                 stats: GenerationStats, baseline: Future | None = None,
@@ -266,6 +287,9 @@ class ChatApp:
             for result in drive:
                 if result is None:
                     yield render_history(session, streaming=True), session, gr.skip()
+                elif isinstance(result, Waiting):  # other replies have the engine first
+                    yield (render_history(session, streaming=True), session,
+                           result.message() or notice)
                 else:
                     turn.stats = result
         except GeneratorExit:  # the tab was closed or the reply cancelled: gradio closes us
@@ -307,7 +331,7 @@ class ChatApp:
         for result in self._drive(ids, cfg, threading.Event(), turn.tokens, turn.steps):
             yield [{"id": t.id, "text": t.text, "kind": t.kind, "step": t.step}
                    for t in turn.tokens]
-            if result is not None:
+            if isinstance(result, GenerationStats):
                 turn.stats = result
         owner = self.access.viewer(request, None).owner
         self._record(session, owner, text, turn.reply, turn.stats, None, turn.tokens,
@@ -391,6 +415,10 @@ class ChatApp:
                 for result in drive:
                     if result is None:
                         yield *panels(name), gr.skip(), gr.skip(), session, gr.skip()
+                    elif isinstance(result, Waiting):  # other replies have the engine first
+                        yield (*panels(name), '<div class="sc-verdict">' + (
+                            result.message() or f"Replaying with speculation {name}…") +
+                            "</div>", gr.skip(), session, gr.skip())
                     else:
                         runs[name] = (tokens, result)
             except GeneratorExit:  # closed tab or cancel: keep what ran, marked interrupted
