@@ -379,3 +379,24 @@ def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, capsys):
     assert result["config"]["max_new_tokens"] == 6 and result["config"]["peak_rss_mb"] > 0
     assert result["config"]["stop_strings"] is False
     assert set(result["greedy_identical"]) == {"plain", "ngram", "hf-pld"}
+
+
+def test_bench_decodes_every_engine_mode_with_the_samplers_and_says_so():
+    engine, draft = tiny_engine()
+    samplers = dict(dry_multiplier=0.8, repeat_penalty=1.3, min_p=0.05)
+    settings = BenchSettings(modes=("plain", "ngram", "model"), max_new_tokens=16,
+                             warmup_tokens=0, samplers=samplers)
+    result = bench(engine, QUESTIONS, settings, assistant=draft, progress=False)
+    unshaped = bench(engine, QUESTIONS, BenchSettings(modes=("plain",), max_new_tokens=16,
+                                                      warmup_tokens=0), progress=False)
+    texts = {r["mode"]: r["text"] for r in result["runs"] if r["question_id"] == 2}
+    assert texts["ngram"] == texts["model"] == texts["plain"]  # lossless with the samplers on
+    assert texts["plain"] != next(r["text"] for r in unshaped["runs"] if r["question_id"] == 2)
+    assert result["config"]["samplers"] == samplers
+    assert "samplers: dry_multiplier=0.8, repeat_penalty=1.3, min_p=0.05" in format_report(result)
+
+
+def test_bench_refuses_transformers_modes_with_penalties(capsys):
+    from specchat.cli import main
+    assert main(["bench", "--modes", "plain,hf-plain", "--dry-multiplier", "0.8"]) == 2
+    assert "hf-plain run transformers' generate" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from specchat.core.engine import Engine
 from specchat.core.penalties import Penalties, Shaper
 from specchat.core.sampling import SamplingParams, nucleus
 from specchat.drafters.ngram import NgramDrafter
+from specchat.ui.inspector import step_card
 
 EVERY_PENALTY = dict(repeat_penalty=1.3, repeat_last_n=32, frequency_penalty=0.4,
                      presence_penalty=0.3, dry_multiplier=0.8, dry_base=1.75,
@@ -192,3 +193,5 @@ def test_the_step_card_names_the_samplers_and_shows_the_shaped_distribution():
     assert evidence and all(any("DRY" in n for n in e.samplers) for e in evidence)
     # greedy: the emitted token is the argmax of the shaped row, shown first in target_top
     assert all(e.target_top[0].id == e.token for e in evidence)
+    card = step_card(next(s for s in steps if s.evidence is not None))
+    assert "after the samplers" in card and "DRY 0.8 (base 1.75, allowed length 2)" in card

@@ -8,12 +8,15 @@ import json
 import sys
 from pathlib import Path
 
-from specchat.bench.config import ALL_MODES, HEAD_MODES, BenchSettings
+from specchat.bench.config import ALL_MODES, HEAD_MODES, HF_MODES, BenchSettings
 from specchat.bench.questions import default_questions_path, load_questions
 from specchat.bench.report import format_report
 from specchat.bench.run import available_modes, bench, current_rss_mb, machine_config, peak_rss_mb
 from specchat.core.engine import TREE_NODES
+from specchat.core.settings import PENALTIES, add_arguments
 from specchat.help import HelpFormatter
+
+SAMPLER_FLAGS = ["min_p", *PENALTIES]  # engine samplers the bench passes to every mode
 
 # ---------------------------------------------------------------------------------------------
 # CLI
@@ -56,6 +59,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_modes_arg, default=None,
                    help=f"comma separated, from {','.join(ALL_MODES + HEAD_MODES)} (default: "
                         "every mode the loaded models allow)")
+    add_arguments(p, names=SAMPLER_FLAGS + ["dry_sequence_breakers"])
     p.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
     p.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: the engine adapts k)")
@@ -122,7 +126,8 @@ def cmd_bench(args) -> int:
     loaded_peak_mb, loaded_rss_mb = peak_rss_mb(), current_rss_mb()
     engine = report.engine
     assistant = report.draft.model if report.draft else None
-    modes = args.modes or tuple(available_modes(engine, assistant))
+    modes = args.modes or tuple(m for m in available_modes(engine, assistant)
+                                if not (_samplers(args) and m in HF_MODES))
     _quiet_transformers()
     settings = _settings(args, modes)
     extra = {"questions_file": str(path), "categories": categories or None,
@@ -152,9 +157,14 @@ def _fail(message: str, code: int) -> int:
 
 def _option_problem(args) -> str | None:
     from specchat.args import validate_sampling
+    hf = [m for m in args.modes or () if m in HF_MODES]
     problem = ("--repeats must be at least 1" if args.repeats < 1 else
                "--seed must be >= 0: the bench compares replies per seed" if args.seed < 0 else
                validate_sampling(args))
+    if not problem and hf and _samplers(args):
+        problem = (f"{', '.join(hf)} run transformers' generate, which has no DRY and other "
+                   "penalties with the same definitions: drop those modes or the penalty and "
+                   "min-p flags")
     return problem or _llama_problem(args)
 
 
@@ -185,8 +195,17 @@ def _quiet_transformers() -> None:
         pass
 
 
+def _samplers(args) -> dict:
+    """The sampler flags given (min-p, the penalties), as GenerateConfig fields."""
+    out = {name: getattr(args, name) for name in SAMPLER_FLAGS
+           if getattr(args, name) is not None}
+    if args.dry_sequence_breakers:
+        out["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
+    return out
+
+
 def _settings(args, modes: tuple[str, ...]) -> BenchSettings:
-    return BenchSettings(modes=modes, turns=args.turns, max_new_tokens=args.max_new_tokens,
+    return BenchSettings(samplers=_samplers(args),modes=modes, turns=args.turns, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          seed=args.seed, draft_len=args.draft_len,
                          adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,

@@ -32,6 +32,9 @@ class BenchSettings:
     repeats: int = 1  # runs per (question, mode); timings are medians over them
     warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
     stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
+    # min-p and the penalties (GenerateConfig fields, core/settings.py) for every engine and
+    # server mode; transformers' modes cannot apply them the same way and are left out.
+    samplers: dict = field(default_factory=dict)
 
 
 @dataclass

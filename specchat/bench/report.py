@@ -25,11 +25,19 @@ def _runtime_lines(runtime: dict | None) -> list[str]:
     return [f"runtime: {runtime['path']} on {runtime['cpu']}; {exact}", ""]
 
 
+def _sampler_lines(samplers: dict | None) -> list[str]:
+    """The penalties and min-p every mode decoded with, when any is on."""
+    if not samplers:
+        return []
+    return ["samplers: " + ", ".join(f"{k}={v}" for k, v in samplers.items()), ""]
+
+
 def format_report(result: dict) -> str:
     """The text report: the per-category table, then one section each for follow-up turns, the
     cost model, llama.cpp, identical replies and memory, where the result has them."""
     vs = result.get("versus_llama_cpp")
     return "\n".join([*_runtime_lines(result["config"].get("runtime")),
+                      *_sampler_lines(result["config"].get("samplers")),
                       *_table_lines(result),
                       *_turn2_lines(result),
                       *_cost_model_lines(result),

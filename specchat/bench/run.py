@@ -144,7 +144,7 @@ def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: 
                          speculation=mode != "plain",
                          drafter=mode.removesuffix("-tree") if mode != "plain" else "ngram",
                          draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
-                         tree_nodes=s.tree_nodes if mode.endswith("-tree") else 0)
+                         tree_nodes=s.tree_nodes if mode.endswith("-tree") else 0, **s.samplers)
     probe.reset()
     text, steps, stats = [], [], None
     for ev in engine.stream(ids, cfg):
@@ -229,7 +229,8 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
     cfg = GenerateConfig(max_new_tokens=max_new_tokens or s.max_new_tokens,
                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                          speculation=True,  # the server's own setting decides
-                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops))
+                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
+                         **s.samplers)
     text, steps, stats = [], [], None
     for ev in remote.stream(RemotePrompt(ids=list(ids)), cfg):
         if isinstance(ev, TokenEvent):

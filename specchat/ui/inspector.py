@@ -120,6 +120,15 @@ def _test(e: Evidence) -> str:
             f"{chosen} was drawn from (p − q)+.")
 
 
+def _samplers(e: Evidence) -> str:
+    """Which samplers shaped the target's distribution the test and the bars use."""
+    if not e.samplers:
+        return "The target's distribution as the model gives it (greedy, no sampler on)."
+    return ("The target's distribution after the samplers, in order: "
+            f"{_e(' · '.join(e.samplers))} (the same at every verified position as in plain "
+            "decoding).")
+
+
 def step_card(record: StepRecord) -> str:
     e = record.evidence
     head = (f"Step {record.step}: drafted {record.drafted}, kept {record.accepted} · "
@@ -134,13 +143,15 @@ def step_card(record: StepRecord) -> str:
     parts = [f'<div class="sc-card-head">{_e(head)}</div>', policy, proposal]
     if e is not None:
         parts.append(f'<div class="sc-card-test">{_test(e)}</div>')
+        parts.append(f'<div class="sc-card-samplers">{_samplers(e)}</div>')
         mark = {e.token} | ({e.rejected} if e.rejected is not None else set())
         where = f"at draft position {e.position + 1}"
         charts = [_bars(f"target {where}", e.target_top, mark)]
         if e.draft_top:
             charts.append(_bars(f"draft {where}", e.draft_top, mark))
         parts.append(f'<div class="sc-card-bars">{"".join(charts)}</div>')
-    return (f'<div class="sc-card sc-card-{record.step}" hidden role="note">'
+    return (f'<div class="sc-card sc-card-{record.step}" hidden role="note" '
+            f'aria-label="Step {record.step}: what was drafted and what decided">'
             f'{"".join(parts)}</div>')
 
 
