@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from specchat.core.sampling import Noise, SamplingParams
+from specchat.core.tree import DraftTree
 
 # An empty proposal: the step is a plain target step.
 NO_DRAFT = torch.zeros(0, dtype=torch.long)
@@ -83,3 +84,27 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+class Draft:
+    """What one step verifies, whatever the drafter returned: a chain of tokens (with the q
+    they were sampled from, or None for one-hot drafts) or a draft tree. A chain's token i
+    follows token i - 1; a tree's node i follows its parent."""
+
+    def __init__(self, proposal: Chain | DraftTree):
+        if isinstance(proposal, DraftTree):
+            self.tree, self.tokens, self.probs = proposal, proposal.tokens, None
+        else:
+            self.tree, (self.tokens, self.probs) = None, proposal
+
+    @classmethod
+    def empty(cls) -> Draft:
+        return cls((NO_DRAFT, None))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def levels(self) -> int:
+        """Draft positions one verify decides: a tree's depth, a chain's length."""
+        return self.tree.depth if self.tree is not None else len(self.tokens)

@@ -26,30 +26,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
+from specchat.core.drafter import NO_DRAFT, Draft, Drafter, common_prefix_len
+from specchat.core.evidence import StepResult, explain
 from specchat.core.events import (
     ACCEPTED,
     BONUS,
     RESAMPLED,
     TARGET,
-    TOP,
-    Candidate,
-    Evidence,
     GenerationStats,
     StepRecord,
     TokenEvent,
     summarize,
 )
 from specchat.core.features import FeatureTap
-from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.kvcache import (
     crop_to,
     keep_fed,
     new_cache,
     tree_attention_mask,
 )
+from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.policy import DraftLengthPolicy
-from specchat.core.sampling import Noise, SamplingParams, prob_of, top_candidates, verify
+from specchat.core.sampling import Noise, SamplingParams, verify
 from specchat.core.text import (
     ReplyText,
     chat_prompt,
@@ -57,7 +55,7 @@ from specchat.core.text import (
     raw_prompt,
     tokens_until_stop,
 )
-from specchat.core.tree import DraftTree, verify_tree, visibility
+from specchat.core.tree import verify_tree, visibility
 
 # Draft-tree size for the head in the app and the CLI (`GenerateConfig.tree_nodes`).
 TREE_NODES = 10
@@ -137,6 +135,8 @@ class _Request:
     reply: ReplyText
     context: list[int]  # prompt + reply so far
     wants: list = field(default_factory=list)  # drafters that read the target's features
+    generated: int = 0  # reply tokens decided so far (EOS aside)
+    start: float = 0.0  # perf_counter at the request's start
 
 
 class Engine:
@@ -241,126 +241,88 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _chain_step(self, run: _Request, draft) -> tuple[list[int], object, int, torch.Tensor]:
+    def _verify_chain(self, run: _Request, draft: Draft) -> tuple:
         """Verify a chain of drafts in one forward; crop the rejected ones from the cache.
-        Returns (accepted tokens, verdict, drafts tested, the logits of the decisive row)."""
-        context = run.context
-        draft_ids, draft_probs = draft
-        k = len(draft_ids)
-        logits = self._forward([context[-1], *draft_ids.tolist()], k + 1)
+        -> (path, verdict fields, the decisive row's logits)."""
+        context, k = run.context, len(draft)
+        drafted = draft.tokens.tolist()
+        logits = self._forward([context[-1], *drafted], k + 1)
         if run.shaper:  # row i continues the context and drafts 0..i-1
-            drafted = draft_ids.tolist()
             logits = run.shaper.shape(logits, context, [drafted[:i] for i in range(k + 1)])
-        verdict = verify(draft_ids, draft_probs, logits, run.params, run.noise, len(context))
-        n = verdict.n_accepted
+        v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context))
+        n = v.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
         crop_to(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
         self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
-        accepted = draft_ids[:n].tolist()
-        self._observe(run.wants, len(context) - 1, [context[-1], *accepted])
-        return accepted, verdict, k, logits[n]
+        self._observe(run.wants, len(context) - 1, [context[-1], *drafted[:n]])
+        refused = drafted[n] if n < k else None
+        return list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, logits[n]
 
-    def _tree_step(self, run: _Request, tree: DraftTree
-                   ) -> tuple[list[int], object, int, torch.Tensor]:
+    def _verify_tree(self, run: _Request, draft: Draft) -> tuple:
         """Verify a draft tree in one forward and keep the accepted path in the cache.
-        Returns (accepted tokens, verdict, tree depth, the logits of the decisive node)."""
-        context = run.context
+        -> (path, verdict fields, the decisive node's logits)."""
+        context, tree = run.context, draft.tree
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
         if run.shaper:  # a node's row continues the context and the node's path
             logits = run.shaper.shape(logits, context, tree.paths())
-        verdict = verify_tree(tree, logits, run.params, run.noise, len(context))
-        keep = [0] + [1 + i for i in verdict.path]  # the root and the accepted path
+        v = verify_tree(tree, logits, run.params, run.noise, len(context))
+        keep = [0] + [1 + i for i in v.path]  # the root and the accepted path
         keep_fed(self._cache, len(ids), keep)
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
-        accepted = [ids[j] for j in keep[1:]]
-        self._observe(run.wants, len(context) - 1, [context[-1], *accepted], keep)
-        return accepted, verdict, tree.depth, logits[keep[-1]]
+        self._observe(run.wants, len(context) - 1, [ids[j] for j in keep], keep)
+        refused = int(tree.tokens[v.refused[0]]) if v.refused else None
+        return list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep[-1]]
 
-    def _draft(self, run: _Request, generated: int):
-        """Ask the drafter for this step's proposal: a chain (ids, probs) or a DraftTree.
-        Returns (draft, draft class, the k allowed)."""
+    def _draft(self, run: _Request) -> tuple[Draft, object, int]:
+        """Ask the drafter for this step's proposal. -> (draft, its class, the k allowed)."""
         drafter, cfg = run.drafter, run.cfg
         if drafter is None:
-            return (NO_DRAFT, None), None, 0
+            return Draft.empty(), None, 0
         drafter.last_top = []
         cls = drafter.draft_class(run.context)
         k = run.policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
-        k = min(k, run.max_new - generated - 1)  # never past max_new_tokens (+1: the target's)
+        k = min(k, run.max_new - run.generated - 1)  # never past max_new_tokens (+1: the target's)
         if k <= 0:
-            return (NO_DRAFT, None), cls, 0
+            return Draft.empty(), cls, 0
         if run.trees:
-            return drafter.propose_tree(run.context, k, run.params, cfg.tree_nodes), cls, k
-        draft = drafter.propose(run.context, k, run.params, run.noise)
-        return _until_stop(self.tokenizer, run.context, draft, cfg.stop), cls, k
+            return Draft(drafter.propose_tree(run.context, k, run.params, cfg.tree_nodes)), cls, k
+        proposal = drafter.propose(run.context, k, run.params, run.noise)
+        return Draft(_until_stop(self.tokenizer, run.context, proposal, cfg.stop)), cls, k
 
-    def _step(self, run: _Request, number: int, generated: int
-              ) -> tuple[list[tuple[int, str]], StepRecord]:
-        """Draft, verify, keep the cache and the policy up to date. Returns the step's tokens
-        with their kinds, and its record."""
+    def _step(self, run: _Request) -> StepResult:
+        """Draft, then verify in one target forward (the cache keeps what was accepted)."""
         t0 = time.perf_counter()
-        draft, cls, allowed = self._draft(run, generated)
+        draft, cls, allowed = self._draft(run)
         t1 = time.perf_counter()
-        tree = draft if isinstance(draft, DraftTree) else None
-        if tree is not None:
-            accepted, verdict, levels, row = self._tree_step(run, tree)
-        else:
-            accepted, verdict, levels, row = self._chain_step(run, draft)
-        t2 = time.perf_counter()
-        k, n = len(tree) if tree is not None else levels, len(accepted)
+        verify_ = self._verify_tree if draft.tree is not None else self._verify_chain
+        path, token, bonus, refused, p, q, row = verify_(run, draft)
+        accepted = [int(draft.tokens[i]) for i in path]
+        return StepResult(draft, accepted, path, token, bonus, refused, p, q, row, allowed, cls,
+                          t1 - t0, time.perf_counter() - t1)
+
+    def _record(self, run: _Request, step: StepResult, number: int
+                ) -> tuple[list[tuple[int, str]], StepRecord]:
+        """The step's tokens with their kinds and its record; the drafter and the k policy
+        hear how it went."""
+        k, n = len(step.draft), len(step.accepted)
+        levels = step.draft.levels
         run.stats.target_calls += 1
-        record = StepRecord(number, k, n, n + 1, t1 - t0, t2 - t1,
-                            levels if tree is not None else 0)
+        record = StepRecord(number, k, n, n + 1, step.draft_s, step.verify_s,
+                            levels if step.draft.tree is not None else 0)
         if run.drafter:
-            self._explain(run, record, draft, verdict, row, allowed, cls)
+            explain(step, record, run.params, run.stats.samplers, run.drafter.last_top,
+                    self._token_text)
+            if run.cfg.adaptive:
+                record.alpha = run.policy.alpha(step.cls)
+                plain = run.policy.expected_rate(0, step.cls)
+                record.expected_gain = (run.policy.expected_rate(step.allowed, step.cls) / plain
+                                        if plain else None)
             run.drafter.feedback(k, n)
             # A tree counts as its depth: one draft forward and one test per level.
-            run.policy.update(k + 1, t2 - t1, levels, n, t1 - t0, cls)
-        last_kind = TARGET if k == 0 else (BONUS if verdict.bonus else RESAMPLED)
-        tokens = [(int(t), ACCEPTED) for t in accepted] + [(verdict.next_token, last_kind)]
-        return tokens, record
-
-    def _explain(self, run: _Request, record: StepRecord, draft, verdict, row: torch.Tensor,
-                 allowed: int, cls) -> None:
-        """What the inspector shows of a speculative step: the proposal, the path kept, the
-        policy's reasons for k, and the test at the decisive position (a few numbers: one
-        top-k and one logsumexp over the decisive row)."""
-        text = self._token_text
-        tree = draft if isinstance(draft, DraftTree) else None
-        ids = (tree.tokens if tree is not None else draft[0]).tolist()
-        record.proposal, record.proposal_text = ids, [text(t) for t in ids]
-        record.k = allowed
-        if tree is not None:
-            record.parents, record.path = list(tree.parents), list(verdict.path)
-        else:
-            record.path = list(range(verdict.n_accepted))
-        if run.cfg.adaptive:
-            record.alpha = run.policy.alpha(cls)
-            plain = run.policy.expected_rate(0, cls)
-            record.expected_gain = run.policy.expected_rate(allowed, cls) / plain if plain else None
-        if not ids:
-            return
-        position = len(record.path)
-        if tree is not None:
-            refused = tree.tokens[verdict.refused[0]].item() if verdict.refused else None
-        else:
-            refused = ids[position] if position < len(ids) else None
-        top, p_refused = top_candidates(row, run.params, TOP, refused)
-        if run.params.greedy:
-            p, q = p_refused, None
-        elif tree is not None:  # each child passes with its p, as a one-hot draft
-            p, q = (prob_of(row, run.params, refused) if refused is not None else None), 1.0
-        else:
-            p, q = verdict.p, verdict.q
-        drafts_top = run.drafter.last_top
-        record.evidence = Evidence(
-            position, verdict.next_token, text(verdict.next_token), refused,
-            text(refused) if refused is not None else "",
-            p if refused is not None else None, q if refused is not None else None,
-            min(1.0, p / q) if refused is not None and q and p is not None else None,
-            run.params.greedy, [Candidate(i, text(i), pr) for i, pr in top],
-            [Candidate(i, text(i), pr) for i, pr in drafts_top[position]]
-            if position < len(drafts_top) else [], run.stats.samplers)
+            run.policy.update(k + 1, step.verify_s, levels, n, step.draft_s, step.cls)
+        last_kind = TARGET if k == 0 else (BONUS if step.bonus else RESAMPLED)
+        return [(t, ACCEPTED) for t in step.accepted] + [(step.next_token, last_kind)], record
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -395,30 +357,45 @@ class Engine:
                         Noise(seed), stats, policy, trees, max_new,
                         ReplyText(self.tokenizer, prompt_ids, cfg.stop), list(prompt_ids))
 
-    def _emit(self, run: _Request, tokens: list[tuple[int, str]], record: StepRecord,
-              generated: int, start: float) -> Iterator[TokenEvent]:
+    def _emit(self, run: _Request, tokens: list[tuple[int, str]], record: StepRecord
+              ) -> Iterator[TokenEvent]:
         """Emit a step's tokens one by one, watching for the end: EOS, a stop string, the token
-        limit. Sets `run.stats.stop_reason` when the reply ends; returns the tokens generated."""
+        limit. Sets `run.stats.stop_reason` when the reply ends."""
         stats = run.stats
         for token, kind in tokens:
             run.context.append(token)
             if token in self.eos_ids:
                 stats.stop_reason = "eos"
-                break
-            generated += 1
+                return
+            run.generated += 1
             event = TokenEvent(token, "", kind, record.step, record.drafted, record.accepted)
             released, hit = run.reply.push(event)
             for ev in released:
-                stats.ttft_s = stats.ttft_s or time.perf_counter() - start
+                stats.ttft_s = stats.ttft_s or time.perf_counter() - run.start
                 stats.new_tokens += 1  # tokens shown: a stop string's are not
                 yield ev
             if hit:
                 stats.stop_reason = "stop_string"
-                break
-            if generated >= run.max_new:
+                return
+            if run.generated >= run.max_new:
                 stats.stop_reason = "length"
-                break
-        return generated
+                return
+
+    def _first(self, run: _Request, prompt_ids: list[int]
+               ) -> tuple[list[tuple[int, str]], StepRecord]:
+        """Encode the prompt (what the cache does not hold) and draw the first token."""
+        stats = run.stats
+        logits, stats.prefill_tokens = self._prefill(prompt_ids)
+        if run.shaper:
+            logits = run.shaper.shape(logits, prompt_ids, [[]])
+        stats.target_calls = 1
+        first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
+        record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
+        if run.drafter:
+            run.drafter.begin(prompt_ids)
+        fed = stats.prefill_tokens
+        self._observe(run.wants, len(prompt_ids) - fed, prompt_ids[len(prompt_ids) - fed:])
+        return [(first.next_token, TARGET)], record
 
     def stream(self, prompt_ids: list[int], cfg: GenerateConfig,
                stop_event: threading.Event | None = None,
@@ -428,23 +405,12 @@ class Engine:
         run = self._request(prompt_ids, cfg)
         stats, steps = run.stats, []
         with self.lock:
-            start = time.perf_counter()
+            run.start = time.perf_counter()
             run.wants = self._feature_drafters()
             try:
-                logits, stats.prefill_tokens = self._prefill(prompt_ids)
-                if run.shaper:
-                    logits = run.shaper.shape(logits, prompt_ids, [[]])
-                stats.target_calls = 1
-                first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
-                tokens = [(first.next_token, TARGET)]
-                record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - start)
-                if run.drafter:
-                    run.drafter.begin(prompt_ids)
-                fed = stats.prefill_tokens
-                self._observe(run.wants, len(prompt_ids) - fed, prompt_ids[len(prompt_ids) - fed:])
-                generated = 0
+                tokens, record = self._first(run, prompt_ids)
                 while True:
-                    generated = yield from self._emit(run, tokens, record, generated, start)
+                    yield from self._emit(run, tokens, record)
                     if record.step:
                         steps.append(record)
                         yield record
@@ -453,7 +419,7 @@ class Engine:
                     if stop_event is not None and stop_event.is_set():
                         stats.stop_reason = "stopped"
                         break
-                    tokens, record = self._step(run, record.step + 1, generated)
+                    tokens, record = self._record(run, self._step(run), record.step + 1)
                 if stats.stop_reason != "stop_string":
                     for ev in run.reply.finish():
                         stats.new_tokens += 1
@@ -464,7 +430,7 @@ class Engine:
             except Exception:  # (not GeneratorExit: at a yield the cache is consistent)
                 self.reset_cache()  # a half-done step leaves the cache unknown: start clean
                 raise
-            stats.seconds = time.perf_counter() - start
+            stats.seconds = time.perf_counter() - run.start
         yield summarize(steps, stats)
 
 
