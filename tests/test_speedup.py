@@ -227,3 +227,27 @@ def test_empty_charts_say_why(tmp_path):
     assert frames.speedup.caption == "No speculative turn in this conversation yet."
     assert frames.acceptance.caption == "Nothing drafted in this conversation yet."
     store.close()
+
+
+def test_a_speedup_within_the_runs_own_noise_is_called_no_measurable_speedup():
+    from specchat.stats.speedup import noise_band
+    rng = __import__("random").Random(1)
+    off = [(1, 0.030 + rng.uniform(-0.01, 0.01)) for _ in range(40)]
+    noisy_same = [(1, 0.029 + rng.uniform(-0.01, 0.01)) for _ in range(40)]
+    faster = [(3, 0.036 + rng.uniform(-0.01, 0.01)) for _ in range(14)]
+    low, high = noise_band(off, noisy_same)
+    assert low < 1.0 < high
+    low, high = noise_band(off, faster)
+    assert 1.5 < low < high
+    assert noise_band(off[:3], faster) is None
+    assert noise_band(off, faster) == noise_band(off, faster)  # deterministic
+    # The A/B verdict names it, from the runs' step records.
+    from specchat.core.events import StepRecord
+    off_stats = GenerationStats(new_tokens=40, seconds=1.2, tokens_per_s=33.3, stop_reason="eos")
+    on_stats = GenerationStats(new_tokens=40, seconds=1.1, tokens_per_s=36.4, speculation=True,
+                               stop_reason="eos")
+    steps = {"off": [StepRecord(i + 1, 0, 0, 1, 0.0, t) for i, (_, t) in enumerate(off)],
+             "on": [StepRecord(i + 1, 0, 0, 1, 0.0, t) for i, (_, t) in enumerate(noisy_same)]}
+    verdict = ab_verdict({"off": ([], off_stats), "on": ([], on_stats)}, GenerateConfig(), "none",
+                         steps=steps)
+    assert "no measurable speedup" in verdict

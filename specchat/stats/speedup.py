@@ -28,6 +28,7 @@ counted.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -153,3 +154,23 @@ def conversation_speedup(turns: Sequence[Mapping | Any]) -> ConversationSpeedup:
     else:
         note = f"geometric mean over {len(values)} of {len(spec)} speculative turns"
     return ConversationSpeedup(mean, len(values), len(spec), note)
+
+
+def noise_band(off_steps: Sequence[tuple[int, float]], on_steps: Sequence[tuple[int, float]],
+               draws: int = 400, seed: int = 0) -> tuple[float, float] | None:
+    """How far one A/B ratio could move by chance: the 5th and 95th percentiles of the
+    decode-speed ratio (on over off) over `draws` bootstrap resamples of each run's steps,
+    given as (tokens emitted, seconds) per step. A band holding 1.0 means the two runs'
+    own step-to-step variation explains the difference: no measurable speedup. None when a
+    run has fewer than 4 steps to resample. Deterministic for a seed."""
+    if len(off_steps) < 4 or len(on_steps) < 4:
+        return None
+    rng = random.Random(seed)
+
+    def rate(steps) -> float:
+        picked = [steps[rng.randrange(len(steps))] for _ in steps]
+        seconds = sum(s for _, s in picked)
+        return sum(n for n, _ in picked) / seconds if seconds > 0 else math.inf
+
+    ratios = sorted(rate(on_steps) / rate(off_steps) for _ in range(draws))
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]

@@ -36,7 +36,7 @@ from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.engine_queue import EngineQueue, Waiting
 from specchat.loader import LoadReport
 from specchat.stats.format import fmt_speedup
-from specchat.stats.speedup import turn_speedup
+from specchat.stats.speedup import noise_band, turn_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import NOBODY, Access
@@ -440,7 +440,8 @@ class ChatApp:
             if stop.is_set() or stats.stop_reason == "error":
                 break
         verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact,
-                             [t.stats for t in session.turns if t.stats] + session.ab_plain)
+                             [t.stats for t in session.turns if t.stats] + session.ab_plain,
+                             steps)
         # The plain run is a baseline for this conversation's speculative replies too.
         yield *panels(), verdict, render_history(session), session, notice
 
@@ -475,9 +476,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
-               row_exact: bool = False, plain: list[GenerationStats] | None = None) -> str:
+               row_exact: bool = False, plain: list[GenerationStats] | None = None,
+               steps: dict[str, list[StepRecord]] | None = None) -> str:
     """The replay's verdict. Its speedup is the "on" turn's as the stats store records it:
-    over the "off" run, or (that run untimed) over the median of `plain`, the session's runs."""
+    over the "off" run, or (that run untimed) over the median of `plain`, the session's runs.
+    With the runs' `steps`, a speedup within the runs' own step-to-step noise says so."""
     (off_tokens, off), (on_tokens, on) = runs.get("off", ([], None)), runs.get("on", ([], None))
     if off is None or on is None:
         return '<div class="sc-verdict">Replay stopped before both runs finished.</div>'
@@ -529,7 +532,24 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
         same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
                 f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
     return (f'<div class="sc-verdict"><b>Speedup: {fmt_speedup(speedup.value, "×")}</b> '
-            f'({html.escape(speedup.note)})<div class="sc-ab-grid">{table}</div>{same}</div>')
+            f'({html.escape(speedup.note)}){_noise_note(steps)}'
+            f'<div class="sc-ab-grid">{table}</div>{same}</div>')
+
+
+def _noise_note(steps: dict[str, list[StepRecord]] | None) -> str:
+    """' — no measurable speedup ...' when resampling the runs' steps gives ratios on both sides
+    of 1 (stats.speedup.noise_band); else the band itself, or nothing without steps."""
+    if not steps:
+        return ""
+    band = noise_band(*([(s.accepted + 1, s.draft_s + s.verify_s) for s in steps[name]]
+                        for name in ("off", "on")))
+    if band is None:
+        return ""
+    low, high = band
+    if low <= 1.0 <= high:
+        return (f' — <b class="sc-noise">no measurable speedup</b>: resampling the two runs\' '
+                f"steps gives {low:.2f}× to {high:.2f}×, on both sides of 1×")
+    return f" (resampled steps: {low:.2f}× to {high:.2f}×)"
 
 
 def warm_up(engine: Engine) -> None:
