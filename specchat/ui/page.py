@@ -186,8 +186,7 @@ def _slider(name: str, d: Settings, low: float, high: float, step: float) -> gr.
 
 
 def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
-    """Every event of the page."""
-    slot = self.slot
+    """The chat's events: send, examples, turn buttons, A/B, stop; then the page's own."""
     settings_in = {v.session, v.browser, *v.controls.values()}
 
     def settings_of(data: dict) -> Settings:
@@ -204,27 +203,8 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
     def on_user(data: dict, request: gr.Request):
         return self.user(data[v.box], data[v.session], request, settings_of(data))
 
-    def on_browser(browser_id):
-        """Give a browser its id on its first visit; keep the one it has."""
-        return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
-
     def on_stop(request: gr.Request):
         return self.stop(request) or gr.skip()
-
-    def on_page(request: gr.Request):
-        now_ready = slot.state == "ready"
-        choices = self.drafters() or ["ngram"]
-        # A failed load is also said in the chat itself, where the user looks.
-        failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
-                   f"failed to load: {html.escape(slot.redact(slot.error))}</div>"}]
-        mode = default_mode(slot, d)
-        return (header_html(slot), status_html(slot),
-                failed if slot.state == "failed" else gr.skip(),
-                gr.Radio(choices=[(DRAFTER_LABELS.get(x, x), x) for x in choices],
-                         value=d.drafter if d.drafter in choices else choices[0]),
-                gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
-                gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"),
-                gr.Radio(value=mode, info=MODE_HELP[mode]))
 
     def on_example(index: int, current: Session):
         """An example starts a conversation of its own (one example's turns never become
@@ -261,10 +241,35 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
     v.ab.click(on_ab, settings_in, [v.ab_off, v.ab_on, v.verdict, v.chat, v.session, v.notice],
                show_progress="minimal", **engine_lane)
     v.stop.click(on_stop, None, v.notice, queue=False, **private)
-    page_out = [v.header, v.status, v.chat, v.controls["drafter"], v.box, v.send, v.ab,
-                v.timer, v.controls["mode"]]
     # The one public endpoint: a stateless reply for gradio_client and "Use via API".
     gr.api(self.generate, api_name="generate", concurrency_id="engine", concurrency_limit=1)
+    _wire_page(self, demo, v, d, instant)
+
+def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: dict) -> None:
+    """The page's own events: its first load, the loading timer, the browser id."""
+    slot = self.slot
+
+    def on_page(request: gr.Request):
+        now_ready = slot.state == "ready"
+        choices = self.drafters() or ["ngram"]
+        # A failed load is also said in the chat itself, where the user looks.
+        failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
+                   f"failed to load: {html.escape(slot.redact(slot.error))}</div>"}]
+        mode = default_mode(slot, d)
+        return (header_html(slot), status_html(slot),
+                failed if slot.state == "failed" else gr.skip(),
+                gr.Radio(choices=[(DRAFTER_LABELS.get(x, x), x) for x in choices],
+                         value=d.drafter if d.drafter in choices else choices[0]),
+                gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
+                gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"),
+                gr.Radio(value=mode, info=MODE_HELP[mode]))
+
+    def on_browser(browser_id):
+        """Give a browser its id on its first visit; keep the one it has."""
+        return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
+
+    page_out = [v.header, v.status, v.chat, v.controls["drafter"], v.box, v.send, v.ab,
+                v.timer, v.controls["mode"]]
     v.timer.tick(on_page, None, page_out, **instant)
     demo.load(on_page, None, page_out, **instant)
     demo.load(on_browser, v.browser, v.browser, **instant)
