@@ -1,6 +1,6 @@
 """One queue per engine, in arrival order, for every reply that wants it: the page's and the API's.
 
-    ticket = EngineQueue.of(engine).join()       # a place in line (join(limit=8): QueueFull past 8)
+    ticket = EngineQueue.of(engine).join()       # a place at the end of the line
     for report in ticket.reports(stop):          # the page: in a worker thread, as the line moves
         show(report.message())                   #   "Waiting for the model: 2 ahead of you."
     await ticket.granted()                       # the API: in the event loop, holding no thread
@@ -13,7 +13,8 @@ event loop's executor would take every thread it has, and the reply holding the 
 never get one to continue (the whole server hung). A ticket serves both: the line is a list under
 one lock, its first ticket holds the engine, and every change wakes the waiting tickets (a
 condition for threads, a future set through `call_soon_threadsafe` for coroutines), so each
-knows its place at once and replies are served in the order they asked.
+knows its place at once and replies are served in the order they asked. `join(limit)` raises
+QueueFull when `limit` tickets wait already: how the API bounds the line.
 
 The queue belongs to the engine, the way its lock does; `EngineQueue.of(engine)` finds it, so the
 page and the API share it without either knowing of the other.

@@ -13,9 +13,11 @@ import time
 import urllib.request
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from tiny import byte_tokenizer, tiny_llama
 
-from specchat.backends.remote import RemoteEngine, RemotePrompt, _Reader
+from specchat.backends.remote import RemoteEngine, RemotePrompt, RemoteStats, _Reader
 from specchat.core.engine import GenerateConfig
 from specchat.core.events import (
     ACCEPTED,
@@ -26,6 +28,7 @@ from specchat.core.events import (
     GenerationStats,
     StepRecord,
     TokenEvent,
+    summarize,
 )
 from specchat.loader import connect_backend, load_engine
 from specchat.models.loaded import ModelLoadError
@@ -171,13 +174,166 @@ def test_a_wrong_key_or_a_dead_server_is_said_plainly(served):
         connect_backend(f"http://127.0.0.1:{free_port()}")
 
 
-def llama_chunk(text: str, drafted: int | None, accepted: int = 0, finish=None) -> dict:
-    """One streamed chunk as llama-server sends it with timings_per_token."""
-    timings = {"predicted_n": 0}
+def llama_chunk(text: str, drafted: int | None, accepted: int = 0, finish=None,
+                decoded: int = 0) -> dict:
+    """One streamed chunk as llama-server sends it with timings_per_token (`decoded`: its
+    predicted_n, the tokens so far; 0 plays a server that does not count them)."""
+    timings = {"predicted_n": decoded}
     if drafted is not None:  # llama-server omits the counters until a draft was made
         timings.update(draft_n=drafted, draft_n_accepted=accepted)
     return {"choices": [{"index": 0, "text": text, "finish_reason": finish}],
             "timings": timings}
+
+
+# A llama-server reply of 13 tokens, chunk by chunk as it streams them: three plain steps, a
+# verify step of 4 drafts all accepted (one chunk held back, empty, while "\n" might begin a
+# stop string, its text sent with the next), a plain step, a verify step of 3 drafts with 1
+# accepted, then two tokens in one chunk (a character split across them).
+LLAMA_REPLY = [("A", None, 0), ("B", None, 0), ("C", None, 0),
+               ("D", 4, 4), ("E", 4, 4), ("", 4, 4), ("\nG", 4, 4), ("H", 4, 4),
+               ("I", 4, 4), ("J", 7, 5), ("K", 7, 5), ("LM", 7, 5, 2)]
+LLAMA_KINDS = [TARGET] * 3 + [ACCEPTED] * 4 + [BONUS, TARGET, ACCEPTED, RESAMPLED, TARGET,
+                                               TARGET]
+
+
+def llama_chunks(reply=LLAMA_REPLY, counters: bool = True) -> list[dict]:
+    """`reply`'s chunks with predicted_n counting its tokens, the finish, and the usage."""
+    chunks, decoded = [], 0
+    for text, drafted, accepted, *tokens in reply:
+        decoded += tokens[0] if tokens else 1
+        chunks.append(llama_chunk(text, drafted if counters else None, accepted,
+                                  decoded=decoded))
+    end = llama_chunk("", reply[-1][1] if counters else None, reply[-1][2], "length", decoded)
+    return chunks + [end, {"choices": [], "usage": {"prompt_tokens": 5,
+                                                    "completion_tokens": decoded}}]
+
+
+@pytest.fixture(scope="module")
+def fake_llama():
+    """A fake llama-server: /v1/models, /slots and /v1/completions streaming `app.state.chunks`
+    (`app.state.speculative`: what /slots says)."""
+    import threading
+
+    import uvicorn
+
+    app = FastAPI()
+    app.state.chunks, app.state.speculative, app.state.bodies = [], True, []
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "/models/gemma-3-270m-q4_k_m.gguf",
+                                            "object": "model", "owned_by": "llamacpp"}]}
+
+    @app.get("/slots")
+    def slots():
+        return [{"id": 0, "speculative": app.state.speculative}]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        app.state.bodies.append(await request.json())
+        lines = [f"data: {json.dumps(c)}\n\n" for c in app.state.chunks]
+        return StreamingResponse(iter(lines + ["data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app.state
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_llama_server_tokens_are_counted_by_predicted_n():
+    """Chunks that carry no text, or two tokens, still count their tokens: every verify step
+    keeps its own counts, however the text was grouped."""
+    reader = _Reader("llama.cpp", speculates=True)
+    out = [e for i, c in enumerate(llama_chunks()) for e in reader.read(c, 0.1 * i)]
+    out += list(reader.flush(2.0))
+    tokens = [e for e in out if isinstance(e, TokenEvent)]
+    assert [t.kind for t in tokens] == LLAMA_KINDS
+    assert "".join(t.text for t in tokens) == "ABCDE\nGHIJKLM" and tokens[5].text == ""
+    steps = [e for e in out if isinstance(e, StepRecord)]
+    assert [(s.drafted, s.accepted, s.emitted) for s in steps] == \
+        [(0, 0, 1)] * 3 + [(4, 4, 5), (0, 0, 1), (3, 1, 2), (0, 0, 1), (0, 0, 1)]
+    stats = reader.finish(summarize(steps, RemoteStats(new_tokens=13, seconds=2.0,
+                                                       speculation=True)))
+    assert (stats.accepted, stats.target_calls, stats.drafts_reported) == (5, 8, True)
+
+
+def test_a_speculating_server_that_reports_no_drafts_is_not_shown_as_speculating(fake_llama):
+    """llama-server with --spec-type but no draft counters: its tokens are 'served' (not
+    'target'), the stats say drafts were not reported, and the page says so instead of showing
+    an acceptance and a speedup."""
+    from specchat.ui.render import stats_line
+
+    url, state = fake_llama
+    state.chunks, state.speculative = llama_chunks(counters=False), True
+    engine = RemoteEngine(url)
+    assert engine.speculates and engine.drafters == {"server": None}
+    prompt, _ = engine.text_prompt("x")
+    tokens, _, stats = events(engine.stream(prompt, GenerateConfig(max_new_tokens=13)))
+    assert len(tokens) == 13 and {t.kind for t in tokens} == {SERVED}
+    assert stats.speculation and not stats.drafts_reported and stats.target_calls == 0
+    line = stats_line(stats, None)
+    assert "this server does not report drafts" in line and "accepted" not in line
+    assert "drafts_reported" in stats.to_json()  # kept with the turn's stats
+
+    state.chunks = llama_chunks()  # the same server, reporting its drafts
+    tokens, _, stats = events(engine.stream(prompt, GenerateConfig(max_new_tokens=13)))
+    assert [t.kind for t in tokens] == LLAMA_KINDS and stats.drafts_reported
+    assert "this server does not report drafts" not in stats_line(stats, None)
+
+
+def test_the_bench_counts_a_llama_server_s_target_passes_from_its_tokens(fake_llama):
+    """calls/tok of a served mode: one pass per token that was not an accepted draft, so plain
+    decoding is 1.00 and speculation at least 1 / acc.len, whatever the chunks held."""
+    from specchat.bench.config import BenchSettings, Run
+    from specchat.bench.metrics import metrics
+    from specchat.bench.run import run_remote_mode
+
+    url, state = fake_llama
+    settings = BenchSettings(max_new_tokens=13)
+    found = {}
+    for mode, speculative in (("llama.cpp", False), ("llama.cpp-ngram-simple", True)):
+        state.speculative, state.chunks = speculative, llama_chunks(counters=speculative)
+        run = run_remote_mode(RemoteEngine(url), [1, 2, 3, 4, 5], (), settings, fresh=True)
+        found[mode] = metrics([Run(1, "writing", 1, mode, 0, **run)])
+        assert run["new_tokens"] == 13
+    plain, spec = found["llama.cpp"], found["llama.cpp-ngram-simple"]
+    assert plain["target_calls_per_token"] == 1.0 and plain["mean_accepted_len"] is None
+    assert spec["target_calls_per_token"] == pytest.approx(8 / 13)  # 13 tokens, 5 accepted
+    assert spec["mean_accepted_len"] == pytest.approx(3.5)  # (4 + 1 + 1 + 1) / 2 steps
+    assert spec["target_calls_per_token"] >= 1 / spec["mean_accepted_len"]
+
+
+def test_samplers_reach_a_server_by_its_own_names():
+    """Settings off (their defaults) are not sent; OpenAI's penalties are top-level fields,
+    the others go in the body by the server's names; one a server lacks is refused by name."""
+    from specchat.backends.remote import BackendError, RemoteTarget, samplers
+
+    assert samplers(GenerateConfig(), "llama.cpp") == ({}, {})
+    cfg = GenerateConfig(frequency_penalty=0.5, min_p=0.05, repeat_penalty=1.2,
+                         repeat_last_n=128, dry_multiplier=0.8, dry_sequence_breakers=("\n",))
+    top, extra = samplers(cfg, "llama.cpp")
+    assert top == {"frequency_penalty": 0.5}
+    assert extra == {"min_p": 0.05, "repeat_penalty": 1.2, "repeat_last_n": 128,
+                     "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n"]}
+    with pytest.raises(BackendError, match="repeat_last_n, dry_multiplier"):
+        samplers(cfg, "vLLM")
+    assert samplers(GenerateConfig(repeat_penalty=1.1, min_p=0.1), "vLLM") == \
+        ({}, {"repetition_penalty": 1.1, "min_p": 0.1})
+    # a window with nothing to penalize changes nothing: not refused
+    assert samplers(GenerateConfig(repeat_last_n=8), "vLLM") == ({}, {})
+
+    engine = RemoteEngine.__new__(RemoteEngine)  # the request a llama-server gets
+    engine.target, engine._fresh = RemoteTarget("m", "http://x", "llama.cpp"), False
+    body = engine._request(RemotePrompt(text="x"), GenerateConfig(presence_penalty=0.3,
+                                                                  dry_multiplier=0.8))
+    assert body["presence_penalty"] == 0.3 and "frequency_penalty" not in body
+    assert body["extra_body"]["dry_multiplier"] == 0.8 and "min_p" not in body["extra_body"]
 
 
 def test_llama_server_counters_become_token_kinds():

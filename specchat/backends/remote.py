@@ -10,14 +10,23 @@ specchat's events, with token kinds reduced to what the server reports:
 
 - specchat (`python -m specchat serve`): every token's kind and every step record, exact.
 - llama.cpp's llama-server: with `timings_per_token` each chunk carries the reply's running
-  `draft_n` / `draft_n_accepted`. They grow just before a verify step's tokens are sent, so a
-  jump of (d drafted, a accepted) marks the next a tokens accepted and the one after resampled
-  (a < d) or bonus (a = d); tokens with no jump come from plain steps.
+  `draft_n` / `draft_n_accepted` and `predicted_n` (tokens so far). The counters grow just
+  before a verify step's tokens are sent, so a jump of (d drafted, a accepted) marks the next a
+  tokens accepted and the one after resampled (a < d) or bonus (a = d); tokens with no jump come
+  from plain steps. `predicted_n` counts the tokens of chunks that carry no text (held back
+  while they may begin a stop string) or several (a character split across tokens): those
+  become tokens with "" text, as the local engine emits them. llama-server sends no counters
+  until its first draft, so a speculating server's tokens are `served` until then, and `target`
+  once a counter shows they were plain steps.
 - vLLM (`--per-request-spec-decode-metrics`) and SGLang (`return_spec_tokens_details`) report
   per reply only: their tokens are `served` (the kind for "the server did not say"), and the
   reply's drafted / accepted counts go into the stats.
 
-The timing is what the client sees (request to last chunk), for every server alike.
+A reply that was asked to speculate on a server that sent no draft counts at all gets
+`RemoteStats.drafts_reported = False`: its tokens stay `served`, its acceptance and target
+passes unknown (0), and the page says "this server does not report drafts" rather than showing
+a speculative turn with nothing drafted. The timing is what the client sees (request to last
+chunk), for every server alike.
 """
 
 from __future__ import annotations
@@ -83,6 +92,15 @@ class RemoteTarget:
         # llama-server names its model by the file it loaded: the file name says enough
         name = self.name.rsplit("/", 1)[-1] if self.name.startswith("/") else self.name
         return f"{name} [{self.server} server at {self.url}]"
+
+
+@dataclass
+class RemoteStats(GenerationStats):
+    """The stats of a served reply: GenerationStats, and whether the server said how it drafted."""
+    # False: the reply was to speculate, and the server sent no draft counts (a llama-server
+    # whose drafts never showed in `draft_n`, a vLLM without --per-request-spec-decode-metrics):
+    # tokens are 'served', acceptance and target passes unknown.
+    drafts_reported: bool = True
 
 
 @dataclass
@@ -199,6 +217,9 @@ class RemoteEngine:
         if cfg.top_k:
             extra["top_k"] = cfg.top_k
         server = self.target.server
+        openai_fields, extras = samplers(cfg, server)
+        body.update(openai_fields)
+        extra.update(extras)
         if server == "specchat":
             extra.update(speculation=cfg.speculation, draft_len=cfg.draft_len,
                          adaptive=cfg.adaptive)
@@ -236,7 +257,7 @@ class RemoteEngine:
         chat = prompt.messages is not None
         create = self.client.chat.completions.create if chat else self.client.completions.create
         speculates = cfg.speculation and bool(self.drafters)
-        stats = GenerationStats.for_config(cfg, speculates, "server" if speculates else "none")
+        stats = RemoteStats.for_config(cfg, speculates, "server" if speculates else "none")
         reader = _Reader(self.target.server, bool(self.speculates))
         steps: list[StepRecord] = []
         with self.lock:
@@ -275,6 +296,45 @@ class RemoteEngine:
         yield reader.finish(summarize(steps, stats))
 
 
+# Samplers beyond temperature, top-p and top-k: their defaults (off), and the name each kind of
+# server takes them by in the request (None: it has no such setting). OpenAI's own
+# frequency_penalty and presence_penalty are top-level fields everywhere; the rest go in the
+# body beside them, by llama.cpp's names where a server is not known to name them otherwise.
+_OFF = GenerateConfig()
+_VLLM_NAMES = {"min_p": "min_p", "repeat_penalty": "repetition_penalty", "repeat_last_n": None,
+               "dry_multiplier": None, "dry_base": None, "dry_allowed_length": None,
+               "dry_sequence_breakers": None}
+SAMPLER_NAMES = {"vLLM": _VLLM_NAMES, "SGLang": _VLLM_NAMES}
+
+
+def samplers(cfg: GenerateConfig, server: str) -> tuple[dict, dict]:
+    """(OpenAI fields, extra body fields) for the samplers `cfg` sets away from their defaults,
+    each by the name `server` takes. A window or DRY setting that changes the reply and that the
+    server has no counterpart for raises BackendError rather than being dropped unsaid."""
+    top = {name: getattr(cfg, name) for name in ("frequency_penalty", "presence_penalty")
+           if getattr(cfg, name) != getattr(_OFF, name)}
+    penalized = top or cfg.repeat_penalty != _OFF.repeat_penalty
+    names = SAMPLER_NAMES.get(server, {})
+    extra, missing = {}, []
+    for setting in ("min_p", "repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base",
+                    "dry_allowed_length", "dry_sequence_breakers"):
+        value = getattr(cfg, setting)
+        if value == getattr(_OFF, setting):
+            continue
+        matters = (setting != "repeat_last_n" or penalized) and \
+            (not setting.startswith("dry_") or cfg.dry_multiplier != _OFF.dry_multiplier)
+        name = names.get(setting, setting)
+        if name is None:
+            if matters:
+                missing.append(setting)
+            continue
+        extra[name] = list(value) if isinstance(value, tuple) else value
+    if missing:
+        raise BackendError(f"the {server} server has no setting for {', '.join(missing)}; "
+                           "leave it at its default with this backend")
+    return top, extra
+
+
 class _Reader:
     """Turns one server's chunks into TokenEvents and StepRecords, and its final chunk's
     counters into the reply's stats."""
@@ -289,6 +349,9 @@ class _Reader:
         self.finish_reason = ""
         self.counts: dict | None = None  # per-reply counters (vLLM, SGLang, llama.cpp)
         self.server_stats: dict | None = None  # specchat's stats object
+        self.decoded = 0  # llama.cpp: tokens its chunks have counted so far (`predicted_n`)
+        self.counted = False  # llama.cpp: a chunk carried draft counters
+        self.unsaid: list[TokenEvent] = []  # llama.cpp: tokens sent before any counter
 
     def read(self, data: dict, elapsed: float) -> Iterator[TokenEvent | StepRecord]:
         if data.get("usage"):
@@ -314,8 +377,11 @@ class _Reader:
                 else choice.get("text")
             if self.server == "specchat" and "kinds" in extension:
                 yield from self._specchat(extension)
-            elif text:
-                yield from self._token(text, timings, elapsed)
+            elif self.server == "llama.cpp":
+                yield from self._llama(text or "", timings, elapsed)
+            elif text:  # no per-token word from the server
+                self.step += 1
+                yield TokenEvent(-1, text, SERVED, self.step, 0, 0)
         ext = data.get("specchat") or {}
         if ext.get("stats"):
             self.server_stats = ext["stats"]
@@ -332,12 +398,27 @@ class _Reader:
                              record.accepted if record else 0)
         yield from records.values()
 
+    def _llama(self, text: str, timings: dict, elapsed: float
+               ) -> Iterator[TokenEvent | StepRecord]:
+        """One llama-server chunk: as many tokens as `predicted_n` grew by (one per chunk with
+        text where it is absent), the chunk's text on the last of them."""
+        if "draft_n" in timings and not self.counted:
+            self.counted = True
+            for event in self.unsaid:  # no counter so far meant no draft so far: plain steps
+                event.kind = TARGET
+            self.unsaid.clear()
+        decoded = timings.get("predicted_n")
+        if isinstance(decoded, int) and decoded > self.decoded:
+            count, self.decoded = decoded - self.decoded, decoded
+        else:
+            count = 1 if text else 0
+        for i in range(count):
+            yield from self._token(text if i == count - 1 else "", timings if i == 0 else {},
+                                   elapsed)
+
     def _token(self, text: str, timings: dict, elapsed: float
                ) -> Iterator[TokenEvent | StepRecord]:
-        if self.server != "llama.cpp":  # no per-token word from the server
-            self.step += 1
-            yield TokenEvent(-1, text, SERVED, self.step, 0, 0)
-            return
+        """One llama-server token, its kind read from the counters' jump (if any)."""
         drafted = timings.get("draft_n", self.counters.drafted)
         accepted = timings.get("draft_n_accepted", self.counters.accepted)
         new_drafts, new_accepted = drafted - self.counters.drafted, \
@@ -351,12 +432,16 @@ class _Reader:
                 self.counters.group = [ACCEPTED] * new_accepted + [last]
                 self.open = StepRecord(self.step, new_drafts, new_accepted, 0, 0.0, 0.0,
                                        k=new_drafts)
-            else:
-                self.counters.group = [TARGET]
+            else:  # a speculating server that has not said so far: "served" until it does
+                self.counters.group = [SERVED if self.speculates and not self.counted
+                                       else TARGET]
                 self.open = StepRecord(self.step, 0, 0, 0, 0.0, 0.0)
         kind = self.counters.group.pop(0)
         self.open.emitted += 1
-        yield TokenEvent(-1, text, kind, self.step, self.open.drafted, self.open.accepted)
+        event = TokenEvent(-1, text, kind, self.step, self.open.drafted, self.open.accepted)
+        if kind == SERVED:
+            self.unsaid.append(event)
+        yield event
         if not self.counters.group:
             yield from self._close(elapsed)
 
@@ -385,16 +470,28 @@ class _Reader:
                 # SGLang: each verify emits its accepted drafts plus one token
                 stats.accepted = max(stats.new_tokens - self.counts["steps"], 0)
             stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-        if self.server == "llama.cpp":  # one pass per step, and the prompt's
-            stats.target_calls = self.step + 1
+        if self.server == "llama.cpp":
+            stats.target_calls = served_target_calls(stats.new_tokens, stats.accepted,
+                                                     self.step)
         elif self.counts and self.counts.get("steps"):
             stats.target_calls = self.counts["steps"] + 1
+        told = self.server_stats or self.counts or self.counted
+        if stats.speculation and not told and isinstance(stats, RemoteStats):
+            stats.drafts_reported = False
+            stats.target_calls = 0  # unknown: how many tokens each pass gave is not said
         if self.usage:
             stats.prompt_tokens = self.usage.get("prompt_tokens") or stats.prompt_tokens
         if not stats.stop_reason:
             stats.stop_reason = {"length": "length"}.get(self.finish_reason, "eos")
         stats.tokens_per_s = stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0
         return stats
+
+
+def served_target_calls(tokens: int, accepted: int, steps: int = 0) -> int:
+    """Target forward passes behind a served reply of `tokens` tokens, `accepted` of them
+    accepted drafts: each pass, the prompt's included, gives one token of its own after the
+    drafts it accepted, so tokens - accepted; never fewer than the `steps` seen."""
+    return max(tokens - accepted, steps, 1 if tokens else 0)
 
 
 def _message(error) -> str:

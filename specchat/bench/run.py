@@ -222,7 +222,7 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
                     max_new_tokens: int | None = None) -> dict:
     """A server (`RemoteEngine`) on the same prompt ids, with the same stop condition and
     sampling settings; timed as its client sees it (request to last chunk)."""
-    from specchat.backends.remote import RemotePrompt
+    from specchat.backends.remote import RemotePrompt, served_target_calls
     from specchat.core.engine import GenerateConfig
     if fresh:
         remote.reset_cache()  # no prompt cache: every first turn pays its prefill
@@ -239,11 +239,14 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
             steps.append(ev)
         elif isinstance(ev, GenerationStats):
             stats = ev
-    # Tokens as the server counts them: a chunk may carry more than one (UTF-8 pieces)
+    # Tokens as the server counts them (a stop string's too, which its text leaves out)
     tokens = max(stats.new_tokens, remote.last_usage.get("completion_tokens") or 0)
+    # Target passes: as the server counted them (specchat), else one per token that was not an
+    # accepted draft, never fewer than the steps seen (served_target_calls).
+    calls = max(stats.target_calls, served_target_calls(tokens, stats.accepted, len(steps)))
     return dict(new_tokens=tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
                 prompt_tokens=stats.prompt_tokens or len(ids), prefill_tokens=len(ids),
-                target_calls=len(steps) + 1, forward_s=None, prefill_s=stats.ttft_s,
+                target_calls=calls, forward_s=None, prefill_s=stats.ttft_s,
                 steps=steps, text="".join(text), stop_reason=stats.stop_reason,
                 error=stats.error)
 

@@ -159,7 +159,12 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
 
     parts = [chip(f"{stats.tokens_per_s:.1f}", "tok/s"), chip(str(stats.new_tokens), "tokens"),
              chip(f"{stats.seconds:.2f} s")]
-    if stats.speculation:
+    if stats.speculation and getattr(stats, "drafts_reported", True) is False:
+        # a served reply whose server sent no draft counts (backends/remote.py): no acceptance,
+        # no speedup to claim
+        parts.append(chip("this server does not report drafts", "", "",
+                          "its tokens are shown as 'served': how each was produced is unknown"))
+    elif stats.speculation:
         parts += [chip(f"{stats.acceptance_rate:.0%}", "accepted", "",
                        f"{stats.accepted} of {stats.drafted} draft tokens accepted"),
                   chip(f"{stats.mean_accepted_len:.2f}", "mean accepted length", "",
