@@ -31,7 +31,7 @@ Only the tokens within a few nats of the most likely one (`_SPANS`) race at firs
 logits, a few dozen to a thousand of Gemma's 262k, and they hold the whole top-p nucleus and
 top-k set (checked every draw; wider spans or the full vocabulary are used when they do not).
 Without truncation the other tokens race as one entrant holding their total mass, and only when
-it wins (rarely: under 3% of the mass at T = 0.7) do they race one by one.
+it wins (rarely: docs/performance.md, "Sampling's candidate spans") do they race one by one.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import torch
 
 # Candidates: tokens whose logit (after temperature) is within a span of the largest; the
 # narrowest span that holds the whole top-p nucleus / top-k set is used. A token 8 nats down
-# has 1/3000 of the top token's probability; on Gemma's logits at T = 0.7 the tokens within 8
-# nats held at least 97.6% of the mass, and a few dozen to a thousand tokens of 262k.
+# has 1/3000 of the top token's probability; how much of Gemma's mass the spans hold is in
+# docs/performance.md, "Sampling's candidate spans".
 _SPANS = (8.0, 16.0)
 
 

@@ -43,14 +43,13 @@ class HeadDrafter(Drafter):
         # Stop drafting once the head's own estimate that this draft and every one before it
         # pass (the product of their probabilities under the head) falls below min_gain: a draft
         # that will almost surely be rejected still costs a head step and a wider verify. The
-        # head's probabilities track acceptance (EAGLE-2): measured over 26 Spec-Bench replies,
-        # drafts it gave 0.1-0.2 passed 9% of the time, 0.5-0.6 48%, 0.9-1 90%.
+        # head's probabilities track acceptance (EAGLE-2; measured in docs/performance.md, "The
+        # head's stopping rules").
         self.min_gain = min_gain
         # And do not even run the head for the next draft once the product is under twice
         # min_gain: that draft would need a probability of at least 1/2 to be kept, and the
-        # forward is usually spent for nothing. Replayed on 569 drafting steps of 39 Spec-Bench
-        # replies: 17% fewer head forwards, 3% fewer accepted drafts, tokens per unit of cost
-        # +1.2%.
+        # forward is usually spent for nothing (docs/performance.md, "The head's stopping
+        # rules").
         self.lookahead = 2.0
         self.device = head.vocab_ids.device
         self.tokens: list[int] = []  # context tokens whose features are in self.feats[:len]
