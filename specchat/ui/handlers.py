@@ -307,10 +307,14 @@ class ChatApp:
     def generate(self, prompt: str, mode: str = "completion", temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 128, seed: int = 0,
                  speculation: bool = True, drafter: str = "", draft_len: int = 4,
+                 min_p: float = 0.0, repeat_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 dry_multiplier: float = 0.0,
                  request: gr.Request | None = None) -> Iterator[list[dict]]:
         """The page's public API endpoint (`gradio_client`, "Use via API"): one stateless
         reply to `prompt` (continued as text, or as one chat message with mode="chat"), with
-        the page's checks and caps. Yields every token so far as {id, text, kind, step}."""
+        the page's checks and caps and the samplers' defaults where not given. Yields every
+        token so far as {id, text, kind, step}."""
         if self.slot.engine is None:
             raise gr.Error(self._not_ready())
         text = clean_text(prompt)
@@ -320,7 +324,9 @@ class ChatApp:
         settings = Settings(speculation=speculation, drafter=drafter, draft_len=draft_len,
                             temperature=temperature, top_p=top_p, top_k=top_k,
                             max_new_tokens=max_new_tokens, seed=seed,
-                            mode="chat" if mode == "chat" else "completion")
+                            mode="chat" if mode == "chat" else "completion", min_p=min_p,
+                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, dry_multiplier=dry_multiplier)
         try:
             cfg, notes = self.config(settings)
         except InputError as e:
