@@ -364,7 +364,10 @@ def test_the_fields_clients_send_are_taken_or_refused_by_name(server):
                        (dict(response_format={"type": "json_object"}), "'response_format'"),
                        (dict(tools=[{"type": "function"}]), "'tools'"),
                        (dict(max_tokens=0), "max_tokens"), (dict(seed=-5), "seed"),
-                       (dict(stop=["y" * 1000]), "'stop'"), (dict(stop=["a"] * 40), "'stop'")):
+                       (dict(stop=["y" * 1000]), "'stop'"), (dict(stop=["a"] * 40), "'stop'"),
+                       (dict(logit_bias={"1": -100}), "'logit_bias'"),
+                       (dict(grammar='root ::= "a"'), "'grammar'"), (dict(n_probs=2), "'n_probs'"),
+                       (dict(typical_p=0.5), "'typical_p'"), (dict(ignore_eos=True), "'ignore_eos'")):
         r = _post(url, prompt="hi", **body)
         assert r.status_code == 400 and name in r.json()["error"]["message"], (body, r.text)
     huge = httpx.post(f"{url}/completions", content=b'{"prompt": "' + b"x" * 300000 + b'"}',
@@ -385,6 +388,15 @@ def test_the_fields_clients_send_are_taken_or_refused_by_name(server):
         data = [json.loads(line[6:]) for line in r.iter_lines()
                 if line.startswith("data: {")]
     assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for messages, status in (([{"role": "user", "content": [image]}], 400),
+                             ([{"role": "developer", "content": "Be brief."},
+                               {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                              200)):
+        r = httpx.post(f"{url}/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": messages, "max_tokens": 2, "typical_p": 1.0})
+        assert r.status_code == status, r.text
     assert all(d["choices"] for d in data) and "usage" not in data[-1]  # not asked for
 
     root = url.removesuffix("/v1")

@@ -56,10 +56,15 @@ MAX_TOKENS_CAP = 1024
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may give, and their length
 # OpenAI fields specchat cannot honour: refused by name rather than ignored. A value equal to
 # the default (n: 1, logprobs: false, response_format: text, ...) is accepted.
+# llama.cpp's own fields for what specchat does not do (grammars, other samplers, token
+# probabilities) are refused the same way.
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
-               "top_logprobs": (None, 0), "echo": (None, False), "tools": (None, []),
-               "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none")}
+               "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"),
+               "n_probs": (None, 0), "grammar": (None, ""), "json_schema": (None, {}),
+               "typical_p": (None, 1), "mirostat": (None, 0), "xtc_probability": (None, 0),
+               "ignore_eos": (None, False)}
 
 
 class ApiError(Exception):
@@ -164,21 +169,7 @@ class Api:
         """-> (token ids, stop strings of the chat format, the text to record as the prompt)."""
         tokenizer = self.engine.tokenizer
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
-            clean = []
-            for m in messages:
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user",
-                                                                     "assistant"):
-                    raise ApiError(400, "Each message needs a role of system, user or "
-                                        "assistant.", param="messages")
-                content = m.get("content")
-                if isinstance(content, list):  # [{"type": "text", "text": ...}]
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-                if not isinstance(content, str):
-                    raise ApiError(400, "Message content must be text.", param="messages")
-                clean.append({"role": m["role"], "content": clean_text(content)})
+            clean = self._messages(body.get("messages"))
             text = "\n".join(m["content"] for m in clean)
             self._check_length(text)
             ids, stops = chat_prompt(tokenizer, clean)
@@ -196,6 +187,31 @@ class Api:
         prompt = clean_text(prompt)
         self._check_length(prompt)
         return raw_prompt(tokenizer, prompt), (), prompt
+
+    @staticmethod
+    def _messages(messages) -> list[dict]:
+        """Chat messages as the chat format takes them: roles system (or OpenAI's developer),
+        user, assistant; content as text or text parts, nothing else."""
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
+        clean = []
+        for m in messages:
+            role = m.get("role") if isinstance(m, dict) else None
+            role = "system" if role == "developer" else role
+            if role not in ("system", "user", "assistant"):
+                raise ApiError(400, "Each message needs a role of system, user or assistant.",
+                               param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}]
+                if not all(isinstance(p, dict) and p.get("type") == "text" and
+                           isinstance(p.get("text"), str) for p in content):
+                    raise ApiError(400, "Message content parts must be text: images, audio "
+                                        "and files are not supported.", param="messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise ApiError(400, "Message content must be text.", param="messages")
+            clean.append({"role": role, "content": clean_text(content)})
+        return clean
 
     def _token_prompt(self, ids: list[int]) -> tuple[list[int], tuple, str]:
         """A prompt given as token ids (OpenAI's token-array form), used as they are."""
@@ -237,8 +253,8 @@ class Api:
     def config(self, body: dict) -> GenerateConfig:
         for name, defaults in UNSUPPORTED.items():
             if body.get(name) not in defaults:
-                raise ApiError(400, f"'{name}' is not supported by specchat (one greedy or "
-                                    "sampled reply of plain text per request).", param=name)
+                raise ApiError(400, f"'{name}' is not supported by specchat: leave it out "
+                                    f"(or send {json.dumps(defaults[1])}).", param=name)
         fmt = body.get("response_format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             raise ApiError(400, "'response_format' other than text (JSON mode, schemas) is not "
