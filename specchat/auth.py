@@ -6,6 +6,11 @@ and for that client address (the larger of the two applies). Attempts for one us
 checked one after the other, so guesses sent in parallel wait in line and each pays the delay its
 predecessors earned. The delay is awaited, so other visitors are served meanwhile.
 
+Each username and each address also has a failure budget (a token bucket: `budget` failures,
+refilled one per `refill` seconds). Once either is spent, attempts are refused without looking
+at the password until the bucket refills, so however many clients guess in parallel, no more
+than `budget` guesses plus one per `refill` seconds are ever checked for a username.
+
 One guard serves the page's `/login` (wired by `ui/login.py`) and the HTTP API's
 "user:password" bearer keys (`api/server.py`), so a guess counts the same on either route.
 Callers that know the client's address pass it; Gradio's `auth(username, password)` callback
@@ -59,6 +64,7 @@ class LoginGuard:
 
     def __init__(self, pairs: Iterable[tuple[str, str]], *, free: int = 2, base: float = 0.25,
                  cap: float = 10.0, window: float = 15 * 60, max_keys: int = 10_000,
+                 budget: int = 30, refill: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[object]] = asyncio.sleep):
         self._accounts = [(_digest(user), _digest(password)) for user, password in pairs]
@@ -68,6 +74,9 @@ class LoginGuard:
         # ("user", name) or ("addr", host) -> failures, oldest latest-failure first.
         self._failures: OrderedDict[tuple[str, str], _Failures] = OrderedDict()
         self._lines: dict[str, list] = {}  # username -> [lock, attempts holding or awaiting it]
+        self.budget, self.refill = budget, refill
+        # key -> [failures left, clock time they were counted at]; full buckets are dropped.
+        self._buckets: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
 
     def delay_for(self, failures: int) -> float:
         """Seconds to hold an answer after `failures` recent failures."""
@@ -100,7 +109,42 @@ class LoginGuard:
             if not line[1]:
                 del self._lines[name]
 
+    def retry_after(self, username: str, address: str | None = None) -> float:
+        """Seconds until an attempt for `username` from `address` is checked again (0: now):
+        the failure budget of the username or of the address is spent."""
+        now, wait = self.clock(), 0.0
+        for key in self._keys(username, address):
+            left = self._left(key, now)
+            if left < 1:
+                wait = max(wait, (1 - left) * self.refill)
+        return wait
+
+    def _left(self, key: tuple[str, str], now: float) -> float:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            return float(self.budget)
+        left = min(self.budget, bucket[0] + (now - bucket[1]) / self.refill)
+        bucket[0], bucket[1] = left, now
+        if left >= self.budget:
+            del self._buckets[key]
+        return left
+
+    def _spend(self, username: str, address: str | None) -> None:
+        now = self.clock()
+        for key in self._keys(username, address):
+            left = self._left(key, now)
+            self._buckets[key] = [left - 1, now]
+            self._buckets.move_to_end(key)
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+
     async def _check(self, username: str, password: str, address: str | None) -> bool:
+        refused = self.retry_after(username, address)
+        if refused:
+            logger.warning("login refused for user %s from %s: failure budget spent, refills in "
+                           "%.0fs", repr(username[:64]), address or "an unknown address",
+                           refused)
+            return False
         # Already over the threshold: wait before checking, so guesses in line are held too,
         # not only the answers to failed ones.
         waited = self.delay(username, address)
@@ -109,7 +153,9 @@ class LoginGuard:
         if self._matches(username, password):
             for key in self._keys(username, address):
                 self._failures.pop(key, None)
+                self._buckets.pop(key, None)
             return True
+        self._spend(username, address)
         failures = self._record_failure(username, address)
         delay = self.delay_for(failures)
         logger.warning("login failed for user %s from %s: %d recent failures, answered after "

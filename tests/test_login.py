@@ -8,6 +8,7 @@ import socket
 import time
 
 import gradio as gr
+import pytest
 import httpx
 
 from specchat.auth import LoginGuard, client_address
@@ -232,3 +233,34 @@ def test_the_api_shares_the_guard_without_importing_the_page():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_spent_failure_budget_refuses_even_the_right_password_until_it_refills(caplog):
+    """However many guesses arrive in parallel, at most `budget` are checked for a username
+    before it refuses outright; one more is checked per `refill` seconds after that."""
+    guard, fake = make_guard(budget=5, refill=60.0, free=100)  # no delays: the budget alone
+
+    async def burst():
+        return await asyncio.gather(*(guard.check("bob", f"guess{n}", f"10.0.0.{n}")
+                                      for n in range(40)))
+
+    with caplog.at_level(logging.WARNING, logger="specchat.auth"):
+        assert asyncio.run(burst()) == [False] * 40
+    checked = [r for r in caplog.records if "login failed" in r.getMessage()]
+    refused = [r for r in caplog.records if "login refused" in r.getMessage()]
+    assert len(checked) == 5 and len(refused) == 35  # each attempt logged once
+    assert attempt(guard, "bob", "builder") is False  # refused: not even checked
+    assert guard.retry_after("bob") == pytest.approx(60.0)
+    fake.now += 61  # one failure refilled
+    assert guard.retry_after("bob") == 0
+    assert attempt(guard, "bob", "builder") is True  # and a success refills the whole budget
+    assert guard.retry_after("bob") == 0 and ("user", "bob") not in guard._buckets
+
+
+def test_an_address_that_spends_its_budget_is_refused_for_every_username():
+    guard, fake = make_guard(budget=3, refill=60.0, free=100)
+    for name in ("u1", "u2", "u3"):
+        assert attempt(guard, name, "x", "10.9.9.9") is False
+    assert guard.retry_after("alice", "10.9.9.9") > 0
+    assert attempt(guard, "alice", "wonderland", "10.9.9.9") is False
+    assert attempt(guard, "alice", "wonderland", "10.1.1.1") is True

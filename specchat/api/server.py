@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import re
 import threading
 import time
@@ -162,6 +163,11 @@ class Api:
         address = request.client.host if request.client else None
         if await self.guard.check(user if colon else "", password if colon else given, address):
             return f"user:{user}"
+        wait = self.guard.retry_after(user if colon else "", address)
+        if wait:  # this user's or address's failure budget is spent: no more guesses for now
+            raise ApiError(429, f"Too many failed logins for this user or address: try again in "
+                                f"{math.ceil(wait)} s.", "rate_limit_error",
+                           headers={"Retry-After": str(math.ceil(wait))})
         raise ApiError(401, "A valid API key is required: send 'Authorization: Bearer KEY'.",
                        "authentication_error")
 
