@@ -426,3 +426,59 @@ def test_wrong_keys_count_as_failed_logins(server, caplog):
         api.guard._failures.clear()
     assert httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code \
         == 200
+
+
+def _load(url: str, seconds: float, clients: int = 16) -> tuple[list[str], list[str]]:
+    """`clients` threads, half streaming, sending short requests until `seconds` pass; a 429
+    waits its Retry-After (at most 1 s here) and tries again. -> (prompts answered in full,
+    failures)."""
+    done, failures, deadline = [], [], time.time() + seconds
+
+    def run(i: int) -> None:
+        n = 0
+        while time.time() < deadline:
+            prompt, stream = f"load {i}-{n} {PROMPT}", i % 2 == 0
+            body = {"prompt": prompt, "max_tokens": 6, "stream": stream}
+            try:
+                if stream:
+                    with httpx.stream("POST", f"{url}/completions", json=body, timeout=60,
+                                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+                        lines = [line for line in r.iter_lines() if line]
+                        ok, code = r.status_code == 200 and lines[-1] == "data: [DONE]", \
+                            r.status_code
+                else:
+                    r = _post(url, **body)
+                    ok, code = r.status_code == 200 and r.json()["choices"], r.status_code
+            except httpx.HTTPError as e:  # a hang shows up here as a timeout
+                failures.append(f"{prompt}: {type(e).__name__}")
+                return
+            if code == 429:
+                time.sleep(min(1.0, float(r.headers.get("Retry-After", 1))))
+                continue
+            (done if ok else failures).append(prompt if ok else f"{prompt}: {code}")
+            n += 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 120)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    return done, failures
+
+
+@pytest.mark.parametrize("seconds", [pytest.param(10, id="10s"),
+                                     pytest.param(60, id="60s", marks=pytest.mark.slow)])
+def test_sixteen_clients_mixed_streamed_and_whole_lose_nothing(server, seconds):
+    """A load test: 16 clients for a while, streamed and whole requests mixed. None hangs,
+    none gets an error but 429 (answered by waiting), and the stats database holds every
+    finished turn; the server answers at once afterwards."""
+    url, api, store = server
+    done, failures = _load(url, seconds)
+    assert not failures, failures[:5]
+    assert len(done) >= 16
+    assert api.writer.flush(30)
+    saved = {t["prompt"] for c in store.conversations() for t in store.turns(c["id"])
+             if t["prompt"].startswith("load ")}
+    assert set(done) <= saved
+    assert _post(url, prompt="after", max_tokens=2).status_code == 200
