@@ -27,18 +27,15 @@ from specchat.train.cli import add_cli as add_train_draft
 
 
 def cmd_generate(args) -> int:
-    from specchat.core.events import GenerationStats, StepRecord, TokenEvent
-    from specchat.core.inputs import InputError, clean_text
-
-    prompt = clean_text(args.prompt if args.prompt is not None else sys.stdin.read())
+    """One reply to --prompt (or stdin). Exit codes: 0 for a reply, 1 when the models do not
+    load or the reply ends in an error, 2 for a request that is refused before any decoding."""
+    from specchat.core.inputs import InputError
+    prompt = _read_prompt(args)
     if not prompt.strip():
-        print("specchat: the prompt is empty; pass --prompt TEXT (or text on stdin).",
-              file=sys.stderr)
-        return 2
+        return _refuse("the prompt is empty; pass --prompt TEXT (or text on stdin).")
     problem = validate_sampling(args)
     if problem:
-        print(f"specchat: {problem}", file=sys.stderr)
-        return 2
+        return _refuse(problem)
     store = _open_store(args.db)  # before the reply: a bad --db is said up front, once
     if args.json:  # keep stderr readable for scripts: no weight-loading progress bars
         from transformers.utils import logging as hf_logging
@@ -46,60 +43,94 @@ def cmd_generate(args) -> int:
     report = load_for_cli(args)
     if report is None:
         return 1
-    engine = report.engine
     try:
         cfg = config_from_args(args, report)
     except InputError as e:
-        print(f"specchat: {e}", file=sys.stderr)
-        return 2
-    if args.raw:
-        ids, stops = engine.text_prompt(prompt)
-    else:
-        system = clean_text(args.system)
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        ids, stops = engine.chat_prompt(messages)
-    cfg.stop = stops
-    reply = []
-    stats = None
-    events = engine.stream(ids, cfg)
+        return _refuse(e)
+    ids, cfg.stop = _prompt_ids(report.engine, prompt, args)
+    events = report.engine.stream(ids, cfg)
     try:
         first = next(events)  # the engine checks the request before any work: say what's wrong
     except (ValueError, RuntimeError) as e:  # a bad request, or a backend refusing it
-        print(f"specchat: {e}", file=sys.stderr)
-        return 2
-    for event in itertools.chain([first], events):
+        return _refuse(e)
+    reply, stats = _print_reply(itertools.chain([first], events), args.json)
+    out = _stats_json(stats, report)
+    if store is not None:  # saved before the stats line: a script reading it finds the row
+        _record(store, report, prompt, reply, out)
+    _print_stats(stats, out, report, args.json)
+    return 1 if stats.stop_reason == "error" else 0
+
+
+def _refuse(problem) -> int:
+    """Say why a request cannot run, in one line; exit code 2."""
+    print(f"specchat: {problem}", file=sys.stderr)
+    return 2
+
+
+def _read_prompt(args) -> str:
+    """--prompt, else all of stdin, with lone surrogates replaced."""
+    from specchat.core.inputs import clean_text
+    return clean_text(args.prompt if args.prompt is not None else sys.stdin.read())
+
+
+def _prompt_ids(engine, prompt: str, args):
+    """(token ids, stop strings): the prompt as plain text (--raw), or as the user's turn of a
+    chat after --system."""
+    if args.raw:
+        return engine.text_prompt(prompt)
+    from specchat.core.inputs import clean_text
+    system = clean_text(args.system)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    return engine.chat_prompt(messages)
+
+
+def _print_reply(events, as_json: bool):
+    """Print the reply as it streams: its text, or with --json its token and step lines.
+    Returns (the reply's text, the GenerationStats that end the stream)."""
+    from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+    reply = []
+    stats = None
+    for event in events:
         if isinstance(event, TokenEvent):
             reply.append(event.text)
-            if args.json:
+            if as_json:
                 print(json.dumps(event.to_json(), ensure_ascii=False), flush=True)
             else:
                 print(event.text, end="", flush=True)
         elif isinstance(event, StepRecord):
-            if args.json:
+            if as_json:
                 print(json.dumps(event.to_json(), ensure_ascii=False), flush=True)
         elif isinstance(event, GenerationStats):
             stats = event
+    return "".join(reply), stats
+
+
+def _stats_json(stats, report) -> dict:
+    """The stats line: `GenerationStats.to_json()`, the models, and the CPU path if local."""
     out = stats.to_json()
     out.update(target=report.engine.target.label,
                draft=report.draft.label if report.draft else None)
     runtime = getattr(report.engine.target, "runtime", None)  # None for a serving backend
     if runtime is not None:
         out["runtime"] = runtime.to_json()
-    if store is not None:  # saved before the stats line: a script reading it finds the row
-        _record(store, report, prompt, "".join(reply), out)
-    if args.json:
+    return out
+
+
+def _print_stats(stats, out: dict, report, as_json: bool) -> None:
+    """The stats line on stdout (--json), else a summary on stderr under the reply."""
+    if as_json:
         print(json.dumps(out), flush=True)
-    else:
-        print()
-        print(f"-- {stats.new_tokens} tokens in {stats.seconds:.2f}s "
-              f"({stats.tokens_per_s:.1f} tok/s), {stats.target_calls} target calls, "
-              f"acceptance {stats.acceptance_rate:.0%}, drafter {stats.drafter}", file=sys.stderr)
-        if runtime is not None:
-            print(f"-- {runtime.path} on {runtime.cpu}; " + (
-                "verifies row-exact (proved at load)" if runtime.row_exact else
-                f"NOT LOSSLESS BIT FOR BIT: {runtime.lossless_note}"), file=sys.stderr)
-    return 1 if stats.stop_reason == "error" else 0
+        return
+    print()
+    print(f"-- {stats.new_tokens} tokens in {stats.seconds:.2f}s "
+          f"({stats.tokens_per_s:.1f} tok/s), {stats.target_calls} target calls, "
+          f"acceptance {stats.acceptance_rate:.0%}, drafter {stats.drafter}", file=sys.stderr)
+    runtime = getattr(report.engine.target, "runtime", None)
+    if runtime is not None:
+        print(f"-- {runtime.path} on {runtime.cpu}; " + (
+            "verifies row-exact (proved at load)" if runtime.row_exact else
+            f"NOT LOSSLESS BIT FOR BIT: {runtime.lossless_note}"), file=sys.stderr)
 
 
 def _open_store(path):

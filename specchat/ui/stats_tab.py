@@ -312,7 +312,46 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     the page loads; `StatsTab.refresh_on(tab.select)` also refreshes it whenever it is
     opened."""
     exports = Exports()
-    status = gr.Markdown(status_text(store, writer, redact))
+    view = _layout(status_text(store, writer, redact))
+    handlers = _Handlers(store, access, writer, redact, exports)
+    _wire(view, handlers, browser, demo)
+    tab = StatsTab(view.refresh, view.conversations, view.picker, view.turns, view.history,
+                   handlers.on_refresh, view.list_outputs)
+    tab.inputs, tab.exports = [view.picker, browser], exports
+    return tab
+
+
+@dataclass
+class _View:
+    """The tab's components that events read or write."""
+    status: gr.Markdown
+    refresh: gr.Button
+    picker: gr.Dropdown
+    conversations: gr.Dataframe
+    turns: gr.Dataframe
+    speedup_plot: gr.ScatterPlot
+    acceptance_plot: gr.BarPlot
+    tokens_plot: gr.BarPlot
+    history: gr.Chatbot
+    export_button: gr.Button
+    delete_button: gr.Button
+    pending: gr.State  # the conversation a first click on Delete asked to confirm
+    csv_file: gr.File
+    message: gr.Markdown
+
+    @property
+    def list_outputs(self) -> list:
+        return [self.status, self.conversations, self.picker]
+
+    @property
+    def plots(self) -> list:
+        return [self.speedup_plot, self.acceptance_plot, self.tokens_plot]
+
+
+def _layout(status_line: str) -> _View:
+    """The status line, the picker, the tables, the charts, the read-only conversation and
+    the export and delete buttons, top to bottom."""
+    status = gr.Markdown(status_line)
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0)
         picker = gr.Dropdown(label="Conversation", choices=[], value=None, interactive=True,
@@ -343,36 +382,52 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     with gr.Row():
         export_button = gr.Button("Export CSV")
         delete_button = gr.Button(DELETE, variant="stop")
-    pending = gr.State(None)  # the conversation a first click on Delete asked to confirm
+    pending = gr.State(None)
     csv_file = gr.File(label="CSV export", interactive=False)
     message = gr.Markdown()
+    return _View(status, refresh, picker, conversations, turns, speedup_plot, acceptance_plot,
+                 tokens_plot, history, export_button, delete_button, pending, csv_file,
+                 message)
 
-    def owner(request: gr.Request, browser_id: str | None) -> str | None:
-        return access.viewer(request, browser_id).filter
 
-    def on_refresh(picked: str | None, browser_id: str | None, request: gr.Request):
-        choices = conversation_choices(store, owner(request, browser_id))
+@dataclass
+class _Handlers:
+    """The tab's event handlers: the plain functions above, for the viewer of each request."""
+    store: StatsStore
+    access: Access
+    writer: StatsWriter | None
+    redact: Callable[[str], str]
+    exports: Exports
+
+    def owner(self, request: gr.Request, browser_id: str | None) -> str | None:
+        return self.access.viewer(request, browser_id).filter
+
+    def on_refresh(self, picked: str | None, browser_id: str | None, request: gr.Request):
+        choices = conversation_choices(self.store, self.owner(request, browser_id))
         if picked not in {value for _, value in choices}:
             picked = choices[0][1] if choices else None
-        return (status_text(store, writer, redact),
-                conversation_table(store, owner(request, browser_id)),
+        return (status_text(self.store, self.writer, self.redact),
+                conversation_table(self.store, self.owner(request, browser_id)),
                 gr.Dropdown(choices=choices, value=picked))
 
-    def on_pick(picked: str | None, browser_id: str | None, request: gr.Request):
-        who = owner(request, browser_id)
-        frames = plot_frames(store, who, picked)
-        return (turn_table(store, who, picked), frames.speedup.frame, frames.acceptance.frame,
-                frames.tokens_per_s.frame, chat_history(store, who, picked), None)
+    def on_pick(self, picked: str | None, browser_id: str | None, request: gr.Request):
+        who = self.owner(request, browser_id)
+        frames = plot_frames(self.store, who, picked)
+        return (turn_table(self.store, who, picked), frames.speedup.frame,
+                frames.acceptance.frame, frames.tokens_per_s.frame,
+                chat_history(self.store, who, picked), None)
 
-    def on_plot_settings(picked: str | None, browser_id: str | None, request: gr.Request):
-        frames = plot_frames(store, owner(request, browser_id), picked)
+    def on_plot_settings(self, picked: str | None, browser_id: str | None,
+                         request: gr.Request):
+        frames = plot_frames(self.store, self.owner(request, browser_id), picked)
         return [chart_settings(chart) for chart in
                 (frames.speedup, frames.acceptance, frames.tokens_per_s)]
 
+    @staticmethod
     def on_row_select(evt: gr.SelectData):
         return evt.row_value[-1] if evt.row_value else gr.skip()  # "id" is the last column
 
-    def on_delete(picked: str | None, asked: str | None, browser_id: str | None,
+    def on_delete(self, picked: str | None, asked: str | None, browser_id: str | None,
                   request: gr.Request):
         """A first click asks; a second on the same conversation deletes it."""
         if not picked:
@@ -381,32 +436,31 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
             return ("Delete this conversation and all its turns? This cannot be undone: click "
                     f"**{CONFIRM}** to delete it, or pick another conversation to keep it.",
                     picked, gr.Button(value=CONFIRM))
-        return (delete_conversation(store, owner(request, browser_id), picked), None,
+        return (delete_conversation(self.store, self.owner(request, browser_id), picked), None,
                 gr.Button(value=DELETE))
 
+    @staticmethod
     def on_pick_reset():
         return None, gr.Button(value=DELETE), ""
 
-    def on_export(picked: str | None, browser_id: str | None, request: gr.Request):
-        return export_csv(store, owner(request, browser_id), picked, exports)
+    def on_export(self, picked: str | None, browser_id: str | None, request: gr.Request):
+        return export_csv(self.store, self.owner(request, browser_id), picked, self.exports)
 
-    list_outputs = [status, conversations, picker]
-    detail_outputs = [turns, speedup_plot, acceptance_plot, tokens_plot, history, csv_file]
-    inputs = [picker, browser]
-    # api_visibility="private": these act on the caller's data; keep them off the public API.
-    refresh.click(on_refresh, inputs, list_outputs, api_visibility="private")
-    picker.change(on_pick, inputs, detail_outputs, api_visibility="private").then(
-        on_plot_settings, inputs, [speedup_plot, acceptance_plot, tokens_plot],
-        api_visibility="private")
-    conversations.select(on_row_select, None, picker, api_visibility="private")
-    delete_button.click(on_delete, [picker, pending, browser], [message, pending, delete_button],
-                        api_visibility="private").then(
-        on_refresh, inputs, list_outputs, api_visibility="private")
-    picker.change(on_pick_reset, None, [pending, delete_button, message],
-                  api_visibility="private")
-    export_button.click(on_export, inputs, csv_file, api_visibility="private")
+
+def _wire(v: _View, h: _Handlers, browser: gr.BrowserState, demo: gr.Blocks | None) -> None:
+    """Every event of the tab. api_visibility="private": these act on the caller's data; keep
+    them off the public API."""
+    private = dict(api_visibility="private")
+    inputs = [v.picker, browser]
+    detail_outputs = [v.turns, *v.plots, v.history, v.csv_file]
+    v.refresh.click(h.on_refresh, inputs, v.list_outputs, **private)
+    v.picker.change(h.on_pick, inputs, detail_outputs, **private).then(
+        h.on_plot_settings, inputs, v.plots, **private)
+    v.conversations.select(h.on_row_select, None, v.picker, **private)
+    v.delete_button.click(h.on_delete, [v.picker, v.pending, browser],
+                          [v.message, v.pending, v.delete_button], **private).then(
+        h.on_refresh, inputs, v.list_outputs, **private)
+    v.picker.change(h.on_pick_reset, None, [v.pending, v.delete_button, v.message], **private)
+    v.export_button.click(h.on_export, inputs, v.csv_file, **private)
     if demo is not None:
-        demo.load(on_refresh, inputs, list_outputs, api_visibility="private")
-    tab = StatsTab(refresh, conversations, picker, turns, history, on_refresh, list_outputs)
-    tab.inputs, tab.exports = inputs, exports
-    return tab
+        demo.load(h.on_refresh, inputs, v.list_outputs, **private)
