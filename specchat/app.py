@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; "
                             "0.0.0.0 exposes the page to your network)")
-    serve.add_argument("--port", type=int, default=None,
+    serve.add_argument("--port", type=int, default=None, metavar="N",
                        help="port (default: the first free one from 7860)")
     serve.add_argument("--share", action="store_true",
                        help="also make a public gradio.live link (needs network; when the "
@@ -56,10 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_db_argument(serve)
     limits = parser.add_argument_group("limits (enforced server-side, for shared demos)")
     limits.add_argument("--max-input-chars", type=int, default=Limits.max_input_chars,
-                        help="longest user message accepted (default %(default)s)")
+                        metavar="N", help="longest user message accepted")
     limits.add_argument("--max-new-tokens-cap", type=int, default=Limits.max_new_tokens_cap,
-                        help="most new tokens per reply, whatever the page asks "
-                             "(default %(default)s)")
+                        metavar="N", help="most new tokens per reply, whatever the page asks")
     return parser
 
 
@@ -99,6 +98,30 @@ def exposure_warning(host: str, share: bool, auth) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    auth = _checked(parser, args)
+    warning = exposure_warning(args.host, args.share, auth)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    exposed = args.share or not is_loopback(args.host)
+    slot = _loading_slot(args, exposed)
+    store = StatsStore.open_or_disabled(args.db)
+    if store.error:
+        print(f"specchat: {store.error}", file=sys.stderr)
+    # Who owns which conversations: the login when there is one, else the browser on an
+    # exposed page; locally without a login the one user sees all (ui/access.py).
+    access = Access(auth=bool(auth), exposed=exposed, admins=args.admin)
+    demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
+                                        max_new_tokens_cap=args.max_new_tokens_cap), access)
+    _serve(args, demo, slot, store, auth)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _checked(parser, args) -> list[tuple[str, str]] | None:
+    """The logins (--auth or $SPECCHAT_AUTH), after the checks argparse cannot make."""
     try:
         auth = parse_auth(args.auth if args.auth is not None else os.environ.get(AUTH_ENV))
     except ValueError as e:
@@ -108,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.admin) - {user for user, _ in auth or []})
     if unknown:
         parser.error(f"--admin {', '.join(unknown)}: not a login given by --auth")
-    warning = exposure_warning(args.host, args.share, auth)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    exposed = args.share or not is_loopback(args.host)
+    return auth
 
+
+def _loading_slot(args, exposed: bool) -> ModelSlot:
+    """A slot whose models load in the background while the page is already served."""
     target, draft = model_choice(args)
     what = f"target {target} ({args.quantization})" + (f" and draft {draft}" if draft else "")
     if args.backend:
@@ -131,14 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         return report
 
     slot.load(load)
-    store = StatsStore.open_or_disabled(args.db)
-    if store.error:
-        print(f"specchat: {store.error}", file=sys.stderr)
-    # Who owns which conversations: the login when there is one, else the browser on an
-    # exposed page; locally without a login the one user sees all (ui/access.py).
-    access = Access(auth=bool(auth), exposed=exposed, admins=args.admin)
-    demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
-                                        max_new_tokens_cap=args.max_new_tokens_cap), access)
+    return slot
+
+
+def _serve(args, demo, slot: ModelSlot, store: StatsStore, auth) -> None:
+    """Launch the page, add the API on its port, and say where both are."""
     # The login (if any) is throttled per user and per address (auth.py); the API's
     # "user:password" keys go through the same guard, so guesses there count the same.
     login = guarded_launch_kwargs(auth)
@@ -154,21 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens_cap=args.max_new_tokens_cap, redact=slot.redact, guard=guard)))
     print(f"specchat: OpenAI-compatible API at {demo.local_url.rstrip('/')}/v1",
           file=sys.stderr)
-    if args.share:
-        if demo.share_url:
-            slot.share_note = "Shared through a public gradio.live link" + \
-                (" (login required)." if auth else " WITHOUT a login.")
-            print(f"specchat: public link: {demo.share_url}", file=sys.stderr)
-        else:
-            slot.share_note = ("The public share link could not be created (offline, or the "
-                               "tunnel is blocked); the app is served locally only.")
-            print(f"specchat: {slot.share_note} Local address: {demo.local_url}",
-                  file=sys.stderr, flush=True)
-    try:
-        demo.block_thread()
-    except KeyboardInterrupt:
-        pass
-    return 0
+    if not args.share:
+        return
+    if demo.share_url:
+        slot.share_note = "Shared through a public gradio.live link" + \
+            (" (login required)." if auth else " WITHOUT a login.")
+        print(f"specchat: public link: {demo.share_url}", file=sys.stderr)
+    else:
+        slot.share_note = ("The public share link could not be created (offline, or the "
+                           "tunnel is blocked); the app is served locally only.")
+        print(f"specchat: {slot.share_note} Local address: {demo.local_url}",
+              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
