@@ -168,13 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      "token ({type: token, id, text, kind, ...}), one per "
                                      "verification step ({type: step, ...}: what was drafted, "
                                      "kept and why) and a final stats line.")
-    gen.add_argument("--prompt", default=None, help="the user message (default: stdin)")
-    gen.add_argument("--system", default="", help="system prompt")
+    gen.add_argument("--prompt", default=None, metavar="TEXT",
+                     help="the user message (default: read from stdin)")
+    gen.add_argument("--system", default="", metavar="TEXT",
+                     help="system prompt, for the chat format (default: none)")
     gen.add_argument("--raw", action="store_true",
                      help="feed the prompt as plain text, without the chat format")
     gen.add_argument("--json", action="store_true", help="JSON lines instead of plain text")
     gen.add_argument("--db", default=None, metavar="PATH",
-                     help="record this turn in the stats database at this path")
+                     help="record this turn in the stats database at this path (default: the "
+                          "turn is not recorded)")
     add_model_arguments(gen)
     add_sampling_arguments(gen)
     gen.set_defaults(func=cmd_generate)

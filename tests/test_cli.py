@@ -159,3 +159,57 @@ def test_a_bad_database_is_reported_once_and_the_row_exists_before_the_stats_lin
                 assert len(store.turns(conversation["id"])) == 1
                 store.close()
                 break
+
+
+# -- --help: one metavar per flag, every default said ------------------------------------------
+
+def commands() -> dict:
+    """Every command's parser: `python -m specchat`'s subcommands and `python app.py`."""
+    from specchat.app import build_parser as app_parser
+    from specchat.cli import build_parser
+    (sub,) = [a for a in build_parser()._actions if a.choices and "generate" in a.choices]
+    return {**sub.choices, "app": app_parser()}
+
+
+def options(parser, own_only=False):
+    """(option, how --help writes its value: 'N', '{nf4,none}', ...; None for a switch, and
+    the option's entry in --help) for each option of `parser`; with `own_only`, only those in
+    its own group, not the shared groups (models, decoding, sampling, ...)."""
+    formatter = parser._get_formatter()
+    actions = parser._optionals._group_actions if own_only else parser._actions
+    for action in actions:
+        if not action.option_strings or action.nargs == 0 and action.dest == "help":
+            continue
+        value = None if action.nargs == 0 else formatter._format_args(
+            action, formatter._get_default_metavar_for_optional(action))
+        entry = " ".join(formatter._format_action(action).split())  # unwrapped
+        for option in action.option_strings:
+            yield option, value, entry
+
+
+MINE = ("generate", "stats", "train-draft")  # the commands checked against all of these
+PEERS = (*MINE, "serve", "app")
+
+
+def test_a_flag_writes_its_value_the_same_way_in_every_command():
+    parsers = commands()
+    seen = {}  # option -> {value as --help writes it: [commands]}
+    for name in PEERS:
+        for option, value, _ in options(parsers[name]):
+            if value is not None:
+                seen.setdefault(option, {}).setdefault(value, []).append(name)
+    for name in MINE:
+        for option, value, _ in options(parsers[name]):
+            if value is not None:
+                assert len(seen[option]) == 1, f"{option}: {seen[option]}"
+    assert {*seen["--threads"]} == {"N"} and {*seen["--db"]} == {"PATH"}
+
+
+def test_every_option_says_its_default():
+    """Each option these commands define (the shared model and sampling flags come from
+    `args` and `core.settings`) says its default, or what happens when it is not given."""
+    parsers = commands()
+    for name in MINE:
+        for option, value, entry in options(parsers[name], own_only=True):
+            if value is not None:  # a switch is off unless given
+                assert "default: " in entry and "(default: )" not in entry, (name, option)

@@ -40,17 +40,21 @@ def add_db_argument(parser: argparse.ArgumentParser) -> None:
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `stats`; the main CLI then calls `args.func(args)`."""
     parser = subparsers.add_parser(
-        "stats", formatter_class=HelpFormatter, help="list past conversations with their speedup and acceptance",
+        "stats", formatter_class=HelpFormatter,
+        help="list past conversations with their speedup and acceptance",
         description="List stored conversations with their speedup over plain decoding and "
                     "their draft acceptance rate.")
     add_db_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.add_argument("--csv", metavar="OUT", help="export turns as CSV to OUT ('-' = stdout)")
+    parser.add_argument("--csv", metavar="OUT",
+                        help="export turns as CSV to OUT ('-' = stdout) (default: no export, "
+                             "print the list)")
     parser.add_argument("--steps", action="store_true",
                         help="with --csv: export one row per verification step instead (what "
                              "was drafted, kept, and the test that decided)")
     parser.add_argument("--conversation", metavar="ID",
-                        help="only this conversation (an id or a unique prefix): show its turns")
+                        help="only this conversation (an id or a unique prefix): show its turns "
+                             "(default: every conversation)")
     parser.set_defaults(func=run_stats_cli)
     return parser
 

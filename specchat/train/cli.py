@@ -3,7 +3,7 @@
 Four resumable phases, all under one time budget (--minutes), in one work directory (--out,
 by default next to the target's cache, where the app finds the head):
 
-1. generate  the target answers a prompt set the project wrote (specchat/prompts/, never the
+1. generate  the target answers a prompt set the project wrote (train/prompts/, never the
              benchmark questions): self-distillation, so the head learns the target's own text.
              Files given with --data add prompts ({"prompt": ...} lines) or plain text.
 2. extract   teacher-forced target forwards over every sequence: the features f_t (output of the
@@ -165,81 +165,91 @@ def cmd_train_draft(args) -> int:
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train-draft", formatter_class=HelpFormatter, help="train a draft head (EAGLE) for a target, on text the target writes",
+        "train-draft", formatter_class=HelpFormatter,
+        help="train a draft head (EAGLE) for a target, on text the target writes",
         description="Self-distillation: the target answers a prompt set, then an EAGLE-style "
                     "draft head is trained on the target's features. Resumable (run the same "
                     "command again to continue), bounded by --minutes, CPU or CUDA. The head is "
                     "saved with the target's identity; the app loads it as drafter 'head'.")
     p.add_argument("--target", default="embedded",
-                   help="hub id or local directory (default: the embedded Gemma 3 270M)")
+                   help="target model: hub id or local directory (default: the embedded "
+                        "Gemma 3 270M, offline)")
     p.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
-                   help="load the target as the app will (features depend on it)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
-    p.add_argument("--data", nargs="*", default=[],
+                   help="target weights: 4-bit NF4 via bitsandbytes or unquantized; load the "
+                        "target as the app will (the features depend on it)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1")
+    p.add_argument("--data", nargs="*", default=[], metavar="PATH",
                    help="extra JSONL ({'prompt'}/{'turns'} = prompts, {'text'} = text) or "
-                        ".txt/.md/.rst files or directories")
-    p.add_argument("--prompts", nargs="*", default=[],
-                   help="prompt set JSONL files (default: specchat/prompts/*.jsonl)")
+                        ".txt/.md/.rst files or directories (default: none)")
+    p.add_argument("--prompts", nargs="*", default=[], metavar="PATH",
+                   help="prompt set JSONL files (default: specchat/train/prompts/*.jsonl)")
     p.add_argument("--no-generate", action="store_true",
                    help="skip self-distillation: train on --data text only")
-    p.add_argument("--minutes", type=float, default=30.0,
-                   help="time budget for the whole command (default 30); 0 with --evaluate "
-                        "evaluates an existing head")
-    p.add_argument("--out", default=None,
+    p.add_argument("--minutes", type=float, default=30.0, metavar="X",
+                   help="time budget for the whole command; 0 with --evaluate evaluates an "
+                        "existing head")
+    p.add_argument("--out", default=None, metavar="DIR",
                    help="work directory and head location (default: next to the target's "
                         "cache, where the app finds it)")
     _add_generation_arguments(p)
     _add_training_arguments(p)
     p.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="torch CPU threads (default 0: torch's choice)")
+                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--evaluate", type=int, default=0, metavar="N",
                    help="afterwards, decode N held-out prompts with the head vs plain and "
-                        "report alpha and speed")
-    p.add_argument("--eval-tokens", type=int, default=96)
-    p.add_argument("--json", action="store_true", help="summary as one JSON line")
+                        "report alpha and speed (0 = no evaluation)")
+    p.add_argument("--eval-tokens", type=int, default=96, metavar="N",
+                   help="with --evaluate: new tokens per held-out prompt")
+    p.add_argument("--json", action="store_true",
+                   help="summary as one JSON line (default: indented JSON)")
     p.set_defaults(func=cmd_train_draft)
     return p
 
 
 def _add_generation_arguments(p: argparse.ArgumentParser) -> None:
     """Phase 1: how the target writes the text the head learns from."""
-    p.add_argument("--gen-share", type=float, default=0.5,
-                   help="most of the budget spent generating text (default 0.5)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per generated reply")
+    p.add_argument("--gen-share", type=float, default=0.5, metavar="X",
+                   help="most of the budget spent generating text, as a share of it")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                   help="longest generated reply, in tokens")
     p.add_argument("--stop-at-turn-end", action="store_true",
                    help="end each generated reply at the chat format's stop string, as the "
                         "app does (default: go on to the cap; the model's own follow-up turns "
                         "are more text of the kind it writes)")
-    p.add_argument("--gen-batch", type=int, default=0,
-                   help="prompts generated together (default 0: 64 on a CPU, 16 on a GPU)")
-    p.add_argument("--samples", type=int, default=3,
+    p.add_argument("--gen-batch", type=int, default=0, metavar="N",
+                   help="prompts generated together (0 = 64 on a CPU, 16 on a GPU)")
+    p.add_argument("--samples", type=int, default=3, metavar="N",
                    help="replies per prompt (the extra ones sampled): more text from the same "
-                        "prompts (default 3)")
+                        "prompts")
 
 
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     """Phase 4: the head's size, the loss and the optimizer."""
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="reduced vocabulary size N")
-    p.add_argument("--intermediate-size", type=int, default=0,
-                   help="MLP width of the head's block (default 0: the target's); narrower "
-                        "drafts faster and makes a smaller file")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
-    p.add_argument("--ce-weight", type=float, default=1.0,
+    p.add_argument("--seq-len", type=int, default=512, metavar="N",
+                   help="tokens per training sequence")
+    p.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                   help="reduced vocabulary size N")
+    p.add_argument("--intermediate-size", type=int, default=0, metavar="N",
+                   help="MLP width of the head's block (0 = the target's); narrower drafts "
+                        "faster and makes a smaller file")
+    p.add_argument("--batch-tokens", type=int, default=4096, metavar="N",
+                   help="tokens per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="AdamW's learning rate")
+    p.add_argument("--ce-weight", type=float, default=1.0, metavar="X",
                    help="weight of the token loss (cross-entropy against the target's)")
-    p.add_argument("--feature-weight", type=float, default=0.1,
+    p.add_argument("--feature-weight", type=float, default=0.1, metavar="X",
                    help="weight of the feature loss (predicted vs the target's features)")
-    p.add_argument("--noise", type=float, default=0.1,
+    p.add_argument("--noise", type=float, default=0.1, metavar="X",
                    help="uniform noise on input features, in feature std units")
-    p.add_argument("--unroll", type=int, default=1,
+    p.add_argument("--unroll", type=int, default=1, metavar="N",
                    help=">1: also train on the head's own predicted features")
     p.add_argument("--fp32", action="store_true",
                    help="train in float32 throughout (default: bf16 autocast where fast)")
-    p.add_argument("--max-steps", type=int, default=0,
-                   help="stop training after this many optimizer steps in total (0: only the "
-                        "clock); makes a run reproducible on machines of any speed")
-    p.add_argument("--seed", type=int, default=0, help="data order and initialization")
+    p.add_argument("--max-steps", type=int, default=0, metavar="N",
+                   help="stop training after this many optimizer steps in total (0 = only the "
+                        "clock stops it); makes a run reproducible on machines of any speed")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="data order and initialization")
 
 
 __all__ = ["TrainConfig", "add_cli", "run", "evaluate_engine"]
