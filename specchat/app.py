@@ -38,15 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     serve = parser.add_argument_group("serving")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default 127.0.0.1: this machine only; "
-                            "0.0.0.0 exposes the page to your network)")
+                       help="address to listen on (127.0.0.1: this machine only; 0.0.0.0 "
+                            "exposes the page to your network)")
     serve.add_argument("--port", type=int, default=None, metavar="N",
                        help="port (default: the first free one from 7860)")
     serve.add_argument("--share", action="store_true",
                        help="also make a public gradio.live link (needs network; when the "
                             "tunnel cannot be made the app says so and keeps serving locally)")
     serve.add_argument("--auth", metavar="USER:PASS", default=None,
-                       help=f"require this login (several: u1:p1,u2:p2); or set ${AUTH_ENV}")
+                       help=f"require this login (several: u1:p1,u2:p2); or set ${AUTH_ENV} "
+                            "(default: no login)")
     serve.add_argument("--api-key", metavar="KEY", action="append", default=[],
                        help="also accept 'Authorization: Bearer KEY' on the OpenAI-compatible "
                             "API at /v1 (repeatable); logins work there as 'USER:PASS' keys")

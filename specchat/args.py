@@ -27,29 +27,30 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", choices=sorted(PRESETS),
                    help="a named target + draft pair: " +
                    "; ".join(f"{k}: {v.note}" for k, v in PRESETS.items()))
-    g.add_argument("--target", default=None,
+    g.add_argument("--target", default=None, metavar="MODEL",
                    help="target model: hub id or local directory (default: the embedded "
                         "Gemma 3 270M, offline)")
-    g.add_argument("--draft-model", default=None,
+    g.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="draft model (hub id or directory) sharing the target's tokenizer; "
-                        "'embedded' for the embedded Gemma weights")
+                        "'embedded' for the embedded Gemma weights (default: none)")
     g.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
                    help="target weights: 4-bit NF4 via bitsandbytes (default) or unquantized")
     g.add_argument("--draft-quantization", choices=["nf4", "none"], default="none",
                    help="draft weights (default: unquantized)")
-    g.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1")
-    g.add_argument("--head", default=None,
+    g.add_argument("--device", default="auto", metavar="DEVICE", help="auto (CUDA if available), cpu, cuda, cuda:1")
+    g.add_argument("--head", default=None, metavar="PATH",
                    help="draft head file from `train-draft` (default: the head trained or "
                         "shipped for this target, if any)")
     b = p.add_argument_group("serving engine as backend (instead of a local model)")
     b.add_argument("--backend", metavar="URL", default=None,
                    help="drive an OpenAI-compatible server: vLLM, SGLang, llama.cpp's "
-                        "llama-server or another specchat (python -m specchat serve)")
+                        "llama-server or another specchat (python -m specchat serve) "
+                        "(default: none, the local model)")
     b.add_argument("--backend-plain", metavar="URL", default=None,
                    help="a second server of the same model without speculation: the 'off' "
-                        "side of A/B replays and of `bench`'s plain mode")
+                        "side of A/B replays and of `bench`'s plain mode (default: none)")
     b.add_argument("--backend-key", metavar="KEY", default=None,
-                   help=f"API key for the backend(s) (or set ${BACKEND_KEY_ENV})")
+                   help=f"API key for the backend(s) (default: ${BACKEND_KEY_ENV}, else none)")
     b.add_argument("--backend-model", metavar="NAME", default=None,
                    help="which served model (default: the first the server lists)")
 
@@ -61,7 +62,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter", choices=NAMES, default=None,
                    help="who proposes drafts: a draft model, ngram prompt lookup, the trained "
                         "draft head, combined (ngram when it finds a continuation, else the "
-                        "head), or a --backend server's own. Default: the best loaded")
+                        "head), or a --backend server's own (default: the best loaded)")
     g.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: adapt k to measured acceptance/cost)")
     add_arguments(p)
@@ -104,7 +105,8 @@ def load_for_cli(args):
     models could not be loaded."""
     from specchat.models.loaded import ModelLoadError
     try:
-        return load_from_args(args, lambda msg: print(f"specchat: {msg}", file=sys.stderr))
+        return load_from_args(args, lambda msg: print(
+            msg if msg.startswith("specchat: ") else f"specchat: {msg}", file=sys.stderr))
     except ModelLoadError as e:
         print(f"specchat: {e}", file=sys.stderr)
         return None

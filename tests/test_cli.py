@@ -187,7 +187,7 @@ def options(parser, own_only=False):
             yield option, value, entry
 
 
-MINE = ("generate", "stats", "train-draft")  # the commands checked against all of these
+MINE = ("generate", "stats", "train-draft", "bench")  # the commands checked against all of these
 PEERS = (*MINE, "serve", "app")
 
 

@@ -21,8 +21,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "timings and specchat's stats.")
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+                        help="address to listen on (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, metavar="N", help="port to listen on")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' (repeatable; or ${API_KEY_ENV})")
     parser.add_argument("--max-new-tokens-cap", "--max-tokens-cap", dest="max_tokens_cap",

@@ -41,26 +41,30 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "interleaved per question, and report tokens/s, speedup over plain "
                     "decoding, acceptance, target calls per token and time to first token, per "
                     "category and overall.")
-    p.add_argument("--questions", default=None,
+    p.add_argument("--questions", default=None, metavar="PATH",
                    help="JSONL file, one question a line with `turns` and `category`, such as "
                         "Spec-Bench's question.jsonl (default: specchat's own set, 3 questions "
                         "in each of Spec-Bench's 13 categories)")
-    p.add_argument("--categories", nargs="+", default=None,
-                   help="only these categories (space or comma separated)")
+    p.add_argument("--categories", nargs="+", default=None, metavar="NAME",
+                   help="only these categories, space or comma separated (default: all)")
     p.add_argument("--limit-per-category", type=int, default=None, metavar="N",
-                   help="the first N questions of each category")
+                   help="the first N questions of each category (default: all)")
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first turns only, or every turn (follow-ups reuse the cached history)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="longest reply, in tokens")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="X",
+                   help="nucleus sampling (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="N", help="0 = off")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="the same seed for every run, so repeats decode the same text")
     p.add_argument("--modes", type=_modes_arg, default=None,
                    help=f"comma separated, from {','.join(ALL_MODES + HEAD_MODES)} (default: "
                         "every mode the loaded models allow)")
     add_arguments(p, names=SAMPLER_FLAGS + ["dry_sequence_breakers"])
-    p.add_argument("--draft-len", type=int, default=4, help="k: most draft tokens per step")
+    p.add_argument("--draft-len", type=int, default=4, metavar="N",
+                   help="k: most draft tokens per step")
     p.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens (default: the engine adapts k)")
     p.add_argument("--tree-nodes", type=int, default=TREE_NODES, metavar="N",
@@ -68,18 +72,19 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--hf-pld-tokens", type=int, default=0, metavar="N",
                    help="prompt_lookup_num_tokens for hf-pld (default: --draft-len)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per question and mode; "
+    p.add_argument("--repeats", type=int, default=1, metavar="N", help="runs per question and mode; "
                                                           "timings are medians")
     p.add_argument("--ignore-stop-strings", action="store_true",
                    help="stop at EOS and --max-new-tokens only, not at the chat format's stop "
                         "strings (longer replies: decoding speed rather than short answers)")
-    p.add_argument("--warmup-tokens", type=int, default=16,
+    p.add_argument("--warmup-tokens", type=int, default=16, metavar="N",
                    help="tokens of one unrecorded warm-up run per mode (0: none)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch CPU threads (default: torch's choice). On a machine shared with "
                         "other busy processes, 1 avoids threads waiting on each other")
     _add_llama_arguments(p)
-    p.add_argument("--json", metavar="OUT", default=None, help="write the full report here")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write the full report here (default: the text report only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(p)
     p.set_defaults(func=cmd_bench)
@@ -93,13 +98,16 @@ def _add_llama_arguments(p: argparse.ArgumentParser) -> None:
         "`llama.cpp` (plain decoding) and `llama.cpp-T` for each --llama-spec-type T. Build "
         "llama-server once: python -m specchat.backends.llama_cpp build (docs/performance.md).")
     g.add_argument("--llama-server", metavar="URL", default=None,
-                   help="a running llama-server (launched on the same weights)")
+                   help="a running llama-server (launched on the same weights) (default: "
+                        "none)")
     g.add_argument("--llama-server-bin", metavar="PATH", default=None,
                    help="start llama-server from PATH ('auto': the one built into specchat's "
-                        "cache) on the embedded model's GGUF, with --threads threads")
+                        "cache) on the embedded model's GGUF, with --threads threads (default: "
+                        "none)")
     g.add_argument("--llama-spec-type", metavar="T", action="append", default=[],
                    help="with --llama-server-bin: also a server with llama.cpp's own "
-                        "speculation T (ngram-simple, ngram-cache, ...); repeatable")
+                        "speculation T (ngram-simple, ngram-cache, ...); repeatable (default: "
+                        "none)")
 
 
 def cmd_bench(args) -> int:

@@ -171,7 +171,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "draft head is trained on the target's features. Resumable (run the same "
                     "command again to continue), bounded by --minutes, CPU or CUDA. The head is "
                     "saved with the target's identity; the app loads it as drafter 'head'.")
-    p.add_argument("--target", default="embedded",
+    p.add_argument("--target", default="embedded", metavar="MODEL",
                    help="target model: hub id or local directory (default: the embedded "
                         "Gemma 3 270M, offline)")
     p.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
