@@ -557,3 +557,15 @@ def test_step_records_are_json():
     assert {"proposal", "proposal_text", "path", "k", "evidence"} <= set(spec)
     assert {"token", "rejected", "p", "q", "accept_prob", "target_top", "draft_top"} <= set(
         spec["evidence"])
+
+
+def test_collect_sorts_a_stream_into_one_reply():
+    from specchat.core.events import collect
+    engine = make_engine()
+    events = list(engine.stream(TOK(REPETITIVE)["input_ids"],
+                                GenerateConfig(max_new_tokens=20, drafter="ngram")))
+    reply = collect(iter(events))
+    assert reply.tokens == [e for e in events if isinstance(e, TokenEvent)]
+    assert reply.steps == [e for e in events if isinstance(e, StepRecord)]
+    assert reply.stats is events[-1] and reply.text == "".join(t.text for t in reply.tokens)
+    assert reply.ids == [t.id for t in reply.tokens] and len(reply.ids) == 20

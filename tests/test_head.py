@@ -304,8 +304,9 @@ def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
     with torch.no_grad():  # a random model is nearly uniform: give it something to teach
         model.lm_head.weight.mul_(20)
     target = loaded(model, TOK)
+    # seq_len: the byte tokenizer spends a token per character of the chat preamble
     cfg = train_config.TrainConfig(out=tmp_path / "run", minutes=5, prompt_files=[tiny_prompts(tmp_path)],
-                         max_new_tokens=24, gen_batch=4, seq_len=512, draft_vocab=48,
+                         max_new_tokens=24, gen_batch=4, seq_len=1024, draft_vocab=48,
                          batch_tokens=256, lr=3e-3, warmup_steps=5, max_steps=40, noise=0.0)
     path, summary = train_cli.run(target, cfg, progress=lambda m: None)
     assert summary["steps"] == 40 and summary["train_positions"] > 200
@@ -346,7 +347,9 @@ def test_both_generation_paths_give_the_same_greedy_replies(tmp_path, monkeypatc
     replies = {}
     for path in ("loop", "generate"):
         monkeypatch.setattr(batched, "supported", lambda m, ok=(path == "loop"): ok)
-        cfg = train_config.TrainConfig(out=tmp_path / path, max_new_tokens=12, gen_batch=3)
+        # seq_len: the byte tokenizer spends a token per character of the chat preamble
+        cfg = train_config.TrainConfig(out=tmp_path / path, max_new_tokens=12, gen_batch=3,
+                                       seq_len=1024)
         cfg.out.mkdir()
         assert train_replies.generate_replies(target, prompts, cfg, deadline=float("inf")) == len(prompts)
         rows = train_data.read_jsonl(cfg.out / "generated.jsonl")

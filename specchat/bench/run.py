@@ -60,7 +60,7 @@ from specchat.bench.config import (
     Run,
 )
 from specchat.bench.metrics import summarize_bench
-from specchat.core.events import TARGET, GenerationStats, StepRecord, TokenEvent
+from specchat.core.events import TARGET, StepRecord, TokenEvent, collect
 
 # ---------------------------------------------------------------------------------------------
 # Running the modes
@@ -146,19 +146,13 @@ def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: 
                          draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
                          tree_nodes=s.tree_nodes if mode.endswith("-tree") else 0, **s.samplers)
     probe.reset()
-    text, steps, stats = [], [], None
-    for ev in engine.stream(ids, cfg):
-        if isinstance(ev, TokenEvent):
-            text.append(ev.text)
-        elif isinstance(ev, StepRecord):
-            steps.append(ev)
-        elif isinstance(ev, GenerationStats):
-            stats = ev
+    reply = collect(engine.stream(ids, cfg))
+    stats = reply.stats
     return dict(new_tokens=stats.new_tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
                 prompt_tokens=stats.prompt_tokens, prefill_tokens=stats.prefill_tokens,
                 target_calls=stats.target_calls, forward_s=sum(t for _, t in probe.calls),
                 prefill_s=probe.calls[0][1] if probe.calls else 0.0,
-                steps=steps, text="".join(text), stop_reason=stats.stop_reason,
+                steps=reply.steps, text=reply.text, stop_reason=stats.stop_reason,
                 error=stats.error)
 
 
@@ -231,14 +225,8 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
                          speculation=True,  # the server's own setting decides
                          draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
                          **s.samplers)
-    text, steps, stats = [], [], None
-    for ev in remote.stream(RemotePrompt(ids=list(ids)), cfg):
-        if isinstance(ev, TokenEvent):
-            text.append(ev.text)
-        elif isinstance(ev, StepRecord):
-            steps.append(ev)
-        elif isinstance(ev, GenerationStats):
-            stats = ev
+    reply = collect(remote.stream(RemotePrompt(ids=list(ids)), cfg))
+    stats, steps, text = reply.stats, reply.steps, reply.text
     # Tokens as the server counts them (a stop string's too, which its text leaves out)
     tokens = max(stats.new_tokens, remote.last_usage.get("completion_tokens") or 0)
     # Target passes: as the server counted them (specchat), else one per token that was not an
@@ -247,7 +235,7 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
     return dict(new_tokens=tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
                 prompt_tokens=stats.prompt_tokens or len(ids), prefill_tokens=len(ids),
                 target_calls=calls, forward_s=None, prefill_s=stats.ttft_s,
-                steps=steps, text="".join(text), stop_reason=stats.stop_reason,
+                steps=steps, text=text, stop_reason=stats.stop_reason,
                 error=stats.error)
 
 

@@ -174,3 +174,33 @@ def summarize(steps: list[StepRecord], stats: GenerationStats) -> GenerationStat
     stats.accepted_by_position = [sum(1 for s in spec_steps if s.accepted > i) for i in range(width)]
     stats.tokens_per_s = stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0
     return stats
+
+
+@dataclass
+class Reply:
+    """A whole reply's events, collected (`collect`): for callers that need them at the end
+    rather than as they stream."""
+    tokens: list[TokenEvent] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    stats: GenerationStats | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+
+def collect(events) -> Reply:
+    """Sort a stream's events (an engine's `stream`) into one Reply."""
+    reply = Reply()
+    for event in events:
+        if isinstance(event, TokenEvent):
+            reply.tokens.append(event)
+        elif isinstance(event, StepRecord):
+            reply.steps.append(event)
+        elif isinstance(event, GenerationStats):
+            reply.stats = event
+    return reply

@@ -74,7 +74,7 @@ def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens
     acceptance, tokens per target call, tokens/s, and c = seconds per drafted token over
     seconds per plain target step (as the engine measures them)."""
     from specchat.core.engine import Engine, GenerateConfig
-    from specchat.core.events import GenerationStats, StepRecord
+    from specchat.core.events import collect
     from specchat.core.text import chat_prompt
     from specchat.drafters.ngram import NgramDrafter
     from specchat.loader import head_drafters
@@ -92,14 +92,12 @@ def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens
                                  draft_len=draft_len, adaptive=False, stop=stops)
             engine.reset_cache()
             t = totals[mode]
-            for e in engine.stream(ids, cfg):
-                if isinstance(e, StepRecord):
-                    t["draft_s"] += e.draft_s
-                    t["step_s"] += e.verify_s
-                    t["steps"] += 1
-                elif isinstance(e, GenerationStats):
-                    for k in keys:
-                        t[k] += getattr(e, k)
+            reply = collect(engine.stream(ids, cfg))
+            t["draft_s"] += sum(step.draft_s for step in reply.steps)
+            t["step_s"] += sum(step.verify_s for step in reply.steps)
+            t["steps"] += len(reply.steps)
+            for k in keys:
+                t[k] += getattr(reply.stats, k)
     plain_step = totals["plain"]["step_s"] / max(totals["plain"]["steps"], 1) \
         if "plain" in totals else 0.0
     out = {}
