@@ -482,3 +482,30 @@ def test_sixteen_clients_mixed_streamed_and_whole_lose_nothing(server, seconds):
              if t["prompt"].startswith("load ")}
     assert set(done) <= saved
     assert _post(url, prompt="after", max_tokens=2).status_code == 200
+
+
+def test_logprobs_come_from_the_target_in_openais_shapes(server):
+    url, api, _ = server
+    c = client(url)
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                     max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in content)
+    assert all(e.top_logprobs[0].logprob == e.logprob for e in content)  # greedy: the argmax
+    plain = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                 logprobs=2, extra_body={"speculation": False})
+    spec = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                logprobs=2, extra_body={"drafter": "ngram"})
+    for reply in (plain, spec):
+        lp = reply.choices[0].logprobs
+        assert "".join(lp.tokens) == reply.choices[0].text and len(lp.top_logprobs[0]) <= 2
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(
+        spec.choices[0].logprobs.token_logprobs, abs=1e-5)
+    streamed = [ch for ch in c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+        temperature=0, logprobs=True, stream=True) if ch.choices and ch.choices[0].logprobs]
+    assert sum(len(ch.choices[0].logprobs.content) for ch in streamed) >= 1
+    for body, param in (({"logprobs": 9}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs")):
+        r = _post(url, prompt="hi", max_tokens=2, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -569,3 +569,25 @@ def test_collect_sorts_a_stream_into_one_reply():
     assert reply.steps == [e for e in events if isinstance(e, StepRecord)]
     assert reply.stats is events[-1] and reply.text == "".join(t.text for t in reply.tokens)
     assert reply.ids == [t.id for t in reply.tokens] and len(reply.ids) == 20
+
+
+def test_logprobs_are_the_targets_own_and_the_same_with_speculation_on_or_off():
+    """Each token's log-probability under the target (after the penalties, before temperature)
+    and its likeliest alternatives: greedy, the token is the top alternative; speculation does
+    not change them (bit for bit where the runtime proved verifies row-exact; a tiny model on
+    stock torch rounds a verify's rows slightly differently)."""
+    import math
+    engine = make_engine()
+    plain, _, _ = run(engine, REPETITIVE, speculation=False, logprobs=3)
+    spec, _, _ = run(engine, REPETITIVE, drafter="self", draft_len=4, adaptive=False,
+                     logprobs=3)
+    assert [t.id for t in spec] == [t.id for t in plain]
+    assert [t.logprob for t in spec] == pytest.approx([t.logprob for t in plain], abs=1e-5)
+    assert [[i for i, _ in t.top_logprobs] for t in spec] == \
+        [[i for i, _ in t.top_logprobs] for t in plain]
+    for t in plain:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0][0] == t.id and t.top_logprobs[0][1] == t.logprob
+        assert sum(math.exp(lp) for _, lp in t.top_logprobs) <= 1 + 1e-6
+    assert "logprob" in plain[0].to_json() and "logprob" not in run(
+        engine, REPETITIVE, speculation=False)[0][0].to_json()

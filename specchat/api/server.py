@@ -54,13 +54,13 @@ MAX_WAITING = 8  # replies waiting behind the one generating, the page's include
 RETRY_AFTER_S = 5
 MAX_INPUT_CHARS = 16000
 MAX_TOKENS_CAP = 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may give, and their length
 # OpenAI fields specchat cannot honour: refused by name rather than ignored. A value equal to
 # the default (n: 1, logprobs: false, response_format: text, ...) is accepted.
 # llama.cpp's own fields for what specchat does not do (grammars, other samplers, token
 # probabilities) are refused the same way.
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
-               "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"),
                "n_probs": (None, 0), "grammar": (None, ""), "json_schema": (None, {}),
@@ -256,6 +256,34 @@ class Api:
             raise ApiError(413, f"The input is {len(text):,} characters; the limit here is "
                                 f"{self.max_input_chars:,}.")
 
+    def logprobs(self, body: dict, chat: bool) -> int | None:
+        """How many alternatives each token's logprob comes with (None: no logprobs). Chat:
+        `logprobs` true and `top_logprobs` 0..20; completions: `logprobs` 0..5."""
+        asked, top = body.get("logprobs"), body.get("top_logprobs")
+        if chat:
+            if asked not in (None, True, False):
+                raise ApiError(400, "'logprobs' must be true or false.", param="logprobs")
+            if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                                    or not 0 <= top <= MAX_TOP_LOGPROBS or not asked):
+                raise ApiError(400, f"'top_logprobs' must be a whole number in 0..."
+                                    f"{MAX_TOP_LOGPROBS}, with 'logprobs': true.",
+                               param="top_logprobs")
+            return self._gives_logprobs((top or 0) if asked else None)
+        if top is not None:
+            raise ApiError(400, "'top_logprobs' belongs to chat completions; completions take "
+                                "'logprobs': N.", param="top_logprobs")
+        if asked is None or asked is False:
+            return None
+        if not isinstance(asked, int) or isinstance(asked, bool) or not 0 <= asked <= 5:
+            raise ApiError(400, "'logprobs' must be a whole number in 0..5.", param="logprobs")
+        return self._gives_logprobs(asked)
+
+    def _gives_logprobs(self, n: int | None) -> int | None:
+        if n is not None and not getattr(self.engine, "gives_logprobs", False):
+            raise ApiError(400, "This engine does not give logprobs (a serving backend's are "
+                                "not passed through).", param="logprobs")
+        return n
+
     def config(self, body: dict) -> GenerateConfig:
         for name, defaults in UNSUPPORTED.items():
             if body.get(name) not in defaults:
@@ -353,7 +381,8 @@ class Api:
         ids, stops, prompt = self.prompt(body, chat)
         cfg = self.config(body)
         cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
-        reply = Reply(chat, self.model_id)
+        cfg.logprobs = self.logprobs(body, chat)
+        reply = Reply(chat, self.model_id, lambda i: self.engine.tokenizer.decode([i]))
         queue, stop = await self.start(ids, cfg, lambda events, stop: self.steps(
             events, stop, owner, prompt))
         first = await queue.get()
@@ -452,8 +481,9 @@ class Reply:
     """One response in OpenAI's shapes: its id, object type and time, the chunks of a stream
     or the whole object, each token carrying its kind, text, step and id."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, decode=None):
         self.chat, self.model = chat, model
+        self.decode = decode  # token id -> its text, for the alternatives of logprobs
         self.ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
@@ -466,9 +496,32 @@ class Reply:
                               "steps": [t.step for t in tokens],
                               "ids": [t.id for t in tokens],
                               "records": [r.to_json() for r in records]}}
+        logprobs = self.logprobs(tokens)
+        if logprobs is not None:
+            extra["logprobs"] = logprobs
         if self.chat:
             return {"index": 0, "delta": {"content": text}, "finish_reason": None, **extra}
         return {"index": 0, "text": text, "finish_reason": None, **extra}
+
+    def logprobs(self, tokens: list[TokenEvent], offset: int = 0) -> dict | None:
+        """OpenAI's logprobs of `tokens`: chat's `content` list, or the completions' parallel
+        lists. None when the request did not ask for them."""
+        if not tokens or tokens[0].logprob is None:
+            return None
+        decode = self.decode or (lambda i: "")
+
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        if self.chat:
+            return {"content": [{**entry(t.text, t.logprob), "top_logprobs": [
+                entry(decode(i), lp) for i, lp in t.top_logprobs]} for t in tokens]}
+        offsets, at = [], offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t.text)
+        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{decode(i): lp for i, lp in t.top_logprobs} for t in tokens],
+                "text_offset": offsets}
 
     def chunk(self, choice: dict | None, **more) -> str:
         """One server-sent event; no choice: a chunk with empty `choices` (the usage one)."""
@@ -513,6 +566,9 @@ class Reply:
         choice = {"index": 0, "finish_reason": FINISH.get(stats.stop_reason, "stop")}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat
                       else {"text": text})
+        logprobs = self.logprobs(tokens)
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return {"id": self.ident, "object": self.kind, "created": self.created,
                 "model": self.model, "choices": [choice], "usage": usage(stats), **extra}
 

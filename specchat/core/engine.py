@@ -93,6 +93,8 @@ class GenerateConfig:
     # verified in one forward (tree.py). 0: chains.
     tree_nodes: int = 0
     stop: tuple[str, ...] = ()  # stop strings (not included in the reply)
+    # Each token's log-probability and this many alternatives (`token_logprobs`); None: off.
+    logprobs: int | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -156,6 +158,7 @@ class Engine:
         # What the model runtime gives (models.LoadedModel): verify logits equal one-token
         # logits bit for bit (proved at load), tree masks, the paged cache its attention needs.
         self.row_exact = target.row_exact
+        self.gives_logprobs = True  # GenerateConfig.logprobs is honoured
         self.trees_ok = target.tree_masks
         self.paged_cache = target.paged_cache
 
@@ -243,7 +246,7 @@ class Engine:
 
     def _verify_chain(self, run: _Request, draft: Draft) -> tuple:
         """Verify a chain of drafts in one forward; crop the rejected ones from the cache.
-        -> (path, verdict fields, the decisive row's logits)."""
+        -> (path, verdict fields, the logits of the rows that emitted tokens)."""
         context, k = run.context, len(draft)
         drafted = draft.tokens.tolist()
         logits = self._forward([context[-1], *drafted], k + 1)
@@ -256,11 +259,11 @@ class Engine:
         self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
         self._observe(run.wants, len(context) - 1, [context[-1], *drafted[:n]])
         refused = drafted[n] if n < k else None
-        return list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, logits[n]
+        return list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, logits[:n + 1]
 
     def _verify_tree(self, run: _Request, draft: Draft) -> tuple:
         """Verify a draft tree in one forward and keep the accepted path in the cache.
-        -> (path, verdict fields, the decisive node's logits)."""
+        -> (path, verdict fields, the logits of the root and the kept nodes)."""
         context, tree = run.context, draft.tree
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
@@ -272,7 +275,7 @@ class Engine:
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
         self._observe(run.wants, len(context) - 1, [ids[j] for j in keep], keep)
         refused = int(tree.tokens[v.refused[0]]) if v.refused else None
-        return list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep[-1]]
+        return list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep]
 
     def _draft(self, run: _Request) -> tuple[Draft, object, int]:
         """Ask the drafter for this step's proposal. -> (draft, its class, the k allowed)."""
@@ -296,15 +299,15 @@ class Engine:
         draft, cls, allowed = self._draft(run)
         t1 = time.perf_counter()
         verify_ = self._verify_tree if draft.tree is not None else self._verify_chain
-        path, token, bonus, refused, p, q, row = verify_(run, draft)
+        path, token, bonus, refused, p, q, rows = verify_(run, draft)
         accepted = [int(draft.tokens[i]) for i in path]
-        return StepResult(draft, accepted, path, token, bonus, refused, p, q, row, allowed, cls,
+        return StepResult(draft, accepted, path, token, bonus, refused, p, q, rows, allowed, cls,
                           t1 - t0, time.perf_counter() - t1)
 
     def _record(self, run: _Request, step: StepResult, number: int
-                ) -> tuple[list[tuple[int, str]], StepRecord]:
-        """The step's tokens with their kinds and its record; the drafter and the k policy
-        hear how it went."""
+                ) -> tuple[list[tuple], StepRecord]:
+        """The step's tokens (token, kind, logprob, top alternatives) and its record; the
+        drafter and the k policy hear how it went."""
         k, n = len(step.draft), len(step.accepted)
         levels = step.draft.levels
         run.stats.target_calls += 1
@@ -322,7 +325,17 @@ class Engine:
             # A tree counts as its depth: one draft forward and one test per level.
             run.policy.update(k + 1, step.verify_s, levels, n, step.draft_s, step.cls)
         last_kind = TARGET if k == 0 else (BONUS if step.bonus else RESAMPLED)
-        return [(t, ACCEPTED) for t in step.accepted] + [(step.next_token, last_kind)], record
+        tokens = [(t, ACCEPTED) for t in step.accepted] + [(step.next_token, last_kind)]
+        return self._with_logprobs(run, step.rows, tokens), record
+
+    @staticmethod
+    def _with_logprobs(run: _Request, rows: torch.Tensor, tokens: list[tuple[int, str]]
+                       ) -> list[tuple]:
+        """(token, kind) -> (token, kind, logprob, top) when the request asks for them."""
+        if run.cfg.logprobs is None:
+            return [(t, kind, None, None) for t, kind in tokens]
+        found = token_logprobs(rows, [t for t, _ in tokens], run.cfg.logprobs)
+        return [(t, kind, lp, top) for (t, kind), (lp, top) in zip(tokens, found)]
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -357,18 +370,19 @@ class Engine:
                         Noise(seed), stats, policy, trees, max_new,
                         ReplyText(self.tokenizer, prompt_ids, cfg.stop), list(prompt_ids))
 
-    def _emit(self, run: _Request, tokens: list[tuple[int, str]], record: StepRecord
+    def _emit(self, run: _Request, tokens: list[tuple], record: StepRecord
               ) -> Iterator[TokenEvent]:
         """Emit a step's tokens one by one, watching for the end: EOS, a stop string, the token
         limit. Sets `run.stats.stop_reason` when the reply ends."""
         stats = run.stats
-        for token, kind in tokens:
+        for token, kind, logprob, top in tokens:
             run.context.append(token)
             if token in self.eos_ids:
                 stats.stop_reason = "eos"
                 return
             run.generated += 1
-            event = TokenEvent(token, "", kind, record.step, record.drafted, record.accepted)
+            event = TokenEvent(token, "", kind, record.step, record.drafted, record.accepted,
+                               logprob, top)
             released, hit = run.reply.push(event)
             for ev in released:
                 stats.ttft_s = stats.ttft_s or time.perf_counter() - run.start
@@ -381,8 +395,7 @@ class Engine:
                 stats.stop_reason = "length"
                 return
 
-    def _first(self, run: _Request, prompt_ids: list[int]
-               ) -> tuple[list[tuple[int, str]], StepRecord]:
+    def _first(self, run: _Request, prompt_ids: list[int]) -> tuple[list[tuple], StepRecord]:
         """Encode the prompt (what the cache does not hold) and draw the first token."""
         stats = run.stats
         logits, stats.prefill_tokens = self._prefill(prompt_ids)
@@ -395,7 +408,7 @@ class Engine:
             run.drafter.begin(prompt_ids)
         fed = stats.prefill_tokens
         self._observe(run.wants, len(prompt_ids) - fed, prompt_ids[len(prompt_ids) - fed:])
-        return [(first.next_token, TARGET)], record
+        return self._with_logprobs(run, logits, [(first.next_token, TARGET)]), record
 
     def stream(self, prompt_ids: list[int], cfg: GenerateConfig,
                stop_event: threading.Event | None = None,
@@ -432,6 +445,19 @@ class Engine:
                 raise
             stats.seconds = time.perf_counter() - run.start
         yield summarize(steps, stats)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For rows [n, vocab] of the target's logits after the penalties (before temperature and
+    truncation: the model's own view, as OpenAI's logprobs are) and the token each row emitted:
+    (its log-probability, the `top` likeliest [(id, logprob)]) per token."""
+    logp = torch.log_softmax(rows.float(), -1)
+    out = []
+    for r, token in enumerate(tokens):
+        values, ids = torch.topk(logp[r], top) if top else (torch.zeros(0), torch.zeros(0))
+        out.append((float(logp[r, token]), list(zip(ids.tolist(), values.tolist()))))
+    return out
 
 
 def _until_stop(tokenizer, context, draft, stops):

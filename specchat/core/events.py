@@ -27,11 +27,18 @@ class TokenEvent:
     step: int  # verification step (target forward) that decided it, from 1
     step_drafted: int  # draft tokens proposed in that step
     step_accepted: int  # draft tokens accepted in that step
+    # With GenerateConfig.logprobs: the token's log-probability under the target and the
+    # likeliest alternatives [(id, logprob)] (engine.token_logprobs says which distribution).
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
     def to_json(self) -> dict:
-        return {"type": "token", "id": self.id, "text": self.text, "kind": self.kind,
-                "step": self.step, "step_drafted": self.step_drafted,
-                "step_accepted": self.step_accepted}
+        out = {"type": "token", "id": self.id, "text": self.text, "kind": self.kind,
+               "step": self.step, "step_drafted": self.step_drafted,
+               "step_accepted": self.step_accepted}
+        if self.logprob is not None:
+            out.update(logprob=self.logprob, top_logprobs=self.top_logprobs)
+        return out
 
 
 TOP = 5  # candidates shown per distribution in a step's evidence

@@ -29,11 +29,16 @@ class StepResult:
     refused: int | None  # the draft token refused at the decisive position (None: none was)
     p: float | None  # the target's and the draft's probability of `refused`, as the test used
     q: float | None  # them (sampled chains; None otherwise)
-    row: torch.Tensor  # the decisive position's logits [vocab], after the samplers
+    rows: torch.Tensor  # [n + 1, vocab] the logits that emitted the accepted drafts and the
+    # next token, after the penalties; the last is the decisive position's
     allowed: int  # the k the policy allowed
     cls: object  # the drafter's class of this proposal (draft_class)
     draft_s: float
     verify_s: float
+
+    @property
+    def row(self) -> torch.Tensor:
+        return self.rows[-1]
 
 
 def explain(step: StepResult, record: StepRecord, params: SamplingParams, samplers: list[str],
