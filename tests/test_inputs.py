@@ -91,3 +91,19 @@ def test_clean_text_replaces_lone_surrogates_only():
     assert clean_text("bad \ud800 and \udfff end") == "bad \ufffd and \ufffd end"
     assert clean_text("emoji 😀, accents é, CJK 中") == "emoji 😀, accents é, CJK 中"
     clean_text("x\ud83d").encode("utf-8")  # encodable now
+
+
+def test_the_engines_defaults_are_the_settings_tables():
+    """GenerateConfig (core) cannot import the table above it, so its field defaults are
+    written twice: they must agree. The seed is the one exception: code gets a fixed seed 0,
+    the front ends a fresh random one (-1)."""
+    from specchat.core.engine import GenerateConfig
+    from specchat.core.settings import SETTINGS
+    from specchat.ui.state import Settings
+    cfg, page = GenerateConfig(), Settings()
+    for name, row in SETTINGS.items():
+        if name in ("seed", "tree_nodes", "max_new_tokens"):
+            continue
+        assert getattr(cfg, name) == row.default, name
+        assert getattr(page, name, row.default) == row.default, name
+    assert page.seed == SETTINGS["seed"].default and page.max_new_tokens == 256

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.settings import SETTINGS
 from specchat.loader import LoadReport
 from specchat.models.loaded import ModelLoadError
 
@@ -50,15 +51,16 @@ class Settings:
     max_new_tokens: int = 256
     seed: int = -1  # -1: a fresh random seed per reply (shown in the stats line)
     mode: str = "chat"  # "chat" | "completion" (the model continues the message as text)
-    # Samplers against repetition (core/penalties.py); the defaults (core/settings.py) are off.
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
+    # Samplers against repetition (core/penalties.py), off by default: the defaults are the
+    # settings table's, the one set every front end uses.
+    min_p: float = SETTINGS["min_p"].default
+    repeat_penalty: float = SETTINGS["repeat_penalty"].default
+    repeat_last_n: int = SETTINGS["repeat_last_n"].default
+    frequency_penalty: float = SETTINGS["frequency_penalty"].default
+    presence_penalty: float = SETTINGS["presence_penalty"].default
+    dry_multiplier: float = SETTINGS["dry_multiplier"].default
+    dry_base: float = SETTINGS["dry_base"].default
+    dry_allowed_length: int = SETTINGS["dry_allowed_length"].default
 
 
 @dataclass
