@@ -21,6 +21,7 @@ from specchat.args import (
 )
 from specchat.api.cli import add_cli as add_serve
 from specchat.bench.cli import add_cli as add_bench
+from specchat.check import add_cli as add_check
 from specchat.help import HelpFormatter
 from specchat.stats.cli import add_cli as add_stats
 from specchat.train.cli import add_cli as add_train_draft
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_stats(sub)
     add_train_draft(sub)
+    add_check(sub)
     return parser
 
 

@@ -5,52 +5,10 @@ from __future__ import annotations
 import collections
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-)
 
 from specchat.core.sampling import nucleus
 from specchat.models.loaded import LoadedModel
-
-SPECIALS = ["<pad>", "<bos>", "<eos>"]
-
-
-def byte_tokenizer(extra: list[str] | None = None) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with no merges: 3 specials + 256 bytes (+ extra tokens). Any text encodes."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(alphabet) + (extra or []))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>")
-
-
-def tiny_llama(seed: int, vocab: int = 259, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
-                      pad_token_id=0)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16) -> Gemma3ForCausalLM:
-    """Gemma 3 style: sliding-window layers mixed with a full-attention layer."""
-    torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                           head_dim=16, sliding_window=sliding_window,
-                           layer_types=["sliding_attention", "sliding_attention",
-                                        "full_attention"],
-                           max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
-                           pad_token_id=0)
-    return Gemma3ForCausalLM(cfg).eval()
+from specchat.models.synthetic import byte_tokenizer, tiny_gemma3, tiny_llama  # noqa: F401
 
 
 def loaded(model, tokenizer=None, name="tiny") -> LoadedModel:

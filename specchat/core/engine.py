@@ -435,6 +435,7 @@ class Engine:
                     tokens, record = self._record(run, self._step(run), record.step + 1)
                 if stats.stop_reason != "stop_string":
                     for ev in run.reply.finish():
+                        stats.ttft_s = stats.ttft_s or time.perf_counter() - run.start
                         stats.new_tokens += 1
                         yield ev
             except torch.OutOfMemoryError as e:

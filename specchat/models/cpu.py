@@ -25,6 +25,11 @@ WIDE_CHUNK = 256  # rows per matmul, padded to a multiple of 64: at most 4 shape
 # would grow resident memory with every new prompt length.
 
 
+# bitsandbytes' fused CPU kernel packs output rows in blocks of 32 and reads whole quantization
+# blocks of each input row; other shapes it refuses.
+FUSED_BLOCK_N = 32
+
+
 def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
     """Give the model's NF4 layers a faster forward on CPUs with AVX512-BF16 (bitsandbytes'
     fused kernel). Returns the layers changed. Must run before the model's first forward.
@@ -48,8 +53,12 @@ def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
     for module in model.modules():
         if not isinstance(module, bnb.nn.Linear4bit) or module.weight.device.type != "cpu" \
                 or not getattr(module, "support_avx512bf16_for_cpu", False) \
-                or getattr(module.weight.quant_state, "packing_format_for_cpu", False):
-            continue  # no fused CPU kernel here (or already repacked: its layout is not ours)
+                or getattr(module.weight.quant_state, "packing_format_for_cpu", False) \
+                or module.out_features % FUSED_BLOCK_N \
+                or module.in_features % module.weight.quant_state.blocksize:
+            # no fused CPU kernel here, already repacked (its layout is not ours), or a shape
+            # the kernel's blocks do not divide: `dense_cpu_nf4` takes the layer
+            continue
         module.forward = _CpuNF4Forward(module, min_rows)
         changed += 1
     return changed

@@ -73,8 +73,13 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() \
             else torch.float16
         loaded = _load(name_or_path, path, quantization, dev, compute, local)
-        loaded.runtime = Runtime(dev.type, _device_name(dev), False,
-                                 "not checked off the CPU (GPU kernels differ by row count)")
+        # The same proof as the CPU paths' (a GPU's kernels may round a verify's rows otherwise
+        # than one-token steps): said, not acted on, since no other path is tried here.
+        vocab = loaded.model.config.get_text_config().vocab_size
+        exact, proof = runtime.prove_row_exact(loaded.model, loaded.paged_cache, vocab)
+        loaded.runtime = Runtime(dev.type, _device_name(dev), exact, proof)
+        if not exact:
+            progress(f"specchat: {loaded.runtime.lossless_note}")
         return loaded
     cpu = runtime.cpu_kind()
     try:

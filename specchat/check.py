@@ -1,0 +1,454 @@
+"""`python -m specchat check`: every path of specchat on one device, as a JSON report.
+
+Built for a machine met for the first time (a CUDA GPU above all): no network, no model files,
+no gradio. The models are built in code with random weights and saved as checkpoints, so they
+load through the same `load_model` as any model (NF4 through bitsandbytes where it imports):
+
+- two small targets, Gemma-3-shaped (sliding-window layers) and Llama-shaped, with a draft
+  model sharing their vocabulary (the target's own weights, unquantized) and a random draft
+  head: every drafter runs greedy and seeded, and each reply is compared with plain decoding's;
+- the load-time proof (does a verify give the one-token steps' logits bit for bit?);
+- the headless stream contract (`generate --json`) and the API's `/v1/chat/completions`;
+- one target of a real size (Llama 3.2 1B's shape) for speed: tokens/s plain and speculative,
+  step time, what a verify costs by tokens fed, peak GPU memory.
+
+Each check is one JSON line: {"check": name, "ok": true|false|null, ...} (null: skipped, with
+why). Random weights say nothing about acceptance on real text; they say whether each path
+runs, what it costs, and whether speculation keeps plain decoding's text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PROMPTS = ("The quick brown fox", "Once upon a time, in a land far away,",
+           "def fibonacci(n):", "Q: What is the capital of France?\nA:")
+MAX_NEW = 32  # tokens per reply in the drafter checks
+SEEDED_T = 0.8
+
+
+@dataclass
+class Context:
+    """What the checks share: the device, where checkpoints go, and what loaded."""
+    device: str
+    small: bool
+    workdir: Path
+    quantization: str = "none"  # "nf4" where bitsandbytes imports, else "none"
+    bnb_problem: str = ""
+    targets: dict = field(default_factory=dict)  # name -> (LoadedModel, checkpoint dir)
+
+
+def _bitsandbytes() -> tuple[bool, str]:
+    try:
+        import bitsandbytes
+    except Exception as e:  # ImportError, or a CUDA library it cannot load
+        return False, f"bitsandbytes does not import ({type(e).__name__}: {e})"
+    return True, f"bitsandbytes {bitsandbytes.__version__}"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- the checks ---------------------------------------------------------------------------
+
+
+def check_environment(ctx: Context) -> dict:
+    import transformers
+    ok, bnb = _bitsandbytes()
+    ctx.quantization, ctx.bnb_problem = ("nf4", "") if ok else ("none", bnb)
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "bitsandbytes": bnb,
+           "device": ctx.device, "quantization": ctx.quantization}
+    if ctx.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return {**out, "ok": False, "error": "torch sees no CUDA GPU"}
+        props = torch.cuda.get_device_properties(ctx.device)
+        out.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda,
+                   bf16=torch.cuda.is_bf16_supported())
+    else:
+        from specchat.models.runtime import cpu_kind
+        out["cpu"] = cpu_kind().describe()
+    for module in ("gradio", "fastapi", "sqlite_utils"):
+        try:
+            __import__(module)
+            out[module] = True
+        except ImportError:
+            out[module] = False
+    return {**out, "ok": True}
+
+
+def _load_target(ctx: Context, name: str, model) -> dict:
+    from specchat.models.load import load_model
+    from specchat.models.synthetic import byte_tokenizer, save
+    path = save(model, byte_tokenizer(), ctx.workdir / name)
+    loaded = load_model(str(path), ctx.quantization, ctx.device, progress=lambda *_: None)
+    ctx.targets[name] = (loaded, path)
+    four_bit = sum(type(m).__name__ == "Linear4bit" for m in loaded.model.modules())
+    rt = loaded.runtime
+    out = {"target": name, "quantization": loaded.quantization, "linear4bit_layers": four_bit,
+           "load_s": round(loaded.load_s, 2), "path": rt.path if rt else "",
+           "row_exact": rt.row_exact if rt else None, "proof": rt.proof if rt else ""}
+    if ctx.quantization == "nf4" and four_bit == 0 and loaded.device.type == "cuda":
+        return {**out, "ok": False, "error": "NF4 asked, but no layer is 4-bit"}
+    if ctx.bnb_problem:
+        out["note"] = f"{ctx.bnb_problem}: loaded unquantized"
+    return {**out, "ok": True}
+
+
+def check_load_gemma(ctx: Context) -> dict:
+    from specchat.models.synthetic import tiny_gemma3
+    return _load_target(ctx, "gemma3-small", tiny_gemma3(0, hidden=128, sliding_window=16))
+
+
+def check_load_llama(ctx: Context) -> dict:
+    from specchat.models.synthetic import tiny_llama
+    return _load_target(ctx, "llama-small", tiny_llama(1, layers=3, hidden=128))
+
+
+def _engine(ctx: Context, name: str):
+    """An Engine over target `name` with every drafter: ngram, a draft model (the target's
+    own checkpoint, unquantized), a random head, and combined."""
+    from specchat.core.engine import Engine
+    from specchat.drafters.combined import CombinedDrafter
+    from specchat.drafters.head import HeadDrafter
+    from specchat.drafters.model import ModelDrafter
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.models.eagle import DraftHead, HeadConfig
+    from specchat.models.load import load_model
+
+    target, path = ctx.targets[name]
+    draft = load_model(str(path), "none", ctx.device, progress=lambda *_: None)
+    vocab = len(target.tokenizer)
+    torch.manual_seed(0)
+    head = DraftHead(HeadConfig.for_target(target.model, 64))
+    head.vocab_ids = torch.arange(40, 104)  # printable bytes
+    head = head.to(target.device).attach(target.model).eval()
+    ngram = NgramDrafter()
+    headd = HeadDrafter(head, target.model, vocab, tree_min_score=0.0)  # random: trees anyway
+    return Engine(target, {"ngram": ngram, "model": ModelDrafter(draft.model, vocab,
+                                                                  paged=draft.paged_cache),
+                           "head": headd, "combined": CombinedDrafter(ngram, headd)})
+
+
+def _reply(engine, prompt: str, **cfg) -> tuple[list[int], list, object]:
+    """(token ids, token events, final stats) of one reply to `prompt` continued as text."""
+    from specchat.core.engine import GenerateConfig
+    from specchat.core.events import GenerationStats, TokenEvent
+    ids, _ = engine.text_prompt(prompt)
+    events = list(engine.stream(ids, GenerateConfig(max_new_tokens=MAX_NEW, **cfg)))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    stats = events[-1]
+    assert isinstance(stats, GenerationStats), "the stream's last event is its stats"
+    if stats.stop_reason == "error":
+        raise RuntimeError(stats.error)
+    return [t.id for t in tokens], tokens, stats
+
+
+def _drafters(ctx: Context, name: str) -> dict:
+    """Every drafter, greedy and seeded, against plain decoding on the same prompts."""
+    engine = _engine(ctx, name)
+    target = ctx.targets[name][0]
+    modes = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=SEEDED_T, seed=7)}
+    rows, equal, total = [], 0, 0
+    for mode, sampling in modes.items():
+        plain = [_reply(engine, p, speculation=False, **sampling)[0] for p in PROMPTS]
+        for drafter in ("ngram", "model", "head", "combined"):
+            # Trees are the head's greedy default: check them where the target takes tree masks.
+            trees = 6 if drafter == "head" and mode == "greedy" and engine.trees_ok else 0
+            same, kinds, drafted, accepted = 0, set(), 0, 0
+            for prompt, want in zip(PROMPTS, plain):
+                got, tokens, stats = _reply(engine, prompt, speculation=True, drafter=drafter,
+                                            draft_len=4, adaptive=False, tree_nodes=trees,
+                                            **sampling)
+                same += got == want
+                kinds |= {t.kind for t in tokens}
+                drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+            # A draft model's sampled drafts are tested with its own q: the reply follows plain
+            # sampling's distribution, not its text for the seed (docs/design.md).
+            exact = mode == "greedy" or drafter != "model"
+            rows.append({"mode": mode, "drafter": drafter, "trees": bool(trees),
+                         "same_as_plain": f"{same}/{len(PROMPTS)}", "text_expected": exact,
+                         "kinds": sorted(kinds),
+                         "acceptance": round(accepted / drafted, 3) if drafted else None})
+            if exact:
+                equal, total = equal + same, total + len(PROMPTS)
+    out = {"target": name, "quantization": target.quantization,
+           "row_exact": target.row_exact, "same_as_plain": f"{equal}/{total}", "runs": rows}
+    if target.row_exact and equal != total:
+        return {**out, "ok": False,
+                "error": "the target proved row-exact, yet speculation changed a reply"}
+    if not target.row_exact:
+        out["note"] = ("verifies are not row-exact here: a reply may leave plain decoding's "
+                       "at a near-tie; the count above says how often it did")
+    return {**out, "ok": True}
+
+
+def check_drafters_gemma(ctx: Context) -> dict:
+    return _drafters(ctx, "gemma3-small")
+
+
+def check_drafters_llama(ctx: Context) -> dict:
+    return _drafters(ctx, "llama-small")
+
+
+def check_generate_json(ctx: Context) -> dict:
+    """`python -m specchat generate --json` (in-process): token lines, then one stats line; the
+    token texts make the reply."""
+    from specchat.cli import main
+    from specchat.core.events import KINDS
+    path = ctx.targets["llama-small"][1]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["generate", "--target", str(path), "--device", ctx.device,
+                     "--quantization", ctx.quantization, "--drafter", "ngram", "--json",
+                     "--raw", "--max-new-tokens", "24", "--prompt", PROMPTS[0]])
+    lines = [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+    tokens = [x for x in lines if x.get("type") == "token"]
+    result = {"exit_code": code, "token_lines": len(tokens),
+              "kinds": sorted({t["kind"] for t in tokens})}
+    problems = []
+    if code != 0:
+        problems.append(f"exit code {code}")
+    if not lines or lines[-1].get("type") != "stats":
+        problems.append("the last line is not the stats line")
+    elif lines[-1]["new_tokens"] != len(tokens):
+        problems.append("stats.new_tokens differs from the token lines")
+    if any(t["kind"] not in KINDS for t in tokens):
+        problems.append("a token kind outside the contract")
+    if lines and lines[-1].get("type") == "stats":
+        stats = lines[-1]
+        result.update({k: stats.get(k) for k in ("tokens_per_s", "drafted", "accepted",
+                                                  "mean_accepted_len")})
+    return {**result, "ok": not problems, **({"error": "; ".join(problems)} if problems else {})}
+
+
+def check_api(ctx: Context) -> dict:
+    """POST /v1/chat/completions, whole and streamed, in-process."""
+    try:
+        from fastapi.testclient import TestClient
+    except ImportError as e:
+        return {"ok": None, "skipped": f"fastapi's test client does not import ({e})"}
+    from specchat.api.server import create_app
+    from specchat.loader import LoadReport
+    engine = _engine(ctx, "llama-small")
+    client = TestClient(create_app(LoadReport(engine, None, [])))
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+            "temperature": 0, "drafter": "ngram"}
+    whole = client.post("/v1/chat/completions", json=body)
+    out: dict = {"status": whole.status_code}
+    if whole.status_code != 200:
+        return {**out, "ok": False, "error": whole.text[:500]}
+    reply = whole.json()
+    out["usage"] = reply.get("usage")
+    chunks = []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        out["stream_status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in chunks if c.get("choices"))
+    text = reply["choices"][0]["message"]["content"]
+    kinds = sorted({k for c in chunks for choice in c.get("choices", [])
+                    for k in (choice.get("specchat") or {}).get("kinds", [])})
+    out.update(chunks=len(chunks), kinds=kinds, same_text=streamed == text)
+    ok = out["stream_status"] == 200 and streamed == text and bool(kinds)
+    return {**out, "ok": ok, **({} if ok else {"error": "streamed reply differs or has no kinds"})}
+
+
+# -- speed on a target of a real size -------------------------------------------------------
+
+
+def _median_ms(fn: Callable[[], None], device: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+@torch.inference_mode()
+def _verify_costs(loaded, device: str, widths=(1, 2, 3, 4, 5, 6, 8, 12, 16),
+                  context: int = 256, repeats: int = 9) -> dict:
+    """Milliseconds of one target forward feeding n tokens after `context` cached ones (a
+    verify of n - 1 drafts), the cache cropped back after each."""
+    from specchat.core.kvcache import crop_to, new_cache
+    model = loaded.model
+    vocab = len(loaded.tokenizer)
+    cache = new_cache(model, loaded.paged_cache)
+    ids = torch.randint(3, vocab, (1, context + max(widths)), device=device)
+    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def feed(n):
+        model(ids[:, context:context + n], past_key_values=cache, use_cache=True,
+              logits_to_keep=n)
+        crop_to(cache, context + n, context)
+
+    feed(1)  # warm-up
+    ms = {n: _median_ms(lambda n=n: feed(n), device, repeats) for n in widths}
+    return {"context": context, "ms": {n: round(v, 2) for n, v in ms.items()},
+            "vs_one_token": {n: round(v / ms[1], 2) for n, v in ms.items()}}
+
+
+def check_speed(ctx: Context) -> dict:
+    """Llama-3.2-1B-shaped target (random weights): tokens/s plain and speculative, the step
+    time, verify cost by tokens fed, peak GPU memory."""
+    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.events import GenerationStats, StepRecord
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.models.load import load_model
+    from specchat.models.loaded import LoadedModel
+    from specchat.models.synthetic import byte_tokenizer, llama_1b_config, random_model, save
+
+    config = llama_1b_config(small=ctx.small)
+    build_device = ctx.device if ctx.device.startswith("cuda") else "cpu"
+    model = random_model(config, seed=3, device=build_device)
+    tokenizer = byte_tokenizer()
+    path = save(model, tokenizer, ctx.workdir / "llama-1b-shape")
+    # The same weights unquantized, for what 4 bits change in a verify's cost.
+    dense = _verify_costs(LoadedModel(model, tokenizer, "llama-1b-shape", "none",
+                                      torch.device(build_device), 0.0), ctx.device,
+                          repeats=5 if ctx.small else 9) if build_device != "cpu" else None
+    del model
+    if ctx.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    loaded = load_model(str(path), ctx.quantization, ctx.device, progress=lambda *_: None)
+    engine = Engine(loaded, {"ngram": NgramDrafter()})
+    engine.eos_ids = set()  # random weights: time full-length replies
+    params = sum(p.numel() for p in loaded.model.parameters())
+    prompt, _ = engine.text_prompt("The history of the printing press begins " * 8)
+    max_new = 32 if ctx.small else 128
+    runs = {}
+    for name, cfg in (("plain", dict(speculation=False)),
+                      ("ngram", dict(speculation=True, drafter="ngram", draft_len=4))):
+        best = None
+        for _ in range(2):  # the first run warms up kernels and allocations
+            engine.reset_cache()
+            events = list(engine.stream(prompt, GenerateConfig(max_new_tokens=max_new, **cfg)))
+            stats = events[-1]
+            assert isinstance(stats, GenerationStats)
+            steps = [e for e in events if isinstance(e, StepRecord)]
+            decode_s = sum(s.draft_s + s.verify_s for s in steps)  # after the first token
+            run = {"tokens": stats.new_tokens, "tokens_per_s": round(stats.tokens_per_s, 1),
+                   "decode_tokens_per_s": round((stats.new_tokens - 1) / decode_s, 1)
+                   if decode_s > 0 else None,
+                   "prefill_ms": round((stats.seconds - decode_s) * 1000, 1),
+                   "step_ms": round(statistics.median(s.draft_s + s.verify_s for s in steps)
+                                    * 1000, 2) if steps else None,
+                   "acceptance": round(stats.acceptance_rate, 3),
+                   "mean_accepted_len": round(stats.mean_accepted_len, 2)}
+            if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
+                best = run
+        runs[name] = best
+    out = {"shape": "llama-3.2-1b" + (" (small)" if ctx.small else ""),
+           "parameters_m": round(params / 1e6, 1), "quantization": loaded.quantization,
+           "row_exact": loaded.row_exact, "proof": loaded.runtime.proof if loaded.runtime else "",
+           "prompt_tokens": len(prompt), "runs": runs,
+           "ngram_vs_plain": round(runs["ngram"]["tokens_per_s"] / runs["plain"]["tokens_per_s"],
+                                   2),
+           "verify": _verify_costs(loaded, ctx.device, repeats=5 if ctx.small else 9),
+           **({"verify_unquantized": dense} if dense else {}),
+           "note": "random weights: acceptance says nothing about real text; the step time "
+                   "and verify costs are the model's"}
+    if ctx.device.startswith("cuda"):
+        out["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return {**out, "ok": True}
+
+
+CHECKS: dict[str, Callable[[Context], dict]] = {
+    "environment": check_environment,
+    "load_gemma3": check_load_gemma,
+    "load_llama": check_load_llama,
+    "drafters_gemma3": check_drafters_gemma,
+    "drafters_llama": check_drafters_llama,
+    "generate_json": check_generate_json,
+    "api_chat_completions": check_api,
+    "speed_real_size": check_speed,
+}
+NEEDS = {"drafters_gemma3": "load_gemma3", "drafters_llama": "load_llama",
+         "generate_json": "load_llama", "api_chat_completions": "load_llama"}
+
+
+def run_checks(device: str = "cuda", small: bool | None = None,
+               only: list[str] | None = None) -> Iterator[dict]:
+    """Run the checks in order, yielding one result each; a failing check is reported and the
+    rest still run (those that need what it loaded are skipped)."""
+    small = not device.startswith("cuda") if small is None else small
+    with tempfile.TemporaryDirectory(prefix="specchat-check-") as tmp:
+        ctx = Context(device, small, Path(tmp))
+        failed: set[str] = set()
+        wanted = {"environment", *only, *(NEEDS[n] for n in only if n in NEEDS)} if only \
+            else set(CHECKS)
+        for name, check in CHECKS.items():
+            if name not in wanted:
+                continue
+            if NEEDS.get(name) in failed:
+                yield {"check": name, "ok": None, "skipped": f"{NEEDS[name]} failed"}
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = check(ctx)
+            except Exception as e:
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc(limit=-6)}
+            if result.get("ok") is False:
+                failed.add(name)
+            yield {"check": name, **result, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(args) -> int:
+    out = open(args.out, "w") if args.out else None
+    failed = 0
+    try:
+        for result in run_checks(args.device, True if args.small else None, args.only or None):
+            line = json.dumps(result)
+            print(line, flush=True)
+            if out:
+                out.write(line + "\n")
+                out.flush()
+            mark = {True: "ok", False: "FAILED", None: "skipped"}[result.get("ok")]
+            print(f"specchat check: {result['check']}: {mark} ({result.get('seconds', 0)} s)"
+                  + (f": {result['error']}" if result.get("error") else ""), file=sys.stderr)
+            failed += result.get("ok") is False
+    finally:
+        if out:
+            out.close()
+    return 1 if failed else 0
+
+
+def add_cli(sub) -> None:
+    from specchat.help import HelpFormatter
+    p = sub.add_parser("check", help="check every path on a device (CUDA above all) with models "
+                                     "built in code; one JSON line per check",
+                       formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", metavar="DEVICE",
+                   help="cuda, cuda:1 or cpu (default: cuda)")
+    p.add_argument("--small", action="store_true",
+                   help="time a small target instead of the 1B-shaped one (default: small on "
+                        "a CPU only)")
+    p.add_argument("--only", action="append", choices=sorted(CHECKS), metavar="CHECK",
+                   help=f"run only this check (repeatable; its prerequisites too): "
+                        f"{', '.join(CHECKS)} (default: all)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="also write the JSON lines to this file (default: stdout only)")
+    p.set_defaults(func=main)

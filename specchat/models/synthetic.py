@@ -1,0 +1,89 @@
+"""Models built in code with random weights, and a byte-level tokenizer: no download, no file.
+
+The tests build tiny ones; the device check (`specchat/check.py`) builds small ones to check
+every path on a new device, and one of a real size to time it (speed does not depend on the
+weights' values). `save` writes a model with its tokenizer as a checkpoint directory, so it
+loads through `models.load.load_model` like any model, NF4 included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+
+
+def byte_tokenizer(extra: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: 3 specials + 256 bytes (+ extra tokens). Any text encodes."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(alphabet) + (extra or []))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>")
+
+
+def tiny_llama(seed: int, vocab: int = 259, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
+                      pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16,
+                hidden: int = 32) -> Gemma3ForCausalLM:
+    """Gemma 3 style: sliding-window layers mixed with a full-attention layer."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, sliding_window=sliding_window,
+                           layer_types=["sliding_attention", "sliding_attention",
+                                        "full_attention"],
+                           max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
+                           pad_token_id=0)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def llama_1b_config(small: bool = False) -> LlamaConfig:
+    """Llama 3.2 1B's shape (16 layers, d 2048, GQA 32/8, MLP 8192, 128,256-token vocabulary,
+    tied embeddings); `small`: the same layout a few hundred times smaller, for CPUs."""
+    if small:
+        shape = dict(vocab_size=8192, hidden_size=256, intermediate_size=1024,
+                     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+    else:
+        shape = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)
+    return LlamaConfig(**shape, max_position_embeddings=8192, rope_theta=500000.0,
+                       tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+                       pad_token_id=0)
+
+
+def random_model(config, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16):
+    """A causal LM of `config` with random weights, built directly on `device`."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def save(model, tokenizer, directory: str | Path) -> Path:
+    """Write `model` and `tokenizer` as a checkpoint directory `load_model` reads."""
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
