@@ -309,11 +309,19 @@ def _verify_costs(loaded, device: str, widths=(1, 2, 3, 4, 5, 6, 8, 12, 16),
             "vs_one_token": {n: round(v / ms[1], 2) for n, v in ms.items()}}
 
 
+def _steps_by_drafts(steps) -> dict:
+    """{drafts tested: [steps, median ms of draft + verify]}: where a reply's time went."""
+    by: dict[int, list[float]] = {}
+    for s in steps:
+        by.setdefault(s.drafted, []).append(s.draft_s + s.verify_s)
+    return {k: [len(v), round(statistics.median(v) * 1000, 2)] for k, v in sorted(by.items())}
+
+
 def check_speed(ctx: Context) -> dict:
     """Llama-3.2-1B-shaped target (random weights): tokens/s plain and speculative, the step
     time, verify cost by tokens fed, peak GPU memory."""
     from specchat.core.engine import Engine, GenerateConfig
-    from specchat.core.events import GenerationStats, StepRecord
+    from specchat.core.events import GenerationStats, StepRecord, TokenEvent
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.load import load_model
     from specchat.models.loaded import LoadedModel
@@ -356,14 +364,20 @@ def check_speed(ctx: Context) -> dict:
                    "step_ms": round(statistics.median(s.draft_s + s.verify_s for s in steps)
                                     * 1000, 2) if steps else None,
                    "acceptance": round(stats.acceptance_rate, 3),
-                   "mean_accepted_len": round(stats.mean_accepted_len, 2)}
+                   "mean_accepted_len": round(stats.mean_accepted_len, 2),
+                   "steps": _steps_by_drafts(steps),
+                   "draft_ms": round(stats.draft_s * 1000, 1),
+                   "verify_ms": round(stats.verify_s * 1000, 1),
+                   "ids": [e.id for e in events if isinstance(e, TokenEvent)]}
             if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
                 best = run
         runs[name] = best
+    ids = {name: run.pop("ids") for name, run in runs.items()}
     out = {"shape": "llama-3.2-1b" + (" (small)" if ctx.small else ""),
            "parameters_m": round(params / 1e6, 1), "quantization": loaded.quantization,
            "row_exact": loaded.row_exact, "proof": loaded.runtime.proof if loaded.runtime else "",
            "prompt_tokens": len(prompt), "runs": runs,
+           "greedy_same_as_plain": ids["ngram"] == ids["plain"],
            "ngram_vs_plain": round(runs["ngram"]["tokens_per_s"] / runs["plain"]["tokens_per_s"],
                                    2),
            "verify": _verify_costs(loaded, ctx.device, repeats=5 if ctx.small else 9),

@@ -18,16 +18,15 @@ from transformers.cache_utils import DynamicLayer
 
 
 def new_cache(model, paged: bool = False) -> DynamicCache:
-    """A cache for `model`'s forwards. `paged`: every token from slot 0 in every layer, sliding
-    ones too (their mask applies the window), in `PagedLayer`s: what the row-exact attention of
-    `models.attention` needs (each key at the same slot in every call). The model runtime says
-    which a model takes (`LoadedModel.paged_cache`)."""
+    """A cache for `model`'s forwards: every token from slot 0 in every layer, sliding ones
+    too, whose mask applies the window (a sliding layer that drops old keys rolls back only
+    within its last forward, and its masks disagree with its keys in some transformers
+    versions). `paged`: in `PagedLayer`s, what the row-exact attention of `models.attention`
+    needs (each key at the same slot in every call). The model runtime says which a model
+    takes (`LoadedModel.paged_cache`)."""
+    cache = DynamicCache()
     if paged:
-        cache = DynamicCache()
         cache.layer_class_to_replicate = PagedLayer
-    else:
-        cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()
     return cache
 
 

@@ -69,6 +69,11 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     if local and Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise ModelLoadError(f"{path} holds no model: it has no config.json (a model directory "
                              "has config.json, the weights and the tokenizer's files)")
+    if dev.type == "cuda":
+        # PyTorch's cuDNN attention builds a plan for each new shape: every verify (several
+        # tokens after a context one longer than last time) paid ~40 ms for it on an H200,
+        # four one-token steps' worth. Flash and memory-efficient attention plan nothing.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if dev.type != "cpu":
         compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() \
             else torch.float16
