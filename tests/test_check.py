@@ -1,0 +1,80 @@
+"""`python -m specchat check`: every path with models built in code. On a CPU it runs at small
+sizes in every test run, so it cannot rot before a GPU comes; under the `gpu` mark the same
+checks run on CUDA (skipped without one)."""
+
+import json
+
+import pytest
+import torch
+
+from specchat.check import CHECKS, run_checks
+from specchat.cli import main
+from specchat.core.events import KINDS
+
+
+@pytest.fixture(scope="module")
+def cpu_report():
+    return {r["check"]: r for r in run_checks("cpu", small=True)}
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_every_check_passes_on_the_cpu(cpu_report, name):
+    result = cpu_report[name]
+    assert result["ok"] is True, result
+
+
+def test_the_cpu_check_proves_speculation_keeps_plain_decodings_text(cpu_report):
+    for name in ("drafters_gemma3", "drafters_llama"):
+        result = cpu_report[name]
+        assert result["row_exact"] is True
+        done, total = map(int, result["same_as_plain"].split("/"))
+        assert done == total == 28  # 4 prompts x (greedy: 4 drafters + seeded: 3)
+        drafters = {(r["mode"], r["drafter"]) for r in result["runs"]}
+        assert drafters == {(m, d) for m in ("greedy", "seeded")
+                            for d in ("ngram", "model", "head", "combined")}
+        assert any(r["trees"] for r in result["runs"])  # the head's greedy trees ran
+        assert set().union(*(r["kinds"] for r in result["runs"])) == set(KINDS)
+
+
+def test_the_speed_check_times_plain_and_speculative_decoding(cpu_report):
+    speed = cpu_report["speed_real_size"]
+    assert speed["runs"]["plain"]["tokens"] == speed["runs"]["ngram"]["tokens"] == 32
+    assert speed["runs"]["plain"]["steps"] == {0: [31, speed["runs"]["plain"]["step_ms"]]}
+    assert speed["greedy_same_as_plain"] is True  # row-exact on every CPU path
+    assert set(speed["verify"]["ms"]) == {1, 2, 3, 4, 5, 6, 8, 12, 16}
+    assert speed["verify"]["vs_one_token"][1] == 1.0
+
+
+def test_check_command_writes_one_json_line_per_check(tmp_path, capsys):
+    out = tmp_path / "check.jsonl"
+    code = main(["check", "--device", "cpu", "--only", "generate_json", "--out", str(out)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    # generate_json needs a loaded target: its prerequisite ran too
+    assert [x["check"] for x in lines] == ["environment", "load_llama", "generate_json"]
+    assert code == 0 and all(x["ok"] for x in lines)
+    assert capsys.readouterr().out.count("\n") == 3
+
+
+def test_a_failing_check_is_reported_and_its_dependents_skipped(monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("no such kernel")
+    monkeypatch.setitem(CHECKS, "load_llama", broken)
+    got = {r["check"]: r for r in run_checks("cpu", small=True,
+                                             only=["generate_json", "environment"])}
+    assert got["load_llama"]["ok"] is False
+    assert got["load_llama"]["error"] == "RuntimeError: no such kernel"
+    assert got["generate_json"] == {"check": "generate_json", "ok": None,
+                                    "skipped": "load_llama failed"}
+
+
+@pytest.fixture(scope="module")
+def cuda_report():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return {r["check"]: r for r in run_checks("cuda")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_every_check_passes_on_cuda(cuda_report, name):
+    assert cuda_report[name]["ok"] is True, cuda_report[name]
