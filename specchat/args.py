@@ -15,11 +15,22 @@ from specchat.core.settings import (
     flag_names,
     values_from_args,
 )
+from specchat.core.prefix import PREFIX_CACHE_TOKENS
 from specchat.drafters import NAMES
 from specchat.models.presets import PRESETS
 
 
 BACKEND_KEY_ENV = "SPECCHAT_BACKEND_KEY"
+
+
+def _token_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens (0 or more)")
+    return n
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +49,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-quantization", choices=["nf4", "none"], default="none",
                    help="draft weights (default: unquantized)")
     g.add_argument("--device", default="auto", metavar="DEVICE", help="auto (CUDA if available), cpu, cuda, cuda:1")
+    g.add_argument("--prefix-cache-tokens", type=_token_count, default=PREFIX_CACHE_TOKENS, metavar="N",
+                   help="tokens of earlier prompts' whole pages kept for prompts that start the "
+                        f"same way (default: {PREFIX_CACHE_TOKENS}; 0: off)")
     g.add_argument("--head", default=None, metavar="PATH",
                    help="draft head file from `train-draft` (default: the head trained or "
                         "shipped for this target, if any)")
@@ -94,7 +108,8 @@ def load_from_args(args, progress):
     target, draft = model_choice(args)
     report = load_engine(target, draft, args.quantization, args.draft_quantization,
                          None if args.device == "auto" else args.device, progress,
-                         head=getattr(args, "head", None))
+                         head=getattr(args, "head", None),
+                         prefix_tokens=getattr(args, "prefix_cache_tokens", PREFIX_CACHE_TOKENS))
     for note in report.notes:
         progress(note)
     return report

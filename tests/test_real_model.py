@@ -123,6 +123,29 @@ def _reply(engine, ids, cfg) -> tuple[list[int], str]:
 
 
 @pytest.mark.ci
+def test_the_same_chat_request_gives_the_same_reply_whatever_ran_before(embedded):
+    """A chat turn (the few-shot preamble, ~150 tokens: two whole pages and a narrow rest) at
+    the examples' samplers, greedy: the same reply fresh, right after itself, after another
+    chat turn that shares the preamble, and after a completion; speculation off and on."""
+    from specchat.ui.examples import ANTI_LOOP
+    ids, stops = embedded.chat_prompt([{"role": "user",
+                                        "content": "Tell me a fun fact about octopuses."}])
+    other, _ = embedded.chat_prompt([{"role": "user", "content": "What is photosynthesis?"}])
+    plain_text, _ = embedded.text_prompt("The Eiffel Tower is")
+    cfg = dict(max_new_tokens=48, temperature=0.0, seed=0, stop=stops, **ANTI_LOOP)
+    embedded.reset_cache()
+    fresh, text = _reply(embedded, ids, GenerateConfig(speculation=False, **cfg))
+    assert len(fresh) > 5, text
+    for before in ([ids], [other], [plain_text], [other, ids]):
+        for speculation in (False, True):
+            for prompt in before:
+                _reply(embedded, prompt, GenerateConfig(speculation=not speculation, **cfg))
+            got, _ = _reply(embedded, ids, GenerateConfig(speculation=speculation,
+                                                           drafter="combined", **cfg))
+            assert got == fresh, (len(before), speculation)
+
+
+@pytest.mark.ci
 def test_every_sampler_on_keeps_speculation_lossless_on_the_embedded_target(embedded):
     """Penalties, DRY and min-p reshape each verified row from its own prefix: greedy and
     seeded replies with speculation are plain decoding's, token for token."""

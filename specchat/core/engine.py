@@ -47,6 +47,7 @@ from specchat.core.kvcache import (
 )
 from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.policy import DraftLengthPolicy
+from specchat.core.prefix import PREFIX_CACHE_TOKENS, PrefixStore
 from specchat.core.sampling import Noise, SamplingParams, verify
 from specchat.core.text import (
     ReplyText,
@@ -56,6 +57,10 @@ from specchat.core.text import (
     tokens_until_stop,
 )
 from specchat.core.tree import verify_tree, visibility
+
+# Tokens a prompt's whole pages hold (`Engine._prefill`), for a target that says nothing else
+# (`LoadedModel.narrow_rows`); verifies and trees feed fewer rows.
+PAGE = 64
 
 # Draft-tree size for the head in the app and the CLI (`GenerateConfig.tree_nodes`).
 TREE_NODES = 10
@@ -142,7 +147,8 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, target, drafters: dict[str, Drafter] | None = None):
+    def __init__(self, target, drafters: dict[str, Drafter] | None = None,
+                 prefix_tokens: int = PREFIX_CACHE_TOKENS):
         self.target = target  # models.LoadedModel (model, tokenizer, device, ...)
         self.model = target.model
         self.tokenizer = target.tokenizer
@@ -154,6 +160,12 @@ class Engine:
         self._policies: dict[tuple[str, bool], DraftLengthPolicy] = {}
         self._cache = None
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
+        # Prompts are encoded in whole pages of `page` tokens, then in narrower forwards
+        # (`_prefill`); the cache's first _wide_end tokens were encoded as whole pages.
+        self.page = getattr(target, "narrow_rows", PAGE - 1) + 1
+        self._wide_end = 0
+        # Whole pages of earlier prompts, for prompts that start the same way (core/prefix.py).
+        self.prefixes = PrefixStore(prefix_tokens, self.page)
         self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
         # What the model runtime gives (models.LoadedModel): verify logits equal one-token
         # logits bit for bit (proved at load), tree masks, the paged cache its attention needs.
@@ -204,14 +216,46 @@ class Engine:
         self._cache_ids.extend(ids)
         return out.logits[0, :, :self.vocab_size]
 
-    def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, int]:
-        """Encode the prompt, reusing the cached prefix it shares with the last request.
-        Returns the logits of the last prompt position [1, vocab] and the tokens encoded."""
-        keep = min(common_prefix_len(self._cache_ids, prompt_ids), len(prompt_ids) - 1)
+    def _prefill(self, prompt_ids: list[int], wants: list) -> tuple[torch.Tensor, int]:
+        """Encode the prompt, reusing what the cache holds of it. Returns the logits of the last
+        prompt position [1, vocab] and the tokens encoded.
+
+        Every request encodes its prompt the same way, whatever ran before, so its logits and
+        reply are the same: whole pages of `page` tokens (from position 0) in one forward
+        each, wide products; the rest, and every token decoding adds, in forwards of fewer rows,
+        which compute each row exactly as a one-token step does. A cached token is reused only
+        where this prompt would have computed it the same way (`_reusable`)."""
+        wide_end = len(prompt_ids) // self.page * self.page
+        keep = self._reusable(prompt_ids, wide_end)
         if self._cache is None or not crop_to(self._cache, len(self._cache_ids), keep):
             self._cache, keep = new_cache(self.model, self.paged_cache), 0
         self._cache_ids = self._cache_ids[:keep]
-        return self._forward(prompt_ids[keep:], 1), len(prompt_ids) - keep
+        self._wide_end = min(self._wide_end, keep)
+        stored, n = self.prefixes.longest(prompt_ids, min(wide_end, len(prompt_ids) - 1))
+        if n > keep:  # more whole pages in the prefix store than in the cache
+            self._cache = new_cache(self.model, self.paged_cache)
+            self.prefixes.restore(stored, n, self._cache)
+            self._cache_ids, self._wide_end, keep = list(prompt_ids[:n]), n, n
+        logits, at = None, keep
+        while at < len(prompt_ids):
+            end = at + self.page if at < wide_end else min(len(prompt_ids), at + self.page - 1)
+            logits = self._forward(prompt_ids[at:end], 1)
+            self._observe(wants, at, prompt_ids[at:end])
+            at = end
+        self._wide_end = wide_end
+        self.prefixes.add(prompt_ids, self._cache, wide_end)
+        return logits, len(prompt_ids) - keep
+
+    def _reusable(self, prompt_ids: list[int], wide_end: int) -> int:
+        """How many cached tokens `prompt_ids` can keep: the common prefix (the last prompt
+        token is always fed, for its logits), cut where this prompt's encoding would differ
+        from the cache's: within whole pages only at a page boundary, and never past a page
+        that one of the two computed whole and the other row by row."""
+        common = min(common_prefix_len(self._cache_ids, prompt_ids), len(prompt_ids) - 1)
+        both_wide = min(self._wide_end, wide_end)
+        if common <= both_wide:
+            return common // self.page * self.page
+        return common if self._wide_end == wide_end else both_wide
 
     def _feature_drafters(self) -> list:
         """Drafters that draft from the target's features (the EAGLE head). They get them for
@@ -237,7 +281,7 @@ class Engine:
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
     def reset_cache(self) -> None:
-        self._cache, self._cache_ids = None, []
+        self._cache, self._cache_ids, self._wide_end = None, [], 0
 
     def policy(self, drafter: str, greedy: bool) -> DraftLengthPolicy:
         return self._policies.setdefault((drafter, greedy), DraftLengthPolicy())
@@ -286,10 +330,12 @@ class Engine:
         cls = drafter.draft_class(run.context)
         k = run.policy.choose(cfg.draft_len, cls) if cfg.adaptive else cfg.draft_len
         k = min(k, run.max_new - run.generated - 1)  # never past max_new_tokens (+1: the target's)
+        k = min(k, self.page - 2)  # a verify feeds k + 1 rows, fewer than a page: row-exact
         if k <= 0:
             return Draft.empty(), cls, 0
         if run.trees:
-            return Draft(drafter.propose_tree(run.context, k, run.params, cfg.tree_nodes)), cls, k
+            nodes = min(cfg.tree_nodes, self.page - 2)
+            return Draft(drafter.propose_tree(run.context, k, run.params, nodes)), cls, k
         proposal = drafter.propose(run.context, k, run.params, run.noise)
         return Draft(_until_stop(self.tokenizer, run.context, proposal, cfg.stop)), cls, k
 
@@ -398,7 +444,7 @@ class Engine:
     def _first(self, run: _Request, prompt_ids: list[int]) -> tuple[list[tuple], StepRecord]:
         """Encode the prompt (what the cache does not hold) and draw the first token."""
         stats = run.stats
-        logits, stats.prefill_tokens = self._prefill(prompt_ids)
+        logits, stats.prefill_tokens = self._prefill(prompt_ids, run.wants)
         if run.shaper:
             logits = run.shaper.shape(logits, prompt_ids, [[]])
         stats.target_calls = 1
@@ -406,8 +452,6 @@ class Engine:
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
         if run.drafter:
             run.drafter.begin(prompt_ids)
-        fed = stats.prefill_tokens
-        self._observe(run.wants, len(prompt_ids) - fed, prompt_ids[len(prompt_ids) - fed:])
         return self._with_logprobs(run, logits, [(first.next_token, TARGET)]), record
 
     def stream(self, prompt_ids: list[int], cfg: GenerateConfig,
@@ -440,6 +484,7 @@ class Engine:
                         yield ev
             except torch.OutOfMemoryError as e:
                 self.reset_cache()
+                self.prefixes.clear()  # memory for the next request
                 stats.stop_reason, stats.error = "error", f"out of memory: {e}"
             except Exception:  # (not GeneratorExit: at a yield the cache is consistent)
                 self.reset_cache()  # a half-done step leaves the cache unknown: start clean

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.models.attention import is_row_exact, tree_masks_supported
+from specchat.models.attention import WIDE, is_row_exact, tree_masks_supported
 from specchat.models.runtime import Runtime
 
 
@@ -46,6 +46,13 @@ class LoadedModel:
         """Its caches must be `kvcache.PagedLayer`s (the row-exact attention reads keys in
         place, each at the same slot in every call)."""
         return is_row_exact(self.model)
+
+    @property
+    def narrow_rows(self) -> int:
+        """The most rows a forward computes each exactly as a one-token step does (verifies,
+        trees, a prompt's last partial page); wider forwards (a prompt's whole pages) take the
+        stock products, faster for many rows."""
+        return WIDE - 1
 
     @property
     def tree_masks(self) -> bool:

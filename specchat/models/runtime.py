@@ -179,29 +179,44 @@ class Runtime:
                 "proof": self.proof}
 
 
-PROOF_PROMPT, PROOF_NEW = 9, 6  # tokens: a short prompt, then a verify of 6 rows
+PROOF_PROMPT = 9  # tokens before the proof's rows
+PROOF_WIDTHS = (1, 2, 6, 17)  # rows per forward compared over PROOF_NEW tokens (1: the steps)
+PROOF_NEW = 17
+PROOF_WIDEST = 63  # then one forward this wide against forwards of 17: every width a verify
+# or a prompt's last page can take (the engine feeds at most `LoadedModel.narrow_rows` rows)
 
 
 @torch.inference_mode()
 def prove_row_exact(model, paged: bool, vocab: int) -> tuple[bool, str]:
-    """Feed PROOF_NEW tokens after a short prompt twice, one at a time and in one forward (a
-    verify of a chain of 5 drafts), and compare their logits bit for bit. Returns (exact, what
-    was found). A fraction of a second on the embedded target."""
+    """Feed the same tokens after a short prompt in forwards of each width of PROOF_WIDTHS
+    (one at a time, 2, 6 and 17 at a time: chains and trees of drafts), then PROOF_WIDEST
+    tokens in one forward against forwards of 17, and compare their logits bit for bit.
+    Returns (exact, what was found). About a second on the embedded target."""
     from specchat.core.kvcache import new_cache
 
-    ids = [(1000 + 37 * i) % vocab for i in range(PROOF_PROMPT + PROOF_NEW)]
-    prompt, new = ids[:PROOF_PROMPT], ids[PROOF_PROMPT:]
+    ids = [(1000 + 37 * i) % vocab for i in range(PROOF_PROMPT + PROOF_WIDEST)]
+    prompt = ids[:PROOF_PROMPT]
     device = next(model.parameters()).device
-    logits = []
-    for width in (1, len(new)):
+
+    def logits(new: list[int], width: int) -> torch.Tensor:
         cache = new_cache(model, paged)
         model(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
               logits_to_keep=1)
-        logits.append(torch.cat([
+        return torch.cat([
             model(torch.tensor([new[i:i + width]], device=device), past_key_values=cache,
-                  use_cache=True).logits[0] for i in range(0, len(new), width)]))
-    differ = int((logits[0] != logits[1]).any(-1).sum())
+                  use_cache=True).logits[0] for i in range(0, len(new), width)])
+
+    new = ids[PROOF_PROMPT:PROOF_PROMPT + PROOF_NEW]
+    steps = logits(new, 1)
+    for width in PROOF_WIDTHS[1:]:
+        differ = int((logits(new, width) != steps).any(-1).sum())
+        if differ:
+            return False, (f"a verify of {width} rows gave other logits than one-token steps at "
+                           f"{differ} of {len(new)} positions")
+    wide = ids[PROOF_PROMPT:]
+    differ = int((logits(wide, PROOF_WIDEST) != logits(wide, PROOF_NEW)).any(-1).sum())
     if differ:
-        return False, (f"a verify of {len(new)} rows gave other logits than one-token steps at "
-                       f"{differ} of {len(new)} positions")
-    return True, f"a verify of {len(new)} rows gave the one-token steps' logits, bit for bit"
+        return False, (f"a forward of {PROOF_WIDEST} rows gave other logits than forwards of "
+                       f"{PROOF_NEW} at {differ} of {len(wide)} positions")
+    return True, (f"forwards of {', '.join(map(str, PROOF_WIDTHS[1:]))} and {PROOF_WIDEST} rows "
+                  "gave the one-token steps' logits, bit for bit")

@@ -1,0 +1,148 @@
+"""The same request gives the same text whatever ran before it: a prompt is encoded the same
+way fresh or after any other request (whole pages, then row-exact forwards), and a cached token
+is reused only where this prompt would have computed it the same way. Forced on every CPU path
+this machine runs whose verifies are row-exact, with prompts longer than a page."""
+
+import pytest
+
+from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.events import TokenEvent
+from specchat.drafters.ngram import NgramDrafter
+from specchat.models import runtime
+from specchat.models.load import load_model
+from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PATHS = [p.name for p in runtime.candidates(forced="")]
+# Byte tokens: prompts of 90 to 200 tokens, across one to three pages of 64.
+STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names "
+         "in a book. ")
+PROMPTS = [STORY + "One winter a ship with no name came by.",
+           STORY * 2 + "Then the lamp went out.",
+           STORY[:40]]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def checkpoint(request, tmp_path_factory):
+    model = tiny_gemma3(0, hidden=128) if request.param == "gemma3" else tiny_llama(1, hidden=128)
+    return save(model, byte_tokenizer(), tmp_path_factory.mktemp(request.param))
+
+
+def _engine(checkpoint, path: str, monkeypatch) -> Engine:
+    monkeypatch.setenv(runtime.ENV, path)
+    target = load_model(str(checkpoint), "nf4", "cpu", progress=lambda *_: None)
+    if not target.row_exact:
+        pytest.skip(f"{path} is not row-exact here: {target.runtime.proof}")
+    return Engine(target, {"ngram": NgramDrafter()})
+
+
+def _reply(engine: Engine, prompt, speculation: bool, **cfg) -> list[int]:
+    ids = engine.text_prompt(prompt)[0] if isinstance(prompt, str) else prompt
+    cfg = GenerateConfig(max_new_tokens=24, speculation=speculation, drafter="ngram",
+                         **{"temperature": 0.0, **cfg})
+    return [e.id for e in engine.stream(ids, cfg) if isinstance(e, TokenEvent)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_same_request_gives_the_same_text_whatever_ran_before(checkpoint, path,
+                                                                    monkeypatch):
+    engine = _engine(checkpoint, path, monkeypatch)
+    for prompt in PROMPTS:
+        engine.reset_cache()
+        fresh = _reply(engine, prompt, False)
+        histories = [[], [prompt], [p for p in PROMPTS if p != prompt], [prompt + " And so"]]
+        for before in histories:
+            for speculation in (False, True):
+                engine.reset_cache()
+                for other in before:
+                    _reply(engine, other, not speculation)
+                assert _reply(engine, prompt, speculation) == fresh, (prompt[:30], before)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_conversation_continued_reads_as_if_encoded_fresh(checkpoint, path, monkeypatch):
+    """Turn 2's prompt holds turn 1's prompt and reply (decoded row by row): it reuses the
+    cache where that equals a fresh encoding and re-encodes the rest, so turn 2's reply equals
+    the one a fresh engine gives, sampled with a seed too."""
+    engine = _engine(checkpoint, path, monkeypatch)
+    for temperature in (0.0, 0.8):
+        ids = engine.text_prompt(PROMPTS[0])[0]
+        engine.reset_cache()
+        first = _reply(engine, ids, True, temperature=temperature, seed=3)
+        second = ids + first + engine.text_prompt(" The keeper said:")[0]
+        continued = _reply(engine, second, True, temperature=temperature, seed=3)
+        engine.reset_cache()
+        assert _reply(engine, second, False, temperature=temperature, seed=3) == continued
+
+
+def test_prompts_are_encoded_in_whole_pages_then_narrow_forwards(checkpoint, monkeypatch):
+    engine = _engine(checkpoint, PATHS[0], monkeypatch)
+    widths = []
+    forward = engine._forward
+
+    def record(ids, n):
+        widths.append(len(ids))
+        return forward(ids, n)
+    engine._forward = record
+    ids = engine.text_prompt(STORY * 3)[0][:178]  # two pages, then 50
+    list(engine.stream(ids, GenerateConfig(max_new_tokens=1, speculation=False)))
+    assert widths == [64, 64, 50]
+    # The same prompt again: the pages are kept, the last token re-fed, as a fresh run of the
+    # last 50 would compute it.
+    widths.clear()
+    list(engine.stream(ids, GenerateConfig(max_new_tokens=1, speculation=False)))
+    assert widths == [1]
+    # A longer prompt that fills the third page: the 50 narrow tokens are re-encoded with it.
+    widths.clear()
+    longer = engine.text_prompt(STORY * 3)[0][:208]
+    list(engine.stream(longer, GenerateConfig(max_new_tokens=1, speculation=False)))
+    assert widths == [64, 16]
+
+
+def test_verifies_stay_narrower_than_a_page(checkpoint, monkeypatch):
+    engine = _engine(checkpoint, PATHS[0], monkeypatch)
+    widths = []
+    forward = engine._forward
+
+    def record(ids, n):
+        widths.append(len(ids))
+        return forward(ids, n)
+    engine._forward = record
+    ids = engine.text_prompt(STORY * 3)[0][:150]  # two pages, then 22
+    list(engine.stream(ids, GenerateConfig(max_new_tokens=80, draft_len=16, adaptive=False,
+                                           drafter="ngram")))
+    assert widths[:3] == [64, 64, 22]
+    assert max(widths[3:]) == 17  # k = 16 drafts and the newest token
+
+
+def test_the_prefix_store_gives_whole_pages_to_prompts_that_start_the_same(checkpoint,
+                                                                           monkeypatch):
+    """A prompt whose first pages an earlier prompt encoded takes them from the store (the
+    engine's cache held another conversation in between), and replies as a fresh engine
+    does; the store keeps at most its token budget, least recently used out first."""
+    engine = _engine(checkpoint, PATHS[0], monkeypatch)
+    preamble = STORY * 2  # 193 byte tokens with BOS: three pages
+    first = _reply(engine, preamble + "Who kept the book?", False)
+    assert [len(ids) for ids in engine.prefixes.entries] == [192]
+    _reply(engine, "Something else entirely.", False)  # the cache now holds this one
+    widths = []
+    forward = engine._forward
+
+    def record(ids, n):
+        widths.append(len(ids))
+        return forward(ids, n)
+    engine._forward = record
+    second = _reply(engine, preamble + "What did he see?", True)
+    assert engine.prefixes.hits == 1 and widths[0] == len(engine.text_prompt(
+        preamble + "What did he see?")[0]) - 192
+    engine._forward = forward
+    engine.reset_cache()
+    engine.prefixes.clear()
+    assert _reply(engine, preamble + "What did he see?", False) == second
+    assert _reply(engine, preamble + "Who kept the book?", False) == first
+
+    engine.prefixes.max_tokens = 200  # room for one entry of three pages
+    _reply(engine, STORY[::-1] * 2, False)
+    assert [ids[:3] for ids in engine.prefixes.entries] == [tuple(
+        engine.text_prompt(STORY[::-1])[0][:3])]
