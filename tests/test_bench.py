@@ -368,7 +368,7 @@ def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, capsys):
     rc = main(["bench", "--questions", str(questions), "--target", str(model_dir),
                "--quantization", "none", "--device", "cpu", "--modes", "plain,ngram,hf-pld",
                "--max-new-tokens", "6", "--warmup-tokens", "0", "--no-progress",
-               "--ignore-stop-strings",
+               "--ignore-stop-strings", "--samplers", "none",
                "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -400,3 +400,31 @@ def test_bench_refuses_transformers_modes_with_penalties(capsys):
     from specchat.cli import main
     assert main(["bench", "--modes", "plain,hf-plain", "--dry-multiplier", "0.8"]) == 2
     assert "hf-plain run transformers' generate" in capsys.readouterr().err
+
+
+def test_the_bench_measures_real_use_by_default_and_labels_the_stress_mode(tmp_path, capsys):
+    """By default every mode samples as the page's examples do, stop strings on; the report
+    says which regime it measured, with decode-only tokens/s and the prefill share."""
+    from specchat.cli import main
+    from specchat.core.settings import ANTI_LOOP
+    model_dir = tmp_path / "tiny"
+    tiny_llama(0).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    base = ["bench", "--questions", str(questions), "--target", str(model_dir),
+            "--quantization", "none", "--device", "cpu", "--modes", "plain,ngram",
+            "--max-new-tokens", "6", "--warmup-tokens", "0", "--no-progress"]
+    out = tmp_path / "real.json"
+    assert main(base + ["--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["config"]["samplers"] == ANTI_LOOP and result["config"]["stop_strings"]
+    assert printed.startswith("regime: real use")
+    overall = result["modes"]["plain"]["overall"]
+    assert 0 < overall["prefill_share"] < 1
+    assert overall["decode_tokens_per_s"] > overall["tokens_per_s"]
+    assert main(base + ["--ignore-stop-strings", "--min-p", "0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("regime: LOOPING TEXT")
+    assert "min_p=0.1" in printed and "dry_multiplier=0.8" in printed

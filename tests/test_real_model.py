@@ -127,7 +127,7 @@ def test_the_same_chat_request_gives_the_same_reply_whatever_ran_before(embedded
     """A chat turn (the few-shot preamble, ~150 tokens: two whole pages and a narrow rest) at
     the examples' samplers, greedy: the same reply fresh, right after itself, after another
     chat turn that shares the preamble, and after a completion; speculation off and on."""
-    from specchat.ui.examples import ANTI_LOOP
+    from specchat.core.settings import ANTI_LOOP
     ids, stops = embedded.chat_prompt([{"role": "user",
                                         "content": "Tell me a fun fact about octopuses."}])
     other, _ = embedded.chat_prompt([{"role": "user", "content": "What is photosynthesis?"}])
@@ -149,7 +149,7 @@ def test_the_same_chat_request_gives_the_same_reply_whatever_ran_before(embedded
 def test_every_sampler_on_keeps_speculation_lossless_on_the_embedded_target(embedded):
     """Penalties, DRY and min-p reshape each verified row from its own prefix: greedy and
     seeded replies with speculation are plain decoding's, token for token."""
-    from specchat.ui.examples import ANTI_LOOP
+    from specchat.core.settings import ANTI_LOOP
     ids, _ = embedded.text_prompt("Photosynthesis is the process by which plants")
     samplers = dict(ANTI_LOOP, frequency_penalty=0.2, presence_penalty=0.1)
     for sampling in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, top_k=50)):
@@ -198,7 +198,7 @@ def test_chat_on_the_base_model_answers_simple_questions_on_topic(embedded):
     short, loop-free reply on the question's subject, and no two answers are the same."""
     from tiny import most_repeats
 
-    from specchat.ui.examples import ANTI_LOOP
+    from specchat.core.settings import ANTI_LOOP
     answers = set()
     for question, topic in CHAT_QUESTIONS:
         ids, stops = embedded.chat_prompt([{"role": "user", "content": question}])

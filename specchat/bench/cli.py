@@ -13,7 +13,7 @@ from specchat.bench.questions import default_questions_path, load_questions
 from specchat.bench.report import format_report
 from specchat.bench.run import available_modes, bench, current_rss_mb, machine_config, peak_rss_mb
 from specchat.core.engine import TREE_NODES
-from specchat.core.settings import PENALTIES, add_arguments
+from specchat.core.settings import ANTI_LOOP, PENALTIES, add_arguments
 from specchat.help import HelpFormatter
 
 SAMPLER_FLAGS = ["min_p", *PENALTIES]  # engine samplers the bench passes to every mode
@@ -62,6 +62,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_modes_arg, default=None,
                    help=f"comma separated, from {','.join(ALL_MODES + HEAD_MODES)} (default: "
                         "every mode the loaded models allow)")
+    p.add_argument("--samplers", choices=["examples", "none"], default="examples",
+                   help="samplers of every mode: the page's examples' (" +
+                        ", ".join(f"{k.replace('_', '-')} {v}" for k, v in ANTI_LOOP.items()) +
+                        "), or none; the flags below change single ones (default: examples)")
     add_arguments(p, names=SAMPLER_FLAGS + ["dry_sequence_breakers"])
     p.add_argument("--draft-len", type=int, default=4, metavar="N",
                    help="k: most draft tokens per step")
@@ -75,8 +79,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, metavar="N", help="runs per question and mode; "
                                                           "timings are medians")
     p.add_argument("--ignore-stop-strings", action="store_true",
-                   help="stop at EOS and --max-new-tokens only, not at the chat format's stop "
-                        "strings (longer replies: decoding speed rather than short answers)")
+                   help="a stress mode, not real use: stop at EOS and --max-new-tokens only, "
+                        "not at the chat format's stop strings. A small base model then loops "
+                        "(User: ... Assistant: ...) and any n-gram drafter predicts the loop; "
+                        "the report labels its figures as looping text")
     p.add_argument("--warmup-tokens", type=int, default=16, metavar="N",
                    help="tokens of one unrecorded warm-up run per mode (0: none)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
@@ -171,8 +177,8 @@ def _option_problem(args) -> str | None:
                validate_sampling(args))
     if not problem and hf and _samplers(args):
         problem = (f"{', '.join(hf)} run transformers' generate, which has no DRY and other "
-                   "penalties with the same definitions: drop those modes or the penalty and "
-                   "min-p flags")
+                   "penalties with the same definitions: drop those modes, or pass "
+                   "--samplers none without penalty and min-p flags")
     return problem or _llama_problem(args)
 
 
@@ -204,9 +210,11 @@ def _quiet_transformers() -> None:
 
 
 def _samplers(args) -> dict:
-    """The sampler flags given (min-p, the penalties), as GenerateConfig fields."""
-    out = {name: getattr(args, name) for name in SAMPLER_FLAGS
-           if getattr(args, name) is not None}
+    """The samplers of every mode, as GenerateConfig fields: the examples' (--samplers) with
+    the sampler flags given (min-p, the penalties) over them."""
+    out = dict(ANTI_LOOP) if getattr(args, "samplers", "none") == "examples" else {}
+    out.update({name: getattr(args, name) for name in SAMPLER_FLAGS
+                if getattr(args, name) is not None})
     if args.dry_sequence_breakers:
         out["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
     return out

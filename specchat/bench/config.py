@@ -56,4 +56,4 @@ class Run:
     text: str = ""
     stop_reason: str = ""
     error: str = ""
-    prefill_s: float = 0.0  # seconds of the first target forward: the prompt's encoding
+    prefill_s: float = 0.0  # seconds of the prompt's encoding (its target forwards)

@@ -130,9 +130,15 @@ def metrics(runs: list[Run], plain_runs: list[Run] | None = None) -> dict:
     counts = spec_counts(steps)
     all_tokens = sum(r.new_tokens for r in runs)
     first = [m for (q, turn), m in med.items() if turn == 1]
+    prefill_s = sum(m["prefill_s"] for m in med.values())
+    decode_s = seconds - prefill_s
     second = [(q, turn) for (q, turn) in med if turn == 2]
     out = {
         "tokens_per_s": tps,
+        # after the prompt's encoding: the tokens after each reply's first, over the time after
+        # its prompt's forwards
+        "decode_tokens_per_s": (tokens - len(med)) / decode_s if decode_s > 0 else None,
+        "prefill_share": prefill_s / seconds if seconds > 0 else None,
         "speedup": speedup,
         "acceptance_rate": counts.acceptance_rate if counts.drafted else None,
         "mean_accepted_len": counts.mean_accepted_len if counts.drafted else None,

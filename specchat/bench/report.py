@@ -36,7 +36,8 @@ def format_report(result: dict) -> str:
     """The text report: the per-category table, then one section each for follow-up turns, the
     cost model, llama.cpp, identical replies and memory, where the result has them."""
     vs = result.get("versus_llama_cpp")
-    return "\n".join([*_runtime_lines(result["config"].get("runtime")),
+    return "\n".join([*_regime_lines(result["config"]),
+                      *_runtime_lines(result["config"].get("runtime")),
                       *_sampler_lines(result["config"].get("samplers")),
                       *_table_lines(result),
                       *_turn2_lines(result),
@@ -46,12 +47,22 @@ def format_report(result: dict) -> str:
                       *_footer_lines(result["config"])])
 
 
+def _regime_lines(cfg: dict) -> list[str]:
+    """Which regime the figures are from: real use, or the looping-text stress mode."""
+    if cfg.get("stop_strings", True):
+        return ["regime: real use (the chat format, its stop strings on)", ""]
+    return ["regime: LOOPING TEXT, a stress mode (--ignore-stop-strings): replies run to the "
+            "token limit and repeat themselves, which any n-gram drafter predicts; not real "
+            "use", ""]
+
+
 def _table_lines(result: dict) -> list[str]:
     """Per category and overall, one row per mode."""
     modes = list(result["modes"])
     w = max([12] + [len(m) for m in modes])  # the mode column
-    head = (f"{'category':<15} {'mode':<{w}} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
-            f"{'acc.len':>7} {'calls/tok':>9} {'TTFT s':>7} {'ovh ms/tok':>10}")
+    head = (f"{'category':<15} {'mode':<{w}} {'tok/s':>7} {'speedup':>8} {'decode':>7} "
+            f"{'accept':>7} {'acc.len':>7} {'calls/tok':>9} {'TTFT s':>7} {'prefill':>7} "
+            f"{'ovh ms/tok':>10}")
     lines = [head, "-" * len(head)]
 
     def rows(label: str, get) -> None:
@@ -71,8 +82,10 @@ def _table_lines(result: dict) -> list[str]:
 def _table_row(label: str, mode: str, w: int, m: dict) -> str:
     return (f"{label:<15} {mode:<{w}} {m['tokens_per_s']:>7.1f} "
             f"{_f(m['speedup'], '.2f') + 'x' if m['speedup'] is not None else '-':>8} "
+            f"{_f(m.get('decode_tokens_per_s'), '.1f'):>7} "
             f"{_f(m['acceptance_rate'], '.0%'):>7} {_f(m['mean_accepted_len'], '.2f'):>7} "
             f"{_f(m['target_calls_per_token'], '.2f'):>9} {_f(m['ttft_s'], '.3f'):>7} "
+            f"{_f(m.get('prefill_share'), '.0%'):>7} "
             f"{_f(m['overhead_ms_per_token'], '.1f'):>10}")
 
 

@@ -148,11 +148,15 @@ def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: 
     probe.reset()
     reply = collect(engine.stream(ids, cfg))
     stats = reply.stats
+    prefill_s, fed = 0.0, 0
+    for rows, seconds in probe.calls:  # the prompt's forwards: its pages, then the rest
+        if fed >= stats.prefill_tokens:
+            break
+        prefill_s, fed = prefill_s + seconds, fed + rows
     return dict(new_tokens=stats.new_tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
                 prompt_tokens=stats.prompt_tokens, prefill_tokens=stats.prefill_tokens,
                 target_calls=stats.target_calls, forward_s=sum(t for _, t in probe.calls),
-                prefill_s=probe.calls[0][1] if probe.calls else 0.0,
-                steps=reply.steps, text=reply.text, stop_reason=stats.stop_reason,
+                prefill_s=prefill_s, steps=reply.steps, text=reply.text, stop_reason=stats.stop_reason,
                 error=stats.error)
 
 

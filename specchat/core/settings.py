@@ -24,6 +24,13 @@ from specchat.core.inputs import InputError
 from specchat.core.penalties import DRY_BREAKERS
 
 SEED_MAX = 2**63 - 1  # SQLite INTEGER and torch generators hold up to this
+
+# What the page's examples sample with (and the bench by default), what keeps a small base model
+# out of loops without bending its text: DRY stops verbatim repeats of 3+ tokens, the repeat
+# penalty discourages reusing the last 64 tokens' words, min-p drops the unlikely tail.
+ANTI_LOOP = dict(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, repeat_penalty=1.1,
+                 repeat_last_n=64, min_p=0.05)
+
 MAX_DRAFT_LEN = 16
 MAX_TREE_NODES = 64
 MAX_TEMPERATURE = 2.0  # past it a sampled reply is noise: requests above are capped, with a note

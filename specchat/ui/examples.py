@@ -13,11 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# What keeps a small base model out of loops without bending its text: DRY stops verbatim
-# repeats of 3+ tokens, the repeat penalty discourages reusing the last 64 tokens' words.
-ANTI_LOOP = dict(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, repeat_penalty=1.1,
-                 repeat_last_n=64, min_p=0.05)
-
+from specchat.core.settings import ANTI_LOOP
 
 @dataclass(frozen=True)
 class Example:
