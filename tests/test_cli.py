@@ -213,3 +213,16 @@ def test_every_option_says_its_default():
         for option, value, entry in options(parsers[name], own_only=True):
             if value is not None:  # a switch is off unless given
                 assert "default: " in entry and "(default: )" not in entry, (name, option)
+
+
+def test_bitsandbytes_kernels_hub_note_is_dropped_and_its_other_messages_kept(caplog):
+    """bitsandbytes on an AVX512-BF16 CPU warns at import that it cannot fetch a kernel from a
+    hub: specchat is offline by design, so that note is dropped; its other messages stay."""
+    import logging
+
+    import specchat  # noqa: F401  (installs the filter)
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s", "no")
+        log.warning("a real problem")
+    assert [r.getMessage() for r in caplog.records] == ["a real problem"]

@@ -146,3 +146,31 @@ def test_the_prefix_store_gives_whole_pages_to_prompts_that_start_the_same(check
     _reply(engine, STORY[::-1] * 2, False)
     assert [ids[:3] for ids in engine.prefixes.entries] == [tuple(
         engine.text_prompt(STORY[::-1])[0][:3])]
+
+
+def test_a_stop_during_prompt_encoding_ends_the_request_between_pages(checkpoint, monkeypatch):
+    """A client that leaves while a long prompt is encoded frees the engine at the next page;
+    what was encoded stays usable, and the same request later replies as a fresh engine does."""
+    import threading
+
+    from specchat.core.events import GenerationStats
+    engine = _engine(checkpoint, PATHS[0], monkeypatch)
+    ids = engine.text_prompt(STORY * 3)[0]  # four pages and a rest
+    stop, widths = threading.Event(), []
+    forward = engine._forward
+
+    def record(fed, n):
+        widths.append(len(fed))
+        stop.set()  # the client leaves during the first page
+        return forward(fed, n)
+    engine._forward = record
+    events = list(engine.stream(ids, GenerateConfig(max_new_tokens=8), stop_event=stop))
+    assert widths == [64] and len(events) == 1
+    stats = events[0]
+    assert isinstance(stats, GenerationStats)
+    assert stats.stop_reason == "stopped" and stats.new_tokens == 0 and stats.prefill_tokens == 64
+    engine._forward = forward
+    again = _reply(engine, ids, True)
+    engine.reset_cache()
+    engine.prefixes.clear()
+    assert again == _reply(engine, ids, False)

@@ -216,9 +216,11 @@ class Engine:
         self._cache_ids.extend(ids)
         return out.logits[0, :, :self.vocab_size]
 
-    def _prefill(self, prompt_ids: list[int], wants: list) -> tuple[torch.Tensor, int]:
+    def _prefill(self, prompt_ids: list[int], wants: list,
+                 stop_event: threading.Event | None = None) -> tuple[torch.Tensor | None, int]:
         """Encode the prompt, reusing what the cache holds of it. Returns the logits of the last
-        prompt position [1, vocab] and the tokens encoded.
+        prompt position [1, vocab] (None when `stop_event` was set between two forwards: the
+        cache keeps what was encoded) and the tokens encoded.
 
         Every request encodes its prompt the same way, whatever ran before, so its logits and
         reply are the same: whole pages of `page` tokens (from position 0) in one forward
@@ -238,13 +240,16 @@ class Engine:
             self._cache_ids, self._wide_end, keep = list(prompt_ids[:n]), n, n
         logits, at = None, keep
         while at < len(prompt_ids):
+            if stop_event is not None and stop_event.is_set():
+                logits = None
+                break
             end = at + self.page if at < wide_end else min(len(prompt_ids), at + self.page - 1)
             logits = self._forward(prompt_ids[at:end], 1)
             self._observe(wants, at, prompt_ids[at:end])
             at = end
-        self._wide_end = wide_end
-        self.prefixes.add(prompt_ids, self._cache, wide_end)
-        return logits, len(prompt_ids) - keep
+            self._wide_end = min(at, wide_end)
+        self.prefixes.add(prompt_ids, self._cache, self._wide_end)
+        return logits, at - keep
 
     def _reusable(self, prompt_ids: list[int], wide_end: int) -> int:
         """How many cached tokens `prompt_ids` can keep: the common prefix (the last prompt
@@ -441,10 +446,14 @@ class Engine:
                 stats.stop_reason = "length"
                 return
 
-    def _first(self, run: _Request, prompt_ids: list[int]) -> tuple[list[tuple], StepRecord]:
-        """Encode the prompt (what the cache does not hold) and draw the first token."""
+    def _first(self, run: _Request, prompt_ids: list[int],
+               stop_event: threading.Event | None) -> tuple[list[tuple], StepRecord] | None:
+        """Encode the prompt (what the cache does not hold) and draw the first token; None
+        when `stop_event` was set while the prompt was being encoded."""
         stats = run.stats
-        logits, stats.prefill_tokens = self._prefill(prompt_ids, run.wants)
+        logits, stats.prefill_tokens = self._prefill(prompt_ids, run.wants, stop_event)
+        if logits is None:
+            return None
         if run.shaper:
             logits = run.shaper.shape(logits, prompt_ids, [[]])
         stats.target_calls = 1
@@ -465,8 +474,11 @@ class Engine:
             run.start = time.perf_counter()
             run.wants = self._feature_drafters()
             try:
-                tokens, record = self._first(run, prompt_ids)
-                while True:
+                first = self._first(run, prompt_ids, stop_event)
+                if first is None:
+                    stats.stop_reason = "stopped"
+                tokens, record = first or ([], None)
+                while first is not None:
                     yield from self._emit(run, tokens, record)
                     if record.step:
                         steps.append(record)
