@@ -91,16 +91,28 @@ def test_long_generation_past_sliding_window_matches_plain():
 
 
 def test_follow_up_turn_reuses_cached_prefix():
+    """A chat's history is encoded once while its page line stays put; a follow-up whose prompt
+    fills a new page re-encodes from the old page line (those tokens were decoded row by row,
+    and a fresh encoding computes them as a whole page). Either way the reply is a fresh
+    engine's."""
     engine = make_engine(tiny_gemma3)
-    first, _, s1 = run(engine, REPETITIVE, drafter="ngram")
-    history = TOK(REPETITIVE)["input_ids"] + [t.id for t in first]
-    follow = history + TOK(" and then?")["input_ids"]
+    opening = REPETITIVE + " the mat."  # 71 tokens: a whole page of 64, then 7
+    first, _, s1 = run(engine, opening, drafter="ngram", max_new_tokens=16)
+    history = TOK(opening)["input_ids"] + [t.id for t in first]
+    follow = history + TOK(" and then?")["input_ids"]  # 97 tokens: the line stays at 64
     second, _, s2 = run(engine, follow, drafter="ngram")
-    assert s1.prefill_tokens == len(TOK(REPETITIVE)["input_ids"])
-    assert s2.prefill_tokens < 16  # the new message (and at most a token of the old tail)
+    assert s1.prefill_tokens == len(TOK(opening)["input_ids"])
+    assert s2.prefill_tokens <= len(TOK(" and then?")["input_ids"]) + 1
     engine.reset_cache()
     fresh, _, _ = run(engine, follow, speculation=False)
     assert [t.id for t in second] == [t.id for t in fresh]
+    longer = follow + [t.id for t in second] + TOK(" and?")["input_ids"]  # 150: two pages
+    third, _, s3 = run(engine, longer, drafter="ngram")
+    assert s3.prefill_tokens == len(longer) - 64
+    engine.reset_cache()
+    engine.prefixes.clear()
+    fresh, _, _ = run(engine, longer, speculation=False)
+    assert [t.id for t in third] == [t.id for t in fresh]
 
 
 def test_texts_concatenate_to_the_reply_and_multibyte_is_never_split():
