@@ -428,3 +428,16 @@ def test_the_bench_measures_real_use_by_default_and_labels_the_stress_mode(tmp_p
     printed = capsys.readouterr().out
     assert printed.startswith("regime: LOOPING TEXT")
     assert "min_p=0.1" in printed and "dry_multiplier=0.8" in printed
+
+
+def test_every_mode_meets_the_prefix_store_as_its_question_found_it():
+    """A long question's pages, once a mode encoded them, must not make the next modes' first
+    turns cheaper: each mode encodes the same tokens of its prompt."""
+    engine, draft = tiny_engine()
+    long_question = [{"question_id": 3, "category": "rag",
+                      "turns": ["Read this and answer: " + "the lighthouse keeper wrote. " * 12]}]
+    settings = BenchSettings(modes=("plain", "ngram", "model"), max_new_tokens=4,
+                             warmup_tokens=0, repeats=2)
+    result = bench(engine, long_question, settings, assistant=draft, progress=False)
+    encoded = {(r["mode"], r["repeat"]): r["prefill_tokens"] for r in result["runs"]}
+    assert len(set(encoded.values())) == 1 and min(encoded.values()) > 300, encoded

@@ -352,10 +352,16 @@ def _run_question(run_mode: _ModeRunner, engine, q: dict, qi: int, s: BenchSetti
     """Every repeat of every mode on one question; the mode order rotates with the question and
     the repeat, so that drift over time hits every mode alike."""
     q_runs: list[Run] = []
+    # Every mode meets the prefix store as the question found it: pages an earlier mode encoded
+    # for this very prompt would make the later modes' first turns cheaper than the first's.
+    prefixes = getattr(engine, "prefixes", None)
+    before = prefixes.snapshot() if prefixes is not None else None
     for rep in range(s.repeats):
         shift = (qi + rep) % len(s.modes)
         for mode in s.modes[shift:] + s.modes[:shift]:
             bar.set_postfix_str(f"{q['category']} {mode}", refresh=False)
+            if prefixes is not None:
+                prefixes.restore_snapshot(before)
             q_runs.extend(_run_turns(run_mode, engine, q, mode, rep, s, log))
     return q_runs
 

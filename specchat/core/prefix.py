@@ -72,5 +72,13 @@ class PrefixStore:
         while self.tokens > self.max_tokens:
             self.entries.popitem(last=False)
 
+    def snapshot(self) -> OrderedDict:
+        """The entries as they are now (the tensors shared, not copied), for `restore_snapshot`:
+        the bench gives every mode the store one question found."""
+        return OrderedDict(self.entries)
+
+    def restore_snapshot(self, entries: OrderedDict) -> None:
+        self.entries = OrderedDict(entries)
+
     def clear(self) -> None:
         self.entries.clear()
