@@ -37,6 +37,19 @@ def _engine(checkpoint, path: str, monkeypatch) -> Engine:
     return Engine(target, {"ngram": NgramDrafter()})
 
 
+def _record_widths(engine: Engine, then=None) -> list[int]:
+    """The rows of each target forward from now on (`then()` runs after each is recorded)."""
+    widths, forward = [], engine._forward
+
+    def record(ids, n):
+        widths.append(len(ids))
+        if then is not None:
+            then()
+        return forward(ids, n)
+    engine._forward = record
+    return widths
+
+
 def _reply(engine: Engine, prompt, speculation: bool, **cfg) -> list[int]:
     ids = engine.text_prompt(prompt)[0] if isinstance(prompt, str) else prompt
     cfg = GenerateConfig(max_new_tokens=24, speculation=speculation, drafter="ngram",
@@ -78,13 +91,7 @@ def test_a_conversation_continued_reads_as_if_encoded_fresh(checkpoint, path, mo
 
 def test_prompts_are_encoded_in_whole_pages_then_narrow_forwards(checkpoint, monkeypatch):
     engine = _engine(checkpoint, PATHS[0], monkeypatch)
-    widths = []
-    forward = engine._forward
-
-    def record(ids, n):
-        widths.append(len(ids))
-        return forward(ids, n)
-    engine._forward = record
+    widths = _record_widths(engine)
     ids = engine.text_prompt(STORY * 3)[0][:178]  # two pages, then 50
     list(engine.stream(ids, GenerateConfig(max_new_tokens=1, speculation=False)))
     assert widths == [64, 64, 50]
@@ -102,13 +109,7 @@ def test_prompts_are_encoded_in_whole_pages_then_narrow_forwards(checkpoint, mon
 
 def test_verifies_stay_narrower_than_a_page(checkpoint, monkeypatch):
     engine = _engine(checkpoint, PATHS[0], monkeypatch)
-    widths = []
-    forward = engine._forward
-
-    def record(ids, n):
-        widths.append(len(ids))
-        return forward(ids, n)
-    engine._forward = record
+    widths = _record_widths(engine)
     ids = engine.text_prompt(STORY * 3)[0][:150]  # two pages, then 22
     list(engine.stream(ids, GenerateConfig(max_new_tokens=80, draft_len=16, adaptive=False,
                                            drafter="ngram")))
@@ -126,17 +127,11 @@ def test_the_prefix_store_gives_whole_pages_to_prompts_that_start_the_same(check
     first = _reply(engine, preamble + "Who kept the book?", False)
     assert [len(ids) for ids in engine.prefixes.entries] == [192]
     _reply(engine, "Something else entirely.", False)  # the cache now holds this one
-    widths = []
-    forward = engine._forward
-
-    def record(ids, n):
-        widths.append(len(ids))
-        return forward(ids, n)
-    engine._forward = record
+    widths = _record_widths(engine)
     second = _reply(engine, preamble + "What did he see?", True)
     assert engine.prefixes.hits == 1 and widths[0] == len(engine.text_prompt(
         preamble + "What did he see?")[0]) - 192
-    engine._forward = forward
+    del engine._forward  # the class's own again
     engine.reset_cache()
     engine.prefixes.clear()
     assert _reply(engine, preamble + "What did he see?", False) == second
@@ -156,20 +151,14 @@ def test_a_stop_during_prompt_encoding_ends_the_request_between_pages(checkpoint
     from specchat.core.events import GenerationStats
     engine = _engine(checkpoint, PATHS[0], monkeypatch)
     ids = engine.text_prompt(STORY * 3)[0]  # four pages and a rest
-    stop, widths = threading.Event(), []
-    forward = engine._forward
-
-    def record(fed, n):
-        widths.append(len(fed))
-        stop.set()  # the client leaves during the first page
-        return forward(fed, n)
-    engine._forward = record
+    stop = threading.Event()
+    widths = _record_widths(engine, then=stop.set)  # the client leaves during the first page
     events = list(engine.stream(ids, GenerateConfig(max_new_tokens=8), stop_event=stop))
     assert widths == [64] and len(events) == 1
     stats = events[0]
     assert isinstance(stats, GenerationStats)
     assert stats.stop_reason == "stopped" and stats.new_tokens == 0 and stats.prefill_tokens == 64
-    engine._forward = forward
+    del engine._forward
     again = _reply(engine, ids, True)
     engine.reset_cache()
     engine.prefixes.clear()
