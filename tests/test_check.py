@@ -78,3 +78,12 @@ def cuda_report():
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_every_check_passes_on_cuda(cuda_report, name):
     assert cuda_report[name]["ok"] is True, cuda_report[name]
+
+
+def test_without_the_device_the_check_says_so_once_and_skips_the_rest(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    got = list(run_checks("cuda"))
+    assert got[0]["check"] == "environment" and got[0]["ok"] is False
+    assert got[0]["error"] == "torch sees no CUDA GPU"
+    assert [r["ok"] for r in got[1:]] == [None] * (len(CHECKS) - 1)
+    assert {r["skipped"] for r in got[1:]} == {"environment failed"}
