@@ -509,3 +509,24 @@ def test_logprobs_come_from_the_target_in_openais_shapes(server):
     for body, param in (({"logprobs": 9}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs")):
         r = _post(url, prompt="hi", max_tokens=2, **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_every_field_is_checked_by_its_json_type(server):
+    """A number where a number belongs, a boolean where a boolean belongs, an object where an
+    object belongs: "false" would read as true, "12" as a number, 0 as no stop; each is a 400
+    that names the field. An oversized top-k is refused by its range, not a 500."""
+    url, _, _ = server
+    for body, name in ((dict(speculation="false"), "'speculation'"),
+                       (dict(stream="false"), "'stream'"), (dict(adaptive=1), "'adaptive'"),
+                       (dict(max_tokens="12"), "'max_tokens'"), (dict(top_k=True), "'top_k'"),
+                       (dict(temperature="0.5"), "'temperature'"), (dict(stop=0), "'stop'"),
+                       (dict(stream_options="yes"), "'stream_options'"),
+                       (dict(stream=True, stream_options={"include_usage": "yes"}),
+                        "'stream_options.include_usage'"),
+                       (dict(top_k=10**30), "top_k")):
+        r = _post(url, prompt="hi", max_tokens=body.pop("max_tokens", 3), **body)
+        assert r.status_code == 400, (body, r.text)
+        assert name in r.json()["error"]["message"], (body, r.text)
+    plain = _post(url, prompt="hi", max_tokens=4, speculation=False, temperature=0)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["specchat"]["stats"]["speculation"] is False

@@ -33,7 +33,7 @@ def test_good_values_are_normalized():
     ("top_p", 0, "Top-p must be a number in (0, 1]"),
     ("top_p", 1.5, "Top-p must be a number in (0, 1]"),
     ("top_p", -math.inf, "Top-p must be a finite number"),
-    ("top_k", -1, "Top-k must be a whole number >= 0"),
+    ("top_k", -1, "Top-k must be a whole number between 0 and 1000000"),
     ("min_p", 1.5, "Min-p must be a number between 0 and 1"),
     ("repeat_penalty", 0, "Repeat penalty must be a number > 0"),
     ("frequency_penalty", 3, "Frequency penalty must be a number between -2 and 2"),

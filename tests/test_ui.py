@@ -407,7 +407,7 @@ def test_ab_verdict_explains_a_sampled_difference_by_how_drafts_were_made(drafte
     (Settings(temperature=float("nan")), "Temperature must be a finite number"),
     (Settings(top_p=float("inf")), "Top-p must be a finite number"),
     (Settings(top_p=0), "Top-p must be a number in (0, 1]"),
-    (Settings(top_k=-3), "Top-k must be a whole number >= 0"),
+    (Settings(top_k=-3), "Top-k must be a whole number between 0 and 1000000"),
     (Settings(draft_len=99), "Draft length k must be a whole number between 1 and 16"),
     (Settings(max_new_tokens=float("nan")), "Max new tokens must be a finite number"),
 ])

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from specchat.core.engine import GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
-from specchat.core.settings import build_config, values_from_body
+from specchat.core.settings import SETTINGS, build_config, values_from_body
 from specchat.core.text import chat_prompt, raw_prompt
 from specchat.engine_queue import EngineQueue, QueueFull
 from specchat.stats.store import StatsStore
@@ -294,8 +294,9 @@ class Api:
             raise ApiError(400, "'response_format' other than text (JSON mode, schemas) is not "
                                 "supported by specchat.", param="response_format")
 
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
+        check_types(body)
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ApiError(400, "'stop' must be a string or a list of strings.", param="stop")
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
@@ -435,6 +436,37 @@ class Api:
                                 quantization=engine.target.quantization,
                                 device=engine.device.type),
                            None, [t.to_json() for t in tokens], [r.to_json() for r in steps])
+
+
+# Fields of JSON type boolean, and those of type object; null means "not given" for each.
+BOOLEAN_FIELDS = ("stream", "speculation", "adaptive", "echo")
+OBJECT_FIELDS = ("stream_options",)
+
+
+def check_types(body: dict) -> None:
+    """Each field by its JSON type, as OpenAI checks them: a number where a number belongs (not
+    "12", not true), a boolean where a boolean belongs (not "false", which would read as true),
+    an object where an object belongs. Ranges are the settings' own checks."""
+    def refuse(field: str, kind: str):
+        raise ApiError(400, f"'{field}' must be {kind} (got {json.dumps(body[field])[:40]}).",
+                       param=field)
+    for row in SETTINGS.values():
+        for field in row.api or (row.name,):
+            value = body.get(field)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                refuse(field, "an integer" if row.integer else "a number")
+    for field in BOOLEAN_FIELDS:
+        if body.get(field) is not None and not isinstance(body[field], bool):
+            refuse(field, "true or false")
+    for field in OBJECT_FIELDS:
+        if body.get(field) is not None and not isinstance(body[field], dict):
+            refuse(field, "an object")
+    options = body.get("stream_options") or {}
+    if options.get("include_usage") is not None and not isinstance(options["include_usage"],
+                                                                    bool):
+        raise ApiError(400, "'stream_options.include_usage' must be true or false.",
+                       param="stream_options")
 
 
 def model_slug(name: str) -> str:

@@ -32,6 +32,7 @@ ANTI_LOOP = dict(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, repeat
                  repeat_last_n=64, min_p=0.05)
 
 MAX_DRAFT_LEN = 16
+MAX_TOP_K = 1_000_000  # more than any vocabulary: as good as off, and a number SQLite can store
 MAX_TREE_NODES = 64
 MAX_TEMPERATURE = 2.0  # past it a sampled reply is noise: requests above are capped, with a note
 MAX_BREAKERS, MAX_BREAKER_CHARS = 16, 16
@@ -84,7 +85,7 @@ _ROWS = (
     Setting("top_p", "Top-p", 1.0, "nucleus sampling: keep the likeliest tokens holding this "
             "much of the probability (1 = off)", low=0, high=1, low_open=True, api=("top_p",)),
     Setting("top_k", "Top-k", 0, "sample among the k likeliest tokens (0 = off)", True, 0,
-            api=("top_k",)),
+            MAX_TOP_K, api=("top_k",)),
     Setting("min_p", "Min-p", 0.0, "drop tokens less than min_p times as likely as the "
             "likeliest (0 = off)", low=0, high=1, api=("min_p",)),
     Setting("repeat_penalty", "Repeat penalty", 1.0, "divide the logits of tokens seen in the "
