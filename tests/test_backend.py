@@ -437,3 +437,24 @@ def test_bench_llama_options_are_checked_before_loading(capsys):
     assert "needs --llama-server-bin" in capsys.readouterr().err
     assert main(["bench", "--llama-server-bin", "/no/such/llama-server"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_the_api_over_a_serving_backend_formats_prompts_through_the_engine(served):
+    """`serve --backend URL` and the app's /v1 over a RemoteEngine: chat and completion
+    requests are formatted by the engine (the backend applies its own chat format), as the
+    page's are; a prompt of token ids, which needs a local tokenizer, gets a 400 that says
+    so."""
+    from fastapi.testclient import TestClient
+
+    from specchat.api.server import create_app
+    from specchat.loader import LoadReport
+    client = TestClient(create_app(LoadReport(RemoteEngine(served, KEY), None, [])))
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"]
+    completion = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6,
+                                                       "temperature": 0, "stream": True})
+    assert completion.status_code == 200 and "data: [DONE]" in completion.text
+    ids = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert ids.status_code == 400 and "send text" in ids.json()["error"]["message"]

@@ -44,7 +44,6 @@ from specchat.core.engine import GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
 from specchat.core.settings import SETTINGS, build_config, values_from_body
-from specchat.core.text import chat_prompt, raw_prompt
 from specchat.engine_queue import EngineQueue, QueueFull
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
@@ -172,13 +171,14 @@ class Api:
                        "authentication_error")
 
     def prompt(self, body: dict, chat: bool) -> tuple[list[int], tuple[str, ...], str]:
-        """-> (token ids, stop strings of the chat format, the text to record as the prompt)."""
-        tokenizer = self.engine.tokenizer
+        """-> (the prompt as the engine takes it: token ids for the local engine, the messages
+        or text for a serving backend; stop strings of the chat format; the text to record as
+        the prompt). Formatted by the engine itself, as the page does."""
         if chat:
             clean = self._messages(body.get("messages"))
             text = "\n".join(m["content"] for m in clean)
             self._check_length(text)
-            ids, stops = chat_prompt(tokenizer, clean)
+            ids, stops = self.engine.chat_prompt(clean)
             return ids, tuple(stops), clean[-1]["content"]
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -192,7 +192,7 @@ class Api:
                            param="prompt")
         prompt = clean_text(prompt)
         self._check_length(prompt)
-        return raw_prompt(tokenizer, prompt), (), prompt
+        return self.engine.text_prompt(prompt)[0], (), prompt
 
     @staticmethod
     def _messages(messages) -> list[dict]:
@@ -221,6 +221,9 @@ class Api:
 
     def _token_prompt(self, ids: list[int]) -> tuple[list[int], tuple, str]:
         """A prompt given as token ids (OpenAI's token-array form), used as they are."""
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "A prompt of token ids needs specchat's own model; with a "
+                                "serving backend, send text.", param="prompt")
         vocab = len(self.engine.tokenizer)
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"Token ids must lie in 0..{vocab - 1}.", param="prompt")
@@ -383,7 +386,9 @@ class Api:
         cfg = self.config(body)
         cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
         cfg.logprobs = self.logprobs(body, chat)
-        reply = Reply(chat, self.model_id, lambda i: self.engine.tokenizer.decode([i]))
+        tokenizer = self.engine.tokenizer  # None for a serving backend: no alternatives
+        reply = Reply(chat, self.model_id,
+                      (lambda i: tokenizer.decode([i])) if tokenizer is not None else None)
         queue, stop = await self.start(ids, cfg, lambda events, stop: self.steps(
             events, stop, owner, prompt))
         first = await queue.get()
