@@ -530,3 +530,19 @@ def test_every_field_is_checked_by_its_json_type(server):
     plain = _post(url, prompt="hi", max_tokens=4, speculation=False, temperature=0)
     assert plain.status_code == 200, plain.text
     assert plain.json()["specchat"]["stats"]["speculation"] is False
+
+
+def test_a_model_is_retrieved_by_id_and_streams_are_not_cached(server):
+    """The `openai` client's models.retrieve works for the served id and gets OpenAI's 404 for
+    another; event streams say Cache-Control: no-cache, so no proxy holds them back."""
+    url, _, _ = server
+    api = client(url)
+    served = api.models.list().data[0].id
+    assert api.models.retrieve(served).id == served
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        api.models.retrieve("gpt-4o")
+    with httpx.stream("POST", f"{url}/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
+        r.read()

@@ -3,6 +3,7 @@
     app = create_app(report, store)            # a FastAPI app; `python -m specchat serve` runs it
     gradio_app.include_router(api_router(Api(lambda: slot.report, store, logins=...)))  # app.py
     GET  /v1/models
+    GET  /v1/models/{id}
     POST /v1/chat/completions                  # messages, in the model's chat format
     POST /v1/completions                       # a prompt the model continues
 
@@ -360,6 +361,15 @@ class Api:
         await self.owner(request)
         return {"object": "list", "data": [self.model_object()]}
 
+    async def model(self, request: Request) -> dict:
+        """GET /v1/models/{id}: the `openai` client's `models.retrieve`."""
+        await self.owner(request)
+        wanted = request.path_params["model_id"]
+        if wanted != self.model_id:
+            raise ApiError(404, f"The model {wanted!r} does not exist here; this server serves "
+                                f"{self.model_id!r}.", "not_found_error", param="model")
+        return self.model_object()
+
     async def health(self):
         """llama-server's health check: 200 once the models are loaded, 503 before."""
         try:
@@ -401,6 +411,7 @@ class Api:
             options = body.get("stream_options") or {}
             with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             return StreamingResponse(reply.events(items, with_usage),
+                                     headers={"Cache-Control": "no-cache"},
                                      media_type="text/event-stream")
         return await reply.whole(items)
 
@@ -660,6 +671,7 @@ def api_router(api: Api) -> APIRouter:
     """The /v1 routes over `api` (and /health); the web app adds them to gradio's server."""
     router = APIRouter()
     router.add_api_route("/v1/models", answered(api.models), methods=["GET"])
+    router.add_api_route("/v1/models/{model_id:path}", answered(api.model), methods=["GET"])
     router.add_api_route("/health", api.health, methods=["GET"])
     router.add_api_route("/v1/chat/completions", answered(api.chat_completions),
                          methods=["POST"])
