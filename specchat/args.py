@@ -7,6 +7,8 @@ import argparse
 import os
 import sys
 
+from specchat.core.engine import MAX_PROMPT_TOKENS
+from specchat.core.prefix import PREFIX_CACHE_TOKENS
 from specchat.core.settings import (
     SETTINGS,
     add_arguments,
@@ -15,7 +17,6 @@ from specchat.core.settings import (
     flag_names,
     values_from_args,
 )
-from specchat.core.prefix import PREFIX_CACHE_TOKENS
 from specchat.drafters import NAMES
 from specchat.models.presets import PRESETS
 
@@ -52,6 +53,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-tokens", type=_token_count, default=PREFIX_CACHE_TOKENS, metavar="N",
                    help="tokens of earlier prompts' whole pages kept for prompts that start the "
                         f"same way (default: {PREFIX_CACHE_TOKENS}; 0: off)")
+    g.add_argument("--max-input-tokens", type=_token_count, default=MAX_PROMPT_TOKENS,
+                   metavar="N",
+                   help="the longest prompt a request may bring, in tokens after the chat "
+                        f"format (default: {MAX_PROMPT_TOKENS}; 0: only the model's context "
+                        "window)")
     g.add_argument("--head", default=None, metavar="PATH",
                    help="draft head file from `train-draft` (default: the head trained or "
                         "shipped for this target, if any)")
@@ -109,7 +115,8 @@ def load_from_args(args, progress):
     report = load_engine(target, draft, args.quantization, args.draft_quantization,
                          None if args.device == "auto" else args.device, progress,
                          head=getattr(args, "head", None),
-                         prefix_tokens=getattr(args, "prefix_cache_tokens", PREFIX_CACHE_TOKENS))
+                         prefix_tokens=getattr(args, "prefix_cache_tokens", PREFIX_CACHE_TOKENS),
+                         max_prompt_tokens=getattr(args, "max_input_tokens", MAX_PROMPT_TOKENS))
     for note in report.notes:
         progress(note)
     return report

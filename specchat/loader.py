@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specchat.core.engine import Engine
+from specchat.core.engine import MAX_PROMPT_TOKENS, Engine
 from specchat.core.prefix import PREFIX_CACHE_TOKENS
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import HeadDrafter
@@ -29,19 +29,22 @@ class LoadReport:
 def load_engine(target: str = "embedded", draft_model: str = "", quantization: str = "nf4",
                 draft_quantization: str = "none", device: str | None = None,
                 progress=print, head: str | None = None,
-                prefix_tokens: int = PREFIX_CACHE_TOKENS) -> LoadReport:
+                prefix_tokens: int = PREFIX_CACHE_TOKENS,
+                max_prompt_tokens: int | None = MAX_PROMPT_TOKENS) -> LoadReport:
     """Load a target (and optionally a draft model) and build an Engine with every drafter that
     can work: n-gram lookup always, the draft model when its vocabulary matches the target's,
     `head` and `combined` when a draft head trained for this target exists (`head`: a file
     from `train-draft`; default: the one trained or shipped for this target, if any).
-    `prefix_tokens`: the engine's prefix store (core/prefix.py), in tokens."""
+    `prefix_tokens`: the engine's prefix store (core/prefix.py), in tokens;
+    `max_prompt_tokens`: the longest prompt a request may bring (0 or None: no limit but the
+    model's context window)."""
     from specchat.drafters.model import ModelDrafter
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.load import load_model
     from specchat.models.vocab import vocab_mismatch
 
     tgt = load_model(target, quantization, device, progress)
-    engine = Engine(tgt, {"ngram": NgramDrafter()}, prefix_tokens)
+    engine = Engine(tgt, {"ngram": NgramDrafter()}, prefix_tokens, max_prompt_tokens)
     notes: list[str] = []
     found, head_notes = head_drafters(tgt, NgramDrafter(), head or None)
     engine.drafters.update(found)  # "head", "combined"

@@ -546,3 +546,22 @@ def test_a_model_is_retrieved_by_id_and_streams_are_not_cached(server):
                       json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
         r.read()
+
+
+def test_the_prompt_is_limited_in_tokens_after_the_chat_format(server):
+    """A request of many empty messages is short in characters but long in tokens once the chat
+    format wraps each: the engine counts the tokens (--max-input-tokens) and refuses it before
+    any encoding, with a 400 that says the limit; a request under it is served."""
+    url, api, _ = server
+    api.engine.max_prompt_tokens = 200
+    try:
+        messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 20
+        r = httpx.post(f"{url}/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": messages + [{"role": "user", "content": "hi"}],
+                             "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert "at most 200 (--max-input-tokens)" in r.json()["error"]["message"]
+        assert _post(url, prompt="hi", max_tokens=2).status_code == 200
+    finally:
+        api.engine.max_prompt_tokens = None

@@ -603,3 +603,14 @@ def test_logprobs_are_the_targets_own_and_the_same_with_speculation_on_or_off():
         assert sum(math.exp(lp) for _, lp in t.top_logprobs) <= 1 + 1e-6
     assert "logprob" in plain[0].to_json() and "logprob" not in run(
         engine, REPETITIVE, speculation=False)[0][0].to_json()
+
+
+def test_a_prompt_over_the_token_limit_is_refused_before_any_work():
+    engine = make_engine()
+    engine.max_prompt_tokens = 20
+    ids = TOK(REPETITIVE)["input_ids"]  # 62 tokens
+    with pytest.raises(ValueError, match="the prompt is 62 tokens .* at most 20"):
+        run(engine, ids)
+    assert engine._cache is None  # nothing was encoded
+    tokens, _, _ = run(engine, ids[:20], max_new_tokens=4)
+    assert len(tokens) == 4

@@ -58,6 +58,10 @@ from specchat.core.text import (
 )
 from specchat.core.tree import verify_tree, visibility
 
+# The longest prompt a request may bring by default, in tokens: what a 2-core CPU encodes in
+# about 10 s on the embedded target, so one request cannot hold the engine for minutes.
+MAX_PROMPT_TOKENS = 4096
+
 # Tokens a prompt's whole pages hold (`Engine._prefill`), for a target that says nothing else
 # (`LoadedModel.narrow_rows`); verifies and trees feed fewer rows.
 PAGE = 64
@@ -148,7 +152,8 @@ class _Request:
 
 class Engine:
     def __init__(self, target, drafters: dict[str, Drafter] | None = None,
-                 prefix_tokens: int = PREFIX_CACHE_TOKENS):
+                 prefix_tokens: int = PREFIX_CACHE_TOKENS,
+                 max_prompt_tokens: int | None = None):
         self.target = target  # models.LoadedModel (model, tokenizer, device, ...)
         self.model = target.model
         self.tokenizer = target.tokenizer
@@ -166,6 +171,9 @@ class Engine:
         self._wide_end = 0
         # Whole pages of earlier prompts, for prompts that start the same way (core/prefix.py).
         self.prefixes = PrefixStore(prefix_tokens, self.page)
+        # The longest prompt a request may bring, counted in tokens after the chat format (the
+        # page, the API and the CLI alike); None: the model's context window alone.
+        self.max_prompt_tokens = max_prompt_tokens
         self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
         # What the model runtime gives (models.LoadedModel): verify logits equal one-token
         # logits bit for bit (proved at load), tree masks, the paged cache its attention needs.
@@ -397,6 +405,10 @@ class Engine:
         """Check a request and set up what its steps share."""
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if self.max_prompt_tokens and len(prompt_ids) > self.max_prompt_tokens:
+            raise ValueError(f"the prompt is {len(prompt_ids):,} tokens in the model's format; "
+                             f"this server takes at most {self.max_prompt_tokens:,} "
+                             "(--max-input-tokens): shorten it")
         window = self.context_window
         if window and len(prompt_ids) >= window:
             raise ValueError(f"the prompt is {len(prompt_ids):,} tokens; {self.target.name} reads "
