@@ -407,7 +407,7 @@ class Engine:
             raise ValueError("empty prompt")
         if self.max_prompt_tokens and len(prompt_ids) > self.max_prompt_tokens:
             raise ValueError(f"the prompt is {len(prompt_ids):,} tokens in the model's format; "
-                             f"this server takes at most {self.max_prompt_tokens:,} "
+                             f"specchat takes at most {self.max_prompt_tokens:,} "
                              "(--max-input-tokens): shorten it")
         window = self.context_window
         if window and len(prompt_ids) >= window:
