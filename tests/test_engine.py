@@ -614,3 +614,48 @@ def test_a_prompt_over_the_token_limit_is_refused_before_any_work():
     assert engine._cache is None  # nothing was encoded
     tokens, _, _ = run(engine, ids[:20], max_new_tokens=4)
     assert len(tokens) == 4
+
+
+class _Always(Drafter):
+    """Drafts the same tokens at every step (chains; trees of one path)."""
+
+    name = "always"
+    supports_trees = True
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, context, k, params, noise):
+        return torch.tensor(self.tokens[:k]), None
+
+    def propose_tree(self, context, depth, params, nodes):
+        n = min(depth, len(self.tokens))
+        return DraftTree(torch.tensor(self.tokens[:n]), list(range(-1, n - 1)))
+
+
+def test_non_text_tokens_are_never_sampled_nor_drafted():
+    from specchat.core.text import non_text_ids
+
+    tok = byte_tokenizer(extra=["<start_of_image>"])
+    marker = tok.convert_tokens_to_ids("<start_of_image>")
+    assert non_text_ids(tok, {tok.eos_token_id}) == sorted(
+        {tok.pad_token_id, tok.bos_token_id, marker})
+    target = tiny_llama(0, vocab=len(tok) + 5)  # logits wider than the vocabulary, as in Gemma
+    bias = torch.zeros(len(tok) + 5)
+    bias[marker] = bias[len(tok) + 2] = 50.0  # the marker and a padding row win every argmax
+    target.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    engine = Engine(loaded(target, tok), {"always": _Always([marker, 65, 66])})
+    ids = tok(REPETITIVE)["input_ids"]
+
+    def reply(**cfg):
+        events = list(engine.stream(ids, GenerateConfig(max_new_tokens=24, **cfg)))
+        return [e.id for e in events if isinstance(e, TokenEvent)], events[-1]
+
+    plain, _ = reply(speculation=False)
+    assert marker not in plain and max(plain) < len(tok) and len(plain) == 24
+    for trees in (False, True):
+        spec, stats = reply(drafter="always", draft_len=3, adaptive=False,
+                            tree_nodes=3 if trees else 0)
+        assert spec == plain and stats.drafted == 0  # a draft is cut at its first non-text token
+    sampled, _ = reply(speculation=False, temperature=1.0, seed=3)
+    assert marker not in sampled and max(sampled) < len(tok)

@@ -173,7 +173,8 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
     kwargs: dict = dict(max_new_tokens=max_new_tokens or s.max_new_tokens,
                         do_sample=s.temperature > 0, eos_token_id=eos,
                         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0],
-                        attention_mask=torch.ones_like(input_ids), streamer=probe)
+                        attention_mask=torch.ones_like(input_ids), streamer=probe,
+                        suppress_tokens=engine.non_text.tolist())  # as the engine masks them
     if s.temperature > 0:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     if stops:

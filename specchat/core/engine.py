@@ -54,9 +54,10 @@ from specchat.core.text import (
     chat_prompt,
     has_chat_template,
     raw_prompt,
+    non_text_ids,
     tokens_until_stop,
 )
-from specchat.core.tree import verify_tree, visibility
+from specchat.core.tree import DraftTree, verify_tree, visibility
 
 # The longest prompt a request may bring by default, in tokens: what a 2-core CPU encodes in
 # about 10 s on the embedded target, so one request cannot hold the engine for minutes.
@@ -161,6 +162,12 @@ class Engine:
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.vocab_size = len(self.tokenizer)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        # Tokens a reply never holds (control and media tokens, and logits rows past the
+        # tokenizer's vocabulary): masked in every target distribution, plain and speculative
+        # alike, so the mask changes what is sampled but never whether speculation is lossless.
+        self.non_text = torch.tensor(non_text_ids(self.tokenizer, self.eos_ids), dtype=torch.long)
+        self._non_text_set = frozenset(self.non_text.tolist())
+        self._mask_key, self._mask_ids = None, self.non_text
         self.lock = threading.Lock()  # one generation at a time on one model
         self._policies: dict[tuple[str, bool], DraftLengthPolicy] = {}
         self._cache = None
@@ -307,8 +314,8 @@ class Engine:
         context, k = run.context, len(draft)
         drafted = draft.tokens.tolist()
         logits = self._forward([context[-1], *drafted], k + 1)
-        if run.shaper:  # row i continues the context and drafts 0..i-1
-            logits = run.shaper.shape(logits, context, [drafted[:i] for i in range(k + 1)])
+        # row i continues the context and drafts 0..i-1
+        logits = self._distribution(run, logits, context, [drafted[:i] for i in range(k + 1)])
         v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context))
         n = v.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
@@ -324,8 +331,8 @@ class Engine:
         context, tree = run.context, draft.tree
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
-        if run.shaper:  # a node's row continues the context and the node's path
-            logits = run.shaper.shape(logits, context, tree.paths())
+        # a node's row continues the context and the node's path
+        logits = self._distribution(run, logits, context, tree.paths())
         v = verify_tree(tree, logits, run.params, run.noise, len(context))
         keep = [0] + [1 + i for i in v.path]  # the root and the accepted path
         keep_fed(self._cache, len(ids), keep)
@@ -333,6 +340,26 @@ class Engine:
         self._observe(run.wants, len(context) - 1, [ids[j] for j in keep], keep)
         refused = int(tree.tokens[v.refused[0]]) if v.refused else None
         return list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep]
+
+    def _distribution(self, run: _Request, logits: torch.Tensor, context: list[int],
+                      extras: list[list[int]]) -> torch.Tensor:
+        """The target's logits [n, width] -> the logits its tokens are drawn from: non-text
+        tokens masked, then the request's penalties, row r for the prefix context + extras[r].
+        Every token of a reply, plain or speculative, is drawn from these."""
+        logits = logits.float().index_fill(-1, self._masked(logits), -torch.inf)
+        if run.shaper:
+            logits = run.shaper.shape(logits, context, extras)
+        return logits
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ids `_distribution` masks in logits this wide: the non-text tokens, and the
+        rows past the tokenizer's vocabulary (no tokens at all)."""
+        key = (logits.shape[-1], logits.device)
+        if self._mask_key != key:
+            past = torch.arange(self.vocab_size, logits.shape[-1], dtype=torch.long)
+            self._mask_ids = torch.cat([self.non_text, past]).to(logits.device)
+            self._mask_key = key
+        return self._mask_ids
 
     def _draft(self, run: _Request) -> tuple[Draft, object, int]:
         """Ask the drafter for this step's proposal. -> (draft, its class, the k allowed)."""
@@ -348,8 +375,15 @@ class Engine:
             return Draft.empty(), cls, 0
         if run.trees:
             nodes = min(cfg.tree_nodes, self.page - 2)
-            return Draft(drafter.propose_tree(run.context, k, run.params, nodes)), cls, k
-        proposal = drafter.propose(run.context, k, run.params, run.noise)
+            tree = drafter.propose_tree(run.context, k, run.params, nodes)
+            if isinstance(tree, DraftTree):
+                tree = tree.without(self._non_text_set)
+                tree = tree if len(tree) else (NO_DRAFT, None)
+            else:
+                tree = _text_only(tree, self._non_text_set)
+            return Draft(tree), cls, k
+        proposal = _text_only(drafter.propose(run.context, k, run.params, run.noise),
+                              self._non_text_set)
         return Draft(_until_stop(self.tokenizer, run.context, proposal, cfg.stop)), cls, k
 
     def _step(self, run: _Request) -> StepResult:
@@ -466,8 +500,7 @@ class Engine:
         logits, stats.prefill_tokens = self._prefill(prompt_ids, run.wants, stop_event)
         if logits is None:
             return None
-        if run.shaper:
-            logits = run.shaper.shape(logits, prompt_ids, [[]])
+        logits = self._distribution(run, logits, prompt_ids, [[]])
         stats.target_calls = 1
         first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
@@ -539,6 +572,15 @@ def _until_stop(tokenizer, context, draft, stops):
     if keep == len(draft_ids):
         return draft
     return draft_ids[:keep], (draft_probs[:keep] if draft_probs is not None else None)
+
+
+def _text_only(draft, non_text: frozenset[int]):
+    """A chain draft up to its first non-text token (the target would never accept it)."""
+    draft_ids, draft_probs = draft
+    for i, token in enumerate(draft_ids.tolist()):
+        if token in non_text:
+            return draft_ids[:i], (draft_probs[:i] if draft_probs is not None else None)
+    return draft
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

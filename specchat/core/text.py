@@ -185,3 +185,28 @@ def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], tuple[str, 
 
 def raw_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+# Markers of images, audio and video in multimodal vocabularies. Some conversions keep them as
+# ordinary vocabulary entries (Gemma 3's <start_of_image> is not flagged special in its GGUF's
+# tokenizer), so they are looked up by name as well as by the special flag.
+MEDIA_MARKERS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_audio>",
+                 "<end_of_audio>", "<audio_soft_token>", "[multimodal]", "<|image|>",
+                 "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                 "<|video_pad|>", "<|audio|>")
+
+
+def non_text_ids(tokenizer, keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The ids of tokens that are not text: the tokenizer's special tokens (padding, BOS,
+    unused slots, turn markers) and media markers, except `keep` (the end-of-text tokens, which
+    end a reply). A reply never contains them: plain decoding and speculation both mask them
+    (`Engine`), so a reply stays text and speculation stays lossless."""
+    ids = {int(i) for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+           if getattr(added, "special", False)}
+    ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    for name in MEDIA_MARKERS:
+        i = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != unknown:
+            ids.add(i)
+    return sorted(ids - set(keep))

@@ -48,6 +48,19 @@ class DraftTree:
     def depth(self) -> int:
         return max(self.depths(), default=0)
 
+    def without(self, tokens: frozenset[int] | set[int]) -> DraftTree:
+        """The tree without the nodes whose token is in `tokens`, nor their descendants."""
+        index: dict[int, int] = {-1: -1}  # old node -> new node, for the nodes kept
+        kept, parents = [], []
+        for i, (token, p) in enumerate(zip(self.tokens.tolist(), self.parents)):
+            if token not in tokens and p in index:
+                index[i] = len(kept)
+                kept.append(i)
+                parents.append(index[p])
+        if len(kept) == len(self.parents):
+            return self
+        return DraftTree(self.tokens[kept], parents)
+
     def paths(self) -> list[list[int]]:
         """The tokens from the root down to each row of a tree forward: [] for the root, then
         node i's ancestors and node i (what a node's row continues after the context)."""
