@@ -18,7 +18,13 @@ import os
 import sys
 
 from specchat.api.server import Api, api_router
-from specchat.args import add_model_arguments, load_from_args, model_choice
+from specchat.args import (
+    add_model_arguments,
+    add_trusted_proxy_argument,
+    load_from_args,
+    model_choice,
+    trust_proxies,
+)
 from specchat.help import HelpFormatter
 from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
@@ -54,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin", metavar="USER", action="append", default=[],
                        help="a login (from --auth) who sees every visitor's conversations in "
                             "the Stats tab (repeatable); others see only their own")
+    add_trusted_proxy_argument(serve)
     add_db_argument(serve)
     limits = parser.add_argument_group("limits (enforced server-side, for shared demos)")
     limits.add_argument("--max-input-chars", type=int, default=Limits.max_input_chars,
@@ -160,8 +167,11 @@ def _loading_slot(args, exposed: bool) -> ModelSlot:
 
 def _serve(args, demo, slot: ModelSlot, store: StatsStore, auth) -> None:
     """Launch the page, add the API on its port, and say where both are."""
-    # The login (if any) is throttled per user and per address (auth.py); the API's
-    # "user:password" keys go through the same guard, so guesses there count the same.
+    # The login (if any) is throttled per client address (auth.py); the API's "user:password"
+    # keys go through the same guard, so guesses there count the same.
+    # Client addresses (which the guard counts failures by) come from X-Forwarded-For only
+    # when a --trusted-proxy forwarded the request; otherwise they are the peer's.
+    trust_proxies(args.trusted_proxy)
     login = guarded_launch_kwargs(auth)
     guard = login["auth"].__self__ if login["auth"] else None
     launch(demo, server_name=args.host, server_port=args.port, share=args.share, **login,

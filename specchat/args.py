@@ -4,6 +4,7 @@ models to load, how to sample, and the checks on both."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 
@@ -73,6 +74,34 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"API key for the backend(s) (default: ${BACKEND_KEY_ENV}, else none)")
     b.add_argument("--backend-model", metavar="NAME", default=None,
                    help="which served model (default: the first the server lists)")
+
+
+def trusted_proxy(text: str) -> str:
+    """argparse type of --trusted-proxy: an IP address or a CIDR network, as a network."""
+    try:
+        return str(ipaddress.ip_network(text.strip(), strict=False))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an IP address or network (such as 10.0.0.5 or 10.0.0.0/8)"
+        ) from None
+
+
+def add_trusted_proxy_argument(group) -> None:
+    """--trusted-proxy ADDR (repeatable), for whatever serves HTTP; see `trust_proxies`."""
+    group.add_argument("--trusted-proxy", metavar="ADDR", action="append", default=[],
+                       type=trusted_proxy,
+                       help="a reverse proxy (IP or CIDR network, repeatable) whose "
+                            "X-Forwarded-For names the client; from any other peer the header "
+                            "is ignored and the peer is the client (default: none, so a share "
+                            "tunnel's visitors all count as 127.0.0.1)")
+
+
+def trust_proxies(proxies: list[str]) -> None:
+    """Let the HTTP server (uvicorn) read X-Forwarded-For only from `proxies`. Uvicorn takes
+    them from $FORWARDED_ALLOW_IPS when the server starts, and trusts loopback when it is
+    unset, which would let any local client, a share tunnel's visitors included, choose its
+    own address. Call before the server starts."""
+    os.environ["FORWARDED_ALLOW_IPS"] = ",".join(proxies)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,21 +1,30 @@
 """Password checks that slow down guessing, shared by every route that takes a password.
 
-`LoginGuard` checks the `(user, password)` pairs from `--auth` in constant time, logs every
-failure, and delays its answer by a time that doubles with the recent failures for that username
-and for that client address (the larger of the two applies). Attempts for one username are
-checked one after the other, so guesses sent in parallel wait in line and each pays the delay its
-predecessors earned. The delay is awaited, so other visitors are served meanwhile.
+A wrong guess costs the guesser, never the account it aims at. `LoginGuard` counts failures
+under two keys, both tied to the client's address:
 
-Each username and each address also has a failure budget (a token bucket: `budget` failures,
-refilled one per `refill` seconds). Once either is spent, attempts are refused without looking
-at the password until the bucket refills, so however many clients guess in parallel, no more
-than `budget` guesses plus one per `refill` seconds are ever checked for a username.
+- the address itself (every username tried from it), with a budget of `budget` failures;
+- the address and the username together, with a smaller budget, `user_budget`, so that one
+  person's typos or guesses at one account do not block others who share the address (a NAT).
+
+Nothing is counted per username alone: a right password from an address that has not been
+guessing is let in at once, whatever other addresses did. Each count drops by one every
+`refill` seconds. Once a count reaches its budget, attempts under that key are refused without
+looking at the password (`TooManyAttempts`, which says how many seconds are left), the right
+password too: the answer does not tell whether it was right.
+
+Below the budget, an attempt from an address that failed recently waits before it is checked,
+a time that doubles with each recent failure (the larger count of the two keys applies). The
+wait comes before the check, so a right password waits as long as a wrong one and the answer's
+timing says nothing. Waits are awaited with no lock held, and each attempt is counted before it
+waits, so attempts sent in parallel see each other: no more than the budget of them get through.
 
 One guard serves the page's `/login` (wired by `ui/login.py`) and the HTTP API's
 "user:password" bearer keys (`api/server.py`), so a guess counts the same on either route.
 Callers that know the client's address pass it; Gradio's `auth(username, password)` callback
 gets no request, so the page's middleware records the address in `client_address`, which the
-guard reads when it is given none.
+guard reads when it is given none. The address is the one the HTTP server reports: the peer,
+or what a proxy named by `--trusted-proxy` forwarded (`args.trust_proxies`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import contextvars
 import hashlib
 import hmac
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
@@ -36,6 +46,18 @@ logger = logging.getLogger(__name__)
 client_address: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "specchat_login_client", default=None)
 
+# Where no address is known, every such attempt shares this one (it is never a real address).
+UNKNOWN_ADDRESS = "unknown address"
+
+
+class TooManyAttempts(Exception):
+    """An attempt refused unchecked: its address (or address and username) spent its failure
+    budget. `seconds`: whole seconds until an attempt is checked again (for `Retry-After`)."""
+
+    def __init__(self, retry_after: float):
+        self.seconds = max(1, _whole(retry_after))
+        super().__init__(f"Too many attempts from your address; retry in {self.seconds} s.")
+
 
 def _digest(text: str) -> bytes:
     # Comparing fixed-length digests keeps the comparison's time independent of the lengths.
@@ -44,126 +66,106 @@ def _digest(text: str) -> bytes:
 
 @dataclass
 class _Failures:
-    count: int
-    last: float  # clock time of the latest failure
+    count: float  # failures not yet refilled, as of `at`
+    at: float  # clock time of the latest change
 
 
 class LoginGuard:
-    """Checks logins against `pairs` and throttles repeated failures.
+    """Checks logins against `pairs` and throttles repeated failures per address.
 
     Pass `auth=guard.check` to gradio, not the guard itself: gradio awaits `auth` only when
     `inspect.iscoroutinefunction(auth)` is true, which holds for a bound `async def` method but
     not for an instance with an async `__call__` (its coroutine would be taken as a truthy
     answer). The guard is deliberately not callable, so `auth=guard` fails at launch.
 
-    The first `free` failures cost nothing; after that each failure is answered `base` seconds
-    late, doubling per failure up to `cap`. A username's or address's failures are forgotten
-    `window` seconds after its latest failure, and at once after a successful login. At most
-    `max_keys` usernames and addresses are tracked; the oldest are dropped first.
+    Failures per address: `budget`; per address and username: `user_budget`; each count drops by
+    one every `refill` seconds. With n recent failures, counting the attempt at hand, an attempt
+    waits `delay_for(n)`: nothing for the first `free`, then `base` seconds, doubling up to
+    `cap`. At most `max_keys` counters are kept; those changed longest ago are dropped first.
     """
 
     def __init__(self, pairs: Iterable[tuple[str, str]], *, free: int = 2, base: float = 0.25,
-                 cap: float = 10.0, window: float = 15 * 60, max_keys: int = 10_000,
-                 budget: int = 30, refill: float = 30.0,
+                 cap: float = 10.0, budget: int = 30, user_budget: int = 10,
+                 refill: float = 30.0, max_keys: int = 10_000,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[object]] = asyncio.sleep):
         self._accounts = [(_digest(user), _digest(password)) for user, password in pairs]
         self.free, self.base, self.cap = free, base, cap
-        self.window, self.max_keys = window, max_keys
+        self.budget, self.user_budget, self.refill = budget, user_budget, refill
+        self.max_keys = max_keys
         self.clock, self.sleep = clock, sleep
-        # ("user", name) or ("addr", host) -> failures, oldest latest-failure first.
-        self._failures: OrderedDict[tuple[str, str], _Failures] = OrderedDict()
-        self._lines: dict[str, list] = {}  # username -> [lock, attempts holding or awaiting it]
-        self.budget, self.refill = budget, refill
-        # key -> [failures left, clock time they were counted at]; full buckets are dropped.
-        self._buckets: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
+        # ("address", address) or ("pair", address, username) -> its failures, the counter
+        # changed longest ago first. Counters that refilled completely are dropped.
+        self._failures: OrderedDict[tuple[str, ...], _Failures] = OrderedDict()
+
+    # -- what a caller may ask -----------------------------------------------------------------
 
     def delay_for(self, failures: int) -> float:
-        """Seconds to hold an answer after `failures` recent failures."""
+        """Seconds an attempt waits when its address has `failures` recent failures, the
+        attempt itself counted."""
         if failures <= self.free:
             return 0.0
         return min(self.cap, self.base * 2.0 ** (failures - self.free - 1))
 
     def failures(self, username: str, address: str | None = None) -> int:
-        """Recent failures: the larger of the username's and the address's count."""
-        self._expire()
-        return max((self._failures[key].count for key in self._keys(username, address)
-                    if key in self._failures), default=0)
+        """Recent failures of `username` from `address`: the larger of the address's count and
+        the address-and-username count. Without an address: the most that any one address has
+        against `username` (for reports; `check` files unknown addresses under one name)."""
+        now = self.clock()
+        if address is None:
+            name = username[:128]
+            counts = [self._count(key, now) for key in list(self._failures)
+                      if key[0] == "pair" and key[2] == name]
+        else:
+            counts = [self._count(key, now) for key, _ in self._keys(username, address)]
+        return _whole(max(counts, default=0.0))
 
     def delay(self, username: str, address: str | None = None) -> float:
-        """Seconds an attempt for `username` from `address` now waits before it is checked."""
-        return self.delay_for(self.failures(username, address))
-
-    async def check(self, username: str, password: str, address: str | None = None) -> bool:
-        """Gradio's `auth` callback: True when the pair is one of ours (after any delay).
-        `address`: the client's, where the caller knows it (else the /login middleware's)."""
-        address = address or client_address.get()
-        name = username[:128]
-        line = self._lines.setdefault(name, [asyncio.Lock(), 0])
-        line[1] += 1
-        try:
-            async with line[0]:  # one attempt at a time per username: parallel guesses queue
-                return await self._check(username, password, address)
-        finally:
-            line[1] -= 1
-            if not line[1]:
-                del self._lines[name]
+        """Seconds the next attempt for `username` from `address` waits before it is checked
+        (without an address: from the address with the most failures against it)."""
+        return self.delay_for(self.failures(username, address) + 1)
 
     def retry_after(self, username: str, address: str | None = None) -> float:
-        """Seconds until an attempt for `username` from `address` is checked again (0: now):
-        the failure budget of the username or of the address is spent."""
+        """Seconds until an attempt for `username` from `address` is checked again (0: now)."""
         now, wait = self.clock(), 0.0
-        for key in self._keys(username, address):
-            left = self._left(key, now)
-            if left < 1:
-                wait = max(wait, (1 - left) * self.refill)
+        for key, limit in self._keys(username, address or UNKNOWN_ADDRESS):
+            over = self._count(key, now) - (limit - 1)  # a whole failure must refill first
+            if over > 1e-9:  # not a floating-point remainder of a failure that refilled
+                wait = max(wait, over * self.refill)
         return wait
 
-    def _left(self, key: tuple[str, str], now: float) -> float:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            return float(self.budget)
-        left = min(self.budget, bucket[0] + (now - bucket[1]) / self.refill)
-        bucket[0], bucket[1] = left, now
-        if left >= self.budget:
-            del self._buckets[key]
-        return left
+    def refuse_if_blocked(self, username: str, address: str | None = None) -> None:
+        """Raises `TooManyAttempts` when the address, or the address and username, spent its
+        failure budget; the refusal is logged. Checks nothing, counts nothing."""
+        address = address or client_address.get() or UNKNOWN_ADDRESS
+        wait = self.retry_after(username, address)
+        if wait > 0:
+            refused = TooManyAttempts(wait)
+            logger.warning("login refused for user %r from %r: too many failures, retry in "
+                           "%d s", username[:64], address[:64], refused.seconds)
+            raise refused
 
-    def _spend(self, username: str, address: str | None) -> None:
-        now = self.clock()
-        for key in self._keys(username, address):
-            left = self._left(key, now)
-            self._buckets[key] = [left - 1, now]
-            self._buckets.move_to_end(key)
-        while len(self._buckets) > self.max_keys:
-            self._buckets.popitem(last=False)
-
-    async def _check(self, username: str, password: str, address: str | None) -> bool:
-        refused = self.retry_after(username, address)
-        if refused:
-            logger.warning("login refused for user %s from %s: failure budget spent, refills in "
-                           "%.0fs", repr(username[:64]), address or "an unknown address",
-                           refused)
-            return False
-        # Already over the threshold: wait before checking, so guesses in line are held too,
-        # not only the answers to failed ones.
-        waited = self.delay(username, address)
-        if waited:
-            await self.sleep(waited)
+    async def check(self, username: str, password: str, address: str | None = None) -> bool:
+        """Gradio's `auth` callback: True when the pair is one of ours (after any wait).
+        `address`: the client's, where the caller knows it (else the /login middleware's).
+        Raises `TooManyAttempts`, before looking at the password, when the address (or the
+        address and username) spent its failure budget."""
+        address = address or client_address.get() or UNKNOWN_ADDRESS
+        self.refuse_if_blocked(username, address)
+        # Counted as a failure before waiting: attempts in parallel see each other, and one
+        # that is abandoned while it waits still counts. A right password takes it back.
+        failures = self._count_failure(username, address)
+        wait = self.delay_for(failures)
+        if wait:
+            await self.sleep(wait)
         if self._matches(username, password):
-            for key in self._keys(username, address):
-                self._failures.pop(key, None)
-                self._buckets.pop(key, None)
+            self._forgive(username, address)
             return True
-        self._spend(username, address)
-        failures = self._record_failure(username, address)
-        delay = self.delay_for(failures)
-        logger.warning("login failed for user %s from %s: %d recent failures, answered after "
-                       "%.2fs", repr(username[:64]), address or "an unknown address", failures,
-                       delay)
-        if delay > waited:
-            await self.sleep(delay - waited)
+        logger.warning("login failed for user %r from %r: %d recent failures from there, "
+                       "answered after %.2f s", username[:64], address[:64], failures, wait)
         return False
+
+    # -- bookkeeping ---------------------------------------------------------------------------
 
     def _matches(self, username: str, password: str) -> bool:
         # Compare with every account, without stopping early, so the time taken says nothing
@@ -175,32 +177,51 @@ class LoginGuard:
                                                                                  known_secret)
         return found
 
-    @staticmethod
-    def _keys(username: str, address: str | None) -> list[tuple[str, str]]:
-        # Long usernames are cut: they only name a counter, and memory stays bounded.
-        keys = [("user", username[:128])]
-        if address:
-            keys.append(("addr", address))
-        return keys
+    def _keys(self, username: str, address: str) -> list[tuple[tuple[str, ...], int]]:
+        """The two counters an attempt is filed under, each with its budget. Long usernames
+        and addresses are cut: they only name a counter, and memory stays bounded."""
+        address, username = address[:64], username[:128]
+        return [(("address", address), self.budget),
+                (("pair", address, username), self.user_budget)]
 
-    def _record_failure(self, username: str, address: str | None) -> int:
-        """Counts a failure for the username and the address; returns the larger count."""
-        self._expire()
-        now, counts = self.clock(), []
-        for key in self._keys(username, address):
-            entry = self._failures.pop(key, None) or _Failures(0, now)
-            entry.count, entry.last = entry.count + 1, now
-            self._failures[key] = entry  # re-inserted last: the order stays by latest failure
-            counts.append(entry.count)
+    def _count(self, key: tuple[str, ...], now: float) -> float:
+        """The key's failures not yet refilled (one refills every `refill` seconds)."""
+        entry = self._failures.get(key)
+        if entry is None:
+            return 0.0
+        count = entry.count - (now - entry.at) / self.refill
+        if count <= 0:
+            del self._failures[key]
+            return 0.0
+        return count
+
+    def _set(self, key: tuple[str, ...], count: float, now: float) -> None:
+        self._failures.pop(key, None)
+        if count > 0:
+            self._failures[key] = _Failures(count, now)  # last: the order stays by change time
         while len(self._failures) > self.max_keys:
             self._failures.popitem(last=False)
-        return max(counts)
 
-    def _expire(self):
-        """Drops the counters whose latest failure is older than `window`."""
-        horizon = self.clock() - self.window
-        while self._failures:
-            key, entry = next(iter(self._failures.items()))
-            if entry.last > horizon:
-                break
-            del self._failures[key]
+    def _count_failure(self, username: str, address: str) -> int:
+        """Counts one failure under both keys; returns the larger count, in whole failures."""
+        now, counts = self.clock(), []
+        for key, _ in self._keys(username, address):
+            count = self._count(key, now) + 1
+            self._set(key, count, now)
+            counts.append(count)
+        return _whole(max(counts))
+
+    def _forgive(self, username: str, address: str) -> None:
+        """After a right password: the attempt is no failure, and the address-and-username
+        counter starts afresh. The address keeps its other failures, so knowing one password
+        does not buy more guesses at other accounts."""
+        now = self.clock()
+        (address_key, _), (pair_key, _) = self._keys(username, address)
+        self._set(address_key, self._count(address_key, now) - 1, now)
+        self._set(pair_key, 0, now)
+
+
+def _whole(count: float) -> int:
+    """Rounded up, as failures not yet fully refilled (2.4 -> 3) or seconds to wait, with
+    room for floating-point error (39.999999999 -> 40, not 41; 4.0000000001 -> 4)."""
+    return math.ceil(count - 1e-9)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
 import re
 import threading
 import time
@@ -48,10 +47,11 @@ from specchat.core.settings import SETTINGS, build_config, values_from_body
 from specchat.engine_queue import EngineQueue, QueueFull
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
-from specchat.auth import LoginGuard
+from specchat.auth import LoginGuard, TooManyAttempts
 
 MAX_WAITING = 8  # replies waiting behind the one generating, the page's included; more: 429
 RETRY_AFTER_S = 5
+MISSING_KEY = "A valid API key is required: send 'Authorization: Bearer KEY'."
 MAX_INPUT_CHARS = 16000
 MAX_TOKENS_CAP = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -148,28 +148,32 @@ class Api:
     async def owner(self, request: Request) -> str:
         """The key's owner; 401 without a valid key when keys or logins are set. A key that is
         no API key goes through the login guard as "user:password": a wrong one counts as a
-        failed login for that user and this address (logged, answered later and later)."""
+        failed attempt from this address (logged, answered later and later). An address that
+        spent its failure budget gets 429 with the seconds left, whatever the key."""
         if not self.api_keys and not self.logins:
             return "api"
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        found = None
-        for key, name in self.api_keys.items():  # every key compared: no early exit
-            if given and hmac.compare_digest(given.encode(), key.encode()):
-                found = f"api:{name}"
-        if found:
-            return found
+        if not given:  # no key at all is no guess: nothing to check or count
+            raise ApiError(401, MISSING_KEY, "authentication_error")
         user, colon, password = given.partition(":")
+        user, password = (user, password) if colon else ("", given)
         address = request.client.host if request.client else None
-        if await self.guard.check(user if colon else "", password if colon else given, address):
-            return f"user:{user}"
-        wait = self.guard.retry_after(user if colon else "", address)
-        if wait:  # this user's or address's failure budget is spent: no more guesses for now
-            raise ApiError(429, f"Too many failed logins for this user or address: try again in "
-                                f"{math.ceil(wait)} s.", "rate_limit_error",
-                           headers={"Retry-After": str(math.ceil(wait))})
-        raise ApiError(401, "A valid API key is required: send 'Authorization: Bearer KEY'.",
-                       "authentication_error")
+        try:
+            # Refused before any key is compared, so a blocked address learns nothing more.
+            self.guard.refuse_if_blocked(user, address)
+            found = None
+            for key, name in self.api_keys.items():  # every key compared: no early exit
+                if given and hmac.compare_digest(given.encode(), key.encode()):
+                    found = f"api:{name}"
+            if found:
+                return found
+            if await self.guard.check(user, password, address):
+                return f"user:{user}"
+        except TooManyAttempts as refused:
+            raise ApiError(429, str(refused), "rate_limit_error",
+                           headers={"Retry-After": str(refused.seconds)}) from None
+        raise ApiError(401, MISSING_KEY, "authentication_error")
 
     def prompt(self, body: dict, chat: bool) -> tuple[list[int], tuple[str, ...], str]:
         """-> (the prompt as the engine takes it: token ids for the local engine, the messages
