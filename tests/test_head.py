@@ -569,3 +569,37 @@ def test_loss_at_trained_positions_only_equals_the_loss_over_full_logits():
             inputs, emb, pos = pred[:, :-1], emb[:, 1:], pos[1:]
     assert torch.allclose(packed, want, rtol=1e-5), (float(packed), float(want))
     assert metrics["top1@1"][1] == int(valid.sum())
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_head_drafts_from_the_penalized_distribution_and_stays_lossless(make):
+    from specchat.core.penalties import Penalties, Shaper
+
+    target = make(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    context = ids_of(TEXT)
+    pred, logits = drafter._catch_up(context)
+    # The head's favourite is a token the text repeats: the penalties must move the draft off it.
+    repeated = int((VOCAB_IDS == context[-2]).nonzero()[0, 0])  # "a" of "the cat" in 40..103
+    favoured = logits.detach().clone()
+    favoured[0, 0, repeated] = favoured.max() + 1.0
+    drafter._catch_up = lambda ctx: (pred, favoured)
+    drafter.use_penalties(Shaper(Penalties(repeat_penalty=50.0, dry_multiplier=5.0), TOK))
+    shaped = drafter._penalized(favoured[0], context, [[]])
+    assert int(favoured[0].argmax()) == repeated != int(shaped.argmax())
+    first = drafter.propose(context, 1, SamplingParams(0.0), None)[0]
+    assert int(first[0]) == int(VOCAB_IDS[int(shaped.argmax())])
+    del drafter._catch_up
+
+    engine = Engine(loaded(target, TOK), {"head": drafter})
+
+    def run(**cfg):
+        events = engine.stream(context, GenerateConfig(
+            max_new_tokens=30, repeat_penalty=1.5, dry_multiplier=0.8, **cfg))
+        return [e.id for e in events if isinstance(e, TokenEvent)]
+
+    plain = run(speculation=False)
+    assert run(drafter="head", draft_len=3, adaptive=False) == plain
+    assert run(drafter="head", draft_len=3, adaptive=False, tree_nodes=6) == plain
+    assert run(drafter="head", draft_len=3, adaptive=False, temperature=0.8, seed=2) == \
+        run(speculation=False, temperature=0.8, seed=2)

@@ -195,3 +195,18 @@ def test_the_step_card_names_the_samplers_and_shows_the_shaped_distribution():
     assert all(e.target_top[0].id == e.token for e in evidence)
     card = step_card(next(s for s in steps if s.evidence is not None))
     assert "after the samplers" in card and "DRY 0.8 (base 1.75, allowed length 2)" in card
+
+
+def test_a_reduced_vocabulary_row_is_shaped_as_the_same_tokens_of_a_full_row():
+    shaper = Shaper(Penalties(**EVERY_PENALTY), TOK)
+    vocab_ids = torch.tensor([7, 10, 11, 12, 40, 41, 200])  # a drafter's reduced vocabulary
+    index = torch.full((len(TOK),), -1, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    full = torch.randn(len(TOK))
+    for prefix in ([10, 11, 12, 10, 11, 12, 10, 11], [40, 41, 3, 40, 41, 3, 40, 5, 200]):
+        want = full.clone()
+        shaper.shape_row(want, np.asarray(prefix))
+        got = full[vocab_ids].clone()
+        shaper.shape_row(got, np.asarray(prefix), index)
+        assert torch.equal(got, want[vocab_ids])
+        assert not torch.equal(got, full[vocab_ids])  # the penalties did reach the row

@@ -5,6 +5,10 @@ from n-gram lookup or from a trained head. A drafter overrides `propose`; everyt
 default that does nothing.
 
     begin(prompt_ids)                      a new request starts from this context
+    use_penalties(shaper)                  the request's penalties (core/penalties.Shaper, or
+                                           None), for drafters with logits: drafting from the
+                                           distribution the target's draw will use makes a
+                                           draft likelier to pass; the test stays exact
     propose(context, k, params, noise) -> (draft_ids [k'], draft_probs [k', vocab] | None)
                                            k' <= k; None probs mean one-hot drafts (the target's
                                            own draw decides). Draft i is for reply position
@@ -50,6 +54,9 @@ class Drafter:
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts from `prompt_ids`."""
+
+    def use_penalties(self, shaper) -> None:
+        """The request's penalties (a `Shaper`, or None when off), before `begin`."""
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 noise: Noise | None) -> Chain:

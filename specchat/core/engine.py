@@ -505,6 +505,7 @@ class Engine:
         first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
         if run.drafter:
+            run.drafter.use_penalties(run.shaper)
             run.drafter.begin(prompt_ids)
         return self._with_logprobs(run, logits, [(first.next_token, TARGET)]), record
 

@@ -96,13 +96,19 @@ class Shaper:
             self.shape_row(out[r], prefix)
         return out
 
-    def shape_row(self, row: torch.Tensor, prefix: np.ndarray) -> None:
-        """Reshape one float32 row [vocab] in place for the tokens `prefix` before it."""
+    def shape_row(self, row: torch.Tensor, prefix: np.ndarray,
+                  index: torch.Tensor | None = None) -> None:
+        """Reshape one float32 row in place for the tokens `prefix` before it. The row covers
+        the whole vocabulary, or with `index` (a drafter's reduced vocabulary) token t is
+        row[index[t]], and tokens with index -1 are not in the row."""
         pen = self.penalties
         if pen.windowed:
             window = prefix[-pen.repeat_last_n:]
             ids, counts = np.unique(window, return_counts=True)
             ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts).float()
+            if index is not None:
+                ids_t = index[ids_t]
+                ids_t, counts_t = ids_t[ids_t >= 0], counts_t[ids_t >= 0]
             values = row[ids_t]
             if pen.repeat_penalty != 1.0:
                 values = torch.where(values > 0, values / pen.repeat_penalty,
@@ -112,8 +118,10 @@ class Shaper:
         if pen.dry:
             for token, length in self.dry_matches(prefix).items():
                 if length >= pen.dry_allowed_length:
-                    row[token] -= pen.dry_multiplier * pen.dry_base ** (
-                        length - pen.dry_allowed_length)
+                    at = token if index is None else int(index[token])
+                    if at >= 0:
+                        row[at] -= pen.dry_multiplier * pen.dry_base ** (
+                            length - pen.dry_allowed_length)
 
     def dry_matches(self, prefix: np.ndarray) -> dict[int, int]:
         """token t -> the length of the longest sequence that ends the prefix and that also

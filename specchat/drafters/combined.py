@@ -18,6 +18,9 @@ class CombinedDrafter(Drafter):
     def __init__(self, ngram: NgramDrafter, head: HeadDrafter, min_match: int = 2):
         self.ngram, self.head, self.min_match = ngram, head, min_match
 
+    def use_penalties(self, shaper):
+        self.head.use_penalties(shaper)
+
     def begin(self, prompt_ids):
         self.ngram.begin(prompt_ids)
         self.head.begin(prompt_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
@@ -58,6 +59,30 @@ class HeadDrafter(Drafter):
         self.head_tokens: list[int] = []  # the tokens that cache was built from
         self.computed = 0  # features the drafter had to compute itself (no observe)
         self.coupled = True  # sampled drafts verified one-hot (see _sample); False: with q
+        # The request's penalties (repetition, DRY, ...), applied to the head's logits at each
+        # draft position from that draft's own prefix, as the target's draw will apply them:
+        # a penalty that moves the target's choice moves the draft's too.
+        self.shaper = None
+        self._index: torch.Tensor | None = None  # token id -> its place in the reduced vocabulary
+
+    def use_penalties(self, shaper):
+        self.shaper = shaper
+
+    def _penalized(self, rows: torch.Tensor, context: list[int],
+                   extras: list[list[int]]) -> torch.Tensor:
+        """Reduced-vocabulary logits [R, N] -> the same with the request's penalties, row r
+        for the prefix context + extras[r]."""
+        if self._index is None:
+            ids = self.head.vocab_ids.cpu()
+            self._index = torch.full((max(self.vocab_size, int(ids.max()) + 1),), -1,
+                                     dtype=torch.long)
+            self._index[ids] = torch.arange(len(ids))
+        out = rows.float().cpu().clone()
+        base = np.asarray(context, dtype=np.int64)
+        for r, extra in enumerate(extras):
+            prefix = np.concatenate([base, np.asarray(extra, dtype=np.int64)]) if extra else base
+            self.shaper.shape_row(out[r], prefix, self._index)
+        return out.to(rows.device)
 
     def begin(self, prompt_ids):
         pass  # features and cache survive across requests: a chat's history is reused
@@ -126,6 +151,8 @@ class HeadDrafter(Drafter):
         self.last_top = []
         for i in range(k):
             reduced_logits = logits[0, -1:]  # [1, N]
+            if self.shaper:
+                reduced_logits = self._penalized(reduced_logits, context, [ids])
             top, _ = top_candidates(reduced_logits[0], params, TOP)
             self.last_top.append([(int(self.head.vocab_ids[j]), q) for j, q in top])
             token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
@@ -168,7 +195,10 @@ class HeadDrafter(Drafter):
         # The frontier: expanded nodes (the root first), their predicted features [R, d] (the
         # feature input of their children), logits [R, N] and scores.
         front, front_feat, front_logits, front_score = [-1], feat[0], logits[0], [1.0]
+        paths: dict[int, list[int]] = {-1: []}  # expanded node -> its tokens from the root
         for level in range(1, depth + 1):
+            if self.shaper:
+                front_logits = self._penalized(front_logits, context, [paths[n] for n in front])
             p, index = torch.softmax(front_logits.float() / temperature, -1).topk(self.tree_width)
             grown, rows = [], []
             for r, (pr, ir) in enumerate(zip(p.tolist(), index.tolist())):
@@ -197,6 +227,7 @@ class HeadDrafter(Drafter):
             for r, j in enumerate(expand):
                 node = grown[j]
                 sees[node] = sees[parents[node]] + [seen + r]
+                paths[node] = paths[parents[node]] + [int(self.head.vocab_ids[tokens[node]])]
                 mask[r, sees[node]] = True
             feats = front_feat[torch.tensor([rows[j] for j in expand], device=self.device)]
             ids = self.head.vocab_ids[torch.tensor([tokens[grown[j]] for j in expand])].tolist()

@@ -25,6 +25,10 @@ class ModelDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.cache = None
         self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
+        self.shaper = None  # the request's penalties, applied to the draft's logits too
+
+    def use_penalties(self, shaper):
+        self.shaper = shaper
 
     def begin(self, prompt_ids):
         from specchat.core.kvcache import new_cache
@@ -55,6 +59,8 @@ class ModelDrafter(Drafter):
         self.last_top = []
         for i in range(k):
             logits = self._forward(feed)
+            if self.shaper:  # the draft from the distribution the target's draw will use
+                logits = self.shaper.shape(logits, context, [ids])
             self.last_top.append(top_candidates(logits[0], params, TOP)[0])
             token, p = sample_logits(logits, params, noise, len(context) + i)
             ids.append(int(token))
