@@ -186,6 +186,14 @@ def test_trusted_proxy_takes_addresses_and_networks_only():
             trusted_proxy(bad)
 
 
+def test_serve_takes_trusted_proxies_too():
+    from specchat.cli import build_parser as cli_parser
+
+    args = cli_parser().parse_args(["serve", "--trusted-proxy", "192.168.1.0/24"])
+    assert args.trusted_proxy == ["192.168.1.0/24"]
+    assert cli_parser().parse_args(["serve"]).trusted_proxy == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

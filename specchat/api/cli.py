@@ -6,7 +6,12 @@ import argparse
 import os
 import sys
 
-from specchat.args import add_model_arguments, load_for_cli
+from specchat.args import (
+    add_model_arguments,
+    add_trusted_proxy_argument,
+    load_for_cli,
+    trust_proxies,
+)
 from specchat.help import HelpFormatter
 from specchat.stats.cli import add_db_argument
 
@@ -28,6 +33,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens-cap", "--max-tokens-cap", dest="max_tokens_cap",
                         type=int, default=1024, metavar="N",
                         help="most new tokens per reply, whatever a request asks")
+    add_trusted_proxy_argument(parser)
     add_db_argument(parser)
     parser.set_defaults(func=run_serve)
     return parser
@@ -51,5 +57,6 @@ def run_serve(args) -> int:
         print(f"specchat: {store.error}", file=sys.stderr)
     app = create_app(report, store, {key: f"key{i + 1}" for i, key in enumerate(keys)},
                      max_tokens_cap=args.max_tokens_cap)
+    trust_proxies(args.trusted_proxy)  # X-Forwarded-For from the named proxies only
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
