@@ -198,3 +198,21 @@ def test_untruncated_sampling_reaches_the_long_tail():
     share = math.exp(10) / (math.exp(10) + 5000)
     assert abs(float((draws == 0).float().mean()) - share) < 0.01
     assert len(draws[draws != 0].unique()) > 2000
+
+
+def test_blockwise_argmax_and_top_candidates_are_torchs_answers():
+    from specchat.core.sampling import argmax, top_candidates
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (262144, 4096, 300):  # blocked, blocked, too narrow to block
+        rows = torch.randn(4, vocab, generator=g) * 4
+        rows[1] = rows[1].round()  # many ties: the first place wins, as in torch.argmax
+        rows[2, :vocab // 2] = -torch.inf  # a masked half
+        rows[3, [7, vocab - 1]] = rows[3].max() + 1  # a tie between the first and last block
+        assert torch.equal(argmax(rows), rows.argmax(-1))
+        assert torch.equal(argmax(rows[0]), rows[0].argmax())
+        top, _ = top_candidates(rows[0], SamplingParams(0.0), 5)
+        values, ids = torch.topk(rows[0], 5)
+        assert [i for i, _ in top] == ids.tolist()
+        assert [p for _, p in top] == pytest.approx(torch.softmax(rows[0], -1)[ids].tolist(),
+                                                    rel=1e-4)

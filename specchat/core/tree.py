@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.core.sampling import Noise, SamplingParams, sample_row
+from specchat.core.sampling import argmax as greedy_ids
 
 
 @dataclass
@@ -97,7 +98,7 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, params: SamplingPa
     children: dict[int, dict[int, int]] = {}
     for i, (token, p) in enumerate(zip(tree.tokens.tolist(), tree.parents)):
         children.setdefault(p, {})[token] = i
-    argmax = target_logits.argmax(-1).tolist() if params.greedy else None
+    argmax = greedy_ids(target_logits).tolist() if params.greedy else None
     node, path = -1, []
     while True:
         row = node + 1
