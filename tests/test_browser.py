@@ -24,6 +24,7 @@ from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.stats.store import StatsStore
 from specchat.ui.access import Access
+from specchat.ui.handlers import warm_up
 from specchat.ui.page import build_ui, launch
 from specchat.ui.state import Settings
 
@@ -66,6 +67,7 @@ def served():
     tok = byte_tokenizer()
     engine = Engine(loaded(tiny_llama(0), tok),
                     {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(0), len(tok))})
+    warm_up(engine)  # as the launcher does: its plain steps price the first reply's estimate
     store = StatsStore(":memory:")
     demo = build_ui(engine, store, min_interval=0.02,
                     defaults=Settings(max_new_tokens=48, seed=0))
@@ -105,6 +107,10 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
             page.goto(url)
             page.wait_for_selector("#sc-status .sc-status-ready")
             box = page.locator("#sc-input textarea")
+            # Every id the page sets is set once.
+            assert page.evaluate(
+                "(() => { const ids = [...document.querySelectorAll('[id^=\"sc-\"]')]"
+                ".map(e => e.id); return ids.length - new Set(ids).size; })()") == 0
 
             # An empty message is refused with a visible notice.
             page.click("#sc-send")
@@ -130,6 +136,11 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
                 assert bonus.evaluate("e => getComputedStyle(e).textDecorationStyle") == "double"
             stats_line = page.inner_text("#sc-chat .sc-stats")
             assert "tok/s" in stats_line and "accepted" in stats_line
+            # Its speedup is an estimate from its own steps, labelled so, with its band: no
+            # other reply to divide by exists, and none would be used.
+            assert re.search(r"≈\d+\.\d\d× est\. \(\d+\.\d\d–\d+\.\d\d×\)", stats_line), \
+                stats_line
+            assert page.locator("#sc-chat .sc-speedup").count() == 0
 
             # 2. Speculation off: the next reply is all plain target tokens.
             page.click("#sc-speculation input")
@@ -250,6 +261,10 @@ def test_hostile_text_is_shown_as_text_in_every_view_and_logins_are_isolated(sha
             _open_stats(alice)
             alice.wait_for_selector("#sc-stats-history .sc-user")
             assert "Session expired - log in again" in alice.inner_text("#sc-stats-history")
+            # The read-only view offers no Clear or share button (they would not act on it).
+            assert not alice.locator("#sc-stats-history button[aria-label='Clear']").is_visible()
+            assert alice.locator("#sc-stats-history .icon-button-wrapper button:visible").count() \
+                == 0
             assert "Hi <img src=" in alice.inner_text("#sc-stats-conversations")  # as text
             _no_markup(alice, trap_port)
             assert hits == []  # the browser fetched nothing the payload named

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import signal
 import sqlite3
-import statistics
 import subprocess
 import sys
 import threading
@@ -100,38 +99,30 @@ def test_speedup_against_a_recorded_ab_baseline(store):
     assert row["speedup"] == pytest.approx(2.5)
 
 
-def test_speedup_against_the_conversations_plain_turns(store):
+def test_other_prompts_plain_turns_are_no_baseline(store):
     cid = store.new_conversation("mixed")
-    early = store.record_turn(cid, "1", "r", spec_stats(new_tokens=60, seconds=2.0))  # 30 tok/s
-    assert store.turns(cid)[0]["speedup"] is None  # no plain turn yet
+    store.record_turn(cid, "1", "r", spec_stats(new_tokens=60, seconds=2.0))  # 30 tok/s
     store.record_turn(cid, "2", "r", plain_stats(new_tokens=20, seconds=2.0))  # 10 tok/s
-    assert store.turns(cid)[0]["speedup"] == pytest.approx(3.0)  # filled in afterwards
     store.record_turn(cid, "3", "r", plain_stats(new_tokens=40, seconds=2.0))  # 20 tok/s
-    # Not counted: another temperature, and an interrupted plain turn.
-    store.record_turn(cid, "4", "r", plain_stats(new_tokens=2, seconds=2.0, temperature=0.7))
-    store.record_turn(cid, "5", "r", plain_stats(new_tokens=1, seconds=2.0, stop_reason="stopped"))
-    hot = store.record_turn(cid, "6", "r", spec_stats(new_tokens=4, seconds=2.0, temperature=0.7))
-    by_id = {t["id"]: t for t in store.turns(cid)}
-    assert by_id[early]["speedup"] == pytest.approx(30 / 15)  # median of 10 and 20 tok/s
-    assert by_id[hot]["speedup"] == pytest.approx(2 / 1)  # against the 0.7 plain turn only
-    # Another conversation's plain turns are not this one's baseline.
-    other = store.new_conversation("other")
-    store.record_turn(other, "x", "y", spec_stats())
-    assert store.turns(other)[0]["speedup"] is None
+    first = store.turns(cid)[0]
+    # No A/B run and no steps kept: no figure, rather than 30 over another prompt's 10 or 15.
+    assert first["speedup"] is None and first["speedup_basis"] == ""
+    assert first["speedup_note"] == "too few steps to estimate from (0)"
 
 
 def test_conversation_list_summarizes_its_turns(store):
     a = store.new_conversation("first", "sess-a", "gemma", "ngram", "nf4", "cpu")
-    store.record_turn(a, "1", "r", plain_stats(new_tokens=20, seconds=2.0))
-    store.record_turn(a, "2", "r", spec_stats(new_tokens=40, seconds=2.0))  # 2.0x
-    store.record_turn(a, "3", "r", spec_stats(new_tokens=30, seconds=1.0))  # 3.0x
+    plain = store.record_turn(a, "1", "r", plain_stats(new_tokens=20, seconds=2.0))
+    store.record_turn(a, "1", "r", spec_stats(new_tokens=40, seconds=2.0), plain)  # 2.0x
+    store.record_turn(a, "1", "r", spec_stats(new_tokens=30, seconds=1.0), plain)  # 3.0x
     b = store.new_conversation("second", "sess-b")
     rows = store.conversations()
     assert [r["id"] for r in rows] == [b, a]  # newest first
     row = rows[1]
     assert row["turns"] == 3 and row["title"] == "first" and row["owner"] == "sess-a"
     assert row["mean_speedup"] == pytest.approx((2.0 * 3.0) ** 0.5)  # geometric mean
-    assert (row["speedup_turns"], row["spec_turns"]) == (2, 2)
+    assert (row["speedup_turns"], row["spec_turns"], row["speedup_basis"]) == (2, 2, "ab")
+    assert row["speedup_note"] == "geometric mean of 2 A/B pairs"
     assert row["acceptance"] == pytest.approx(24 / 40)
     assert row["spec_tokens_per_s"] == pytest.approx(25.0)
     assert row["plain_tokens_per_s"] == pytest.approx(10.0)
@@ -157,8 +148,8 @@ def test_delete_only_by_its_owner(store):
 
 def test_export_csv(store, tmp_path):
     a = store.new_conversation("a", target="gemma")
-    store.record_turn(a, "q1", "r1", plain_stats())
-    store.record_turn(a, "q2", "r2, with a comma", spec_stats())
+    plain = store.record_turn(a, "q1", "r1", plain_stats())
+    store.record_turn(a, "q1", "r2, with a comma", spec_stats(), baseline_turn_id=plain)
     b = store.new_conversation("b")
     store.record_turn(b, "q3", "r3", plain_stats())
     out = tmp_path / "all.csv"
@@ -167,7 +158,7 @@ def test_export_csv(store, tmp_path):
     assert store.export_csv(buffer, conversation_id=a) == 2
     import csv
     rows = list(csv.DictReader(io.StringIO(buffer.getvalue())))
-    assert [r["prompt"] for r in rows] == ["q1", "q2"]
+    assert [r["prompt"] for r in rows] == ["q1", "q1"]
     assert rows[1]["reply"] == "r2, with a comma" and rows[1]["target"] == "gemma"
     assert json.loads(rows[1]["accepted_by_position"]) == [6, 3, 2, 1]
     assert float(rows[1]["speedup"]) == pytest.approx(2.0)
@@ -204,7 +195,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
     store = StatsStore(path)
     assert [m.name for m in MIGRATIONS.applied(store.db)] == [
         "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
-        "m005_steps", "m006_speedup_basis"]
+        "m005_steps", "m006_speedup_basis", "m007_speedup_estimates"]
     assert store.db["conversations"].count == 3 and store.db["turns"].count == 30
     got = {t["prompt"]: t for c in conversations for t in store.turns(c["id"])}
     for i, old in enumerate(turns):
@@ -216,23 +207,56 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
         assert new["interrupted"] is (i == 5)
         assert new["accepted_by_position"] == []
     assert {c["owner"] for c in store.conversations()} == {"local"}
-    # Speedups back-filled by today's definition: over the median of the plain turns.
-    c1 = store.turns("c1")
-    plain_median = statistics.median(t["tokens_per_s"] for t in c1 if not t["speculation"])
-    for turn in c1:
-        expected = turn["tokens_per_s"] / plain_median if turn["speculation"] else None
-        assert turn["speedup"] == pytest.approx(expected)
+    # Speedups derived by today's definition: a v1 file kept no A/B runs and no steps, so no
+    # turn has a figure, and none is a ratio to another prompt's reply.
+    for turn in store.turns("c1"):
+        assert turn["speedup"] is None
         if turn["speculation"]:
-            assert turn["speedup_baseline"] == pytest.approx(plain_median)
-    # The stopped speculative turn gets no figure, and says why.
+            assert turn["speedup_note"] == "too few steps to estimate from (0)"
+    # The stopped speculative turn says why it has none.
     (stopped,) = [t for t in store.turns("c2") if t["prompt"] == "prompt 5"]
     assert stopped["speedup"] is None and "stopped" in stopped["speedup_note"]
     # The upgraded file takes new turns, and opening it again changes nothing.
     store.record_turn("c0", "new", "turn", spec_stats())
     store.close()
     again = StatsStore(path)
-    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 6
+    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 7
     again.close()
+
+
+def test_migrating_replaces_cross_prompt_figures_and_keeps_ab_pairs(tmp_path):
+    from specchat.core.events import StepRecord
+    path = tmp_path / "m006.db"
+    db = Database(path)
+    MIGRATIONS.apply(db, stop_before="m007_speedup_estimates")
+    db["conversations"].insert({"id": "c", "title": "t", "created": "2026", "owner": "local"})
+    common = {"conversation_id": "c", "created": "2026", "reply": "r", "seconds": 2.0,
+              "temperature": 0.0, "stop_reason": "eos", "interrupted": False}
+    db["turns"].insert_all([
+        # A speculative turn that was divided by another prompt's plain reply: 10x.
+        {**common, "id": 1, "idx": 1, "prompt": "fast", "speculation": True, "new_tokens": 40,
+         "tokens_per_s": 20.0, "speedup": 10.0, "speedup_note": "vs the plain turn"},
+        {**common, "id": 2, "idx": 2, "prompt": "slow", "speculation": False, "new_tokens": 4,
+         "tokens_per_s": 2.0},
+        # An A/B pair of one prompt.
+        {**common, "id": 3, "idx": 3, "prompt": "q", "speculation": False, "new_tokens": 20,
+         "tokens_per_s": 10.0},
+        {**common, "id": 4, "idx": 4, "prompt": "q", "speculation": True, "new_tokens": 30,
+         "tokens_per_s": 15.0, "baseline_turn_id": 3, "speedup": 1.5},
+    ])
+    # The first turn kept its steps: it gets an estimate from them.
+    records = [StepRecord(i + 1, 2, 2, 3, 0.001, 0.010) for i in range(5)] + \
+        [StepRecord(6 + i, 0, 0, 1, 0.0, 0.008) for i in range(3)]
+    db["steps"].insert_all([{"turn_id": 1, "step": r.step, "record": json.dumps(r.to_json())}
+                            for r in records])
+    db.close()
+    store = StatsStore(path)
+    fast, slow, plain, replay = store.turns("c")
+    assert fast["speedup_basis"] == "est" and fast["speedup"] == pytest.approx(18 / 0.079 * 0.008)
+    assert fast["speedup_low"] <= fast["speedup"] <= fast["speedup_high"]
+    assert replay["speedup_basis"] == "ab" and replay["speedup"] == pytest.approx(1.5)
+    assert slow["speedup"] is None and plain["speedup"] is None
+    store.close()
 
 
 def test_new_file_is_wal(tmp_path):
@@ -312,7 +336,7 @@ def test_connections_opening_a_new_file_at_once_migrate_it_once(tmp_path):
     assert errors == [] and len(stores) == 6
     assert [m.name for m in MIGRATIONS.applied(stores[0].db)] == [
         "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
-        "m005_steps", "m006_speedup_basis"]
+        "m005_steps", "m006_speedup_basis", "m007_speedup_estimates"]
     for store in stores:
         store.close()
 
@@ -481,13 +505,14 @@ def test_cli_lists_the_same_numbers(tmp_path):
     path = tmp_path / "cli.db"
     store = StatsStore(path)
     a = store.new_conversation("Tell me a story", "local", "gemma-270m", "ngram")
-    store.record_turn(a, "q", "r", plain_stats(new_tokens=20, seconds=2.0))
-    store.record_turn(a, "q", "r", spec_stats(new_tokens=36, seconds=2.0))
+    plain = store.record_turn(a, "q", "r", plain_stats(new_tokens=20, seconds=2.0))
+    store.record_turn(a, "q", "r", spec_stats(new_tokens=36, seconds=2.0), plain)  # its A/B pair
     store.close()
 
     code, text = run_cli("--db", str(path))
     assert code == 0
     assert "Tell me a story" in text and "1.80x" in text and "60.0%" in text
+    assert "1 A/B" in text
     assert "gemma-270m + ngram" in text
 
     code, text = run_cli("--db", str(path), "--json")

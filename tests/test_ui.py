@@ -5,9 +5,11 @@ server-side, errors stay readable, A/B replay compares and records both runs."""
 from __future__ import annotations
 
 import collections
+import re
 import threading
 from html.parser import HTMLParser
 
+import gradio as gr
 import pytest
 from tiny import byte_tokenizer, loaded, tiny_llama
 
@@ -17,9 +19,10 @@ from specchat.core.events import GenerationStats, TokenEvent
 from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import LoadReport
+from specchat.stats.speedup import ESTIMATE, Speedup
 from specchat.stats.store import StatsStore
 from specchat.ui.handlers import ChatApp, ab_verdict, first_difference
-from specchat.ui.render import markup_ranges, render_tokens, status_html
+from specchat.ui.render import markup_ranges, render_history, render_tokens, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
 
@@ -136,20 +139,45 @@ def test_stream_grows_and_matches_engine_events(engine, store, spy):
     assert [r["reply"] for r in rows] == [turn.reply] and rows[0]["speculation"]
 
 
-def test_plain_reply_and_speedup_against_the_plain_baseline(engine):
-    app = make_app(engine)
+def stats_line_of(message: dict) -> str:
+    return re.search(r'<div class="sc-stats">.*?</div>', message["content"]).group(0)
+
+
+def test_a_reply_shows_an_estimate_with_its_band_never_a_ratio_to_another_prompt(engine, store):
+    app = make_app(engine, store)
     session = Session()
-    chat = send(app, session, "one", Settings(max_new_tokens=16, seed=1))[-1][0]
-    first = session.turns[0]
-    assert first.stats.speculation and "no plain baseline yet" in chat[1]["content"]
-    chat = send(app, session, "two", Settings(speculation=False, max_new_tokens=16, seed=1))[-1][0]
-    second = session.turns[1]
-    assert not second.stats.speculation
-    assert {k for _, k in char_kinds_from_html(chat[3]["content"])} == {"target"}
-    assert "speculation off" in chat[3]["content"]
-    # The plain turn is now the conversation's baseline: the speculative reply shows a speedup.
-    expected = first.stats.tokens_per_s / second.stats.tokens_per_s
-    assert f"{expected:.2f}×</b> vs plain" in chat[1]["content"]
+    # A plain reply of one prompt, then a speculative reply of another.
+    send(app, session, "a plain reply", Settings(speculation=False, max_new_tokens=16, seed=1))
+    chat = send(app, session, "another prompt", Settings(max_new_tokens=24, seed=1))[-1][0]
+    plain, spec = session.turns
+    figure = spec.speedup
+    assert figure.basis == ESTIMATE and figure.low <= figure.value <= figure.high
+    line = stats_line_of(chat[3])
+    assert (f'<b>≈{figure.value:.2f}×</b> est. ({figure.low:.2f}–{figure.high:.2f}×)'
+            in line)
+    assert "tokens per target pass" in line and "An estimate, not a measurement" in line
+    assert 'class="sc-speedup"' not in line  # not shown as a measured speedup
+    # Not the two prompts' ratio, and not priced by the other reply's speed.
+    cross = spec.stats.tokens_per_s / plain.stats.tokens_per_s
+    assert f"{cross:.2f}×" not in line.replace(f"{figure.value:.2f}×", "")
+    assert "speculation off" in stats_line_of(chat[1])
+    assert {k for _, k in char_kinds_from_html(chat[1]["content"])} == {"target"}
+
+
+def test_a_shown_figure_is_stored_with_its_turn_and_never_changes(engine, store):
+    app = make_app(engine, store)
+    session = Session()
+    first = stats_line_of(send(app, session, "one", Settings(max_new_tokens=16, seed=1))[-1][0][1])
+    shown = session.turns[0].speedup
+    send(app, session, "two", Settings(speculation=False, max_new_tokens=16, seed=1))
+    send(app, session, "three", Settings(max_new_tokens=16, seed=2))
+    replayed = list(app.ab_replay(session, Settings(max_new_tokens=16, seed=5)))[-1]
+    assert replayed[3] == gr.skip()  # the replay leaves the chat as it is
+    chat = send(app, session, "four", Settings(max_new_tokens=16, seed=3))[-1][0]
+    assert stats_line_of(chat[1]) == first and session.turns[0].speedup == shown
+    assert app.writer.flush(10)
+    row = store.turns(session.conversation_id)[0]
+    assert Speedup.from_row(row) == shown
 
 
 def test_stop_mid_stream_keeps_a_consistent_conversation(engine, store):
@@ -274,9 +302,9 @@ def test_out_of_memory_reported_by_the_engine_reads_well(engine, monkeypatch):
 def test_ab_replay_compares_and_records_both_runs(engine, store):
     app = make_app(engine, store)
     session = Session()
-    send(app, session, "compare me", Settings(max_new_tokens=16, seed=0))
+    chat = send(app, session, "compare me", Settings(max_new_tokens=16, seed=0))[-1][0]
     updates = list(app.ab_replay(session, Settings(max_new_tokens=16, seed=5)))
-    off, on, verdict, chat, session, _ = updates[-1]
+    off, on, verdict, unchanged, session, _ = updates[-1]
     assert "Speculation off" in off and "Speculation on" in on
     assert {k for _, k in char_kinds_from_html(off)} == {"target"}
     assert len({k for _, k in char_kinds_from_html(on)}) >= 2
@@ -284,12 +312,13 @@ def test_ab_replay_compares_and_records_both_runs(engine, store):
     assert app.writer.flush(10)
     rows = store.turns(session.conversation_id)
     assert [r["speculation"] for r in rows] == [True, False, True]
-    assert rows[2]["baseline_turn_id"] == rows[1]["id"] and rows[2]["speedup"] > 0
+    assert rows[2]["baseline_turn_id"] == rows[1]["id"] and rows[2]["speedup_basis"] == "ab"
+    assert rows[2]["speedup"] == pytest.approx(rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"])
+    assert f"Speedup: {rows[2]['speedup']:.2f}×</b>" in verdict  # the figure stored with it
     assert rows[1]["seed"] == rows[2]["seed"] == 5
-    assert session.ab_plain and len(session.turns) == 1  # the chat itself is unchanged
-    # ...but its speculative reply now has a plain baseline: the replay's plain run.
-    speedup = session.turns[0].stats.tokens_per_s / session.ab_plain[0].tokens_per_s
-    assert len(chat) == 2 and f"{speedup:.2f}×</b> vs plain" in chat[1]["content"]
+    # The chat is unchanged: its reply keeps the figure it was shown with.
+    assert unchanged == gr.skip() and render_history(session)[1] == chat[1]
+    assert len(session.turns) == 1 and rows[0]["speedup_basis"] != "ab"
 
 
 def test_ab_replay_needs_a_prompt(engine):
@@ -355,10 +384,88 @@ def test_page_while_loading_and_after_a_failed_load(engine):
     assert "failed to load" in notice and "offline" in notice
 
 
+def test_the_still_loading_notice_goes_once_the_models_are_ready(engine):
+    from specchat.ui.page import build_ui
+    release = threading.Event()
+    slot = ModelSlot(description="target tiny")
+    thread = slot.load(lambda progress: release.wait(10) and LoadReport(engine, None, []))
+    app = make_app(slot)
+    # An example clicked (or a message sent) while loading is refused with this notice...
+    notice = app.user("Water is a chemical compound made of", Session())[3]
+    assert "still loading" in notice
+    assert app.notice_once_ready(notice) == gr.skip()  # still true while loading
+    release.set()
+    thread.join(10)
+    # ...which the page's next look at the slot clears; other notices stay.
+    assert app.notice_once_ready(notice) == ""
+    assert app.notice_once_ready("Type a message first: an empty message was not sent.") == \
+        gr.skip()
+    # The page's load and loading timer read the notice and write it.
+    demo = build_ui(slot)
+    notice_box = next(b for b in demo.blocks.values() if getattr(b, "elem_id", "") == "sc-notice")
+    page_events = [d for d in demo.config["dependencies"]
+                   if {event for _, event in d["targets"]} & {"load", "tick"}
+                   and notice_box._id in d["outputs"]]
+    assert page_events and all(notice_box._id in d["inputs"] for d in page_events)
+
+
+def test_every_element_id_on_the_page_is_unique(engine):
+    from specchat.ui.page import build_ui
+    from specchat.ui.render import ab_panel, ab_placeholders
+    demo = build_ui(engine)
+    ids = [b.elem_id for b in demo.blocks.values() if getattr(b, "elem_id", None)]
+    assert len(ids) == len(set(ids)), collections.Counter(ids).most_common(3)
+    # gradio writes a Group's id on two nested elements: no Group carries one.
+    assert not [b for b in demo.blocks.values() if isinstance(b, gr.Group) and b.elem_id]
+    # The A/B panels' HTML names them by class, never by id.
+    for panel in (*ab_placeholders()[:2], ab_panel("Speculation off", [], None, False)):
+        assert " id=" not in panel
+
+
+def test_a_base_model_starts_at_the_examples_samplers_with_a_switch_to_none(engine,
+                                                                             monkeypatch):
+    from dataclasses import asdict
+
+    from specchat.core.settings import ANTI_LOOP, SETTINGS, build_config
+    from specchat.ui.examples import EXAMPLES, NO_SAMPLERS, SAMPLER_FIELDS, sampler_preset
+    from specchat.ui.page import build_ui, page_defaults
+    assert not engine.chats  # no chat template: a base model, as the embedded default is
+    defaults = page_defaults(ModelSlot.of(engine))
+    assert {name: getattr(defaults, name) for name in ANTI_LOOP} == ANTI_LOOP
+    # The very samplers every example uses.
+    assert {sampler_preset({**asdict(Settings()), **e.settings}) for e in EXAMPLES} == \
+        {sampler_preset(asdict(defaults))} == {"examples"}
+    demo = build_ui(engine)
+    blocks = list(demo.blocks.values())
+    switch = next(b for b in blocks if getattr(b, "elem_id", "") == "sc-samplers")
+    assert switch.value == "examples" and "none" in [value for _, value in switch.choices]
+    by_label = {getattr(b, "label", None): b for b in blocks}
+    for name, value in ANTI_LOOP.items():
+        assert by_label[SETTINGS[name].label].value == value, name
+    # The switch's "None" sets every sampler control off: the request then has no sampler.
+    on_samplers = next(fn for fn in demo.fns.values() if fn.name == "on_samplers")
+    off = dict(zip(SAMPLER_FIELDS, on_samplers.fn("none")))
+    assert off == NO_SAMPLERS
+    cfg, _ = build_config({**off, "temperature": 0.7}, ["ngram"])
+    assert cfg.samplers() == ["temperature 0.7"]
+    cfg, _ = build_config({**asdict(defaults), "temperature": 0.7}, ["ngram"])
+    assert any(name.startswith("DRY") for name in cfg.samplers())
+    # A visitor's own values read as "custom"; the explicit defaults of a caller stay as given.
+    assert sampler_preset({**off, "min_p": 0.1}) == "custom"
+    assert page_defaults(ModelSlot.of(engine), Settings(seed=3)) == Settings(seed=3)
+    # A chat-tuned model keeps neutral defaults.
+    monkeypatch.setattr(Engine, "chats", property(lambda self: True))
+    assert page_defaults(ModelSlot.of(engine)) == Settings()
+
+
 def test_warm_up_and_build_ui(engine):
     from specchat.ui.handlers import warm_up
     from specchat.ui.page import build_ui
+    from specchat.stats.speedup import RECENT_PLAIN_STEPS, plain_step_times
+    before = len(plain_step_times(engine).recent())
     warm_up(engine)  # the launcher runs it right after loading
+    # Its plain steps (but the first) price the first replies' estimated speedups.
+    assert len(plain_step_times(engine).recent()) > before or before == RECENT_PLAIN_STEPS
     demo = build_ui(engine)
     kinds = collections.Counter(type(b).__name__ for b in demo.blocks.values())
     assert kinds["Chatbot"] >= 1 and kinds["Textbox"] >= 1 and kinds["Tab"] >= 2, kinds

@@ -11,7 +11,8 @@ import gradio as gr
 import pytest
 from gradio.state_holder import SessionState
 
-from specchat.core.events import GenerationStats
+from specchat.core.events import GenerationStats, StepRecord
+from specchat.stats.speedup import estimate
 from specchat.stats.store import StatsStore
 from specchat.ui import stats_tab
 from specchat.ui.access import LOCAL, NOBODY, Access, new_browser_id
@@ -30,13 +31,19 @@ def plain(new_tokens, seconds=1.0):
     return GenerationStats(new_tokens=new_tokens, seconds=seconds, stop_reason="eos")
 
 
+# The steps "And 3+3?" kept: 5 steps of 3 tokens (10 ms each), then 3 plain steps (8 ms each).
+STEPS = [StepRecord(i + 1, 2, 2, 3, 0.0, 0.010).to_json() for i in range(5)] + \
+    [StepRecord(6 + i, 0, 0, 1, 0.0, 0.008).to_json() for i in range(3)]
+ESTIMATE = estimate(STEPS)  # 18 tokens in 74 ms against 8 ms a plain step: about 1.95x
+
+
 @pytest.fixture
 def seeded():
-    """Visitor A: one conversation of 4 turns; visitor B: one; the local owner: one, empty."""
+    """Visitor A: one conversation of 5 turns; visitor B: one; the local owner: one, empty."""
     store = StatsStore(":memory:")
     a = store.new_conversation("A's chat", "user:alice", "Qwen2.5-7B", "Qwen2.5-0.5B", "nf4", "cuda")
     store.record_turn(a, "What is 2+2?", "4", plain(10))  # 10 tok/s
-    store.record_turn(a, "And 3+3?", "6", spec(25))  # 2.5x
+    store.record_turn(a, "And 3+3?", "6", spec(25), steps=STEPS)  # estimated from its steps
     store.record_turn(a, "Why?", "Because", spec(15, drafted_by=(2, 2), accepted_by=(2, 0),
                                                    stop="stopped"))  # interrupted: no figure
     replay = store.record_turn(a, "Why?", "Because", plain(12))  # an A/B replay
@@ -56,14 +63,16 @@ def test_conversation_table_for_the_owner(seeded):
     row = table.set_index("id").loc[a]
     assert row["title"] == "A's chat" and row["models"] == "Qwen2.5-7B + Qwen2.5-0.5B"
     assert row["turns"] == 5
-    # Speedups 25/11 (the plain turns' 10 and 12 tok/s: median 11) and 30/12 from the replay;
-    # the stopped turn has none. Their geometric mean:
-    assert row["mean speedup"] == f"{(25 / 11 * 30 / 12) ** 0.5:.2f}x"
-    assert row["speedup over"] == "geometric mean, 2 of 3 speculative turns"
+    # One A/B pair (30 over 12 tok/s) and one estimate: the mean is the A/B pair's, and says so.
+    assert row["mean speedup"] == "2.50x"
+    assert row["mean of"] == "geometric mean of 1 A/B pair (1 other turn only estimated, left out)"
     assert row["acceptance"] == f"{100 * (4 + 2 + 4) / (7 + 4 + 7):.1f}%"
     assert row["date"].endswith("UTC")
     assert table.set_index("id").loc[mine]["mean speedup"] == "—"
-    assert table.set_index("id").loc[mine]["speedup over"] == "no speculative turn"
+    assert table.set_index("id").loc[mine]["mean of"] == "no speculative turn"
+    # B's only turn kept no steps and has no A/B run: no figure, and why.
+    assert table.set_index("id").loc[b]["mean speedup"] == "—"
+    assert table.set_index("id").loc[b]["mean of"] == "too few steps to estimate from (0)"
 
 
 def test_turn_table_and_plots(seeded):
@@ -73,18 +82,20 @@ def test_turn_table_and_plots(seeded):
     assert list(turns["turn"]) == [1, 2, 3, 4, 5]
     assert list(turns["speculation"]) == ["off", "on", "on", "off", "on"]
     assert list(turns["tokens/s"]) == ["10.0", "25.0", "15.0", "12.0", "30.0"]
-    assert list(turns["speedup"]) == ["—", f"{25 / 11:.2f}x", "—", "—", "2.50x"]
+    estimated = (f"≈{ESTIMATE.value:.2f}x est. ({ESTIMATE.low:.2f}–{ESTIMATE.high:.2f}x)")
+    assert list(turns["speedup"]) == ["—", estimated, "—", "—", "2.50x"]
     assert list(turns["speedup vs"]) == [
-        "plain turn (a baseline)", "vs the median of 2 plain turns: 11.0 tok/s",
+        "plain turn (a baseline)", ESTIMATE.note,
         "stopped: a partial reply is not compared", "plain turn (a baseline)",
-        "vs its A/B plain run: 12.0 tok/s"]
+        "vs its A/B plain run of the same prompt and settings: 12.0 tok/s"]
     assert turns["stop"][2] == "stopped (interrupted)"
     assert turns["acceptance"][1] == f"{100 * 4 / 7:.1f}%"
 
     frames = stats_tab.plot_frames(store, None, a)
     speedup = frames.speedup.frame
     assert list(speedup["turn"]) == [2, 5]
-    assert list(speedup["speedup"]) == pytest.approx([25 / 11, 2.5], abs=0.005)
+    assert list(speedup["speedup"]) == pytest.approx([ESTIMATE.value, 2.5], abs=0.005)
+    assert list(speedup["basis"]) == ["est.", "A/B"]
     # Pooled over the turns: position 1 accepted 3+2+3 of 4+2+4, position 2: 1+0+1 of 3+2+3.
     acceptance = frames.acceptance.frame
     assert list(acceptance["position"]) == [1, 2]
@@ -96,7 +107,7 @@ def test_turn_table_and_plots(seeded):
     # Every value fits under its chart's top, with room to spare; 1x stays in view.
     assert frames.speedup.y_lim == [0.0, 2.9] and frames.tokens_per_s.y_lim == [0.0, 35.0]
     assert frames.acceptance.y_lim[1] > 1
-    assert "2 of 3 speculative turns" in frames.speedup.caption
+    assert frames.speedup.caption.startswith("2.50x: geometric mean of 1 A/B pair")
     assert "3 speculative (on) and 2 plain (off)" in frames.tokens_per_s.caption
 
     empty = stats_tab.plot_frames(store, None, None)
@@ -261,3 +272,50 @@ def test_reopened_conversation_is_escaped_text(seeded):
     for message in (user, reply):
         assert "<img" not in message["content"] and "<a " not in message["content"]
         assert "&lt;img src=" in message["content"]
+
+
+def _tab_in_blocks(store):
+    with gr.Blocks() as demo:
+        browser = gr.BrowserState(None)
+        with gr.Tab("Stats"):
+            tab_ui = stats_tab.build_stats_tab(store, Access(), browser, demo)
+    return demo, tab_ui
+
+
+def _events_after(demo, component, event: str) -> list[dict]:
+    """The tab's dependencies an `event` of `component` runs, with everything chained after."""
+    dependencies = demo.config["dependencies"]
+    run = [d for d in dependencies if (component._id, event) in map(tuple, d["targets"])]
+    for d in run:
+        run += [after for after in dependencies
+                if after["trigger_after"] == d["id"] and after not in run]
+    return run
+
+
+def test_the_deleted_message_stays_when_the_list_moves_to_the_next_conversation(seeded):
+    store, a, _, _ = seeded
+    demo, tab_ui = _tab_in_blocks(store)
+    message = tab_ui.message._id
+    # Deleting writes the message, then refreshes the list, which moves the picker to the
+    # next conversation (a `change`): nothing that change runs writes the message again.
+    assert not any(message in d["outputs"] for d in _events_after(demo, tab_ui.picker, "change"))
+    # Picking another conversation by hand (`input`, a row click) clears it.
+    assert any(message in d["outputs"] for d in _events_after(demo, tab_ui.picker, "input"))
+    assert any(message in d["outputs"]
+               for d in _events_after(demo, tab_ui.conversations, "select"))
+    # The handlers themselves: the second click deletes and says so.
+    handlers = stats_tab._Handlers(store, Access(), None, str, stats_tab.Exports())
+    request = gr.Request(session_hash="local")
+    text, asked, _ = handlers.on_delete(a, None, None, request)
+    text, asked, _ = handlers.on_delete(a, asked, None, request)
+    assert text == "Conversation deleted." and store.conversation(a) is None
+
+
+def test_the_read_only_conversation_has_no_buttons_that_would_not_act_on_it(seeded):
+    from specchat.ui.page import launch_kwargs
+    store, _, _, _ = seeded
+    _, tab_ui = _tab_in_blocks(store)
+    assert tab_ui.history.buttons == [] and tab_ui.history.feedback_options is None
+    # gradio always draws a Clear button in a Chatbot's toolbar: the page's CSS hides it here.
+    assert stats_tab.READ_ONLY_CSS in launch_kwargs()["css"]
+    assert "#sc-stats-history" in stats_tab.READ_ONLY_CSS

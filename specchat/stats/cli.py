@@ -12,9 +12,10 @@ from specchat.help import HelpFormatter
 from specchat.stats.format import (
     _clip,
     fmt_date,
+    fmt_figure,
+    fmt_mean,
     fmt_number,
     fmt_percent,
-    fmt_speedup,
     format_table,
     models_label,
 )
@@ -102,13 +103,22 @@ def print_conversations(store: StatsStore, as_json: bool, out: IO[str]) -> None:
     if not rows:
         print("No conversations recorded yet.", file=out)
         return
-    header = ["id", "date", "title", "models", "turns", "speedup", "over", "acceptance"]
+    header = ["id", "date", "title", "models", "turns", "speedup", "of", "acceptance"]
     print(format_table([[r["id"][:8], fmt_date(r["created"]), _clip(r["title"], 40), r["models"],
-                         str(r["turns"]), fmt_speedup(r["mean_speedup"]),
-                         f"{r['speedup_turns']}/{r['spec_turns']} spec",
-                         fmt_percent(r["acceptance"])] for r in rows], header), file=out)
-    print("\nspeedup: the geometric mean of the speculative turns' speedups (over: the turns "
-          "with a plain baseline)", file=out)
+                         str(r["turns"]), fmt_mean(r["mean_speedup"], r["speedup_basis"]),
+                         _mean_of(r), fmt_percent(r["acceptance"])] for r in rows], header),
+          file=out)
+    print("\nspeedup: the geometric mean of the conversation's A/B pairs (a speculative reply "
+          "against a plain run of the same prompt), else of its estimates (est.: from each "
+          "reply's own steps); of: how many it covers", file=out)
+
+
+def _mean_of(row: dict) -> str:
+    """What a conversation's mean covers, in a few characters: "2 A/B", "3 est.", "-"."""
+    if row["mean_speedup"] is None:
+        return "-"
+    kind = "est." if row["speedup_basis"] == "est" else "A/B"
+    return f"{row['speedup_turns']} {kind}"
 
 
 def print_conversation(store: StatsStore, conversation_id: str, as_json: bool,
@@ -120,7 +130,8 @@ def print_conversation(store: StatsStore, conversation_id: str, as_json: bool,
         return
     c = store.conversation(conversation_id)
     print(f"{c['title']}  ({fmt_date(c['created'])}, {models_label(c['target'], c['draft'])})\n"
-          f"mean speedup {fmt_speedup(c['mean_speedup'])} ({c['speedup_note']}), "
+          f"mean speedup {fmt_mean(c['mean_speedup'], c['speedup_basis'])} "
+          f"({c['speedup_note']}), "
           f"acceptance {fmt_percent(c['acceptance'])}\n", file=out)
     header = ["turn", "spec", "drafter", "k", "temp", "tokens", "tok/s", "accept", "mean len",
               "speedup", "vs", "stop"]
@@ -132,5 +143,6 @@ def _turn_cells(t: dict) -> list[str]:
     return [str(t["idx"]), "on" if spec else "off", t["drafter"] if spec else "",
             str(t["draft_len"]) if spec else "", fmt_number(t["temperature"], 2),
             str(t["new_tokens"]), fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
-            fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]),
+            fmt_number(t["mean_accepted_len"], 2),
+            fmt_figure(t["speedup"], t["speedup_basis"], t["speedup_low"], t["speedup_high"]),
             t["speedup_note"] or "", t["stop_reason"] or ""]

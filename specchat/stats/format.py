@@ -15,6 +15,30 @@ def fmt_speedup(value: float | None, sign: str = "x") -> str:
     return f"{value:.2f}{sign}" if value is not None else "—"
 
 
+ESTIMATED = "est"  # a figure's basis when it is estimated from its turn's own steps
+
+
+def fmt_figure(value: float | None, basis: str = "", low: float | None = None,
+               high: float | None = None, sign: str = "x") -> str:
+    """A turn's speedup as every view shows it: "2.47x" when measured against a plain run of
+    the same prompt (A/B), "≈2.10x est. (1.80–2.50x)" when estimated from the turn's own
+    steps, with its band; "—" without a figure (stats/speedup.py defines both)."""
+    if value is None:
+        return "—"
+    if basis != ESTIMATED:
+        return fmt_speedup(value, sign)
+    band = f" ({low:.2f}–{high:.2f}{sign})" if low is not None and high is not None else ""
+    return f"≈{value:.2f}{sign} est.{band}"
+
+
+def fmt_mean(value: float | None, basis: str = "", sign: str = "x") -> str:
+    """A conversation's geometric mean: "2.47x" over A/B pairs, "≈1.80x est." over
+    estimates; "—" without one."""
+    if value is None or basis != ESTIMATED:
+        return fmt_speedup(value, sign)
+    return f"≈{value:.2f}{sign} est."
+
+
 def fmt_percent(value: float | None) -> str:
     return f"{100 * value:.1f}%" if value is not None else "-"
 

@@ -11,11 +11,12 @@ into a clear message while the chat keeps working. The app writes through `Stats
 (writer.py), one background thread, so no reply ever waits on the database.
 
 Speedups follow `speedup.py`'s one definition (a speculative turn's tokens/s over its A/B plain
-run's, else over the median of the conversation's finished plain turns at the same temperature;
-a conversation's is the geometric mean of its turns'). Each turn row keeps its `speedup`, the
-`speedup_baseline` tokens/s it was compared with and a `speedup_note`; they are re-derived for
-the whole conversation each time a turn is recorded, so a plain turn recorded later fills in
-the speedup of earlier speculative turns.
+run's, else an estimate from its own steps with a band; never a ratio to another prompt's
+reply; a conversation's is the geometric mean of its A/B pairs, else of its estimates). Each
+turn row keeps the figure it was shown with: `speedup`, `speedup_basis` ("ab" or "est"), the
+`speedup_baseline` tokens/s it was compared with, the band `speedup_low`..`speedup_high` of an
+estimate and a `speedup_note`. The figure is set once, when the turn is recorded (the page
+passes the one it showed), and later turns never change it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
 from specchat.stats.format import models_label
-from specchat.stats.speedup import INTERRUPTED_REASONS, conversation_speedup, conversation_speedups
+from specchat.stats.speedup import (
+    INTERRUPTED_REASONS,
+    Speedup,
+    conversation_speedup,
+    conversation_speedups,
+    field,
+    turn_speedup,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,6 +166,19 @@ def m006_speedup_basis(db: Database) -> None:
         refresh_speedups(db, row["id"])
 
 
+@MIGRATIONS()
+def m007_speedup_estimates(db: Database) -> None:
+    # A speedup is measured against the turn's A/B plain run or estimated from its own steps,
+    # never a ratio to another prompt's reply: which of the two (speedup_basis) and an
+    # estimate's band. Every stored figure is derived once more by that definition, from what
+    # is kept with its turn.
+    db["turns"].add_column("speedup_basis", str)
+    db["turns"].add_column("speedup_low", float)
+    db["turns"].add_column("speedup_high", float)
+    for row in list(db.query("SELECT id FROM conversations")):
+        refresh_speedups(db, row["id"])
+
+
 STEP_COLUMNS = ("step", "drafted", "accepted", "draft_s", "verify_s", "k", "tree_depth")
 
 
@@ -199,9 +220,32 @@ SPEEDUP_INPUTS = ("id", "speculation", "new_tokens", "seconds", "tokens_per_s", 
                   "stop_reason", "interrupted", "baseline_turn_id")
 
 
+def _step_records(db: Database, turn_ids: list[int]) -> dict[int, list[dict]]:
+    """turn id -> its stored step records (StepRecord.to_json() dicts), in order."""
+    if not turn_ids:
+        return {}
+    found: dict[int, list[dict]] = {}
+    rows = db.query(f"SELECT turn_id, record FROM steps WHERE turn_id IN "
+                    f"({', '.join('?' * len(turn_ids))}) ORDER BY turn_id, step", turn_ids)
+    for row in rows:
+        found.setdefault(row["turn_id"], []).append(json.loads(row["record"]))
+    return found
+
+
+def baseline_row(db: Database, turn_id: int | None) -> dict | None:
+    """The numbers of a turn that serves as an A/B baseline, or None."""
+    if turn_id is None:
+        return None
+    rows = list(db.query(f"SELECT {', '.join(SPEEDUP_INPUTS)} FROM turns WHERE id = ?",
+                         [turn_id]))
+    return rows[0] if rows else None
+
+
 def refresh_speedups(db: Database, conversation_id: str) -> None:
-    """Re-derive the speedup, its baseline and its note for every turn of the conversation
-    (`speedup.conversation_speedups`: one definition for every reader)."""
+    """Derive every turn's figure of the conversation from what is kept with it: its A/B
+    run, else its own steps (`speedup.conversation_speedups`). Only migrations call it: a
+    recorded turn's figure never changes afterwards. Writes the figure's columns that the
+    schema has (a migration may run it before later columns exist)."""
     columns = ", ".join(SPEEDUP_INPUTS)
     turns = list(db.query(f"SELECT {columns} FROM turns WHERE conversation_id = ? ORDER BY idx",
                           [conversation_id]))
@@ -209,10 +253,12 @@ def refresh_speedups(db: Database, conversation_id: str) -> None:
     outside = sorted({t["baseline_turn_id"] for t in turns} - {t["id"] for t in turns} - {None})
     others = list(db.query(f"SELECT {columns} FROM turns WHERE id IN "
                            f"({', '.join('?' * len(outside))})", outside)) if outside else []
+    steps = _step_records(db, [t["id"] for t in turns])
+    present = [c for c in Speedup().row() if c in db["turns"].columns_dict]
     db.conn.executemany(
-        "UPDATE turns SET speedup = ?, speedup_baseline = ?, speedup_note = ? WHERE id = ?",
-        [(result.value, result.baseline, result.note, turn["id"])
-         for turn, result in zip(turns, conversation_speedups(turns, others))])
+        f"UPDATE turns SET {', '.join(f'{c} = ?' for c in present)} WHERE id = ?",
+        [(*(result.row()[c] for c in present), turn["id"])
+         for turn, result in zip(turns, conversation_speedups(turns, others, steps))])
 
 
 def conversation_row(id: str | None = None, title: str = "", owner: str = "local",  # noqa: A002
@@ -317,29 +363,33 @@ class StatsStore:
 
     def record_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
                     baseline_turn_id: int | None = None, conversation: Mapping | None = None,
-                    tokens: list[dict] | None = None, steps: list[dict] | None = None
-                    ) -> int | None:
+                    tokens: list[dict] | None = None, steps: list[dict] | None = None,
+                    speedup: Speedup | None = None) -> int | None:
         """Store one finished (or stopped, or failed) reply; returns the turn id. With
         `conversation` (the fields of `conversation_row`), the turn creates its conversation
         when that does not exist yet, in the same transaction. `tokens` and `steps` (the
-        engine's TokenEvent / StepRecord `to_json()`s) keep what the inspector shows."""
+        engine's TokenEvent / StepRecord `to_json()`s) keep what the inspector shows.
+        `speedup` is the figure the turn was shown with; without one the turn's figure is
+        derived here, from its A/B run (`baseline_turn_id`) or its own `steps`."""
         return self._write(self._turn_writer(conversation_id, prompt, reply, stats,
-                                             baseline_turn_id, conversation, tokens, steps), None)
+                                             baseline_turn_id, conversation, tokens, steps,
+                                             speedup), None)
 
     def write_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
                    baseline_turn_id: int | None = None, conversation: Mapping | None = None,
-                   tokens: list[dict] | None = None, steps: list[dict] | None = None) -> int:
+                   tokens: list[dict] | None = None, steps: list[dict] | None = None,
+                   speedup: Speedup | None = None) -> int:
         """`record_turn` in one attempt that raises on any failure (`sqlite3.Error`,
         `LookupError`), whatever `quiet` says: for `StatsWriter`, which retries by itself."""
         if self.db is None:
             raise sqlite3.OperationalError(self.error or "the stats database is not open")
         return self._transaction(self._turn_writer(conversation_id, prompt, reply, stats,
                                                    baseline_turn_id, conversation, tokens,
-                                                   steps))
+                                                   steps, speedup))
 
     @staticmethod
     def _turn_writer(conversation_id, prompt, reply, stats, baseline_turn_id, conversation,
-                     tokens=None, steps=None) -> Callable[[Database], int]:
+                     tokens=None, steps=None, speedup=None) -> Callable[[Database], int]:
         row = turn_row(conversation_id, prompt, reply, stats)
         row["baseline_turn_id"] = baseline_turn_id
         if tokens is not None:
@@ -356,15 +406,18 @@ class StatsStore:
             # Inside the write lock, so two writers never take the same index.
             row["idx"] = db.execute("SELECT COALESCE(MAX(idx), 0) + 1 FROM turns "
                                     "WHERE conversation_id = ?", [conversation_id]).fetchone()[0]
-            if baseline_turn_id is not None and \
-                    not db["turns"].count_where("id = ?", [baseline_turn_id]):
+            baseline = baseline_row(db, baseline_turn_id)
+            if baseline_turn_id is not None and baseline is None:
                 raise KeyError(f"no baseline turn {baseline_turn_id}")
-            turn_id = db["turns"].insert(row).last_pk
+            # The figure is fixed here, once: later turns never change it.
+            figure = speedup or turn_speedup(
+                {**row, "drafts_reported": field(stats, "drafts_reported", True)}, baseline,
+                steps or ())
+            turn_id = db["turns"].insert({**row, **figure.row()}).last_pk
             if steps:
                 db["steps"].insert_all(
                     [{"turn_id": turn_id, **{key: step.get(key) for key in STEP_COLUMNS},
                       "record": json.dumps(step, ensure_ascii=False)} for step in steps])
-            refresh_speedups(db, conversation_id)
             return turn_id
 
         return write
@@ -390,8 +443,9 @@ class StatsStore:
     def conversations(self, owner: str | None = None) -> list[dict]:
         """Conversations, newest first, with turn count, acceptance (all accepted / all
         drafted) and mean speedup (`speedup.conversation_speedup`: the geometric mean of its
-        speculative turns' speedups, with `speedup_turns` counted, `spec_turns` in all and a
-        `speedup_note`). `owner` None = everyone's."""
+        A/B pairs, else of its estimates, with `speedup_basis`, `speedup_turns` counted,
+        `spec_turns` in all and a `speedup_note` saying what it summarizes). `owner` None =
+        everyone's."""
         sql = """
             SELECT c.id, c.title, c.created, c.owner, c.target, c.draft, c.quantization, c.device,
                    COUNT(t.id) AS turns,
@@ -403,7 +457,7 @@ class StatsStore:
             GROUP BY c.id ORDER BY c.created DESC, c.rowid DESC
         """
         speedups_sql = """
-            SELECT t.conversation_id, t.speculation, t.speedup, t.speedup_note
+            SELECT t.conversation_id, t.speculation, t.speedup, t.speedup_basis, t.speedup_note
             FROM turns AS t JOIN conversations AS c ON c.id = t.conversation_id
             WHERE :owner IS NULL OR c.owner = :owner ORDER BY t.conversation_id, t.idx
         """
@@ -415,8 +469,9 @@ class StatsStore:
                 by_conversation.setdefault(turn["conversation_id"], []).append(turn)
             for row in rows:
                 mean = conversation_speedup(by_conversation.get(row["id"], []))
-                row.update(mean_speedup=mean.mean, speedup_turns=mean.counted,
-                           spec_turns=mean.speculative, speedup_note=mean.note)
+                row.update(mean_speedup=mean.mean, speedup_basis=mean.basis,
+                           speedup_turns=mean.counted, spec_turns=mean.speculative,
+                           speedup_note=mean.note)
             return rows
 
         return self._read(read, [])
@@ -479,7 +534,8 @@ class StatsStore:
         return [{"id": c["id"], "title": c["title"], "created": c["created"], "owner": c["owner"],
                  "target": c["target"], "draft": c["draft"],
                  "models": models_label(c["target"], c["draft"]), "turns": c["turns"],
-                 "mean_speedup": c["mean_speedup"], "speedup_turns": c["speedup_turns"],
+                 "mean_speedup": c["mean_speedup"], "speedup_basis": c["speedup_basis"],
+                 "speedup_turns": c["speedup_turns"],
                  "spec_turns": c["spec_turns"], "speedup_note": c["speedup_note"],
                  "acceptance": c["acceptance"], "spec_tokens_per_s": c["spec_tokens_per_s"],
                  "plain_tokens_per_s": c["plain_tokens_per_s"]}
@@ -495,6 +551,7 @@ class StatsStore:
                  "target": c["target"], "draft": c["draft"], "quantization": c["quantization"],
                  "device": c["device"], "owner": c["owner"],
                  "conversation_mean_speedup": c["mean_speedup"],
+                 "conversation_speedup_of": c["speedup_note"],
                  **{key: value for key, value in turn.items() if key != "tokens"}}
                 for c in conversations for turn in self.turns(c["id"], owner)]
         return _export(path_or_file, rows, ["conversation_id", "conversation_title"])

@@ -7,13 +7,45 @@ unless a sampler stops it, so every example carries the penalties that keep its 
 names a few topic words; tests/test_real_model.py generates every example on the embedded model
 and checks that no 6-token sequence of its reply occurs more than twice and that the reply
 uses at least two of its topic words (it stays on the subject it was given).
+
+The same samplers are the page's defaults for a base model (ui/page.py), with a switch between
+them and none at all: `SAMPLER_PRESETS`.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specchat.core.settings import ANTI_LOOP
+from specchat.core.settings import ANTI_LOOP, SETTINGS
+
+# The page's controls that shape the target's distribution against loops (Settings fields).
+SAMPLER_FIELDS = ("min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
+                  "presence_penalty", "dry_multiplier", "dry_base", "dry_allowed_length")
+NO_SAMPLERS = {name: SETTINGS[name].default for name in SAMPLER_FIELDS}  # all off
+# The page's sampler switch: its choices, each the values it gives the controls above.
+SAMPLER_PRESETS = {"examples": {**NO_SAMPLERS, **ANTI_LOOP}, "none": NO_SAMPLERS}
+CUSTOM = "custom"  # the controls hold values of the visitor's own
+SAMPLER_CHOICES = [
+    (f"Against loops, as the examples: DRY {ANTI_LOOP['dry_multiplier']}, repeat penalty "
+     f"{ANTI_LOOP['repeat_penalty']}, min-p {ANTI_LOOP['min_p']}", "examples"),
+    ("None: the model's own distribution", "none"),
+    ("Custom (Penalties below)", CUSTOM),
+]
+
+
+def sampler_preset(values: Mapping) -> str:
+    """Which of SAMPLER_PRESETS the controls' `values` (Settings fields) hold, else CUSTOM."""
+    for name, preset in SAMPLER_PRESETS.items():
+        try:
+            if all(math.isclose(float(values[key]), float(value), abs_tol=1e-9)
+                   for key, value in preset.items()):
+                return name
+        except (KeyError, TypeError, ValueError):  # a control left empty
+            return CUSTOM
+    return CUSTOM
+
 
 @dataclass(frozen=True)
 class Example:

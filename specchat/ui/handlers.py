@@ -35,13 +35,16 @@ from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.engine_queue import EngineQueue, Waiting
 from specchat.loader import LoadReport
-from specchat.stats.format import fmt_speedup
-from specchat.stats.speedup import noise_band, turn_speedup
+from specchat.stats.speedup import Speedup, noise_band, plain_step_times, turn_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import NOBODY, Access
 from specchat.ui.render import ab_panel, ab_placeholders, render_history
 from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
+
+
+# What a message sent while the models load is told; it goes once they are ready.
+STILL_LOADING = "The models are still loading; your message is kept, send it when ready."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,11 +211,24 @@ class ChatApp:
             events.close()  # ended at a step boundary before the next reply gets the engine
         return stats, error
 
+    def figure(self, stats: GenerationStats, steps: list[StepRecord],
+               ab_plain: GenerationStats | None = None) -> Speedup:
+        """The speedup of a reply that just ended, fixed from then on (shown, and stored with
+        the turn): over its A/B plain run when it has one, else estimated from its own steps
+        against the plain steps timed on this engine in this process (stats/speedup.py). Its
+        own plain steps then price later replies' estimates."""
+        times = plain_step_times(self.slot.engine)
+        result = turn_speedup(stats, ab_plain, steps, times.recent())
+        times.add(steps)
+        return result
+
     def _record(self, session: Session, viewer_owner: str, prompt: str, reply: str,
                 stats: GenerationStats, baseline: Future | None = None,
-                tokens: list[TokenEvent] = (), steps: list[StepRecord] = ()) -> Future | None:
+                tokens: list[TokenEvent] = (), steps: list[StepRecord] = (),
+                speedup: Speedup | None = None) -> Future | None:
         """Queue the turn for the stats database (never waits on it); the future of its row id.
-        The conversation is created with its first saved turn."""
+        The conversation is created with its first saved turn; `speedup` is the figure the
+        page showed for it."""
         if not self.store.enabled or viewer_owner == NOBODY or \
                 (stats.stop_reason == "error" and not reply):
             return None
@@ -225,12 +241,21 @@ class ChatApp:
                 quantization=engine.target.quantization, device=engine.device.type)
         return self.writer.submit(session.conversation_id, prompt, reply, stats.to_json(),
                                   session.conversation, baseline,
-                                  [t.to_json() for t in tokens], [r.to_json() for r in steps])
+                                  [t.to_json() for t in tokens], [r.to_json() for r in steps],
+                                  speedup=speedup)
 
     def _not_ready(self) -> str:
         if self.slot.state == "failed":
             return "⚠ The models failed to load, so the chat cannot answer: " + self.slot.error
-        return "The models are still loading; your message is kept, send it when ready."
+        return STILL_LOADING
+
+    def notice_once_ready(self, notice: str | None):
+        """The notice line when the page learns the models are ready: a "still loading"
+        refusal (a message or an example sent while loading) no longer holds, so it goes;
+        any other notice stays."""
+        if self.slot.state == "ready" and notice == STILL_LOADING:
+            return ""
+        return gr.skip()
 
     # -- chat handlers -------------------------------------------------------------------------
 
@@ -295,13 +320,15 @@ class ChatApp:
         except GeneratorExit:  # the tab was closed or the reply cancelled: gradio closes us
             drive.close()  # the engine stops at the step boundary it is at, cache consistent
             turn.stats = cut_short(cfg, turn.tokens, time.perf_counter() - started)
+            turn.speedup = self.figure(turn.stats, turn.steps)
             self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
-                         turn.steps)
+                         turn.steps, turn.speedup)
             raise
         finally:
             self._release(request, stop)
+        turn.speedup = self.figure(turn.stats, turn.steps)
         self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
-                     turn.steps)
+                     turn.steps, turn.speedup)
         yield render_history(session), session, notice
 
     def generate(self, prompt: str, mode: str = "completion", temperature: float = 0.0,
@@ -341,7 +368,7 @@ class ChatApp:
                 turn.stats = result
         owner = self.access.viewer(request, None).owner
         self._record(session, owner, text, turn.reply, turn.stats, None, turn.tokens,
-                     turn.steps)
+                     turn.steps, self.figure(turn.stats, turn.steps))
 
     def retry(self, session: Session):
         """Drop the last reply and queue its message again. -> (chat, session, notice)"""
@@ -409,6 +436,7 @@ class ChatApp:
                              key="ab-on"))
 
         plain = None  # the plain run's saved turn: the speculative run is timed against it
+        figure = None  # the speculative run's speedup, once it has ended
         for name, speculation in (("off", False), ("on", True)):
             tokens: list[TokenEvent] = []
             runs[name] = (tokens, None)
@@ -431,25 +459,25 @@ class ChatApp:
                 drive.close()
                 stats = cut_short(run_cfg, tokens, time.perf_counter() - started)
                 self._record(session, owner, prompt, "".join(t.text for t in tokens), stats,
-                             plain if speculation else None, tokens, steps[name])
+                             plain if speculation else None, tokens, steps[name],
+                             self.figure(stats, steps[name]))
                 raise
             yield *panels(), gr.skip(), gr.skip(), session, notice
             reply = "".join(t.text for t in tokens)
             stats = runs[name][1]
             if name == "off":
                 plain = self._record(session, owner, prompt, reply, stats, None, tokens,
-                                     steps[name])
-                if stats.stop_reason not in ("stopped", "error"):
-                    session.ab_plain.append(stats)
-            else:
-                self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name])
+                                     steps[name], self.figure(stats, steps[name]))
+            else:  # timed against the plain run of the same prompt and settings
+                figure = self.figure(stats, steps[name], runs["off"][1])
+                self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name],
+                             figure)
             if stop.is_set() or stats.stop_reason == "error":
                 break
-        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact,
-                             [t.stats for t in session.turns if t.stats] + session.ab_plain,
-                             steps)
-        # The plain run is a baseline for this conversation's speculative replies too.
-        yield *panels(), verdict, render_history(session), session, notice
+        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact, steps,
+                             figure)
+        # The chat is unchanged: its replies keep the figures they were shown with.
+        yield *panels(), verdict, gr.skip(), session, notice
 
 
 def cut_short(cfg: GenerateConfig, tokens: list[TokenEvent], seconds: float) -> GenerationStats:
@@ -482,15 +510,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
-               row_exact: bool = False, plain: list[GenerationStats] | None = None,
-               steps: dict[str, list[StepRecord]] | None = None) -> str:
-    """The replay's verdict. Its speedup is the "on" turn's as the stats store records it:
-    over the "off" run, or (that run untimed) over the median of `plain`, the session's runs.
-    With the runs' `steps`, a speedup within the runs' own step-to-step noise says so."""
+               row_exact: bool = False, steps: dict[str, list[StepRecord]] | None = None,
+               figure: Speedup | None = None) -> str:
+    """The replay's verdict. Its speedup is the "on" run's `figure` as the stats store
+    records it (by default: over the "off" run, the same prompt and settings; else, that run
+    untimed, estimated from the "on" run's own steps). With the runs' `steps`, a speedup
+    within the runs' own step-to-step noise says so."""
     (off_tokens, off), (on_tokens, on) = runs.get("off", ([], None)), runs.get("on", ([], None))
     if off is None or on is None:
         return '<div class="sc-verdict">Replay stopped before both runs finished.</div>'
-    speedup = turn_speedup(on, plain or [], ab_baseline=off)
+    speedup = figure or turn_speedup(on, off, (steps or {}).get("on", ()))
     rows = [("", "speculation off", "speculation on"),
             ("latency", f"{off.seconds:.2f} s", f"{on.seconds:.2f} s"),
             ("first token", f"{off.ttft_s:.2f} s", f"{on.ttft_s:.2f} s"),
@@ -537,14 +566,14 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
                    "CPU, specchat's row-exact attention makes them match).")
         same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
                 f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
-    return (f'<div class="sc-verdict"><b>Speedup: {fmt_speedup(speedup.value, "×")}</b> '
+    return (f'<div class="sc-verdict"><b>Speedup: {html.escape(speedup.label("×"))}</b> '
             f'({html.escape(speedup.note)}){_noise_note(steps)}'
             f'<div class="sc-ab-grid">{table}</div>{same}</div>')
 
 
 def _noise_note(steps: dict[str, list[StepRecord]] | None) -> str:
-    """' — no measurable speedup ...' when resampling the runs' steps gives ratios on both sides
-    of 1 (stats.speedup.noise_band); else the band itself, or nothing without steps."""
+    """' — no measurable speedup ...' when a bootstrap over the runs' steps gives ratios on
+    both sides of 1 (stats.speedup.noise_band); else that band, or nothing without steps."""
     if not steps:
         return ""
     band = noise_band(*([(s.accepted + 1, s.draft_s + s.verify_s) for s in steps[name]]
@@ -553,16 +582,19 @@ def _noise_note(steps: dict[str, list[StepRecord]] | None) -> str:
         return ""
     low, high = band
     if low <= 1.0 <= high:
-        return (f' — <b class="sc-noise">no measurable speedup</b>: resampling the two runs\' '
-                f"steps gives {low:.2f}× to {high:.2f}×, on both sides of 1×")
-    return f" (resampled steps: {low:.2f}× to {high:.2f}×)"
+        return (f' — <b class="sc-noise">no measurable speedup</b>: a bootstrap over the two '
+                f"runs' steps gives {low:.2f}× to {high:.2f}×, on both sides of 1×")
+    return f" (a bootstrap over the runs' steps puts it between {low:.2f}× and {high:.2f}×)"
 
 
 def warm_up(engine: Engine) -> None:
-    """A 4-token plain generation right after loading: the first forward passes pay one-time
-    costs (seconds on a CPU) that would otherwise land on the first reply
-    and make it look slow. Plain decoding only, so no drafter's timing policy sees it."""
+    """A 6-token plain generation right after loading: the first forward passes pay one-time
+    costs (seconds on a CPU) that would otherwise land on the first reply and make it look
+    slow. Plain decoding only, so no drafter's timing policy sees it. Its one-token steps after
+    the first are the process's first plain step timings, which price the estimated speedup of
+    replies that have too few plain steps of their own (stats/speedup.py)."""
     ids, stops = engine.chat_prompt([{"role": "user", "content": "Hello"}])
-    for _ in engine.stream(ids, GenerateConfig(max_new_tokens=4, speculation=False, seed=0,
-                                               stop=tuple(stops))):
-        pass
+    steps = [event for event in engine.stream(
+        ids, GenerateConfig(max_new_tokens=6, speculation=False, seed=0, stop=tuple(stops)))
+        if isinstance(event, StepRecord)]
+    plain_step_times(engine).add(steps[1:])

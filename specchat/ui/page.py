@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import gradio as gr
 
@@ -14,7 +14,13 @@ from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
 from specchat.ui import stats_tab
 from specchat.ui.access import Access, new_browser_id
-from specchat.ui.examples import EXAMPLES
+from specchat.ui.examples import (
+    EXAMPLES,
+    SAMPLER_CHOICES,
+    SAMPLER_FIELDS,
+    SAMPLER_PRESETS,
+    sampler_preset,
+)
 from specchat.ui.handlers import ChatApp
 from specchat.ui.render import ASSETS, ab_placeholders, asset, header_html, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
@@ -26,7 +32,8 @@ def build_ui(source: Engine | LoadReport | ModelSlot, store: StatsStore | None =
              limits: Limits | None = None, access: Access | None = None,
              min_interval: float = 0.05, defaults: Settings | None = None) -> gr.Blocks:
     """The page. `source`: a ready Engine/LoadReport, or a ModelSlot still loading; `access`
-    says who owns which conversations (default: one local user who sees all).
+    says who owns which conversations (default: one local user who sees all); `defaults`:
+    the controls' first values (default: `page_defaults`, which follow the model's kind).
     Pass the result to `launch` (which adds the CSS and theme)."""
     return page(ChatApp(source, store, limits, access, min_interval), defaults)
 
@@ -44,6 +51,7 @@ class View:
     stop: gr.Button
     notice: gr.Markdown
     examples: gr.Dataset
+    samplers: gr.Radio  # the switch between the examples' samplers and none
     retry: gr.Button
     undo: gr.Button
     new: gr.Button
@@ -63,7 +71,7 @@ class View:
 
 def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
     """The chat page, wired to `self`'s handlers."""
-    d = defaults or Settings()
+    d = page_defaults(self.slot, defaults)
     # delete_cache: gradio's copies of served files (CSV exports) go after an hour.
     with gr.Blocks(title="specchat · speculative decoding you can see",
                    delete_cache=(600, 3600)) as demo:
@@ -80,15 +88,15 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                     with gr.Column(scale=3, min_width=320):
                         parts = _chat_column(self)
                     with gr.Column(scale=1, min_width=260, elem_id="sc-settings"):
-                        ghosts, controls = _settings_column(self, d)
+                        ghosts, samplers, controls = _settings_column(self, d)
             with gr.Tab("Stats", id="stats") as tab:
                 stats = stats_tab.build_stats_tab(self.store, self.access, browser, demo,
                                                   self.writer, self.slot.redact)
                 stats.refresh_on(tab.select)
         timer = gr.Timer(1.0, active=self.slot.state not in ("ready", "failed"))
-        view = View(session, browser, header, status, ghosts=ghosts, timer=timer,
-                    controls=controls, **parts)
-        _wire(self, demo, view, d)
+        view = View(session, browser, header, status, samplers=samplers, ghosts=ghosts,
+                    timer=timer, controls=controls, **parts)
+        _wire(self, demo, view, d, follow_model=defaults is None)
     return demo
 
 
@@ -123,7 +131,7 @@ def _chat_column(self: ChatApp) -> dict:
         new = gr.Button("✚ New conversation", size="sm", elem_id="sc-new", min_width=80)
         ab = gr.Button("⇄ A/B replay", size="sm", variant="secondary", elem_id="sc-ab",
                        interactive=ready, min_width=80)
-    with gr.Group(elem_id="sc-ab-panel"):
+    with gr.Group():  # (no elem_id: gradio writes a Group's id on two nested elements)
         verdict_empty = ab_placeholders()[2]
         verdict = gr.HTML(verdict_empty, elem_id="sc-ab-verdict")
         with gr.Row(equal_height=False):
@@ -135,13 +143,16 @@ def _chat_column(self: ChatApp) -> dict:
                 verdict=verdict)
 
 
-def _settings_column(self: ChatApp, d: Settings) -> tuple[gr.Checkbox, dict]:
-    """Mode, speculation, sampling and the penalties: -> (the ghosts toggle, Settings field
-    -> control)."""
+def _settings_column(self: ChatApp, d: Settings) -> tuple[gr.Checkbox, gr.Radio, dict]:
+    """Mode, the samplers switch, speculation, sampling and the penalties: -> (the ghosts
+    toggle, the samplers switch, Settings field -> control)."""
     c = {}
     c["mode"] = gr.Radio([("Chat", "chat"), ("Completion", "completion")],
                          value=default_mode(self.slot, d), label="Mode",
                          info=MODE_HELP[default_mode(self.slot, d)], elem_id="sc-mode")
+    samplers = gr.Radio(SAMPLER_CHOICES, value=sampler_preset(asdict(d)),
+                        label="Samplers against loops", info=SAMPLERS_HELP,
+                        elem_id="sc-samplers")
     ghosts = gr.Checkbox(value=True, label="Show refused drafts", elem_id="sc-ghosts")
     with gr.Accordion("Speculation", open=True, elem_id="sc-spec-settings"):
         c["speculation"] = gr.Checkbox(value=d.speculation, label="Speculative decoding",
@@ -175,7 +186,7 @@ def _settings_column(self: ChatApp, d: Settings) -> tuple[gr.Checkbox, dict]:
         c["dry_allowed_length"] = _slider("dry_allowed_length", d, 1, 8, 1)
     c["system"] = gr.Textbox(value=d.system, label="System prompt", lines=3,
                              placeholder="Optional instructions for the model")
-    return ghosts, c
+    return ghosts, samplers, c
 
 
 def _slider(name: str, d: Settings, low: float, high: float, step: float) -> gr.Slider:
@@ -185,8 +196,9 @@ def _slider(name: str, d: Settings, low: float, high: float, step: float) -> gr.
                      info=row.help)
 
 
-def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
-    """The chat's events: send, examples, turn buttons, A/B, stop; then the page's own."""
+def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bool) -> None:
+    """The chat's events: send, examples, turn buttons, A/B, stop, the samplers switch; then
+    the page's own (`follow_model`: the sampler controls take the loaded model's defaults)."""
     settings_in = {v.session, v.browser, *v.controls.values()}
 
     def settings_of(data: dict) -> Settings:
@@ -214,8 +226,21 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
         fresh = dict(zip(v.new_outputs, self.new_conversation(current)))
         fresh[v.box] = example.text
         values = {**asdict(d), **example.settings}
-        return {**fresh, **{c: values[name] for name, c in v.controls.items()
-                            if name not in ("system", "speculation", "drafter")}}
+        return {**fresh, v.samplers: sampler_preset(values),
+                **{c: values[name] for name, c in v.controls.items()
+                   if name not in ("system", "speculation", "drafter")}}
+
+    sampler_controls = [v.controls[name] for name in SAMPLER_FIELDS]
+
+    def on_samplers(choice: str):
+        """The switch, set by the visitor: the controls take the chosen values ("custom"
+        leaves them as they are)."""
+        preset = SAMPLER_PRESETS.get(choice)
+        return [gr.skip() if preset is None else preset[name] for name in SAMPLER_FIELDS]
+
+    def on_sampler_edit(*values):
+        """A sampler control moved by the visitor: the switch says what they now hold."""
+        return sampler_preset(dict(zip(SAMPLER_FIELDS, values)))
 
     private = dict(api_visibility="private")
     engine_lane = dict(concurrency_id="engine", concurrency_limit=1, **private)
@@ -226,12 +251,16 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
                **engine_lane)
 
     v.examples.click(on_example, [v.examples, v.session],
-                     [*v.new_outputs, *v.controls.values()], **instant).then(
+                     [*v.new_outputs, v.samplers, *v.controls.values()], **instant).then(
         on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
     v.ghosts.change(None, v.ghosts, None,
                     js="(show) => { document.body.classList.toggle('sc-hide-ghosts', !show); }")
     v.controls["mode"].change(lambda m: gr.Radio(info=MODE_HELP[m]), v.controls["mode"],
                               v.controls["mode"], **instant)
+    # `input`, not `change`: only what the visitor does, so the two never set each other off.
+    v.samplers.input(on_samplers, v.samplers, sampler_controls, **instant)
+    gr.on([c.input for c in sampler_controls], on_sampler_edit, sampler_controls, v.samplers,
+          **instant)
     for trigger in (v.box.submit, v.send.click):
         trigger(on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
     v.retry.click(self.retry, v.session, chat_out, **instant).then(**bot)
@@ -243,35 +272,48 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings) -> None:
     v.stop.click(on_stop, None, v.notice, queue=False, **private)
     # The one public endpoint: a stateless reply for gradio_client and "Use via API".
     gr.api(self.generate, api_name="generate", concurrency_id="engine", concurrency_limit=1)
-    _wire_page(self, demo, v, d, instant)
+    _wire_page(self, demo, v, d, instant, follow_model)
 
-def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: dict) -> None:
+
+def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: dict,
+               follow_model: bool) -> None:
     """The page's own events: its first load, the loading timer, the browser id."""
     slot = self.slot
+    sampler_controls = [v.controls[name] for name in SAMPLER_FIELDS]
 
-    def on_page(request: gr.Request):
+    def on_page(notice: str | None, request: gr.Request):
         now_ready = slot.state == "ready"
         choices = self.drafters() or ["ngram"]
         # A failed load is also said in the chat itself, where the user looks.
         failed = [{"role": "assistant", "content": '<div class="sc-error">⚠ The models '
                    f"failed to load: {html.escape(slot.redact(slot.error))}</div>"}]
         mode = default_mode(slot, d)
-        return (header_html(slot), status_html(slot),
-                failed if slot.state == "failed" else gr.skip(),
-                gr.Radio(choices=[(DRAFTER_LABELS.get(x, x), x) for x in choices],
-                         value=d.drafter if d.drafter in choices else choices[0]),
-                gr.Textbox(interactive=now_ready), gr.Button(interactive=now_ready),
-                gr.Button(interactive=now_ready), gr.Timer(active=slot.state == "loading"),
-                gr.Radio(value=mode, info=MODE_HELP[mode]))
+        out = {v.header: header_html(slot), v.status: status_html(slot),
+               v.chat: failed if slot.state == "failed" else gr.skip(),
+               v.controls["drafter"]: gr.Radio(
+                   choices=[(DRAFTER_LABELS.get(x, x), x) for x in choices],
+                   value=d.drafter if d.drafter in choices else choices[0]),
+               v.box: gr.Textbox(interactive=now_ready),
+               v.send: gr.Button(interactive=now_ready), v.ab: gr.Button(interactive=now_ready),
+               v.timer: gr.Timer(active=slot.state == "loading"),
+               v.controls["mode"]: gr.Radio(value=mode, info=MODE_HELP[mode]),
+               v.notice: self.notice_once_ready(notice)}
+        # Once the model is known, the sampler controls start where its kind starts.
+        preset = default_samplers(slot)
+        for name, control in zip(SAMPLER_FIELDS, sampler_controls):
+            out[control] = SAMPLER_PRESETS[preset][name] if follow_model and now_ready \
+                else gr.skip()
+        out[v.samplers] = preset if follow_model and now_ready else gr.skip()
+        return out
 
     def on_browser(browser_id):
         """Give a browser its id on its first visit; keep the one it has."""
         return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
 
     page_out = [v.header, v.status, v.chat, v.controls["drafter"], v.box, v.send, v.ab,
-                v.timer, v.controls["mode"]]
-    v.timer.tick(on_page, None, page_out, **instant)
-    demo.load(on_page, None, page_out, **instant)
+                v.timer, v.controls["mode"], v.notice, v.samplers, *sampler_controls]
+    v.timer.tick(on_page, v.notice, page_out, **instant)
+    demo.load(on_page, v.notice, page_out, **instant)
     demo.load(on_browser, v.browser, v.browser, **instant)
 
 
@@ -281,6 +323,26 @@ MODE_HELP = {
     "completion": "Completion: the model continues your text as is (what a base model is "
                   "good at); no history.",
 }
+
+
+SAMPLERS_HELP = ("Lossless with speculation. A small base model loops without them, so the "
+                 "page starts one at the examples' samplers; None turns them all off.")
+
+
+def default_samplers(slot: ModelSlot) -> str:
+    """The samplers a page starts with: the examples' ("examples") for a base model (no chat
+    template; the embedded default is one, and counts as one while the models load), none
+    ("none") for a chat-tuned model."""
+    engine = slot.engine
+    return "none" if engine is not None and engine.chats else "examples"
+
+
+def page_defaults(slot: ModelSlot, defaults: Settings | None = None) -> Settings:
+    """The controls' first values: `defaults` as given, else the settings table's defaults
+    with the samplers of the model's kind (`default_samplers`)."""
+    if defaults is not None:
+        return defaults
+    return replace(Settings(), **SAMPLER_PRESETS[default_samplers(slot)])
 
 
 def default_mode(slot: ModelSlot, d: Settings) -> str:
@@ -305,7 +367,8 @@ def theme() -> gr.themes.Base:
 
 def launch_kwargs() -> dict:
     """What `demo.launch` needs besides host/port/share/auth (gradio 6: theme/css live here)."""
-    return dict(css=asset("specchat.css"), theme=theme(), favicon_path=str(ASSETS / "logo.svg"),
+    return dict(css=asset("specchat.css") + stats_tab.READ_ONLY_CSS, theme=theme(),
+                favicon_path=str(ASSETS / "logo.svg"),
                 footer_links=["gradio", "settings"],
                 head=f"<script>{asset('inspector.js')}</script>")
 

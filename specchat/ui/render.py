@@ -17,8 +17,7 @@ from specchat.core.events import (
     TokenEvent,
 )
 from specchat.paths import assets_dir
-from specchat.stats import speedup as speedups
-from specchat.stats.format import fmt_speedup
+from specchat.stats.speedup import AB, ESTIMATE, Speedup
 from specchat.ui.inspector import ghost_html, step_cards, step_charts
 from specchat.ui.state import ModelSlot, Session, Turn
 
@@ -139,18 +138,14 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False,
     return "".join(out)
 
 
-def plain_baseline(runs: list[GenerationStats], temperature: float) -> float | None:
-    """Median tokens/s of finished plain runs at this temperature (stats/speedup.py's one
-    definition, which the stats store applies too)."""
-    return speedups.plain_baseline(runs, temperature)[0]
-
-
 STOP_WORDS = {"eos": "", "stop_string": "", "length": "max tokens reached",
               "stopped": "stopped by you", "error": "error"}
 
 
-def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = True) -> str:
-    """The line under a reply: speed, tokens, acceptance, target passes, speedup."""
+def stats_line(stats: GenerationStats, figure: Speedup | None = None,
+               show_speedup: bool = True) -> str:
+    """The line under a reply: speed, tokens, acceptance, target passes, and the reply's
+    speedup `figure` as it was fixed when the reply ended (`speedup_chip`)."""
     def chip(value: str, label: str = "", css: str = "", title: str = "") -> str:
         attrs = (f' class="{css}"' if css else "") + \
             (f' title="{html.escape(title, quote=True)}"' if title else "")
@@ -172,19 +167,8 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
         if stats.target_calls:  # 0: a server that does not say
             parts.append(chip(str(stats.target_calls), "target passes", "",
                               "target forward passes, prefill included"))
-        figure = speedups.speedup_over(stats, baseline)  # as the Stats tab and CSV show it
-        if not speedup:
-            pass  # shown elsewhere (the A/B verdict)
-        elif figure.value is not None:
-            parts.append(chip(fmt_speedup(figure.value, "×"), "vs plain", "sc-speedup",
-                              f"tokens/s over the median tokens/s of this conversation's "
-                              f"finished plain replies at the same temperature ({baseline:.1f})"))
-        elif baseline or speedups.interrupted(stats):
-            parts.append(chip("—", "vs plain", "", figure.note))
-        else:
-            parts.append(chip("no plain baseline yet", "", "",
-                              "Speedup needs a plain reply at the same temperature in this "
-                              "conversation: turn speculation off for a reply, or run A/B replay."))
+        if show_speedup:  # (an A/B panel's run: its verdict shows the figure)
+            parts.append(speedup_chip(figure or Speedup(note="no figure for this reply")))
         k = f"k≤{stats.draft_len}"
         if stats.tree_nodes:
             k += f", trees of ≤{stats.tree_nodes}"
@@ -201,6 +185,24 @@ def stats_line(stats: GenerationStats, baseline: float | None, speedup: bool = T
     return f'<div class="sc-stats">{"".join(parts)}</div>'
 
 
+def speedup_chip(figure: Speedup) -> str:
+    """A reply's speedup as the chat line shows it: measured against its A/B plain run
+    ("2.47× vs its A/B plain run"), or estimated from its own steps and labelled so, with its
+    band ("≈2.10× est. (1.80–2.50×)"), or "—" with the reason in the tooltip."""
+    note = html.escape(figure.note, quote=True)
+    if figure.basis == AB:
+        return (f'<span class="sc-speedup" title="{note}"><b>{figure.label("×")}</b> '
+                "vs its A/B plain run</span>")
+    if figure.basis == ESTIMATE:
+        title = html.escape(f"{figure.note}. An estimate, not a measurement: A/B replay runs "
+                            "this prompt without speculation to measure it.", quote=True)
+        band = f" ({figure.low:.2f}–{figure.high:.2f}×)" \
+            if figure.low is not None and figure.high is not None else ""
+        return (f'<span class="sc-speedup-est" title="{title}"><b>≈{figure.value:.2f}×</b> '
+                f"est.{band}</span>")
+    return f'<span title="{note}"><b>—</b> speedup</span>'
+
+
 def inspected(tokens: list[TokenEvent], steps: list[StepRecord], streaming: bool = False,
               stats: GenerationStats | None = None) -> str:
     """A reply with its inspector: colored tokens and ghost text, the charts under it, and
@@ -211,7 +213,7 @@ def inspected(tokens: list[TokenEvent], steps: list[StepRecord], streaming: bool
     return body + step_charts(steps, stats) + ("" if streaming else step_cards(steps))
 
 
-def render_turn(turn: Turn, baseline: float | None, streaming: bool = False) -> str:
+def render_turn(turn: Turn, streaming: bool = False) -> str:
     if streaming or not turn.stats:
         body = inspected(turn.tokens, turn.steps, streaming=True)
     elif turn.body_html:
@@ -222,7 +224,7 @@ def render_turn(turn: Turn, baseline: float | None, streaming: bool = False) -> 
     if turn.stats and turn.stats.error:
         parts.append(f'<div class="sc-error">⚠ {html.escape(turn.stats.error)}</div>')
     if turn.stats:
-        parts.append(stats_line(turn.stats, baseline))
+        parts.append(stats_line(turn.stats, turn.speedup))
     parts += [f'<div class="sc-note">{html.escape(n)}</div>' for n in turn.notes]
     return "".join(parts) + "</div>"
 
@@ -233,14 +235,12 @@ def user_html(text: str) -> str:
 
 def render_history(session: Session, streaming: bool = False) -> list[dict]:
     """The session as Chatbot messages; the last turn shows a cursor while streaming."""
-    plain = [t.stats for t in session.turns if t.stats] + session.ab_plain
     messages = []
     for i, turn in enumerate(session.turns):
         messages.append({"role": "user", "content": user_html(turn.user)})
         live = streaming and i == len(session.turns) - 1
         if turn.stats or live:
-            baseline = plain_baseline(plain, turn.stats.temperature) if turn.stats else None
-            messages.append({"role": "assistant", "content": render_turn(turn, baseline, live)})
+            messages.append({"role": "assistant", "content": render_turn(turn, live)})
     if session.pending is not None:
         messages.append({"role": "user", "content": user_html(session.pending)})
     return messages
@@ -258,7 +258,7 @@ def ab_panel(title: str, tokens: list[TokenEvent], stats: GenerationStats | None
              key: str = "ab") -> str:
     body = placeholder or (f'<div class="sc-turn sc-turn-{key}">'
                            f"{inspected(tokens, steps or [], live, stats)}</div>")
-    line = stats_line(stats, None, speedup=False) if stats else ""
+    line = stats_line(stats, show_speedup=False) if stats else ""
     error = f'<div class="sc-error">⚠ {html.escape(stats.error)}</div>' \
         if stats and stats.error else ""
     return f'<div class="sc-ab-panel"><h3>{html.escape(title)}</h3>{body}{error}{line}</div>'

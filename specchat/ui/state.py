@@ -15,6 +15,7 @@ from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.settings import SETTINGS
 from specchat.loader import LoadReport
 from specchat.models.loaded import ModelLoadError
+from specchat.stats.speedup import Speedup
 
 # A filesystem path of two or more parts (POSIX, ~, or Windows), not inside a URL.
 _PATH = re.compile(r"(?<![\w:/.~])(?:~|[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}[/\\]?")
@@ -51,8 +52,9 @@ class Settings:
     max_new_tokens: int = 256
     seed: int = -1  # -1: a fresh random seed per reply (shown in the stats line)
     mode: str = "chat"  # "chat" | "completion" (the model continues the message as text)
-    # Samplers against repetition (core/penalties.py), off by default: the defaults are the
-    # settings table's, the one set every front end uses.
+    # Samplers against repetition (core/penalties.py), off here: the settings table's defaults,
+    # the one set every front end uses. The page starts a base model at the examples' samplers
+    # instead (ui/page.py, `page_defaults`).
     min_p: float = SETTINGS["min_p"].default
     repeat_penalty: float = SETTINGS["repeat_penalty"].default
     repeat_last_n: int = SETTINGS["repeat_last_n"].default
@@ -70,6 +72,9 @@ class Turn:
     steps: list[StepRecord] = field(default_factory=list)  # the inspector's records
     key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the page
     stats: GenerationStats | None = None  # None while streaming
+    # The speedup shown under the reply (stats/speedup.py), fixed when the reply ends and
+    # stored with the turn: later turns never change it.
+    speedup: Speedup | None = None
     notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
     body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
 
@@ -85,7 +90,6 @@ class Session:
     pending: str | None = None  # a user message echoed in the chat, waiting for its reply
     conversation_id: str | None = None  # in the stats store, created with the first turn
     conversation: dict | None = None  # its row's fields, sent with every turn
-    ab_plain: list[GenerationStats] = field(default_factory=list)  # A/B plain runs: baselines
 
 
 # ---------------------------------------------------------------------------------------------

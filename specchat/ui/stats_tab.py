@@ -23,14 +23,14 @@ import gradio as gr
 import pandas as pd
 
 from specchat.core.events import StepRecord, TokenEvent
-from specchat.stats.format import fmt_date, fmt_number, fmt_percent, fmt_speedup
-from specchat.stats.speedup import conversation_speedup
+from specchat.stats.format import fmt_date, fmt_figure, fmt_mean, fmt_number, fmt_percent
+from specchat.stats.speedup import AB, ESTIMATE, conversation_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import Access
 from specchat.ui.render import inspected, user_html
 
-CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "speedup over",
+CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "mean of",
                         "acceptance", "id"]
 TURN_COLUMNS = ["turn", "speculation", "drafter", "k", "temperature", "tokens", "seconds",
                 "ttft s", "tokens/s", "acceptance", "mean accepted len", "speedup", "speedup vs",
@@ -46,17 +46,10 @@ EXPORT_KEEP_S = 600  # an export's file is removed this long after it was made
 def conversation_table(store: StatsStore, owner: str | None) -> pd.DataFrame:
     """One row per visible conversation, newest first (the numbers `specchat stats` prints)."""
     rows = [[r["title"], fmt_date(r["created"]), r["models"], r["turns"],
-             fmt_speedup(r["mean_speedup"]), _speedup_over(r), fmt_percent(r["acceptance"]),
-             r["id"]]
+             fmt_mean(r["mean_speedup"], r["speedup_basis"]), r["speedup_note"],
+             fmt_percent(r["acceptance"]), r["id"]]
             for r in store.summary_rows(owner)]
     return pd.DataFrame(rows, columns=CONVERSATION_COLUMNS)
-
-
-def _speedup_over(row: dict) -> str:
-    """Which turns the mean covers, or why there is none."""
-    if row["mean_speedup"] is None:
-        return row["speedup_note"]
-    return f"geometric mean, {row['speedup_turns']} of {row['spec_turns']} speculative turns"
 
 
 def conversation_choices(store: StatsStore, owner: str | None) -> list[tuple[str, str]]:
@@ -77,8 +70,12 @@ def _turn_cells(t: dict) -> list:
             t["draft_len"] if spec else "", fmt_number(t["temperature"], 2), t["new_tokens"],
             fmt_number(t["seconds"], 2), fmt_number(t["ttft_s"], 2),
             fmt_number(t["tokens_per_s"]), fmt_percent(t["acceptance_rate"]),
-            fmt_number(t["mean_accepted_len"], 2), fmt_speedup(t["speedup"]),
-            t["speedup_note"] or "", stop]
+            fmt_number(t["mean_accepted_len"], 2), _figure(t), t["speedup_note"] or "", stop]
+
+
+def _figure(t: dict) -> str:
+    """A stored turn's speedup as every view shows it ("2.47x", "≈2.10x est. (1.80–2.50x)")."""
+    return fmt_figure(t["speedup"], t["speedup_basis"], t["speedup_low"], t["speedup_high"])
 
 
 @dataclass
@@ -91,7 +88,7 @@ class Chart:
 
 @dataclass
 class PlotFrames:
-    speedup: Chart  # turn, speedup, vs: speculative turns with a speedup (stats.speedup)
+    speedup: Chart  # turn, speedup, basis, vs: turns with a speedup (stats.speedup)
     acceptance: Chart  # position, acceptance, drafted: pooled over the conversation's turns
     tokens_per_s: Chart  # turn, tokens/s, speculation ("on" / "off"): every timed turn
 
@@ -127,17 +124,23 @@ def plot_frames(store: StatsStore, owner: str | None, conversation_id: str | Non
     return PlotFrames(_speedup_chart(turns), _acceptance_chart(turns), _tokens_chart(turns))
 
 
+BASIS_WORDS = {AB: "A/B", ESTIMATE: "est."}  # the speedup chart's series
+
+
 def _speedup_chart(turns: list[dict], empty: str = "") -> Chart:
-    rows = [[t["idx"], round(t["speedup"], 2), t["speedup_note"] or ""] for t in turns
-            if t["speedup"] is not None]
-    frame = _frame({"turn": "int64", "speedup": "float64", "vs": "str"}, rows)
+    rows = [[t["idx"], round(t["speedup"], 2), BASIS_WORDS.get(t["speedup_basis"], "?"),
+             _figure(t) + ": " + (t["speedup_note"] or "")]
+            for t in turns if t["speedup"] is not None]
+    frame = _frame({"turn": "int64", "speedup": "float64", "basis": "str", "vs": "str"},
+                   rows)
     # 1x (plain decoding's speed) stays in view, so a slowdown reads as one.
     y_lim = [0.0, _y_top(list(frame["speedup"]), at_least=1.0)]
     mean = conversation_speedup(turns)
     if rows:
-        caption = (f"{fmt_speedup(mean.mean)}: {mean.note}. 1.00x is plain decoding's "
-                   "speed; each turn is compared with its A/B plain run, else with the median "
-                   "plain turn at its temperature.")
+        caption = (f"{mean.label()}: {mean.note}. 1.00x is plain decoding's speed; A/B: "
+                   "measured against a plain run of the same prompt and settings; est.: "
+                   "estimated from the turn's own steps (tokens per target pass, step times), "
+                   "with its band in the tooltip.")
     elif empty:
         caption = empty
     elif not mean.speculative:
@@ -192,7 +195,7 @@ def chat_history(store: StatsStore, owner: str | None, conversation_id: str | No
             else "speculation off"
         footer = f"{mode} · {fmt_number(t['tokens_per_s'])} tok/s"
         if t["speculation"]:
-            footer += f" · speedup {fmt_speedup(t['speedup'])} ({t['speedup_note']})"
+            footer += f" · speedup {_figure(t)} ({t['speedup_note']})"
         if t["interrupted"]:
             footer += f" · {t['stop_reason']}"
         messages.append({"role": "user", "content": user_html(t["prompt"] or "")})
@@ -277,6 +280,13 @@ def _turns(store: StatsStore, owner: str | None, conversation_id: str | None) ->
 # Gradio wiring
 
 SPECULATION_COLORS = {"on": "#16a34a", "off": "#9ca3af"}  # the accepted tokens' green; gray
+BASIS_COLORS = {"A/B": "#16a34a", "est.": "#64748b"}  # measured in green; estimates in slate
+
+# gradio draws a Clear button in every Chatbot's toolbar (and share and copy buttons unless
+# `buttons=[]`). Clearing the read-only view would not touch the stored conversation, so its
+# toolbar is hidden; Delete conversation is the way to remove one. (Added to the page's CSS by
+# `page.launch_kwargs`.)
+READ_ONLY_CSS = "#sc-stats-history .icon-button-wrapper.top-panel { display: none; }\n"
 
 
 def chart_settings(chart: Chart) -> dict:
@@ -297,6 +307,7 @@ class StatsTab:
     list_outputs: list
     inputs: list | None = None  # [picker, browser id]
     exports: Exports | None = None
+    message: gr.Markdown | None = None  # what Delete says
 
     def refresh_on(self, listener: Callable) -> None:
         """Also refresh on another event, e.g. `stats.refresh_on(stats_tab.select)` so the tab
@@ -317,7 +328,7 @@ def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
     _wire(view, handlers, browser, demo)
     tab = StatsTab(view.refresh, view.conversations, view.picker, view.turns, view.history,
                    handlers.on_refresh, view.list_outputs)
-    tab.inputs, tab.exports = [view.picker, browser], exports
+    tab.inputs, tab.exports, tab.message = [view.picker, browser], exports, view.message
     return tab
 
 
@@ -364,6 +375,7 @@ def _layout(status_line: str) -> _View:
         # the data, then the ranges and captions (`chart_settings`). Points for speedups: a
         # line through a single turn would draw nothing.
         speedup_plot = gr.ScatterPlot(x="turn", y="speedup", y_title="speedup (x plain)",
+                                      color="basis", color_map=BASIS_COLORS,
                                       x_axis_format="d", tooltip=["vs"],
                                       label="Speedup per turn", elem_id="sc-stats-speedup")
         acceptance_plot = gr.BarPlot(x="position", y="acceptance", x_title="draft position",
@@ -376,9 +388,11 @@ def _layout(status_line: str) -> _View:
                                  elem_id="sc-stats-tokens")
     # The Chatbot's own label floats over its first message: a heading above it instead.
     gr.Markdown("**Conversation (read-only)**", elem_id="sc-stats-history-label")
+    # Read-only: no share, copy or feedback buttons (and its Clear button hidden by
+    # READ_ONLY_CSS): none of them would act on the stored conversation.
     history = gr.Chatbot(label="Conversation (read-only)", show_label=False, height=360,
                          render_markdown=False, sanitize_html=True, latex_delimiters=[],
-                         elem_id="sc-stats-history")
+                         buttons=[], feedback_options=None, elem_id="sc-stats-history")
     with gr.Row():
         export_button = gr.Button("Export CSV")
         delete_button = gr.Button(DELETE, variant="stop")
@@ -441,6 +455,8 @@ class _Handlers:
 
     @staticmethod
     def on_pick_reset():
+        """The visitor picked another conversation: a pending Delete question no longer
+        applies, and neither does the last message."""
         return None, gr.Button(value=DELETE), ""
 
     def on_export(self, picked: str | None, browser_id: str | None, request: gr.Request):
@@ -456,11 +472,16 @@ def _wire(v: _View, h: _Handlers, browser: gr.BrowserState, demo: gr.Blocks | No
     v.refresh.click(h.on_refresh, inputs, v.list_outputs, **private)
     v.picker.change(h.on_pick, inputs, detail_outputs, **private).then(
         h.on_plot_settings, inputs, v.plots, **private)
-    v.conversations.select(h.on_row_select, None, v.picker, **private)
+    # Delete's question and message go when the visitor picks another conversation (`input`
+    # and a row click), not when the list moves the picker by itself: after a deletion the
+    # refreshed list picks the next conversation, and "Conversation deleted." stays in view.
+    reset = dict(fn=h.on_pick_reset, inputs=None,
+                 outputs=[v.pending, v.delete_button, v.message], **private)
+    v.picker.input(**reset)
+    v.conversations.select(h.on_row_select, None, v.picker, **private).then(**reset)
     v.delete_button.click(h.on_delete, [v.picker, v.pending, browser],
                           [v.message, v.pending, v.delete_button], **private).then(
         h.on_refresh, inputs, v.list_outputs, **private)
-    v.picker.change(h.on_pick_reset, None, [v.pending, v.delete_button, v.message], **private)
     v.export_button.click(h.on_export, inputs, v.csv_file, **private)
     if demo is not None:
         demo.load(h.on_refresh, inputs, v.list_outputs, **private)
