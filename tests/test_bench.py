@@ -441,3 +441,20 @@ def test_every_mode_meets_the_prefix_store_as_its_question_found_it():
     result = bench(engine, long_question, settings, assistant=draft, progress=False)
     encoded = {(r["mode"], r["repeat"]): r["prefill_tokens"] for r in result["runs"]}
     assert len(set(encoded.values())) == 1 and min(encoded.values()) > 300, encoded
+
+
+def test_bench_requests_are_built_and_checked_as_the_pages_are():
+    from specchat.bench.config import BenchSettings
+    from specchat.core.inputs import InputError
+
+    s = BenchSettings(samplers={"dry_multiplier": 0.8, "min_p": 0.05}, tree_nodes=6)
+    cfg = s.generate_config("head-tree", ("\nUser:",), ["ngram", "head"])
+    assert (cfg.drafter, cfg.tree_nodes, cfg.dry_multiplier, cfg.min_p, cfg.stop) == \
+        ("head", 6, 0.8, 0.05, ("\nUser:",))
+    assert not s.generate_config("plain", (), ["ngram"]).speculation
+    with pytest.raises(InputError, match="Draft length"):
+        BenchSettings(draft_len=40).generate_config("ngram", (), ["ngram"])
+    with pytest.raises(ValueError, match="Temperature capped"):
+        BenchSettings(temperature=5.0).generate_config("ngram", (), ["ngram"])
+    with pytest.raises(InputError, match="not loaded"):
+        s.generate_config("head", (), ["ngram"])

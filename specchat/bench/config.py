@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specchat.core.engine import TREE_NODES
+from specchat.core.engine import TREE_NODES, GenerateConfig
 from specchat.core.events import StepRecord
 
 ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
@@ -35,6 +36,25 @@ class BenchSettings:
     # min-p and the penalties (GenerateConfig fields, core/settings.py) for every engine and
     # server mode; transformers' modes cannot apply them the same way and are left out.
     samplers: dict = field(default_factory=dict)
+
+    def generate_config(self, mode: str, stops: Sequence[str], drafters: Sequence[str],
+                        max_new_tokens: int | None = None) -> GenerateConfig:
+        """The request of `mode` ("plain", a drafter, a drafter's "-tree" variant), built and
+        checked as the page's and the API's are (`core.settings.build_config`); `drafters`:
+        the loaded ones. Raises ValueError for a setting out of its range."""
+        from specchat.core.settings import build_config
+
+        plain = mode == "plain"
+        values = dict(self.samplers, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                      temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      seed=self.seed, draft_len=self.draft_len,
+                      tree_nodes=self.tree_nodes if mode.endswith("-tree") else 0,
+                      speculation=not plain, drafter=None if plain else mode.removesuffix("-tree"),
+                      adaptive=self.adaptive, stop=tuple(stops))
+        cfg, notes = build_config(values, drafters)
+        if notes:  # a capped or changed setting: the bench measures what it was asked
+            raise ValueError(" ".join(notes))
+        return cfg
 
 
 @dataclass

@@ -136,15 +136,9 @@ class _StopText:
 
 def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: BenchSettings,
                     fresh: bool, max_new_tokens: int | None = None) -> dict:
-    from specchat.core.engine import GenerateConfig
     if fresh:
         engine.reset_cache()  # every first turn pays its prefill, as generate() does
-    cfg = GenerateConfig(max_new_tokens=max_new_tokens or s.max_new_tokens,
-                         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                         speculation=mode != "plain",
-                         drafter=mode.removesuffix("-tree") if mode != "plain" else "ngram",
-                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
-                         tree_nodes=s.tree_nodes if mode.endswith("-tree") else 0, **s.samplers)
+    cfg = s.generate_config(mode, stops, list(engine.drafters), max_new_tokens)
     probe.reset()
     reply = collect(engine.stream(ids, cfg))
     stats = reply.stats
@@ -222,14 +216,10 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
     """A server (`RemoteEngine`) on the same prompt ids, with the same stop condition and
     sampling settings; timed as its client sees it (request to last chunk)."""
     from specchat.backends.remote import RemotePrompt, served_target_calls
-    from specchat.core.engine import GenerateConfig
     if fresh:
         remote.reset_cache()  # no prompt cache: every first turn pays its prefill
-    cfg = GenerateConfig(max_new_tokens=max_new_tokens or s.max_new_tokens,
-                         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                         speculation=True,  # the server's own setting decides
-                         draft_len=s.draft_len, adaptive=s.adaptive, stop=tuple(stops),
-                         **s.samplers)
+    # speculation on: the server's own setting decides
+    cfg = s.generate_config("ngram", stops, ["ngram"], max_new_tokens)
     reply = collect(remote.stream(RemotePrompt(ids=list(ids)), cfg))
     stats, steps, text = reply.stats, reply.steps, reply.text
     # Tokens as the server counts them (a stop string's too, which its text leaves out)

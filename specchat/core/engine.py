@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -130,6 +131,17 @@ class GenerateConfig:
         if p.min_p > 0:
             out.append(f"min-p {p.min_p:g}")
         return out
+
+
+class Verified(NamedTuple):
+    """What one verify forward decided (`Engine._verify_chain`, `_verify_tree`)."""
+    path: list[int]  # the accepted drafts' indices (a chain's 0..n-1, a tree's nodes)
+    next_token: int  # the target's own token after them
+    bonus: bool  # every draft on the path passed
+    refused: int | None  # the draft token refused at the decisive position
+    p: float | None  # the target's and the draft's probability of `refused` (sampled chains)
+    q: float | None
+    rows: torch.Tensor  # the logits of the rows that emitted tokens, after the penalties
 
 
 @dataclass
@@ -308,9 +320,8 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _verify_chain(self, run: _Request, draft: Draft) -> tuple:
-        """Verify a chain of drafts in one forward; crop the rejected ones from the cache.
-        -> (path, verdict fields, the logits of the rows that emitted tokens)."""
+    def _verify_chain(self, run: _Request, draft: Draft) -> Verified:
+        """Verify a chain of drafts in one forward; crop the rejected ones from the cache."""
         context, k = run.context, len(draft)
         drafted = draft.tokens.tolist()
         logits = self._forward([context[-1], *drafted], k + 1)
@@ -323,11 +334,10 @@ class Engine:
         self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
         self._observe(run.wants, len(context) - 1, [context[-1], *drafted[:n]])
         refused = drafted[n] if n < k else None
-        return list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, logits[:n + 1]
+        return Verified(list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, logits[:n + 1])
 
-    def _verify_tree(self, run: _Request, draft: Draft) -> tuple:
-        """Verify a draft tree in one forward and keep the accepted path in the cache.
-        -> (path, verdict fields, the logits of the root and the kept nodes)."""
+    def _verify_tree(self, run: _Request, draft: Draft) -> Verified:
+        """Verify a draft tree in one forward and keep the accepted path in the cache."""
         context, tree = run.context, draft.tree
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
@@ -339,7 +349,7 @@ class Engine:
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
         self._observe(run.wants, len(context) - 1, [ids[j] for j in keep], keep)
         refused = int(tree.tokens[v.refused[0]]) if v.refused else None
-        return list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep]
+        return Verified(list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep])
 
     def _distribution(self, run: _Request, logits: torch.Tensor, context: list[int],
                       extras: list[list[int]]) -> torch.Tensor:
@@ -392,10 +402,11 @@ class Engine:
         draft, cls, allowed = self._draft(run)
         t1 = time.perf_counter()
         verify_ = self._verify_tree if draft.tree is not None else self._verify_chain
-        path, token, bonus, refused, p, q, rows = verify_(run, draft)
-        accepted = [int(draft.tokens[i]) for i in path]
-        return StepResult(draft, accepted, path, token, bonus, refused, p, q, rows, allowed, cls,
-                          t1 - t0, time.perf_counter() - t1)
+        v = verify_(run, draft)
+        return StepResult(draft=draft, accepted=[int(draft.tokens[i]) for i in v.path],
+                          path=v.path, next_token=v.next_token, bonus=v.bonus,
+                          refused=v.refused, p=v.p, q=v.q, rows=v.rows, allowed=allowed,
+                          cls=cls, draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
 
     def _record(self, run: _Request, step: StepResult, number: int
                 ) -> tuple[list[tuple], StepRecord]:

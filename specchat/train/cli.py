@@ -73,7 +73,8 @@ def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens
     """Greedy decoding of held-out prompts, plain vs the head's drafters (fixed k): alpha,
     acceptance, tokens per target call, tokens/s, and c = seconds per drafted token over
     seconds per plain target step (as the engine measures them)."""
-    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.engine import Engine
+    from specchat.core.settings import build_config
     from specchat.core.events import collect
     from specchat.core.text import chat_prompt
     from specchat.drafters.ngram import NgramDrafter
@@ -87,9 +88,11 @@ def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens
     for p in prompts:
         ids, stops = chat_prompt(target.tokenizer, [{"role": "user", "content": p["prompt"]}])
         for mode in modes:
-            cfg = GenerateConfig(max_new_tokens=max_new_tokens, speculation=mode != "plain",
-                                 drafter=mode if mode != "plain" else "ngram",
-                                 draft_len=draft_len, adaptive=False, stop=stops)
+            cfg, _ = build_config(dict(max_new_tokens=max_new_tokens, seed=0,
+                                       speculation=mode != "plain",
+                                       drafter=mode if mode != "plain" else None,
+                                       draft_len=draft_len, tree_nodes=0, adaptive=False,
+                                       stop=stops), list(engine.drafters))
             engine.reset_cache()
             t = totals[mode]
             reply = collect(engine.stream(ids, cfg))
