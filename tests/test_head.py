@@ -511,17 +511,21 @@ def test_head_tree_speculation_replays_plain_decoding(make, temperature):
     assert drafter.computed == 0
 
 
-def test_one_row_int8_linear_is_close_and_wide_calls_stay_float():
-    from specchat.models.eagle import OneRowInt8
+def test_int8_drafting_linear_is_close_and_wide_or_training_calls_stay_float():
+    from specchat.models.eagle import INT8_ROWS, Int8Drafting
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
-    fast = OneRowInt8(linear)
-    x, wide = torch.randn(1, 1, 64), torch.randn(1, 3, 64)
+    fast = Int8Drafting(linear)
     with torch.no_grad():
-        exact = linear(x)
-        assert fast(x).shape == exact.shape
-        assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
+        for rows in (1, 3, INT8_ROWS):  # a draft token, a catch-up, a tree level
+            x = torch.randn(1, rows, 64)
+            exact = linear(x)
+            assert fast(x).shape == exact.shape
+            assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
+        wide = torch.randn(1, INT8_ROWS + 1, 64)
         assert torch.equal(fast(wide), linear(wide))
+    x = torch.randn(1, 2, 64, requires_grad=True)  # training
+    assert torch.equal(fast(x), linear(x))
 
 
 def test_head_cache_appends_in_place_and_equals_concatenation():

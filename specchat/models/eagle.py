@@ -172,16 +172,21 @@ def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
 
 
-def _one_row_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., k] holding one row -> x @ weight.T [..., n] (float32) from an `_int8` copy."""
-    y = torch._weight_int8pack_mm(x.reshape(1, -1).to(torch.bfloat16), qweight, scales)
+INT8_ROWS = 16  # the most rows a drafting call reads int8 weights for (wider: float)
+
+
+def _int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., k] -> x @ weight.T [..., n] (float32) from an `_int8` copy."""
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), qweight, scales)
     return y.float().view(*x.shape[:-1], -1)
 
 
-class OneRowInt8(nn.Module):
-    """A Linear whose one-row calls read an int8 copy of its weight (DraftHead.
-    quantize_for_drafting); wider calls (training, the catch-up over accepted tokens, tree
-    levels) use the float weight."""
+class Int8Drafting(nn.Module):
+    """A Linear whose drafting calls (up to INT8_ROWS rows: a draft token, the catch-up over
+    the tokens a verify accepted, a tree level) read an int8 copy of its weight
+    (DraftHead.quantize_for_drafting): a quarter of the bytes, and for a few rows torch's int8
+    product is also 2-3x faster than its float32 one (docs/cpu.md). Training and wider calls use
+    the float weight."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -189,9 +194,9 @@ class OneRowInt8(nn.Module):
         self.qweight, self.scales = _int8(linear.weight.detach())
 
     def forward(self, x):
-        if x.numel() != x.shape[-1]:
+        if x.numel() > INT8_ROWS * x.shape[-1] or torch.is_grad_enabled() and x.requires_grad:
             return self.linear(x)
-        y = _one_row_int8(x, self.qweight, self.scales)
+        y = _int8_mm(x, self.qweight, self.scales)
         return y + self.linear.bias if self.linear.bias is not None else y
 
 
@@ -234,23 +239,24 @@ class DraftHead(nn.Module):
         return rms_normalize(h, self.cfg.rms_eps) * self.norm_scale, cache  # [B, T, d]
 
     def quantize_for_drafting(self) -> None:
-        """Drafting on a CPU: one-row forwards (the common case, one draft token) read int8
-        copies of the weights, with a scale per output row: the reduced LM head and every
-        linear layer. Right after the target's forward has evicted them from the caches,
+        """Drafting on a CPU: forwards of a few rows (a draft token, a catch-up, a tree level)
+        read int8 copies of the weights, with a scale per output row: the reduced LM head and
+        every linear layer. Right after the target's forward has evicted them from the caches,
         int8 rows are read faster than fp32 ones (a quarter of the bytes), while bf16 is
-        slower than fp32 on CPUs without native bf16. Drafts move a little; verification stays exact."""
+        slower than fp32 on CPUs without native bf16. Drafts move a little; verification
+        stays exact."""
         if getattr(self, "_int8_rows", None) is not None:
             return
         self._int8_rows = _int8(self.lm_rows)
-        self.fc = OneRowInt8(self.fc)
+        self.fc = Int8Drafting(self.fc)
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(self.block, name, OneRowInt8(getattr(self.block, name)))
+            setattr(self.block, name, Int8Drafting(getattr(self.block, name)))
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
         int8 = getattr(self, "_int8_rows", None)
-        if int8 is not None and feats.numel() == feats.shape[-1]:  # one row
-            logits = _one_row_int8(feats, *int8)
+        if int8 is not None and feats.numel() <= INT8_ROWS * feats.shape[-1]:
+            logits = _int8_mm(feats, *int8)
         else:
             logits = feats @ self.lm_rows.T
         cap = self.cfg.logit_softcap
