@@ -293,3 +293,52 @@ def test_the_default_variant_and_the_variants_this_cpu_cannot_run(monkeypatch):
     assert kernels.load.__wrapped__("ref").variant == "ref"  # asked for by name
     with pytest.raises(ValueError):
         kernels.load("neon")
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "ref"])
+def test_every_kernel_checks_its_sizes(variant):
+    """No rows: nothing written (a sentinel stays); rows of a width a kernel cannot take: NaN,
+    never a crash or a write past the output."""
+    if variant == "ref":
+        libs = [_portable()[0]]
+    else:
+        lib, refs = _simd(variant)
+        libs = [lib, *refs]
+    g = torch.Generator().manual_seed(0)
+    (codes, absmax), table = _nf4(8, 64, 64, g), NF4_TABLE.float().contiguous()
+    q, d = _q8(8, 64, g)
+    weight = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=g)
+    ptr, th = (lambda t: t.data_ptr()), 1
+    products = {  # name -> call(x rows, n, in, y)
+        "nf4": lambda lib, n, width, y: lib.nf4_matmul(ptr(x), n, width, ptr(codes), ptr(absmax),
+                                                       64, ptr(table), ptr(y), 8, th),
+        "bf16": lambda lib, n, width, y: lib.bf16_matmul(ptr(x), n, width, ptr(weight), ptr(y),
+                                                         8, th),
+        "q8_0": lambda lib, n, width, y: lib.q8_0_matmul(ptr(x), n, width, ptr(q), ptr(d),
+                                                         ptr(y), 8, th),
+        "q8_0_i8": lambda lib, n, width, y: lib.q8_0_matmul_i8(ptr(x), n, width, ptr(q), ptr(d),
+                                                               ptr(y), 8, th),
+    }
+    for lib in libs:
+        for name, call in products.items():
+            y = torch.full((3, 8), 7.0)
+            call(lib, 0, 64, y)  # no rows
+            assert bool((y == 7.0).all()), (lib.variant, name)
+            call(lib, 2, 36, y)  # 36 inputs: not a multiple of 8, 32 or NF4's block of 64
+            assert bool(y[:2].isnan().all()) and bool((y[2] == 7.0).all()), (lib.variant, name)
+        out = torch.full((2, 64), 7.0)
+        mask = torch.ones(2, 4, dtype=torch.uint8)
+        keys = torch.randn(4, 64, generator=g)
+        lib.attend(ptr(x), 0, 64, ptr(keys), ptr(keys), 4, 64, 64, 0, ptr(mask), 2, 4, 0.125,
+                   ptr(torch.empty(2, 4)), ptr(out), th)
+        assert bool((out == 7.0).all())
+        lib.attend(ptr(x), 2, 12, ptr(keys), ptr(keys), 4, 64, 64, 0, ptr(mask), 2, 4, 0.125,
+                   ptr(torch.empty(2, 4)), ptr(out), th)  # a head dimension not a multiple of 8
+        assert bool(out.view(-1)[:24].isnan().all()) and bool((out.view(-1)[24:] == 7.0).all())
+        norm = torch.full((2, 64), 7.0)
+        w1 = torch.ones(64)
+        lib.rms_norm(ptr(x), 0, 64, 0, ptr(w1), 1e-6, ptr(norm))
+        assert bool((norm == 7.0).all())
+        lib.rms_norm(ptr(x), 2, 12, 0, ptr(w1), 1e-6, ptr(norm))
+        assert bool(norm.view(-1)[:24].isnan().all()) and bool((norm.view(-1)[24:] == 7.0).all())

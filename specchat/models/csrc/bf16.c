@@ -7,6 +7,7 @@ int max_in(void) { return MAX_IN; }  // the longest weight row the kernels take
 
 void bf16_matmul_ref(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
                      int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 8, 0, y)) return;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++)
         for (int64_t j = 0; j < n; j++) {
@@ -23,6 +24,7 @@ void bf16_matmul_ref(const float *x, int64_t n, int64_t in, const uint16_t *weig
 #if SPECCHAT_SIMD
 void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
                  int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 8, MAX_IN, y)) return;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
         float w[OUT_TILE * MAX_IN] __attribute__((aligned(32)));

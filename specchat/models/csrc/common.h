@@ -40,6 +40,21 @@
 
 // ---- plain C, both builds -------------------------------------------------------------------
 
+// Every exported product checks its sizes before anything else: with no rows or no outputs
+// there is nothing to do, and it returns; with input rows it cannot take (`in` not a positive
+// multiple of `multiple`, or over `max_in` when the kernel keeps a decoded row on the stack; 0:
+// no such limit) it fills y [n, out] with NaN, which a caller's own check cannot miss, rather
+// than read or write past a buffer. Returns whether to go on.
+static inline int sizes_ok(int64_t n, int64_t in, int64_t out, int64_t multiple,
+                           int64_t max_in, float *y) {
+    if (n <= 0 || out <= 0) return 0;
+    if (in <= 0 || multiple <= 0 || in % multiple || (max_in && in > max_in)) {
+        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+        return 0;
+    }
+    return 1;
+}
+
 // The sum of an 8-wide accumulator's lanes in `hsum`'s order: the high half onto the low half,
 // then lanes 2, 3 onto 0, 1, then lane 1 onto lane 0.
 static inline float sum_lanes8(const float v[8]) {

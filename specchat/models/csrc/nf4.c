@@ -18,6 +18,8 @@ static const int nf4_lane_code[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 void nf4_matmul_ref(const float *x, int64_t n, int64_t in, const uint8_t *codes,
                     const float *absmax, int64_t blocksize, const float *table, float *y,
                     int64_t out, int threads) {
+    if (blocksize <= 0 || blocksize % 32) blocksize = 0;  // no block size it takes: NaN
+    if (!sizes_ok(n, in, out, blocksize, 0, y)) return;
     const int64_t nb = in / blocksize;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++) {
@@ -158,6 +160,8 @@ __attribute__((noinline)) static void nf4_rows(int no, const float *w, const flo
 void nf4_matmul(const float *x, int64_t n, int64_t in, const uint8_t *codes,
                 const float *absmax, int64_t blocksize, const float *table, float *y,
                 int64_t out, int threads) {
+    if (blocksize <= 0 || blocksize % 32) blocksize = 0;  // no block size it takes: NaN
+    if (!sizes_ok(n, in, out, blocksize, MAX_IN, y)) return;
     uint8_t bytes[4][16];
     for (int c = 0; c < 16; c++) {
         uint32_t u;

@@ -35,11 +35,13 @@ static void q8_ref(int width, const float *x, int64_t n, int64_t in, const int8_
 
 void q8_0_matmul_ref(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
                      float *y, int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 32, 0, y)) return;
     q8_ref(8, x, n, in, q, d, y, out, threads);
 }
 
 void q8_0_matmul16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
                        const uint16_t *d, float *y, int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 32, 0, y)) return;
     q8_ref(16, x, n, in, q, d, y, out, threads);
 }
 
@@ -140,6 +142,7 @@ static const q8_tile_fn q8_tiles16[4][Q8_TILE_X] = {
 #define Q8_BLOCK 64
 Q8_512 void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
                                const uint16_t *d, float *y, int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 32, 0, y)) return;
     const int64_t tiles = (n + Q8_TILE_X - 1) / Q8_TILE_X, per = (n + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
@@ -173,6 +176,7 @@ static const q8_tile_fn q8_tiles8[4][Q8_TILE_X] = {
 
 void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
                  float *y, int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 32, MAX_IN, y)) return;
     if (n == 1) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t o0 = 0; o0 < out; o0 += OUT_TILE) {
@@ -265,6 +269,7 @@ static void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, 
 
 void q8_0_matmul_i8_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
                         const uint16_t *d, float *y, int64_t out, int threads) {
+    if (!sizes_ok(n, in, out, 32, 0, y)) return;
     const int64_t nb = in / 32;
     int8_t *qx = malloc((size_t)(n * in));
     float *dx = malloc((size_t)(n * nb) * sizeof(float));
@@ -415,8 +420,8 @@ static const q8i_tile_fn q8i_tiles[Q8I_R][Q8I_J] = {
 
 void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
                     float *y, int64_t out, int threads) {
-    if (n <= 0) return;
-    if (in > MAX_IN || in < 32) {  // the factors' buffer is on the stack: the reference's bits
+    if (!sizes_ok(n, in, out, 32, 0, y)) return;
+    if (in > MAX_IN) {  // the factors' buffer is on the stack: the reference's bits
         q8_0_matmul_i8_ref(x, n, in, q, d, y, out, threads);
         return;
     }
