@@ -80,6 +80,25 @@ def served():
         store.close()
 
 
+# The open step card's text and gradio's "scroll down" button, on the chat scrolled so that the
+# card fills the lower part of its view (where the button floats): "clear", "overlaps" or
+# "no button" (the chat was not scrolled up, so the button never showed).
+SCROLL_BUTTON_OVER_CARD = """async () => {
+  const log = document.querySelector('#sc-chat [role=log]');
+  const card = document.querySelector('#sc-chat .sc-card:not([hidden])');
+  log.scrollTop += card.getBoundingClientRect().top - log.getBoundingClientRect().top
+                   - log.clientHeight * 0.4;
+  await new Promise((done) => setTimeout(done, 500));
+  const button = document.querySelector('#sc-chat .scroll-down-button-container button');
+  if (!button) return 'no button';
+  const b = button.getBoundingClientRect(), c = card.getBoundingClientRect();
+  const view = log.getBoundingClientRect();
+  const top = Math.max(c.top, view.top), bottom = Math.min(c.bottom, view.bottom);
+  const overlaps = b.left < c.right && b.right > c.left && b.top < bottom && b.bottom > top;
+  return overlaps ? 'overlaps' : 'clear';
+}"""
+
+
 def _saved_turns(store, n: int, timeout: float = 30.0) -> list[dict]:
     """The first conversation's turns once `n` are saved (the app saves in the background)."""
     deadline = time.monotonic() + timeout
@@ -102,7 +121,7 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1280, "height": 800})  # a laptop
             page.set_default_timeout(WAIT_MS)
             page.goto(url)
             page.wait_for_selector("#sc-status .sc-status-ready")
@@ -154,6 +173,16 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
             assert second == {"target"}, second
             assert "speculation off" in page.locator("#sc-chat .sc-stats").nth(1).inner_text()
 
+            # The first reply's step card opens in a chat tall enough to hold it with the reply
+            # (the card alone is about 260 px), and the chat's floating "scroll down" button,
+            # shown once the chat is scrolled up, stays off the card's text.
+            page.locator("#sc-chat .tk.sc-step").first.click()
+            page.wait_for_selector("#sc-chat .sc-card:not([hidden])")
+            chat = page.locator("#sc-chat").bounding_box()
+            assert chat["height"] >= 440, f"chat too short for a reply and its card: {chat}"
+            page.wait_for_timeout(1500)  # gradio keeps the chat at its end a moment after a reply
+            assert page.evaluate(SCROLL_BUTTON_OVER_CARD) == "clear"
+
             # 3. A/B replay: off and on side by side, speedup, identical texts (fp32 greedy).
             page.click("#sc-ab")
             page.wait_for_selector("#sc-ab-verdict :text('Speedup')")
@@ -161,6 +190,11 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
             assert "Identical texts" in verdict and "tokens/s" in verdict
             assert set(_kinds(page, "#sc-ab-off span.tk")) == {"target"}
             assert len(set(_kinds(page, "#sc-ab-on span.tk"))) >= 2
+            # The verdict is on screen without scrolling: the page brings it into view.
+            page.wait_for_function(
+                "(() => { const r = document.getElementById('sc-ab-verdict')"
+                ".getBoundingClientRect(); return r.top >= 0 && r.bottom <= innerHeight; })()",
+                timeout=5_000)
 
             shot = tmp_path / "specchat.png"
             page.screenshot(path=str(shot), full_page=True)
@@ -381,10 +415,84 @@ def test_inspector_ghost_text_step_cards_and_modes(shared):
             browser.close()
 
 
+LONG_TITLE = ("Why does the draft model's acceptance fall with each draft position, and which "
+              "draft length k should I pick for a 270M target on a laptop CPU?")
+
+# The example chips whose text is cut off without an ellipsis.
+CHIPS_CUT_SILENTLY = """[...document.querySelectorAll('#sc-examples .gallery-item .gallery')]
+  .filter((e) => e.scrollWidth > e.clientWidth && getComputedStyle(e).textOverflow !== 'ellipsis')
+  .map((e) => e.textContent)"""
+
+# The conversations table's layout: its width against its container's, the nearest box around
+# it that scrolls sideways, the headers whose text takes more than one line, the long title's
+# cell, and whether the picker's text stops before its dropdown arrow.
+STATS_LAYOUT = """(title) => {
+  const container = document.getElementById('sc-stats-conversations');
+  const table = container.querySelector('table');
+  let scroller = table.parentElement;
+  while (scroller !== container && !['auto', 'scroll'].includes(
+      getComputedStyle(scroller).overflowX)) scroller = scroller.parentElement;
+  const lines = (el) => {  // how many lines its text takes
+    const tops = new Set();
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    while (walker.nextNode()) {
+      const range = document.createRange();
+      range.selectNodeContents(walker.currentNode);
+      for (const r of range.getClientRects()) if (r.width > 0) tops.add(Math.round(r.top));
+    }
+    return tops.size;
+  };
+  const cell = [...container.querySelectorAll(':is(td, [role=gridcell]) .cell-wrap')]
+    .find((c) => c.textContent.trim() === title && c.getClientRects().length > 0);
+  const box = cell.getBoundingClientRect();
+  const text = cell.querySelector(':scope > span') || cell;  // the box that holds the text
+  const input = document.querySelector('#sc-stats-picker input');
+  const arrow = document.querySelector('#sc-stats-picker .icon-wrap');
+  const textEnd = input.getBoundingClientRect().right
+                  - parseFloat(getComputedStyle(input).paddingRight);
+  return {
+    table: table.scrollWidth, container: container.clientWidth,
+    scroller: scroller === container ? null : scroller.clientWidth,
+    wrapped: [...table.querySelectorAll('thead th .header-content')]
+      .filter((h) => lines(h) > 1).map((h) => h.textContent.trim()),
+    cut: text.scrollWidth > text.clientWidth,
+    ellipsis: getComputedStyle(text).textOverflow === 'ellipsis',
+    at: [box.left + box.width / 2, box.top + box.height / 2],
+    pickerClear: textEnd <= arrow.getBoundingClientRect().left
+                 && getComputedStyle(input).textOverflow === 'ellipsis',
+  };
+}"""
+
+
+def _check_stats_layout(page, store, width: int) -> None:
+    """The Stats tab at this width: the conversations table fits (or scrolls sideways inside
+    its box on a phone), no header breaks, a long title ends with an ellipsis and shows whole
+    as a tooltip, and the picker's arrow covers none of its text."""
+    if not any(c["title"] == LONG_TITLE for c in store.conversations()):
+        store.new_conversation(LONG_TITLE, "local", "tiny", "tiny")
+    _open_stats(page)
+    page.wait_for_function(
+        "title => [...document.querySelectorAll('#sc-stats-conversations td')]"
+        ".some((c) => c.textContent.trim() === title)", arg=LONG_TITLE)
+    layout = page.evaluate(STATS_LAYOUT, LONG_TITLE)
+    if width >= 1000:
+        assert layout["table"] <= layout["container"], layout
+    else:
+        assert layout["scroller"] is not None and layout["scroller"] <= layout["container"], \
+            layout
+    assert layout["wrapped"] == [], f"headers broken over lines: {layout['wrapped']}"
+    assert layout["cut"] and layout["ellipsis"], layout
+    assert layout["pickerClear"], "the picker's dropdown arrow covers its text"
+    if width >= 1000:  # a pointer: the cut title shows whole as a tooltip
+        page.mouse.move(*layout["at"])
+        assert page.evaluate("([x, y]) => document.elementFromPoint(x, y)"
+                             ".closest('.cell-wrap').title", layout["at"]) == LONG_TITLE
+
+
 @pytest.mark.parametrize("size", [(1280, 800), (390, 844)])
-def test_the_first_screen_holds_the_message_box_at_laptop_and_phone_sizes(served, size, tmp_path):
+def test_the_first_screen_and_the_stats_table_fit_laptop_and_phone_sizes(served, size, tmp_path):
     sync_playwright = _sync_playwright()
-    url, _ = served
+    url, store = served
     width, height = size
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -400,6 +508,8 @@ def test_the_first_screen_holds_the_message_box_at_laptop_and_phone_sizes(served
                 chips = page.locator("#sc-examples .gallery-item")
                 last = chips.nth(chips.count() - 1).bounding_box()
                 assert last["y"] + last["height"] <= height, f"examples below the fold: {last}"
+            # Each example chip is one line: whole, or ending with an ellipsis.
+            assert page.evaluate(CHIPS_CUT_SILENTLY) == []
             # nothing wider than the screen: no sideways scrolling on a phone
             assert page.evaluate("document.documentElement.scrollWidth") <= width
             # Tab from the top reaches the message box in a bounded number of stops
@@ -409,5 +519,7 @@ def test_the_first_screen_holds_the_message_box_at_laptop_and_phone_sizes(served
                 if page.evaluate("document.activeElement?.closest('#sc-input') !== null"):
                     break
             assert stops < 40, f"{stops} tab stops before the message box"
+
+            _check_stats_layout(page, store, width)
         finally:
             browser.close()

@@ -105,6 +105,8 @@ def _chat_column(self: ChatApp) -> dict:
     panels right under their button."""
     ready = self.slot.state == "ready"
     gr.HTML(asset("legend.html"))
+    # Empty, the chat is short: a laptop's first screen holds the message box and the examples.
+    # With messages it takes most of the window (specchat.css, `#sc-chat:has(.message-row)`).
     chat = gr.Chatbot(
         label="Chat", show_label=False, elem_id="sc-chat", height="max(260px, 100vh - 540px)",
         render_markdown=False, sanitize_html=True, latex_delimiters=[], feedback_options=None,
@@ -267,8 +269,11 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     v.undo.click(self.undo, v.session, user_out, **instant)
     v.new.click(self.new_conversation, v.session, v.new_outputs, **instant)
     v.chat.clear(self.new_conversation, v.session, v.new_outputs, **instant)
+    # Once the replay is done, its verdict (under the A/B button, often below the fold) is
+    # scrolled into view; the page does not move when it is in view already.
     v.ab.click(on_ab, settings_in, [v.ab_off, v.ab_on, v.verdict, v.chat, v.session, v.notice],
-               show_progress="minimal", **engine_lane)
+               show_progress="minimal", **engine_lane).then(
+        None, None, None, js=SHOW_VERDICT)
     v.stop.click(on_stop, None, v.notice, queue=False, **private)
     # The one public endpoint: a stateless reply for gradio_client and "Use via API".
     gr.api(self.generate, api_name="generate", concurrency_id="engine", concurrency_limit=1)
@@ -315,6 +320,10 @@ def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: di
     v.timer.tick(on_page, v.notice, page_out, **instant)
     demo.load(on_page, v.notice, page_out, **instant)
     demo.load(on_browser, v.browser, v.browser, **instant)
+
+
+SHOW_VERDICT = ("() => { document.getElementById('sc-ab-verdict')"
+                "?.scrollIntoView({block: 'nearest'}); }")
 
 
 MODE_HELP = {
@@ -370,7 +379,8 @@ def launch_kwargs() -> dict:
     return dict(css=asset("specchat.css") + stats_tab.READ_ONLY_CSS, theme=theme(),
                 favicon_path=str(ASSETS / "logo.svg"),
                 footer_links=["gradio", "settings"],
-                head=f"<script>{asset('inspector.js')}</script>")
+                head=f"<script>{asset('inspector.js')}</script>"
+                     f"<script>{asset('tooltips.js')}</script>")
 
 
 def launch(demo: gr.Blocks, **kwargs):

@@ -32,6 +32,11 @@ from specchat.ui.render import inspected, user_html
 
 CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "mean of",
                         "acceptance", "id"]
+# The conversations table's column widths (px): each header fits on one line, and all of
+# them together fit a 1280 px window; longer cells end with an ellipsis (specchat.css) and show
+# their whole text as a tooltip (tooltips.js). Narrower windows scroll the table sideways.
+CONVERSATION_WIDTHS = {"title": 250, "date": 200, "models": 100, "turns": 70,
+                       "mean speedup": 130, "mean of": 200, "acceptance": 110, "id": 90}
 TURN_COLUMNS = ["turn", "speculation", "drafter", "k", "temperature", "tokens", "seconds",
                 "ttft s", "tokens/s", "acceptance", "mean accepted len", "speedup", "speedup vs",
                 "stop"]
@@ -366,9 +371,12 @@ def _layout(status_line: str) -> _View:
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0)
         picker = gr.Dropdown(label="Conversation", choices=[], value=None, interactive=True,
-                             scale=3)
-    conversations = gr.Dataframe(label="Past conversations", headers=CONVERSATION_COLUMNS,
-                                 interactive=False, wrap=True, elem_id="sc-stats-conversations")
+                             scale=3, elem_id="sc-stats-picker")
+    # One line a row, in fixed columns (`CONVERSATION_WIDTHS`).
+    conversations = gr.Dataframe(
+        label="Past conversations", headers=CONVERSATION_COLUMNS, interactive=False,
+        wrap=False, column_widths=[CONVERSATION_WIDTHS[c] for c in CONVERSATION_COLUMNS],
+        elem_id="sc-stats-conversations")
     turns = gr.Dataframe(label="Turns", headers=TURN_COLUMNS, interactive=False)
     with gr.Row():
         # Turns and positions on numeric axes with whole-number ticks ("d"); each pick sends
