@@ -607,3 +607,28 @@ def test_head_drafts_from_the_penalized_distribution_and_stays_lossless(make):
     assert run(drafter="head", draft_len=3, adaptive=False, tree_nodes=6) == plain
     assert run(drafter="head", draft_len=3, adaptive=False, temperature=0.8, seed=2) == \
         run(speculation=False, temperature=0.8, seed=2)
+
+
+def test_the_heads_vocabulary_coverage_is_reported_and_shown():
+    from specchat.ui.inspector import step_card, step_charts
+
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    engine = Engine(loaded(target, TOK), {"head": drafter, "ngram": NgramDrafter()})
+    prompt = ids_of(TEXT)
+    events = list(engine.stream(prompt, GenerateConfig(max_new_tokens=30, drafter="head",
+                                                       draft_len=2, adaptive=False)))
+    stats = events[-1]
+    reply = [e.id for e in events if isinstance(e, TokenEvent)]
+    inside = sum(t in set(VOCAB_IDS.tolist()) for t in reply)
+    assert stats.draft_vocab == len(VOCAB_IDS)
+    assert stats.draft_vocab_coverage == pytest.approx(inside / len(reply))
+    steps = [e for e in events if isinstance(e, StepRecord) and e.evidence is not None]
+    assert {s.evidence.in_draft_vocab for s in steps} <= {True, False}
+    assert all(s.evidence.in_draft_vocab == (s.evidence.token in set(VOCAB_IDS.tolist()))
+               for s in steps)
+    outside = [s for s in steps if s.evidence.in_draft_vocab is False]
+    assert outside and "outside the drafter" in step_card(outside[0])
+    assert f"{len(VOCAB_IDS)}-token vocabulary holds" in step_charts(steps, stats)
+    plain_lookup = list(engine.stream(prompt, GenerateConfig(max_new_tokens=10, drafter="ngram")))
+    assert plain_lookup[-1].draft_vocab is None and plain_lookup[-1].draft_vocab_coverage is None

@@ -22,6 +22,8 @@ default that does nothing.
     needs_features / observe(start, ids, features)
                                            the target's hidden states of accepted positions,
                                            for drafters that read them (the EAGLE head)
+    vocabulary                             the token ids it can draft (a trained head's reduced
+                                           vocabulary), None for any; shown by the inspector
     last_top                               after `propose`: per draft position, the drafter's
                                            most likely tokens [(id, prob)], where it has a
                                            distribution (a draft model, the head); shown by
@@ -51,6 +53,8 @@ class Drafter:
     supports_trees: bool = False
     # Set by `propose` where the drafter has a distribution: [(id, prob)] per draft position.
     last_top: list[list[tuple[int, float]]] = []
+
+    vocabulary: frozenset[int] | None = None  # the tokens it can draft (None: any)
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts from `prompt_ids`."""

@@ -419,7 +419,7 @@ class Engine:
                             levels if step.draft.tree is not None else 0)
         if run.drafter:
             explain(step, record, run.params, run.stats.samplers, run.drafter.last_top,
-                    self._token_text)
+                    self._token_text, run.drafter.vocabulary)
             if run.cfg.adaptive:
                 record.alpha = run.policy.alpha(step.cls)
                 plain = run.policy.expected_rate(0, step.cls)
@@ -559,6 +559,11 @@ class Engine:
                 self.reset_cache()  # a half-done step leaves the cache unknown: start clean
                 raise
             stats.seconds = time.perf_counter() - run.start
+        vocabulary = run.drafter.vocabulary if run.drafter else None
+        reply = run.context[len(prompt_ids):]
+        if vocabulary is not None and reply:
+            stats.draft_vocab = len(vocabulary)
+            stats.draft_vocab_coverage = sum(t in vocabulary for t in reply) / len(reply)
         yield summarize(steps, stats)
 
 

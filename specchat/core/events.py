@@ -72,6 +72,8 @@ class Evidence:
     target_top: list[Candidate] = field(default_factory=list)  # at the decisive position
     draft_top: list[Candidate] = field(default_factory=list)  # where the drafter has a q
     samplers: list[str] = field(default_factory=list)  # what shaped target_top, in order
+    # The target's token is one the drafter can draft (its vocabulary); None: it drafts any.
+    in_draft_vocab: bool | None = None
 
 
 @dataclass
@@ -145,6 +147,10 @@ class GenerationStats:
     drafted_by_position: list[int] = field(default_factory=list)  # [k] proposed at draft pos i
     stop_reason: str = ""  # eos | stop_string | length | stopped | error
     error: str = ""
+    # A drafter with a reduced vocabulary (a trained head): its size, and the share of the
+    # reply's tokens within it (the rest no draft could have matched). None otherwise.
+    draft_vocab: int | None = None
+    draft_vocab_coverage: float | None = None
 
     @classmethod
     def for_config(cls, cfg, speculation: bool | None = None, drafter: str | None = None,

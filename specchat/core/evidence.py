@@ -42,8 +42,10 @@ class StepResult:
 
 
 def explain(step: StepResult, record: StepRecord, params: SamplingParams, samplers: list[str],
-            drafter_top: list, text: Callable[[int], str]) -> None:
-    """Fill `record`'s inspector fields from the step."""
+            drafter_top: list, text: Callable[[int], str],
+            vocabulary: frozenset[int] | None = None) -> None:
+    """Fill `record`'s inspector fields from the step (`vocabulary`: the drafter's, if it
+    drafts from a reduced one)."""
     draft = step.draft
     ids = draft.tokens.tolist()
     record.proposal, record.proposal_text = ids, [text(t) for t in ids]
@@ -69,4 +71,5 @@ def explain(step: StepResult, record: StepRecord, params: SamplingParams, sample
         min(1.0, p / q) if q and p is not None else None, params.greedy,
         [Candidate(i, text(i), pr) for i, pr in top],
         [Candidate(i, text(i), pr) for i, pr in drafter_top[position]]
-        if position < len(drafter_top) else [], samplers)
+        if position < len(drafter_top) else [], samplers,
+        None if vocabulary is None else step.next_token in vocabulary)

@@ -32,6 +32,7 @@ class HeadDrafter(Drafter):
                  tree_width: int = 4, tree_beam: int = 4,
                  tree_min_score: float = 0.2):
         self.head = head.eval()
+        self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
         if head.vocab_ids.device.type == "cpu":
             head.quantize_for_drafting()
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,

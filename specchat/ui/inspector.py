@@ -112,8 +112,9 @@ def _test(e: Evidence) -> str:
                 f"{chosen} replaces it.")
     if e.q == 1.0:
         return (f"The draft {refused} could be kept only with the target's probability for "
-                f"it, p = {_num(e.p)} (a one-hot draft: q = 1, min(1, p/q) = "
-                f"{_num(e.accept_prob)}); it was refused: the target's draw fell elsewhere, on "
+                f"it, p = {_num(e.p)}: it is verified as a one-hot draft (q = 1 in the test, "
+                f"min(1, p/q) = {_num(e.accept_prob)}; the drafter's own probabilities, in its "
+                f"bars, only chose it); it was refused: the target's draw fell elsewhere, on "
                 f"{chosen}.")
     return (f"Leviathan's test for {refused}: p = {_num(e.p)} (target), q = {_num(e.q)} "
             f"(draft), kept with probability min(1, p/q) = {_num(e.accept_prob)}; it failed, and "
@@ -137,12 +138,19 @@ def step_card(record: StepRecord) -> str:
     if record.alpha is not None:
         gain = f", expecting {record.expected_gain:.2f}× plain" \
             if record.expected_gain is not None else ""
+        if record.expected_gain is not None and record.expected_gain < 1 and record.drafted:
+            gain += (" (a probe: drafting that is not expected to pay is still tried now and "
+                     "then, so the estimate follows the text)")
         policy = (f'<div class="sc-card-policy">k ≤ {record.k}: estimated acceptance '
-                  f"{record.alpha:.2f}{gain}</div>")
+                  f"{record.alpha:.2f}{_e(gain)}</div>")
     proposal = _tree(record) if record.parents is not None else _chain(record)
     parts = [f'<div class="sc-card-head">{_e(head)}</div>', policy, proposal]
     if e is not None:
         parts.append(f'<div class="sc-card-test">{_test(e)}</div>')
+        if e.in_draft_vocab is False:
+            parts.append(f'<div class="sc-card-vocab">The target\'s token '
+                         f'<code>{_tok(e.token_text)}</code> is outside the drafter\'s '
+                         "vocabulary: no draft could have matched it here.</div>")
         parts.append(f'<div class="sc-card-samplers">{_samplers(e)}</div>')
         mark = {e.token} | ({e.rejected} if e.rejected is not None else set())
         where = f"at draft position {e.position + 1}"
@@ -190,6 +198,9 @@ def step_charts(steps: list[StepRecord], stats: GenerationStats | None) -> str:
         for name, s in (("prefill", prefill_s), ("draft", draft_s), ("verify", verify_s)) if s)
     legend = " · ".join(f"{name} {s:.2f} s" for name, s in
                         (("prefill", prefill_s), ("draft", draft_s), ("verify", verify_s)) if s)
+    if stats is not None and stats.draft_vocab_coverage is not None:
+        legend += (f" · the drafter's {stats.draft_vocab:,}-token vocabulary holds "
+                   f"{100 * stats.draft_vocab_coverage:.0f}% of this reply's tokens")
     return ('<div class="sc-charts">'
             f'<div class="sc-chart"><div class="sc-chart-title">k per step (kept)</div>'
             f'<div class="sc-kbars">{k_bars}</div></div>'
