@@ -258,6 +258,7 @@ def test_concurrent_streams_are_served_in_turn_and_a_full_queue_gets_429(server)
         refused = _post(url, prompt="y", max_tokens=3)
         assert refused.status_code == 429 and refused.headers["Retry-After"].isdigit()
         assert "busy" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["type"] == "rate_limit_error"  # as the login limit's
         assert httpx.get(url.removesuffix("/v1") + "/health").json()["waiting"] == 2
     finally:
         holder.leave()
@@ -565,3 +566,14 @@ def test_the_prompt_is_limited_in_tokens_after_the_chat_format(server):
         assert _post(url, prompt="hi", max_tokens=2).status_code == 200
     finally:
         api.engine.max_prompt_tokens = None
+
+
+def test_options_and_head_under_v1_get_openai_errors(server):
+    url, auth = server[0], {"Authorization": f"Bearer {KEY}"}
+    for method in ("OPTIONS", "HEAD"):
+        r = httpx.request(method, url + "/chat/completions", headers=auth)
+        assert r.status_code == 405 and r.headers["Allow"] == "POST", method
+        if method == "OPTIONS":  # HEAD answers carry no body
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.request(method, url + "/no-such-route", headers=auth)
+        assert r.status_code == 404, method

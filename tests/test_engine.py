@@ -142,6 +142,22 @@ def test_stop_string_ends_the_reply_and_is_not_shown():
     assert "".join(t.text for t in cut) == full[:full.find(stop)]
 
 
+def test_a_reply_cut_by_its_limit_drops_the_start_of_a_stop_string():
+    engine = make_engine()
+    tokens, _, _ = run(engine, REPETITIVE, speculation=False, max_new_tokens=12)
+    full = "".join(t.text for t in tokens)
+    stop = full[-3:] + "<never>"  # the reply's last 3 characters start this stop string
+    cut, _, stats = run(engine, REPETITIVE, speculation=False, max_new_tokens=12, stop=(stop,))
+    assert stats.stop_reason == "length"
+    assert "".join(t.text for t in cut) == full[:-3] and stats.new_tokens == len(cut)
+    # Ended another way (EOS, or stopped by the user): everything held back is shown.
+    from specchat.core.text import ReplyText
+    ids = TOK(REPETITIVE)["input_ids"]
+    reply = ReplyText(TOK, ids, (stop,))
+    shown = [e for t in tokens for e in reply.push(TokenEvent(t.id, "", "target", 1, 0, 0))[0]]
+    assert "".join(e.text for e in shown + reply.finish()) == full
+
+
 def test_tokens_until_stop_keeps_drafts_up_to_the_stop_string():
     ids = lambda text: TOK(text)["input_ids"]  # noqa: E731 (byte-level: a token a byte)
     context = ids("Answer: yes")

@@ -333,7 +333,7 @@ class Api:
             ticket = self.queue.join(self.max_waiting)
         except QueueFull as full:
             raise ApiError(429, f"The server is busy: {full.waiting} replies are waiting "
-                                "already. Retry shortly.", "server_error",
+                                "already. Retry shortly.", "rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         try:
             await ticket.granted()  # waits as a coroutine: no thread is held meanwhile
@@ -681,5 +681,5 @@ def api_router(api: Api) -> APIRouter:
                          methods=["POST"])
     router.add_api_route("/v1/completions", answered(api.completions), methods=["POST"])
     router.add_api_route("/v1/{rest:path}", not_here, include_in_schema=False,
-                         methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+                         methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     return router

@@ -547,7 +547,7 @@ class Engine:
                         break
                     tokens, record = self._record(run, self._step(run), record.step + 1)
                 if stats.stop_reason != "stop_string":
-                    for ev in run.reply.finish():
+                    for ev in run.reply.finish(at_limit=stats.stop_reason == "length"):
                         stats.ttft_s = stats.ttft_s or time.perf_counter() - run.start
                         stats.new_tokens += 1
                         yield ev

@@ -128,11 +128,19 @@ class ReplyText:
             self.pending = []
         return out
 
-    def finish(self) -> list[TokenEvent]:
-        """The reply ended (not on a stop string): release everything held back."""
+    def finish(self, at_limit: bool = False) -> list[TokenEvent]:
+        """The reply ended (not on a stop string): release what was held back. `at_limit`: it
+        was cut by its token limit, and text that was held back as the start of a stop string
+        is dropped: the model was beginning the format's next turn ("\nUser" of "\nUser:"),
+        never the reply."""
         tail = self.detok.flush()
         if tail and self.pending:
             self.pending[-1].text += tail
+        if at_limit and self.pending:
+            text = "".join(e.text for e in self.pending)
+            hold = max((n for s in self.stops for n in range(1, len(s))
+                        if text.endswith(s[:n])), default=0)
+            return self._take(len(text) - hold, cut=True)
         out, self.pending = self.pending, []
         return out
 
