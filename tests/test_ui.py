@@ -597,3 +597,17 @@ def test_step_cards_and_ghosts_escape_model_text():
         assert "<img" not in markup
     assert "&lt;img" in card and "&lt;img" in ghost
     assert "p = 2.0e-05" in card and "sc-card-3" in card and "hidden" in card
+
+
+def test_a_replys_one_tab_stop_is_on_a_token_that_shows_something():
+    from specchat.core.events import StepRecord, TokenEvent
+
+    steps = {1: StepRecord(1, 2, 1, 2, 0.0, 0.0), 2: StepRecord(2, 2, 2, 3, 0.0, 0.0)}
+    tokens = [TokenEvent(10, "\n\n", "accepted", 1, 2, 1),
+              TokenEvent(11, "Hi", "resampled", 1, 2, 1),
+              TokenEvent(12, " there", "accepted", 2, 2, 2)]
+    html = render_tokens(tokens, steps=steps)
+    assert html.count('tabindex="0"') == 1
+    assert re.search(r'tabindex="0">Hi<', html), html
+    blank = render_tokens(tokens[:1], steps=steps)  # nothing visible: the first drafted token
+    assert blank.count('tabindex="0"') == 1

@@ -89,7 +89,11 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False,
         for c in cuts[bisect.bisect_left(cuts, start):bisect.bisect_left(cuts, end)]:
             extras[c] += f" {css}"
     out, current, pos = ['<div class="sc-reply">'], None, 0
-    focusable_seen = False
+    # One tab stop a reply: its first drafted token that shows something (a token of blank
+    # lines is an invisible place to land), else its first drafted token.
+    drafted = [t for t in tokens if t.text and steps and steps.get(t.step) is not None
+               and steps[t.step].drafted]
+    stop = next((t for t in drafted if t.text.strip()), drafted[0] if drafted else None)
     for tok in tokens:
         record = steps.get(tok.step) if steps else None
         if not tok.text:  # an incomplete multi-byte character: its text comes with the next token
@@ -103,12 +107,11 @@ def render_tokens(tokens: list[TokenEvent], streaming: bool = False,
         # (gradio's sanitizer keeps classes, not data- attributes: the step is a class)
         if record and record.drafted:
             css += f" sc-step sc-step-{tok.step}"
-        # One tab stop a reply (its first drafted token); the arrow keys move between steps
-        # from there (assets/inspector.js), so a long reply is not hundreds of tab stops.
+        # The arrow keys move between steps from the tab stop (assets/inspector.js), so a long
+        # reply is not hundreds of tab stops.
         attrs = ""
         if record and record.drafted:
-            attrs = ' tabindex="0"' if not focusable_seen else ' tabindex="-1"'
-            focusable_seen = True
+            attrs = ' tabindex="0"' if tok is stop else ' tabindex="-1"'
         i = bisect.bisect_right(cuts, a)
         edges = [a]
         while i < len(cuts) and cuts[i] < b:
