@@ -349,6 +349,45 @@ def test_a_client_that_leaves_frees_the_engine_and_its_turn_is_kept(server):
     assert turns[0]["stop_reason"] == "cancelled" and 0 < turns[0]["new_tokens"] < 60
 
 
+def test_a_client_that_leaves_a_reply_it_did_not_stream_or_its_wait_frees_its_place(server):
+    """A client that does not stream and goes away (here: its own timeout) stops its reply at
+    the next step, recorded as cancelled; clients that leave while waiting leave the queue."""
+    url, api, store = server
+    slow = api.engine.model.register_forward_hook(lambda *a: time.sleep(0.05))
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/completions", timeout=1.0,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": "impatient " + PROMPT, "max_tokens": 60,
+                             "speculation": False})
+        started = time.time()
+        assert _post(url, prompt="next", max_tokens=2).status_code == 200
+        assert time.time() - started < 2.5  # not after the 60-token reply's 3 s
+        holder = api.queue.join()  # the engine is busy: the next clients wait
+        try:
+            leavers = [threading.Thread(target=lambda: pytest.raises(
+                httpx.TimeoutException, httpx.post, f"{url}/completions", timeout=0.5,
+                headers={"Authorization": f"Bearer {KEY}"},
+                json={"prompt": "waiting", "max_tokens": 3})) for _ in range(3)]
+            for t in leavers:
+                t.start()
+            for t in leavers:
+                t.join()
+            deadline = time.time() + 5
+            while api.queue.waiting and time.time() < deadline:
+                time.sleep(0.05)
+            assert api.queue.waiting == 0
+        finally:
+            holder.leave()
+    finally:
+        slow.remove()
+    assert api.writer.flush(10)
+    turns = [t for c in store.conversations() for t in store.turns(c["id"])
+             if t["prompt"].startswith(("impatient", "waiting"))]
+    assert len(turns) == 1 and turns[0]["stop_reason"] == "cancelled"
+    assert 0 < turns[0]["new_tokens"] < 60
+
+
 def test_the_fields_clients_send_are_taken_or_refused_by_name(server):
     """Nulls mean "unset"; fields specchat cannot honour are refused by name, not ignored; a
     stream starts with the role and sends usage only when asked; errors everywhere under /v1

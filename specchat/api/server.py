@@ -51,6 +51,9 @@ from specchat.auth import LoginGuard, TooManyAttempts
 
 MAX_WAITING = 8  # replies waiting behind the one generating, the page's included; more: 429
 RETRY_AFTER_S = 5
+# How often a request that is not streaming checks whether its client is still there, while it
+# waits for the engine and while its reply is made: a client that left frees its place.
+GONE_POLL_S = 0.25
 MISSING_KEY = "A valid API key is required: send 'Authorization: Bearer KEY'."
 MAX_INPUT_CHARS = 16000
 MAX_TOKENS_CAP = 1024
@@ -323,12 +326,13 @@ class Api:
 
     # -- generation -------------------------------------------------------------------------
 
-    async def start(self, ids: list[int], cfg: GenerateConfig, steps) -> tuple[
-            asyncio.Queue, threading.Event]:
+    async def start(self, ids: list[int], cfg: GenerateConfig, steps,
+                    request: Request | None = None) -> tuple[asyncio.Queue, threading.Event]:
         """Wait for the engine in its queue (429 when full), then run one reply in a thread of
         its own: `steps` turns the engine's events into what the route sends, each put on the
         returned queue as it comes, then `_Finished`. Setting the returned event stops the
-        reply at its next step."""
+        reply at its next step. With `request`, a client that disconnects while waiting leaves
+        the queue at once (a stream's client that leaves cancels this coroutine itself)."""
         try:
             ticket = self.queue.join(self.max_waiting)
         except QueueFull as full:
@@ -336,7 +340,13 @@ class Api:
                                 "already. Retry shortly.", "rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         try:
-            await ticket.granted()  # waits as a coroutine: no thread is held meanwhile
+            # waits as a coroutine: no thread is held meanwhile
+            granted = asyncio.ensure_future(ticket.granted())
+            while not (await asyncio.wait({granted}, timeout=GONE_POLL_S))[0]:
+                if request is not None and await request.is_disconnected():
+                    granted.cancel()
+                    raise ApiError(499, "The client closed the request.")
+            granted.result()
         except BaseException:  # the client left while waiting (or got the engine as it left)
             ticket.leave()
             raise
@@ -404,7 +414,7 @@ class Api:
         reply = Reply(chat, self.model_id,
                       (lambda i: tokenizer.decode([i])) if tokenizer is not None else None)
         queue, stop = await self.start(ids, cfg, lambda events, stop: self.steps(
-            events, stop, owner, prompt))
+            events, stop, owner, prompt), request)
         first = await queue.get()
         if isinstance(first, ValueError):  # the engine checks the request before any work
             raise ApiError(400, str(first))
@@ -417,7 +427,11 @@ class Api:
             return StreamingResponse(reply.events(items, with_usage),
                                      headers={"Cache-Control": "no-cache"},
                                      media_type="text/event-stream")
-        return await reply.whole(items)
+        watch = asyncio.ensure_future(_stop_when_gone(request, stop))
+        try:
+            return await reply.whole(items)
+        finally:
+            watch.cancel()
 
     def steps(self, events: Iterator, stop: threading.Event, owner: str, prompt: str
               ) -> Iterator:
@@ -623,6 +637,16 @@ class Reply:
             choice["logprobs"] = logprobs
         return {"id": self.ident, "object": self.kind, "created": self.created,
                 "model": self.model, "choices": [choice], "usage": usage(stats), **extra}
+
+
+async def _stop_when_gone(request: Request, stop: threading.Event) -> None:
+    """Stop a reply that is not streamed at its next step once its client disconnected: nobody
+    will read it (a stream's client that leaves stops its reply through `reply_items`)."""
+    while not stop.is_set():
+        if await request.is_disconnected():
+            stop.set()
+            return
+        await asyncio.sleep(GONE_POLL_S)
 
 
 async def reply_items(first, queue: asyncio.Queue, stop: threading.Event):
