@@ -351,6 +351,25 @@ def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path
     assert "could not build specchat's AVX2 kernels" in capsys.readouterr().err
 
 
+def test_a_build_started_early_is_the_one_load_waits_for(tmp_path, monkeypatch):
+    """`build_soon` compiles in the background (a first launch does it while the model
+    converts); a `load` meanwhile waits for that compile rather than starting a second one, and
+    a build already in the cache is not compiled again."""
+    from specchat.models import kernels
+    _kernels()
+    monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
+    compiles = []
+    compile_ = kernels._compile
+    monkeypatch.setattr(kernels, "_compile", lambda *a: compiles.append(a) or compile_(*a))
+    kernels.build_soon("ref")
+    kernels.build_soon("ref")  # under way: not started twice
+    lib = kernels.load.__wrapped__("ref")
+    assert lib is not None and len(compiles) == 1
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [lib.path.name]  # no leftovers
+    kernels.build_soon("ref")
+    assert kernels.load.__wrapped__("ref") is not None and len(compiles) == 1
+
+
 def test_float32_linears_holding_bf16_values_go_through_the_bf16_kernel(tmp_path):
     """`--quantization none` on a CPU without native bf16 (and draft models): a bf16 checkpoint
     loaded in float32 computes every linear layer from bf16 copies, as before up to rounding,

@@ -27,6 +27,8 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -163,31 +165,84 @@ def _what(portable: bool) -> str:
     return "reference kernels" if portable else "AVX2 kernels"
 
 
+def build_soon(variant: str) -> None:
+    """Start compiling `variant`'s build in the background, if the cache lacks it: a first
+    launch's compiler run takes seconds, which can pass while the model converts and loads. A
+    later `load` of a variant of that build waits for this compile rather than starting its
+    own."""
+    if not runs_here(variant):
+        return
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    portable = _check(variant) == "ref"
+    lib_path = _library(portable)
+    if compiler and not lib_path.exists():
+        _compile_once(compiler, portable, lib_path)
+
+
+def _library(portable: bool) -> Path:
+    """Where the build's library lies in specchat's cache: its file name holds a hash of the
+    sources and the flags, so a changed source or flag builds anew."""
+    from specchat.paths import cache_dir
+
+    flags = build_flags("ref" if portable else "avx2")
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for file in sorted(CSRC.glob("*.[ch]")):
+        digest.update(b"\0" + file.name.encode() + b"\0" + file.read_bytes())
+    name = "cpu_kernels_ref" if portable else "cpu_kernels"
+    return cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:12]}.so"
+
+
 def _build(portable: bool) -> Path | None:
-    """The build's library in specchat's cache, compiled there if missing (the file name holds a
-    hash of the sources and the flags), or None if it cannot be built."""
+    """The build's library in specchat's cache, compiled there if missing, or None if it cannot
+    be built."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if not compiler:
         _say(f"no C compiler ({os.environ.get('CC', 'gcc')}) to build specchat's "
              f"{_what(portable)}", fallback=not portable)
         return None
-    from specchat.paths import cache_dir
-
-    flags = build_flags("ref" if portable else "avx2")
-    files = sorted(CSRC.glob("*.[ch]"))
-    digest = hashlib.sha256(" ".join(flags).encode())
-    for file in files:
-        digest.update(b"\0" + file.name.encode() + b"\0" + file.read_bytes())
-    name = "cpu_kernels_ref" if portable else "cpu_kernels"
-    lib_path = cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:12]}.so"
+    lib_path = _library(portable)
     if lib_path.exists():
         return lib_path
+    return _compile_once(compiler, portable, lib_path).result()
+
+
+# The compiles in progress, and those that failed (not repeated, not said twice), by compiler
+# and library: each runs on a thread of its own (`build_soon` does not wait for it), and every
+# caller waits for the same one.
+_compiles: dict[tuple[str, Path], Future] = {}
+_compiles_lock = threading.Lock()
+
+
+def _compile_once(compiler: str, portable: bool, lib_path: Path) -> Future:
+    key = (compiler, lib_path)
+    with _compiles_lock:
+        job = _compiles.get(key)
+        if job is None:
+            job = _compiles[key] = Future()
+
+            def run():
+                try:
+                    built = _compile(compiler, portable, lib_path)
+                except Exception as e:  # noqa: BLE001 (handed to whoever waits, raised there)
+                    job.set_exception(e)
+                    return
+                if built is not None:  # in the cache from now on
+                    with _compiles_lock:
+                        del _compiles[key]
+                job.set_result(built)
+
+            threading.Thread(target=run, name="specchat-kernels-build").start()
+    return job
+
+
+def _compile(compiler: str, portable: bool, lib_path: Path) -> Path | None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     partial = lib_path.with_suffix(f".{os.getpid()}.tmp")
-    sources = [str(f) for f in files if f.suffix == ".c"]
+    sources = [str(f) for f in sorted(CSRC.glob("*.c"))]
     try:
-        subprocess.run([compiler, *flags, "-o", str(partial), *sources, "-lm"], check=True,
-                       capture_output=True, timeout=300)
+        subprocess.run([compiler, *build_flags("ref" if portable else "avx2"), "-o",
+                        str(partial), *sources, "-lm"], check=True, capture_output=True,
+                       timeout=300)
         partial.replace(lib_path)  # atomic: another process may be compiling too
     except (OSError, subprocess.SubprocessError) as e:
         partial.unlink(missing_ok=True)

@@ -62,6 +62,8 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     if quantization not in ("nf4", "none"):
         raise ModelLoadError(f"unknown quantization {quantization!r}: use nf4 or none")
     dev = pick_device(device)
+    if dev.type == "cpu":
+        _build_kernels_soon()
     path = resolve(name_or_path, progress)
     local = Path(path).exists()
     if not local and "/" in path and path.startswith((".", "/", "~")):
@@ -116,6 +118,18 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         del loaded
         _release_freed_memory()
     raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
+
+
+def _build_kernels_soon() -> None:
+    """On a first launch, compile the kernels of the path tried first while the model converts
+    and loads, rather than after (the C compiler runs on a core that the conversion leaves
+    idle much of the time)."""
+    try:
+        first = runtime.candidates()[0]
+    except (runtime.PathError, IndexError):
+        return  # said where the paths are tried
+    if first.kernels:
+        kernels.build_soon(first.kernels)
 
 
 def _device_name(dev: torch.device) -> str:
