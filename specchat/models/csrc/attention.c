@@ -15,11 +15,7 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
                 int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
                 int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
                 int threads) {
-    if (rows <= 0) return;
-    if (dim <= 0 || dim % 8 || slots < 0 || mask_rows <= 0) {  // sizes it cannot take: NaN
-        for (int64_t i = 0; i < rows * (dim > 0 ? dim : 0); i++) out[i] = __builtin_nanf("");
-        return;
-    }
+    if (!rows_ok(rows, dim, slots >= 0 && mask_rows > 0, 0, out)) return;
     const int64_t es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
@@ -55,11 +51,7 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
             int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
             int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
             int threads) {
-    if (rows <= 0) return;
-    if (dim <= 0 || dim % 8 || slots < 0 || mask_rows <= 0) {  // sizes it cannot take: NaN
-        for (int64_t i = 0; i < rows * (dim > 0 ? dim : 0); i++) out[i] = __builtin_nanf("");
-        return;
-    }
+    if (!rows_ok(rows, dim, slots >= 0 && mask_rows > 0, 0, out)) return;
     const int64_t es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {

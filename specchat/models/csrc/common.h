@@ -55,6 +55,23 @@ static inline int sizes_ok(int64_t n, int64_t in, int64_t out, int64_t multiple,
     return 1;
 }
 
+// The same for the kernels that map n rows of `dim` values to rows of `dim` (attention,
+// norms): `dim` must be a positive multiple of 8 and `valid` true (the kernel's other sizes);
+// NaN rows otherwise (bf16 NaN for bf16 out).
+static inline int rows_ok(int64_t n, int64_t dim, int valid, int bf16, void *y) {
+    if (n <= 0) return 0;
+    if (!valid || dim <= 0 || dim % 8) {
+        for (int64_t i = 0; i < n * (dim > 0 ? dim : 0); i++) {
+            if (bf16)
+                ((uint16_t *)y)[i] = 0x7fc0;
+            else
+                ((float *)y)[i] = __builtin_nanf("");
+        }
+        return 0;
+    }
+    return 1;
+}
+
 // The sum of an 8-wide accumulator's lanes in `hsum`'s order: the high half onto the low half,
 // then lanes 2, 3 onto 0, 1, then lane 1 onto lane 0.
 static inline float sum_lanes8(const float v[8]) {

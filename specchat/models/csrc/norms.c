@@ -9,16 +9,7 @@
 
 void rms_norm_ref(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,
                   void *y) {
-    if (n <= 0) return;
-    if (dim <= 0 || dim % 8) {  // a width it cannot take: NaN rows
-        for (int64_t i = 0; i < n * (dim > 0 ? dim : 0); i++) {
-            if (bf16)
-                ((uint16_t *)y)[i] = 0x7fc0;
-            else
-                ((float *)y)[i] = __builtin_nanf("");
-        }
-        return;
-    }
+    if (!rows_ok(n, dim, 1, bf16, y)) return;
     for (int64_t r = 0; r < n; r++) {
         const char *xr = (const char *)x + r * dim * (bf16 ? 2 : 4);
         float acc[8] = {0};
@@ -41,16 +32,7 @@ void rms_norm_ref(const void *x, int64_t n, int64_t dim, int bf16, const float *
 #if SPECCHAT_SIMD
 void rms_norm(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,
               void *y) {
-    if (n <= 0) return;
-    if (dim <= 0 || dim % 8) {  // a width it cannot take: NaN rows
-        for (int64_t i = 0; i < n * (dim > 0 ? dim : 0); i++) {
-            if (bf16)
-                ((uint16_t *)y)[i] = 0x7fc0;
-            else
-                ((float *)y)[i] = __builtin_nanf("");
-        }
-        return;
-    }
+    if (!rows_ok(n, dim, 1, bf16, y)) return;
     for (int64_t r = 0; r < n; r++) {
         const char *xr = (const char *)x + r * dim * (bf16 ? 2 : 4);
         __m256 acc = _mm256_setzero_ps();
