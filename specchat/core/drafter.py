@@ -34,6 +34,8 @@ default that does nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specchat.core.sampling import Noise, SamplingParams
@@ -119,3 +121,32 @@ class Draft:
     def levels(self) -> int:
         """Draft positions one verify decides: a tree's depth, a chain's length."""
         return self.tree.depth if self.tree is not None else len(self.tokens)
+
+
+# -- the registry: every drafter specchat can load (specchat/drafters/, one file each) -----
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    name: str  # the key in Engine.drafters, GenerateConfig.drafter and `--drafter`
+    label: str  # what the page's drafter menu shows
+    needs: str  # what must be loaded for it to exist
+
+
+# Best first, by `python -m specchat bench` on the embedded target: a real draft model, then
+# n-gram lookup with the trained head behind it, lookup alone, the head alone.
+REGISTRY = (
+    DrafterInfo("model", "Draft model", "a draft model sharing the target's vocabulary"),
+    DrafterInfo("combined", "N-gram + head", "a draft head trained for the target"),
+    DrafterInfo("ngram", "N-gram lookup (prompt)", "nothing"),
+    DrafterInfo("head", "Draft head (EAGLE)", "a draft head trained for the target"),
+    DrafterInfo("server", "The server's own", "a --backend server that speculates"),
+)
+NAMES = tuple(info.name for info in REGISTRY)
+LABELS = {info.name: info.label for info in REGISTRY}
+
+
+def preferred(available) -> str:
+    """The drafter to use when none is asked for: the best of `available` names."""
+    available = list(available)
+    return next((name for name in NAMES if name in available), available[0] if available
+                else "ngram")

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from specchat.core.drafter import preferred
 from specchat.core.engine import GenerateConfig, default_tree_nodes
 from specchat.core.inputs import InputError
 from specchat.core.penalties import DRY_BREAKERS
@@ -180,7 +181,6 @@ def check_breakers(breakers) -> tuple[str, ...]:
 def resolve_drafter(asked: str | None, loaded: Sequence[str]) -> str:
     """The drafter a request names ("" or None: the best loaded), or InputError saying what the
     missing one needs."""
-    from specchat.drafters import preferred
     if not asked:
         return preferred(loaded) if loaded else "ngram"
     if asked not in loaded:
