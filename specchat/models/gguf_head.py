@@ -12,13 +12,13 @@ docs/cpu.md has the measurements.
 from __future__ import annotations
 
 import mmap
-import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from specchat.models import kernels
+from specchat.models.loaded import ModelLoadError
 from specchat.models.memory import _release_freed_memory
 
 BLOCK = 32  # values per Q8_0 block
@@ -28,17 +28,17 @@ BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q int8 [rows, cols], d float16 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file, or
-    None when the file has no such tensor. Reads the header and that tensor's bytes only (the
-    `gguf` package's reader also turns the 262k-token vocabulary into Python objects: 700 MB)."""
+    None when the file has no such tensor. Reads the header (`embedded.read_gguf`, which skips
+    the vocabulary's strings) and that tensor's bytes only."""
+    from specchat.models.embedded import read_gguf
+
+    tensor = read_gguf(Path(gguf_file)).tensors.get(name)
+    if tensor is None or tensor.kind != Q8_0 or len(tensor.shape) != 2 \
+            or tensor.shape[1] % BLOCK:
+        return None
+    rows, cols = tensor.shape
     with open(gguf_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        found = _find_tensor(m, name)
-        if found is None:
-            return None
-        dims, kind, start = found
-        if kind != Q8_0 or len(dims) != 2 or dims[0] % BLOCK:
-            return None
-        cols, rows = dims  # GGUF lists the fastest-varying dimension first
-        raw = np.frombuffer(m, np.uint8, rows * cols // BLOCK * BLOCK_BYTES, start)
+        raw = np.frombuffer(m, np.uint8, rows * cols // BLOCK * BLOCK_BYTES, tensor.start)
         blocks = raw.reshape(rows, cols // BLOCK, BLOCK_BYTES)
         d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
@@ -47,58 +47,6 @@ def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
 
 
 Q8_0 = 8  # ggml's type number of Q8_0
-# GGUF metadata value types -> struct formats of the fixed-size ones (8: string, 9: array)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}
-
-
-def _find_tensor(m, name: str) -> tuple[list[int], int, int] | None:
-    """(dims, ggml type, byte offset) of tensor `name` in a GGUF file (version 2 or 3)."""
-    if m[:4] != b"GGUF":
-        raise ValueError("not a GGUF file")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is not supported")
-    pos, alignment = 24, 32
-
-    def string(pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", m, pos)
-        return bytes(m[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
-
-    def skip(kind: int, pos: int) -> int:
-        if kind in _SCALARS:
-            return pos + struct.calcsize(_SCALARS[kind])
-        if kind == 8:
-            return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
-        if kind == 9:
-            item, count = struct.unpack_from("<IQ", m, pos)
-            pos += 12
-            if item in _SCALARS:
-                return pos + count * struct.calcsize(_SCALARS[item])
-            for _ in range(count):
-                pos = skip(item, pos)
-            return pos
-        raise ValueError(f"unknown GGUF value type {kind}")
-
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (kind,) = struct.unpack_from("<I", m, pos)
-        if key == "general.alignment" and kind == 4:
-            (alignment,) = struct.unpack_from("<I", m, pos + 4)
-        pos = skip(kind, pos + 4)
-    tensors = {}
-    for _ in range(n_tensors):
-        tensor, pos = string(pos)
-        (n_dims,) = struct.unpack_from("<I", m, pos)
-        dims = list(struct.unpack_from(f"<{n_dims}Q", m, pos + 4))
-        kind, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        tensors[tensor] = (dims, kind, offset)
-    if name not in tensors:
-        return None
-    data = -(-pos // alignment) * alignment
-    dims, kind, offset = tensors[name]
-    return dims, kind, data + offset
 
 
 class Q8Head:
@@ -147,7 +95,7 @@ def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
         return False
     try:
         read = read_q8_0(gguf_file)
-    except (ImportError, OSError, ValueError):
+    except (ImportError, OSError, ValueError, ModelLoadError):
         return False
     if read is None or read[0].shape != head.weight.shape:
         return False
