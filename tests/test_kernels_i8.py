@@ -1,6 +1,7 @@
 """`q8_0_matmul_i8` (models/csrc/q8_0.c): the Q8_0 product by integer dot products, x quantized
 to int8 per block of 32 as llama.cpp quantizes activations. The AVX2 kernel gives its plain-C
-reference's bits (both builds) for 1 to 16 rows and every tile's tail, is row-exact and the same
+reference's bits (both builds) for 1 to 16 rows and every tile's tail, and so do the AVX-512
+kernels of 16 lanes (AVX512BW and VNNI, each where the CPU runs it); each is row-exact and the same
 for any thread count, handles weight bytes of -128 exactly, and is the float64 product up to
 what the activations' quantization explains (bounded below, not fudged)."""
 
@@ -21,21 +22,41 @@ def _compiler() -> bool:
     return shutil.which(os.environ.get("CC", "gcc")) is not None
 
 
-def _simd():
-    """The AVX2 kernel (and the "avx512" variant's, the same function, where this CPU runs it)
-    and every reference that must give its bits: the SIMD build's and the portable build's."""
-    if not kernels.runs_here("avx2"):
-        pytest.skip("this CPU lacks the instructions of the AVX2 kernels")
+def _simd(width: int = 8):
+    """The SIMD kernels of `width` lanes and every reference that must give their bits. 8: the
+    AVX2 kernel, against the SIMD build's reference and the portable build's (two builds). 16:
+    the "avx512" variant's kernel and, beside it, both of its ways to the integers (AVX512BW and
+    VNNI, each where this CPU runs it), against the references of 16 lanes."""
+    variant = "avx2" if width == 8 else "avx512"
+    if not kernels.runs_here(variant):
+        pytest.skip(f"this CPU lacks the instructions of the {variant!r} kernels")
     if not _compiler():
         pytest.skip("no C compiler")
-    lib = kernels.load("avx2")
-    refs = [kernels.reference("avx2", portable=False), kernels.reference("avx2"),
-            kernels.reference("avx512"), kernels.load("ref")]
-    assert lib is not None and None not in refs
-    assert [r.variant for r in refs] == ["ref"] * 4
+    lib = kernels.load(variant)
+    refs = [kernels.reference(variant, portable=False), kernels.reference(variant)]
+    if width == 8:
+        refs.append(kernels.load("ref"))
+    assert lib is not None and None not in refs and lib.q8_width == width
+    assert {r.variant for r in refs} == {"ref"} and {r.q8_width for r in refs} == {width}
     assert refs[0].path == lib.path and refs[1].path != lib.path
-    others = [kernels.load("avx512")] if kernels.runs_here("avx512") else []
-    return lib, refs + others
+    if width == 16:
+        refs += _avx512_kernels(lib)
+    return lib, refs
+
+
+def _avx512_kernels(lib):
+    """Both AVX-512 integer kernels as Kernels, each where this CPU runs it."""
+    import dataclasses
+
+    raw = ctypes.CDLL(str(lib.path))
+    names = ["q8_0_matmul_i8_avx512"] + (["q8_0_matmul_i8_vnni"]
+                                        if "avx512_vnni" in kernels._cpu_flags() else [])
+    out = []
+    for name in names:
+        function = raw[name]
+        function.argtypes, function.restype = lib.q8_0_matmul_i8.argtypes, None
+        out.append(dataclasses.replace(lib, q8_0_matmul_i8=function))
+    return out
 
 
 def _portable():
@@ -43,6 +64,15 @@ def _portable():
         pytest.skip("no C compiler")
     lib = kernels.load("ref")
     assert lib is not None and lib.variant == "ref"
+    return lib
+
+
+def _portable16():
+    """The portable build's reference of the 16-lane kernel."""
+    if not _compiler():
+        pytest.skip("no C compiler")
+    lib = kernels.reference("avx512")
+    assert lib is not None and lib.q8_width == 16 and lib.path == kernels.load("ref").path
     return lib
 
 
@@ -81,12 +111,14 @@ def _inputs(inp: int, g: torch.Generator, special: bool = True) -> torch.Tensor:
 
 # ---- the AVX2 kernel gives its references' bits -----------------------------------------------
 
+@pytest.mark.parametrize("width", [8, 16])
 @pytest.mark.parametrize("out,inp", [(67, 160), (67, 320), (131, 256), (9, 96)])
-def test_i8_kernel_is_its_reference(out, inp):
+def test_i8_kernel_is_its_reference(out, inp, width):
     """Blocks per row: 5 and 3 (the block factors one at a time), 10 (8 at a time, the last 8
-    overlapping), 8 (exactly). 67 and 131 weight rows leave a tail of every tiling (blocks of
-    64 rows, tiles of 1 or 2 rows x up to 5 input rows); 9 are fewer than a block."""
-    lib, refs = _simd()
+    overlapping), 8 (exactly); 5 and 3 leave the 16-lane kernels an odd last block. 67 and 131
+    weight rows leave a tail of every tiling (blocks of 64 rows, tiles of 1 or 2 rows x up to 5
+    input rows); 9 are fewer than a block."""
+    lib, refs = _simd(width)
     g = torch.Generator().manual_seed(out * inp)
     q, d = _weights(out, inp, g)
     x = _inputs(inp, g)
@@ -96,10 +128,11 @@ def test_i8_kernel_is_its_reference(out, inp):
             assert _same_bits(got, kernels.q8_0_matmul_i8(ref, x[:n], q, d)), (ref.path.name, n)
 
 
-def test_i8_special_blocks():
+@pytest.mark.parametrize("width", [8, 16])
+def test_i8_special_blocks(width):
     """A non-finite value makes its row's outputs NaN (and nothing else); a block whose 1 / dx
     overflows counts 0; a zero row gives zeros; no rows, no outputs."""
-    lib, refs = _simd()
+    lib, refs = _simd(width)
     g = torch.Generator().manual_seed(3)
     q, d = _weights(67, 160, g)
     x = _inputs(160, g)
@@ -128,12 +161,15 @@ def _row_exact(product, x: torch.Tensor) -> torch.Tensor:
     return alone
 
 
-@pytest.mark.parametrize("which", ["simd", "portable"])
+@pytest.mark.parametrize("which", ["simd", "avx512", "portable", "portable16"])
 def test_i8_is_row_exact(which):
-    lib = _simd()[0] if which == "simd" else _portable()
+    libs = {"simd": lambda: [_simd()[0]], "avx512": lambda: [_simd(16)[0], *_simd(16)[1][2:]],
+            "portable": lambda: [_portable()], "portable16": lambda: [_portable16()]}[which]()
     g = torch.Generator().manual_seed(4)
     q, d = _weights(67, 320, g)
-    _row_exact(lambda r: kernels.q8_0_matmul_i8(lib, r, q, d), _inputs(320, g))
+    x = _inputs(320, g)
+    for lib in libs:
+        _row_exact(lambda r: kernels.q8_0_matmul_i8(lib, r, q, d), x)
 
 
 def _call(function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
@@ -145,12 +181,14 @@ def _call(function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
     return y
 
 
-def test_i8_thread_count_changes_no_bits():
-    lib, refs = _simd()
+@pytest.mark.parametrize("width", [8, 16])
+def test_i8_thread_count_changes_no_bits(width):
+    lib, refs = _simd(width)
     g = torch.Generator().manual_seed(5)
     q, d = _weights(261, 256, g)  # 4 blocks of 64 weight rows and a row
     x = _inputs(256, g)
-    for function in (lib.q8_0_matmul_i8, refs[1].q8_0_matmul_i8):
+    for function in (lib.q8_0_matmul_i8, refs[1].q8_0_matmul_i8,
+                     *[k.q8_0_matmul_i8 for k in refs[2:] if width == 16]):
         for n in (1, 2, 5, 11, 16):
             one = _call(function, x[:n], q, d, 1)
             for threads in (2, 3, 5):
@@ -169,7 +207,7 @@ def _quantize(x: torch.Tensor):
     return torch.round(blocks * inv[..., None]), dx  # round: to nearest, ties to even
 
 
-@pytest.mark.parametrize("which", ["simd", "portable"])
+@pytest.mark.parametrize("which", ["simd", "avx512", "portable", "portable16"])
 def test_i8_is_the_product_up_to_the_quantization_of_x(which):
     """Two bounds, each derived, not fitted:
 
@@ -182,7 +220,8 @@ def test_i8_is_the_product_up_to_the_quantization_of_x(which):
        |qx dx - x| <= dx |qx - fl(x id)| + dx |fl(x id) - x id| + |x| |id dx - 1|
                    <= dx / 2 + 2 u |x| (1 + u), and |y_q - x @ W^T| <= sum_k |w_k| (that).
     The sum of the two bounds the distance to the float64 product."""
-    lib = _simd()[0] if which == "simd" else _portable()
+    lib = {"simd": lambda: _simd()[0], "avx512": lambda: _simd(16)[0],
+           "portable": _portable, "portable16": _portable16}[which]()
     g = torch.Generator().manual_seed(6)
     out, inp = 67, 320
     q, d = _weights(out, inp, g)
@@ -217,9 +256,13 @@ def test_i8_is_the_product_up_to_the_quantization_of_x(which):
 
 def test_i8_weight_bytes_of_minus_128_are_exact():
     """|q| = 128 as an unsigned byte, qx signed by q: the largest pair, -128 * -127 twice, is
-    32512 < 32767 (no saturation). With d = 1 and integer x holding +-127 in every block
-    (dx = 1, id = 1, qx = x), every sum is an integer below 2^24: y is the exact product."""
+    32512 < 32767 (no saturation); VNNI's unsigned bytes qx + 128 go up to 255, its sums
+    are int32. With d = 1 and integer x holding +-127 in every block (dx = 1, id = 1, qx = x),
+    every sum is an integer below 2^24: y is the exact product."""
     lib, refs = _simd()
+    if kernels.runs_here("avx512"):
+        wide, wide_refs = _simd(16)
+        refs = refs + [wide, *wide_refs]
     g = torch.Generator().manual_seed(7)
     out, inp = 13, 256
     q = torch.randint(-128, 128, (out, inp), dtype=torch.int8, generator=g)
@@ -238,15 +281,34 @@ def test_i8_weight_bytes_of_minus_128_are_exact():
 
 
 def test_i8_binds_the_kernel_of_each_variant():
-    """The AVX2 kernel in the SIMD build's variants, the reference elsewhere; the portable
-    build has only the reference."""
+    """The AVX2 kernel in "avx2", the AVX-512 one in "avx512" (by VNNI where the CPU has it),
+    the reference elsewhere; the portable build has only the references."""
     if not _compiler():
         pytest.skip("no C compiler")
     raw = ctypes.CDLL(str(_portable().path))
     assert not hasattr(raw, "q8_0_matmul_i8") and hasattr(raw, "q8_0_matmul_i8_ref")
+    assert not hasattr(raw, "q8_0_matmul_i8_vnni") and hasattr(raw, "q8_0_matmul_i8_16_ref")
     if kernels.runs_here("avx2"):
         lib = kernels.load("avx2")
         assert lib.q8_0_matmul_i8.__name__ == "q8_0_matmul_i8"
         assert kernels.reference("avx2", portable=False).q8_0_matmul_i8.__name__ == \
             "q8_0_matmul_i8_ref"
+        assert kernels.reference("avx512").q8_0_matmul_i8.__name__ == "q8_0_matmul_i8_16_ref"
+    if kernels.runs_here("avx512"):
+        vnni = "avx512_vnni" in kernels._cpu_flags()
+        assert kernels.load("avx512").q8_0_matmul_i8.__name__ == \
+            ("q8_0_matmul_i8_vnni" if vnni else "q8_0_matmul_i8_avx512")
     assert kernels.load("ref").q8_0_matmul_i8.__name__ == "q8_0_matmul_i8_ref"
+
+
+def test_i8_widths_are_two_summation_orders():
+    """8 lanes over every block in turn, against 16 lanes taking blocks in pairs: two orders of
+    the same float sums (so a process keeps one for every row count), within rounding of each
+    other, and really different."""
+    eight, sixteen = _portable(), _portable16()
+    g = torch.Generator().manual_seed(8)
+    q, d = _weights(67, 320, g)
+    x = _inputs(320, g, special=False)
+    a, b = kernels.q8_0_matmul_i8(eight, x, q, d), kernels.q8_0_matmul_i8(sixteen, x, q, d)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+    assert not torch.equal(a, b)

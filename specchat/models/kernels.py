@@ -12,8 +12,8 @@ whose library is already loaded. Two builds of the same files (`build_flags`):
 - the portable build, for any CPU: only the references.
 
 `load(variant)` gives one variant's functions under the plain names: "avx512" (the SIMD build,
-Q8_0 16 wide), "avx2" (the SIMD build, 8 wide) or "ref" (the portable build, computing the bits
-"avx2" computes). `reference(variant)` gives the references of "avx2" or "avx512". Where a
+its Q8_0 products 16 lanes wide, the integer one by AVX-512 VNNI where the CPU has it), "avx2"
+(the SIMD build, 8 wide) or "ref" (the portable build, computing the bits "avx2" computes). `reference(variant)` gives the references of "avx2" or "avx512". Where a
 variant cannot be built or run here, its `load` returns None and the caller keeps its other path.
 """
 
@@ -69,7 +69,8 @@ class Kernels:
     bf16_matmul: Callable[..., None]
     q8_0_matmul: Callable[..., None]
     # the Q8_0 product by integer dot products (x quantized to int8 per block of 32, as
-    # llama.cpp does): the AVX2 kernel in "avx2" and "avx512", else its reference
+    # llama.cpp does), `q8_width` lanes: the AVX2 kernel in "avx2", the AVX-512 one in
+    # "avx512", else the reference of that width
     q8_0_matmul_i8: Callable[..., None]
     attend: Callable[..., None]
     rms_norm: Callable[..., None]
@@ -147,11 +148,13 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
     except OSError as e:
         _say(f"could not load specchat's {_what(portable)} ({path}): {e}", fallback=not portable)
         return None
-    q8 = ("q8_0_matmul_avx512" if wide else "q8_0_matmul") if simd \
-        else ("q8_0_matmul16_ref" if wide else "q8_0_matmul_ref")
+    names = {name: name if simd else f"{name}_ref" for name in _ARGTYPES}
+    if wide:  # 16 lanes: the float and the integer Q8_0 products
+        names["q8_0_matmul"] = "q8_0_matmul_avx512" if simd else "q8_0_matmul16_ref"
+        names["q8_0_matmul_i8"] = i8_avx512() if simd else "q8_0_matmul_i8_16_ref"
     functions = {}
     for name, argtypes in _ARGTYPES.items():
-        function = lib[q8 if name == "q8_0_matmul" else name if simd else f"{name}_ref"]
+        function = lib[names[name]]
         function.argtypes, function.restype = argtypes, None
         functions[name] = function
     max_in = lib["max_in"]
@@ -159,6 +162,12 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
     variant = ("avx512" if wide else "avx2") if simd else "ref"
     return Kernels(variant=variant, q8_width=16 if wide else 8, path=path, max_in=max_in,
                    **functions)
+
+
+def i8_avx512() -> str:
+    """The "avx512" variant's integer Q8_0 kernel: the VNNI one where the CPU has AVX512-VNNI,
+    else the AVX512BW one. Both compute the same integers, so the same bits (csrc/q8_0.c)."""
+    return "q8_0_matmul_i8_vnni" if "avx512_vnni" in _cpu_flags() else "q8_0_matmul_i8_avx512"
 
 
 def _what(portable: bool) -> str:
@@ -307,7 +316,8 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
     """x [..., in] @ W.T in float32 for W = q * d (GGUF's Q8_0, as `q8_0_matmul` takes it) by
     integer dot products: each row of x quantized to int8 per block of 32 (llama.cpp's Q8_0
     activations, the scale kept in float32), int32 sums of 4 products per lane, scaled per block
-    into 8 float lanes (csrc/q8_0.c). Other bits than `q8_0_matmul`, row-exact as it is."""
+    into `lib.q8_width` float lanes (csrc/q8_0.c). Other bits than `q8_0_matmul`, row-exact as
+    it is."""
     rows = _rows(x)
     y = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float32)
     lib.q8_0_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(),
