@@ -164,3 +164,60 @@ def test_narrow_forwards_attend_through_the_kernel(monkeypatch):
         model(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
         model(torch.tensor([[6, 7, 8, 9, 10]]), past_key_values=cache, use_cache=True)
     assert calls == [1] * 3 + [5] * 3  # three layers a forward
+
+
+def test_wide_forwards_skip_keys_outside_every_rows_window():
+    """`attended_keys` drops the leading whole pages of keys no row of a wide forward attends to
+    (a sliding layer's keys older than its window) and nothing a row does attend to."""
+    from specchat.models.attention import PAGE, attended_keys
+
+    slots, rows, window = 5 * PAGE, PAGE, 40
+    key = torch.randn(1, 2, slots, 8)
+    value = torch.randn(1, 2, slots, 8)
+    position = torch.arange(slots - rows, slots)[:, None]  # the rows: the last PAGE slots
+    slot = torch.arange(slots + 16)[None, :]  # the mask is wider than the keys (padding)
+    sliding = ((slot <= position) & (slot > position - window))[None, None]
+    k, v, m = attended_keys(key, value, sliding)
+    first = (slots - rows - window + 1) // PAGE * PAGE  # 192: the page holding the first kept key
+    assert first == 3 * PAGE and k.shape[2] == v.shape[2] == slots - first
+    assert torch.equal(k, key[:, :, first:]) and torch.equal(m, sliding[..., first:])
+    assert not sliding[..., :first].any()  # only keys no row attends to went
+    full = (slot <= position)[None, None]  # a full-attention layer: every key kept
+    assert attended_keys(key, value, full)[0] is key
+    assert attended_keys(key, value, None)[2] is None
+
+
+def test_a_long_prompt_attends_to_its_window_in_sliding_layers(monkeypatch):
+    """A prompt of several pages on a model with a 16-token window: the wide pages' sliding
+    layers get the cut keys, and the logits stay those of attention over every key (within
+    float32 rounding: fewer masked keys change the kernel's blocking, not what it computes)."""
+    import specchat.models.attention as attention
+
+    model = tiny_gemma3(0)
+    model.config._attn_implementation = "sdpa"
+    assert use_row_exact_attention(model, None)
+    prompt = torch.randint(3, 259, (4 * attention.PAGE + 5,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    cut = []
+    real = attention.attended_keys
+
+    def spy(key, value, mask):
+        out = real(key, value, mask)
+        cut.append(key.shape[2] - out[0].shape[2])
+        return out
+
+    def encode():
+        cache = new_cache(model, paged=True)
+        with torch.inference_mode():
+            return torch.cat([model(torch.tensor([prompt[i:i + attention.PAGE]]),
+                                    past_key_values=cache, use_cache=True).logits[0]
+                              for i in range(0, len(prompt), attention.PAGE)])
+
+    monkeypatch.setattr(attention, "attended_keys", spy)
+    got = encode()
+    assert max(cut) == 2 * attention.PAGE  # the last whole page (from 192) needs keys from 177
+    monkeypatch.setattr(attention, "attended_keys", lambda k, v, m: (k, v, m))
+    want = encode()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    monkeypatch.setattr(attention, "attended_keys", real)
+    assert torch.equal(encode(), got)  # the same prompt, the same bits

@@ -27,7 +27,8 @@ Conditions:
   spare slots give the padding without a copy. A decoding step costs what it did with sdpa.
 - Chunks of `WIDE` rows or more (prompts) take the stock path, with its faster causal kernel:
   they are computed the same way with speculation on or off, so nothing needs to match them.
-  (So do verifies that wide, as are the NF4 layers' inputs: `models.WIDE_ROWS`.)
+  (So do verifies that wide, as are the NF4 layers' inputs: `models.WIDE_ROWS`.) In sliding-
+  window layers they attend to the keys of their window only (`attended_keys`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
     batch, heads, rows, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     if rows >= WIDE or kwargs.get("softcap") is not None or heads % kv_heads:
+        key, value, attention_mask = attended_keys(key, value, attention_mask)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if lib is not None and not module.training and dim % 8 == 0 \
@@ -72,6 +74,26 @@ def row_exact_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
         packed, key, value, attn_mask=mask, scale=scaling,
         dropout_p=dropout if module.training else 0.0)
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def attended_keys(key: torch.Tensor, value: torch.Tensor, attention_mask):
+    """key, value [B, KV, S, D] and a boolean mask [B, 1, Q, >= S] without the leading key
+    slots no query row attends to, in whole pages of PAGE slots: a sliding-window layer's
+    keys older than its window, which the cache keeps (every layer holds every token) and its
+    mask hides. Without them a prompt's page attends to at most window + PAGE keys in those
+    layers, not to the whole context. The cut depends only on the mask (the rows' positions),
+    so a page is computed the same way whenever it is encoded. Other masks pass unchanged."""
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.ndim != 4:
+        return key, value, attention_mask
+    slots = key.shape[2]
+    if slots < 2 * PAGE:
+        return key, value, attention_mask
+    seen = attention_mask[:, :, :, :slots].any(dim=2).any(dim=0)[0]  # [S]: attended by a row
+    first = int(seen.to(torch.uint8).argmax()) if bool(seen.any()) else 0
+    first = first // PAGE * PAGE
+    if first == 0:
+        return key, value, attention_mask
+    return key[:, :, first:], value[:, :, first:], attention_mask[:, :, :, first:]
 
 
 def _kernel_attention(lib, query, key, value, attention_mask, scaling) -> torch.Tensor:
