@@ -224,6 +224,31 @@ def test_adaptive_draft_length_stops_drafting_a_useless_draft():
     assert sum(1 for s in steps if s.drafted == 0) > len(steps) // 2
 
 
+def test_probes_back_off_while_drafts_keep_failing_and_return_when_they_pay():
+    """Drafts that always fail: a probe every 8th step, then every 16th, 32nd, 32nd; a probe
+    whose draft passes brings the gap back to 8, and drafting resumes once it pays."""
+    from specchat.core.policy import DraftLengthPolicy
+
+    policy = DraftLengthPolicy()
+    drafted = []
+    for _ in range(260):
+        k = policy.choose(4)
+        policy.update(k + 1, 0.01 * (1 + 0.3 * k), k, 0, 0.002 * k)  # every draft refused
+        drafted.append(k > 0)
+    start = drafted.index(False)  # the prior's optimism spent: plain steps, and probes
+    probes = [i for i in range(start, len(drafted)) if drafted[i]]
+    gaps = [b - a for a, b in zip([start - 1] + probes, probes)]
+    assert gaps[:4] == [8, 16, 32, 32]
+    while not policy.choose(4):  # the next probe's draft passes
+        policy.update(1, 0.01, 0, 0, 0.0)
+    policy.update(2, 0.013, 1, 1, 0.002)
+    assert policy.probe_gap == policy.probe_every
+    for _ in range(80):  # and so do the drafts after it
+        k = policy.choose(4)
+        policy.update(k + 1, 0.01 * (1 + 0.3 * k), k, k, 0.002 * k)
+    assert policy.choose(4) > 0
+
+
 def test_mismatched_tokenizers_are_refused_with_the_difference():
     other = byte_tokenizer(extra=["<extra>"])
     problem = vocab_mismatch(TOK, other, 259, 260)

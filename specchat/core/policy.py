@@ -9,15 +9,21 @@ class DraftLengthPolicy:
     With per-position acceptance alpha, a step with k drafts emits (1 - alpha^(k+1)) / (1 - alpha)
     tokens on average (Leviathan et al.) and costs verify(k + 1) + k * draft_token seconds, both
     measured as we go. k = 0 is plain decoding: chosen when drafting does not pay, with a probe
-    every `probe_every` steps so a change in the text can switch drafting back on.
+    every `probe_every`-th step so a change in the text can switch drafting back on. Each probe
+    whose draft fails doubles the gap to the next (up to `max_probe_gap`); a draft that passes,
+    or a step that drafts on its merits, brings it back to `probe_every`. A probe costs a wider
+    verify and, for the head, its catch-up over the steps it skipped: where drafts keep failing
+    they would otherwise cost a few percent of every reply.
 
     Alpha is kept per draft class when the drafter tells one (`Drafter.draft_class`): an n-gram
     drafter's 3-token matches are far more reliable than its 1-token matches, so each earns its
     own k. The cost curve is shared.
     """
 
-    def __init__(self, probe_every: int = 8, margin: float = 0.05):
+    def __init__(self, probe_every: int = 8, margin: float = 0.05, max_probe_gap: int = 32):
         self.probe_every = probe_every
+        self.max_probe_gap = max(max_probe_gap, probe_every)
+        self.probe_gap = probe_every  # plain steps before the next probe
         # Draft only when that is expected to beat plain decoding by this fraction: estimates are
         # noisy, and a draft that merely breaks even costs more than the model sees (the lookup,
         # a wider sampling step), so a marginal gain is not worth the risk of a loss.
@@ -73,10 +79,14 @@ class DraftLengthPolicy:
             best = 0
         if best == 0 and k_max > 0:
             self.plain_streak += 1
-            if self.plain_streak % self.probe_every == 0:
+            if self.plain_streak >= self.probe_gap:
+                self.plain_streak = 0
+                self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
                 return 1  # probe: keep alpha fresh
         else:
             self.plain_streak = 0
+            if best:  # drafting pays again: probe promptly when it stops paying
+                self.probe_gap = self.probe_every
         return best
 
     def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float,
@@ -89,6 +99,8 @@ class DraftLengthPolicy:
             self._fit = [0.95 * a + b for a, b in zip(self._fit, (1.0, x, y, x * x, x * y))]
             seen = self._width.setdefault(fed, [0.0, 0.0])
             seen[0], seen[1] = 0.9 * seen[0] + 1.0, 0.9 * seen[1] + y
+        if drafted and accepted == drafted:  # all passed: probe promptly again
+            self.probe_gap = self.probe_every
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
             tests = self._tests.setdefault(cls, [2.0, 1.0])
