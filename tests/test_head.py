@@ -524,8 +524,15 @@ def test_int8_drafting_linear_is_close_and_wide_or_training_calls_stay_float():
             assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
         wide = torch.randn(1, INT8_ROWS + 1, 64)
         assert torch.equal(fast(wide), linear(wide))
+        # CPUs with native bf16: wide calls through a bf16 copy (forced here on any CPU)
+        wide_bf16 = Int8Drafting(linear, wide_bf16=True)
+        exact = linear(wide)
+        assert torch.equal(wide_bf16(x := torch.randn(1, 3, 64)), fast(x))  # narrow: int8
+        assert float((wide_bf16(wide) - exact).abs().max()) < 0.02 * float(exact.abs().max())
+        assert not torch.equal(wide_bf16(wide), exact)
     x = torch.randn(1, 2, 64, requires_grad=True)  # training
     assert torch.equal(fast(x), linear(x))
+    assert torch.equal(Int8Drafting(linear, wide_bf16=True)(x), linear(x))
 
 
 def test_head_cache_appends_in_place_and_equals_concatenation():

@@ -185,18 +185,26 @@ class Int8Drafting(nn.Module):
     """A Linear whose drafting calls (up to INT8_ROWS rows: a draft token, the catch-up over
     the tokens a verify accepted, a tree level) read an int8 copy of its weight
     (DraftHead.quantize_for_drafting): a quarter of the bytes, and for a few rows torch's int8
-    product is also 2-3x faster than its float32 one (docs/cpu.md). Training and wider calls use
-    the float weight."""
+    product is also 2-3x faster than its float32 one (docs/cpu.md). Wider drafting calls (the
+    catch-up over a new prompt, or over the steps the head sat out) read a bf16 copy where
+    `wide_bf16` (CPUs with native bf16 products: 2-3x faster than float32 there, measured in
+    docs/cpu.md), else the float weight; training always the float weight."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, wide_bf16: bool = False):
         super().__init__()
         self.linear = linear
         self.qweight, self.scales = _int8(linear.weight.detach())
+        self.wide = linear.weight.detach().to(torch.bfloat16) if wide_bf16 else None
 
     def forward(self, x):
-        if x.numel() > INT8_ROWS * x.shape[-1] or torch.is_grad_enabled() and x.requires_grad:
+        if torch.is_grad_enabled() and x.requires_grad:
             return self.linear(x)
-        y = _int8_mm(x, self.qweight, self.scales)
+        if x.numel() > INT8_ROWS * x.shape[-1]:
+            if self.wide is None:
+                return self.linear(x)
+            y = F.linear(x.to(torch.bfloat16), self.wide).float()
+        else:
+            y = _int8_mm(x, self.qweight, self.scales)
         return y + self.linear.bias if self.linear.bias is not None else y
 
 
@@ -238,19 +246,20 @@ class DraftHead(nn.Module):
         h, cache = self.block(x, pos, cache, mask)
         return rms_normalize(h, self.cfg.rms_eps) * self.norm_scale, cache  # [B, T, d]
 
-    def quantize_for_drafting(self) -> None:
+    def quantize_for_drafting(self, wide_bf16: bool = False) -> None:
         """Drafting on a CPU: forwards of a few rows (a draft token, a catch-up, a tree level)
         read int8 copies of the weights, with a scale per output row: the reduced LM head and
         every linear layer. Right after the target's forward has evicted them from the caches,
         int8 rows are read faster than fp32 ones (a quarter of the bytes), while bf16 is
-        slower than fp32 on CPUs without native bf16. Drafts move a little; verification
-        stays exact."""
+        slower than fp32 on CPUs without native bf16. `wide_bf16` (CPUs with native bf16):
+        wider forwards through bf16 copies of the layers (`Int8Drafting`). Drafts move a
+        little; verification stays exact."""
         if getattr(self, "_int8_rows", None) is not None:
             return
         self._int8_rows = _int8(self.lm_rows)
-        self.fc = Int8Drafting(self.fc)
+        self.fc = Int8Drafting(self.fc, wide_bf16)
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(self.block, name, Int8Drafting(getattr(self.block, name)))
+            setattr(self.block, name, Int8Drafting(getattr(self.block, name), wide_bf16))
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
