@@ -326,6 +326,18 @@ def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
     again = train_config.TrainConfig(**{**cfg.__dict__, "max_steps": 45})
     _, summary2 = train_cli.run(target, again, progress=lambda m: None)
     assert summary2["steps"] == 45
+    # Fine-tuning: a new work directory starting from the saved head (--init) keeps its
+    # vocabulary, starts from its loss, not a fresh head's, and moves its weights.
+    tuned_cfg = train_config.TrainConfig(**{**cfg.__dict__, "out": tmp_path / "tuned",
+                                            "init": path, "max_steps": 3, "lr": 1e-3})
+    tuned_path, tuned = train_cli.run(target, tuned_cfg, progress=lambda m: None)
+    assert tuned["steps"] == 3
+    tuned_head = load_head(tuned_path, target.model, TOK)
+    assert torch.equal(tuned_head.vocab_ids, head.vocab_ids)
+    assert not torch.equal(tuned_head.fc.weight, head.fc.weight)
+    with torch.no_grad():
+        start, _ = train_fit.head_loss(tuned_head, embed, batch, cfg, train=False)
+    assert float(start) < 0.8 * float(before)
     # The saved head drafts in the engine (found through head_drafters with an explicit path).
     drafters, notes = head_drafters(target, NgramDrafter(), path)
     assert set(drafters) == {"head", "combined"} and not notes

@@ -146,7 +146,8 @@ def cmd_train_draft(args) -> int:
                       batch_tokens=args.batch_tokens, lr=args.lr,
                       ce_weight=args.ce_weight, feature_weight=args.feature_weight,
                       noise=args.noise, unroll=args.unroll, max_steps=args.max_steps,
-                      bf16=not args.fp32, seed=args.seed)
+                      bf16=not args.fp32, seed=args.seed,
+                      init=Path(args.init) if args.init else None)
     summary: dict = {}
     path = out / "head.safetensors"
     if args.minutes > 0:
@@ -251,6 +252,10 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
                         "clock stops it); makes a run reproducible on machines of any speed")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="data order and initialization")
+    p.add_argument("--init", default="", metavar="HEAD",
+                   help="start from this head file (its vocabulary and weights, a fresh "
+                        "optimizer) rather than a new head: fine-tune it on the text generated "
+                        "here; used while the work directory has no checkpoint")
 
 
 __all__ = ["TrainConfig", "add_cli", "run", "evaluate_engine"]

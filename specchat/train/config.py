@@ -43,6 +43,10 @@ class TrainConfig:
     checkpoint_minutes: float = 3.0
     max_steps: int = 0  # stop training after this many optimizer steps (0: only the clock)
     seed: int = 0
+    # Start from this head (its vocabulary and weights; a fresh optimizer) instead of a new one:
+    # fine-tuning a trained head on text of another kind. Used when the work directory has no
+    # checkpoint yet.
+    init: Path | None = None
 
 
 def _bar(**kw):

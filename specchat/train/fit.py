@@ -42,6 +42,13 @@ def choose_vocab(records: list[dict], n: int, tokenizer=None) -> tuple[torch.Ten
     return order.sort().values, coverage
 
 
+def _coverage(records: list[dict], vocab_ids: torch.Tensor) -> float:
+    """The share of the computed top-1s that `vocab_ids` covers."""
+    top1 = torch.cat([r["top1"].long() for r in records])
+    top1 = top1[top1 >= 0]
+    return float(torch.isin(top1, vocab_ids.cpu()).float().mean()) if len(top1) else 0.0
+
+
 def fill_ids(tokenizer, n: int, exclude: torch.Tensor) -> torch.Tensor:
     """The n lowest token ids that are not special (added) tokens and not in `exclude`."""
     special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
@@ -234,6 +241,13 @@ def _head_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: dict
         head = DraftHead(HeadConfig(**json.loads(state["config"])))
         head.load_state_dict(state["head"])
         return head, state["coverage"]
+    if cfg.init is not None:  # fine-tuning: the head's own vocabulary, measured on this data
+        from specchat.models.eagle_files import load_head
+
+        head = load_head(cfg.init, target.model, target.tokenizer).cpu()
+        for p in head.parameters():
+            p.requires_grad_(True)
+        return head, _coverage(train_recs, head.vocab_ids)
     vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
     head = DraftHead(HeadConfig.for_target(target.model, len(vocab),
                                            cfg.intermediate_size or None))
