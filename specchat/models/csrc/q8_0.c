@@ -494,11 +494,6 @@ Q8I_512 static inline float hsum16_i8(__m512 v) {  // `sum_lanes16`'s order
     return _mm_cvtss_f32(s);
 }
 
-// [a x 8, b x 8]
-Q8I_512 static inline __m512 halves(float a, float b) {
-    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
-}
-
 // xs: each input row's bytes as the tile takes them (VNNI: qx + 128 unsigned; else qx), dxs: each
 // row's block scales as [dx_b x 8, dx_b+1 x 8] per pair (`q8i_prepare16`).
 #define Q8I_TILE16_BODY(VNNI)                                                                 \
