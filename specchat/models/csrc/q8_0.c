@@ -249,6 +249,18 @@ static inline float q8i_scale(uint32_t amax_bits, float *id) {
     return dx;
 }
 
+// qx [n, in] and dx [n, in / 32] for the quantized rows; without the memory for them, y [n, out]
+// is NaN (rather than stale values) and the answer 0
+static int q8i_buffers(int64_t n, int64_t in, int8_t **qx, float **dx, float *y, int64_t out) {
+    *qx = malloc((size_t)(n * in));
+    *dx = malloc((size_t)(n * (in / 32)) * sizeof(float));
+    if (*qx && *dx) return 1;
+    for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+    free(*qx);
+    free(*dx);
+    return 0;
+}
+
 // x [n, in] -> qx [n, in] (int8) and dx [n, in / 32], plain C
 static void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
     for (int64_t b = 0; b < n * in / 32; b++) {
@@ -272,14 +284,9 @@ static void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, 
 static void q8i_ref(int width, const float *x, int64_t n, int64_t in, const int8_t *q,
                     const uint16_t *d, float *y, int64_t out, int threads) {
     const int64_t nb = in / 32;
-    int8_t *qx = malloc((size_t)(n * in));
-    float *dx = malloc((size_t)(n * nb) * sizeof(float));
-    if (!qx || !dx) {  // no memory: say so in the output rather than return stale values
-        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
-        free(qx);
-        free(dx);
-        return;
-    }
+    int8_t *qx;
+    float *dx;
+    if (!q8i_buffers(n, in, &qx, &dx, y, out)) return;
     q8i_quantize_ref(x, n, in, qx, dx);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++)
@@ -440,14 +447,9 @@ void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, cons
         return;
     }
     const int64_t nb = in / 32;
-    int8_t *qx = malloc((size_t)(n * in));
-    float *dx = malloc((size_t)(n * nb) * sizeof(float));
-    if (!qx || !dx) {  // no memory: say so in the output rather than return stale values
-        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
-        free(qx);
-        free(dx);
-        return;
-    }
+    int8_t *qx;
+    float *dx;
+    if (!q8i_buffers(n, in, &qx, &dx, y, out)) return;
     q8i_quantize(x, n, in, qx, dx);
     // input rows in as few tiles as fit, of sizes as equal as can be (11: 4, 4, 3)
     const int64_t tiles = (n + Q8I_J - 1) / Q8I_J, per = (n + tiles - 1) / tiles;
@@ -615,19 +617,16 @@ static void q8i_matmul16(const q8i16_tile_fn tiles[Q8I_R][Q8I_J16], int vnni, co
     float *dxs = NULL;
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
     const int64_t nb = in / 32;
-    int8_t *qx = malloc((size_t)(n * in));
-    float *dx = malloc((size_t)(n * nb) * sizeof(float));
-    if (!qx || !dx) {  // no memory: say so in the output rather than return stale values
-        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
-        free(qx);
-        free(dx);
-        return;
-    }
+    int8_t *qx;
+    float *dx;
+    if (!q8i_buffers(n, in, &qx, &dx, y, out)) return;
     q8i_quantize(x, n, in, qx, dx);
-    if (!q8i_prepare16(n, nb, vnni, qx, dx, &xs, &dxs)) {
+    if (!q8i_prepare16(n, nb, vnni, qx, dx, &xs, &dxs)) {  // no memory: NaN, as above
         for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
         free(qx);
         free(dx);
+        free(xs);
+        free(dxs);
         return;
     }
     const int64_t np = (nb + 1) / 2;
