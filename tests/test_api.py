@@ -78,6 +78,18 @@ def test_models_and_a_plain_chat_completion(server):
         assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
 
 
+def test_a_keys_requests_join_that_keys_own_drafting_history(server):
+    """What a key's owner sent and got back is kept for their later drafts
+    (core/history.py), under that owner alone."""
+    url, api, _ = server
+    history = api.engine.history
+    history.forget("api:tests")
+    client(url).completions.create(model=MODEL, prompt="abc abc abc", max_tokens=6,
+                                   temperature=0)
+    assert history.tokens("api:tests") > 6
+    assert history.tokens("api") == 0 and history.tokens("") == 0
+
+
 def test_model_ids_are_slugs_of_the_targets_name():
     from specchat.api.server import model_slug
     assert model_slug("Gemma 3 270M (embedded, Gemma Terms of Use)") == "gemma-3-270m"

@@ -305,6 +305,34 @@ def test_bench_smoke_on_a_tiny_pair():
     assert "cost model" in format_report(result)
 
 
+def test_bench_history_regime_drafts_from_earlier_questions_only(monkeypatch):
+    """--history: one user asking the questions in turn. Each question's runs may draft from
+    the questions before it, never from its own runs (its reply joins the history after them),
+    and the report names the regime."""
+    engine, _ = tiny_engine()
+    questions = [{"question_id": i, "category": "qa", "turns": ["Repeat: abc abc abc abc"]}
+                 for i in (1, 2)]
+    seen = []  # (tokens in the history, owner) at each lookup
+    real = engine.history.lookup
+
+    def spy(owner, context, k):
+        seen.append((engine.history.tokens(owner), owner))
+        return real(owner, context, k)
+
+    monkeypatch.setattr(engine.history, "lookup", spy)
+    settings = BenchSettings(modes=("plain", "ngram"), max_new_tokens=12, warmup_tokens=0,
+                             repeats=2, history=True)
+    result = bench(engine, questions, settings, progress=False)
+    assert {owner for _, owner in seen} == {"bench"}
+    sizes = [n for n, _ in seen]
+    assert sizes[0] == 0  # question 1's runs: an empty history
+    later = {n for n in sizes if n}
+    assert len(later) == 1  # question 2's: question 1's prompt and reply, nothing of its own
+    assert engine.history.tokens("bench") > later.pop()  # then question 2's joins
+    assert "one user's history" in format_report(result)
+    assert result["greedy_identical"] == {"plain": 1.0, "ngram": 1.0}
+
+
 def test_bench_ctrl_c_reports_whole_questions(monkeypatch):
     engine, _ = tiny_engine()
     real, calls = bench_run.run_hf_mode, []

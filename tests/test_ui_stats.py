@@ -304,11 +304,19 @@ def test_the_deleted_message_stays_when_the_list_moves_to_the_next_conversation(
     assert any(message in d["outputs"]
                for d in _events_after(demo, tab_ui.conversations, "select"))
     # The handlers themselves: the second click deletes and says so.
-    handlers = stats_tab._Handlers(store, Access(), None, str, stats_tab.Exports())
+    # The engine forgets the deleter's drafting history (core/history.py), no one else's.
+    from specchat.core.history import History
+    history = History()
+    history.add("local", [1, 2, 3, 4])
+    history.add("user:bob", [1, 2, 3, 4])
+    handlers = stats_tab._Handlers(store, Access(), None, str, stats_tab.Exports(),
+                                   history.forget)
     request = gr.Request(session_hash="local")
     text, asked, _ = handlers.on_delete(a, None, None, request)
+    assert history.tokens("local") == 4  # only asked, nothing deleted yet
     text, asked, _ = handlers.on_delete(a, asked, None, request)
     assert text == "Conversation deleted." and store.conversation(a) is None
+    assert history.tokens("local") == 0 and history.tokens("user:bob") == 4
 
 
 def test_the_read_only_conversation_has_no_buttons_that_would_not_act_on_it(seeded):

@@ -408,6 +408,7 @@ class Api:
             raise ApiError(400, "'model' must be a string.", param="model")
         ids, stops, prompt = self.prompt(body, chat)
         cfg = self.config(body)
+        cfg.owner = owner  # drafts may copy this owner's earlier requests, no one else's
         cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
         cfg.logprobs = self.logprobs(body, chat)
         tokenizer = self.engine.tokenizer  # None for a serving backend: no alternatives

@@ -83,6 +83,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "not at the chat format's stop strings. A small base model then loops "
                         "(User: ... Assistant: ...) and any n-gram drafter predicts the loop; "
                         "the report labels its figures as looping text")
+    p.add_argument("--history", action="store_true",
+                   help="one user asking the questions in turn: the engine's modes may draft "
+                        "from the prompts and replies of the questions before (never from the "
+                        "question's own runs); the report says so")
     p.add_argument("--warmup-tokens", type=int, default=16, metavar="N",
                    help="tokens of one unrecorded warm-up run per mode (0: none)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
@@ -227,7 +231,7 @@ def _settings(args, modes: tuple[str, ...]) -> BenchSettings:
                          adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
                          tree_nodes=args.tree_nodes,
                          repeats=args.repeats, warmup_tokens=args.warmup_tokens,
-                         stop_strings=not args.ignore_stop_strings)
+                         stop_strings=not args.ignore_stop_strings, history=args.history)
 
 
 def _bench_beside_servers(args, engine, questions: list[dict], settings: BenchSettings,

@@ -17,6 +17,9 @@ NEEDS_DRAFT = ("model", "hf-assisted")
 REMOTE_PLAIN = "llama.cpp"  # a llama.cpp server decoding plainly; "llama.cpp-T" drafts with T
 
 
+HISTORY_OWNER = "bench"  # the one user of --history
+
+
 @dataclass
 class BenchSettings:
     modes: tuple[str, ...] = ("plain", "ngram", "hf-plain", "hf-pld")
@@ -33,6 +36,10 @@ class BenchSettings:
     repeats: int = 1  # runs per (question, mode); timings are medians over them
     warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
     stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
+    # One owner's history across the questions (core/history.py), as one user asking them in
+    # turn: every engine mode may draft from the prompts and replies of the questions before,
+    # never from the question's own runs (its reply joins the history after its last run).
+    history: bool = False
     # min-p and the penalties (GenerateConfig fields, core/settings.py) for every engine and
     # server mode; transformers' modes cannot apply them the same way and are left out.
     samplers: dict = field(default_factory=dict)
@@ -54,6 +61,8 @@ class BenchSettings:
         cfg, notes = build_config(values, drafters)
         if notes:  # a capped or changed setting: the bench measures what it was asked
             raise ValueError(" ".join(notes))
+        if self.history:
+            cfg.owner, cfg.remember = HISTORY_OWNER, False
         return cfg
 
 

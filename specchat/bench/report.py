@@ -49,11 +49,13 @@ def format_report(result: dict) -> str:
 
 def _regime_lines(cfg: dict) -> list[str]:
     """Which regime the figures are from: real use, or the looping-text stress mode."""
+    history = (" + one user's history: drafts may copy the earlier questions' prompts and "
+               "replies (--history)" if cfg.get("history") else "")
     if cfg.get("stop_strings", True):
-        return ["regime: real use (the chat format, its stop strings on)", ""]
+        return ["regime: real use (the chat format, its stop strings on)" + history, ""]
     return ["regime: LOOPING TEXT, a stress mode (--ignore-stop-strings): replies run to the "
             "token limit and repeat themselves, which any n-gram drafter predicts; not real "
-            "use", ""]
+            "use" + history, ""]
 
 
 def _table_lines(result: dict) -> list[str]:

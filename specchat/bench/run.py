@@ -354,7 +354,26 @@ def _run_question(run_mode: _ModeRunner, engine, q: dict, qi: int, s: BenchSetti
             if prefixes is not None:
                 prefixes.restore_snapshot(before)
             q_runs.extend(_run_turns(run_mode, engine, q, mode, rep, s, log))
+    if s.history:  # the question's plain run joins the history once every run is done
+        history_add(engine, q, [r for r in q_runs if r.mode == "plain" and r.repeat == 0]
+                    or q_runs[:1], s)
     return q_runs
+
+
+def history_add(engine, q: dict, runs: list[Run], s: BenchSettings) -> None:
+    """Add a question's turns and the replies of one of its runs to the --history owner's
+    history, as the engine adds a finished reply and its prompt."""
+    from specchat.bench.config import HISTORY_OWNER
+    from specchat.core.text import chat_prompt
+
+    messages: list[dict] = []
+    for user, run in zip(q["turns"], sorted(runs, key=lambda r: r.turn)):
+        messages += [{"role": "user", "content": user}, {"role": "assistant",
+                                                         "content": run.text}]
+    if messages and hasattr(engine, "history"):
+        ids, _ = chat_prompt(engine.tokenizer, messages[:-1])
+        reply = engine.tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        engine.history.add(HISTORY_OWNER, ids + reply)
 
 
 def _run_turns(run_mode: _ModeRunner, engine, q: dict, mode: str, rep: int, s: BenchSettings,

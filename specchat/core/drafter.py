@@ -9,6 +9,9 @@ default that does nothing.
                                            None), for drafters with logits: drafting from the
                                            distribution the target's draw will use makes a
                                            draft likelier to pass; the test stays exact
+    use_history(lookup)                    what the request's owner said before
+                                           (core/history.History.lookup bound to the owner,
+                                           or None): for drafters that copy text
     propose(context, k, params, noise) -> (draft_ids [k'], draft_probs [k', vocab] | None)
                                            k' <= k; None probs mean one-hot drafts (the target's
                                            own draw decides). Draft i is for reply position
@@ -63,6 +66,10 @@ class Drafter:
 
     def use_penalties(self, shaper) -> None:
         """The request's penalties (a `Shaper`, or None when off), before `begin`."""
+
+    def use_history(self, lookup) -> None:
+        """`lookup(context, k) -> (n, tokens)` over the request's owner's past prompts and
+        replies (`History.lookup`), or None, before `begin`."""
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 noise: Noise | None) -> Chain:

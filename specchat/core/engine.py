@@ -40,6 +40,7 @@ from specchat.core.events import (
     summarize,
 )
 from specchat.core.features import FeatureTap
+from specchat.core.history import History
 from specchat.core.kvcache import (
     crop_to,
     keep_fed,
@@ -106,6 +107,11 @@ class GenerateConfig:
     stop: tuple[str, ...] = ()  # stop strings (not included in the reply)
     # Each token's log-probability and this many alternatives (`token_logprobs`); None: off.
     logprobs: int | None = None
+    # Whose request this is (the page's visitor, the API key's owner; "" for nobody): drafters
+    # that copy text may draft from this owner's earlier prompts and replies (core/history.py),
+    # never from another's. `remember`: keep this prompt and reply there.
+    owner: str = ""
+    remember: bool = True
 
     @property
     def sampling(self) -> SamplingParams:
@@ -190,6 +196,8 @@ class Engine:
         self._wide_end = 0
         # Whole pages of earlier prompts, for prompts that start the same way (core/prefix.py).
         self.prefixes = PrefixStore(prefix_tokens, self.page)
+        # Each owner's earlier prompts and replies, for the drafters that copy text.
+        self.history = History()
         # The longest prompt a request may bring, counted in tokens after the chat format (the
         # page, the API and the CLI alike); None: the model's context window alone.
         self.max_prompt_tokens = max_prompt_tokens
@@ -517,6 +525,9 @@ class Engine:
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
         if run.drafter:
             run.drafter.use_penalties(run.shaper)
+            owner = run.cfg.owner
+            run.drafter.use_history(
+                (lambda context, k: self.history.lookup(owner, context, k)) if owner else None)
             run.drafter.begin(prompt_ids)
         return self._with_logprobs(run, logits, [(first.next_token, TARGET)]), record
 
@@ -559,6 +570,9 @@ class Engine:
                 self.reset_cache()  # a half-done step leaves the cache unknown: start clean
                 raise
             stats.seconds = time.perf_counter() - run.start
+            if cfg.owner and cfg.remember and stats.stop_reason != "error":
+                said = run.context[:-1] if stats.stop_reason == "eos" else run.context
+                self.history.add(cfg.owner, said)
         vocabulary = run.drafter.vocabulary if run.drafter else None
         reply = run.context[len(prompt_ids):]
         if vocabulary is not None and reply:

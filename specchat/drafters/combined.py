@@ -21,6 +21,9 @@ class CombinedDrafter(Drafter):
     def use_penalties(self, shaper):
         self.head.use_penalties(shaper)
 
+    def use_history(self, lookup):
+        self.ngram.use_history(lookup)
+
     def begin(self, prompt_ids):
         self.ngram.begin(prompt_ids)
         self.head.begin(prompt_ids)
@@ -29,9 +32,9 @@ class CombinedDrafter(Drafter):
         self.head.observe(start, token_ids, features)
 
     def draft_class(self, context):
-        """The n-gram match length when lookup will draft, else "head"."""
+        """The n-gram match length (or history class) when lookup will draft, else "head"."""
         n = self.ngram.draft_class(context)
-        return n if n >= self.min_match else "head"
+        return n if isinstance(n, str) or n >= self.min_match else "head"
 
     def propose(self, context, k, params, noise):
         if self.draft_class(context) != "head":

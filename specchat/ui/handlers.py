@@ -89,6 +89,12 @@ class ChatApp:
         event.set()
         return "Stopping after the current step…"
 
+    def forget(self, owner: str) -> None:
+        """Drop the engine's drafting history of `owner` (core/history.py)."""
+        history = getattr(self.slot.engine, "history", None)
+        if history is not None:
+            history.forget(owner)
+
     def drafters(self) -> list[str]:
         """Loaded drafters, best first."""
         engine = self.slot.engine
@@ -302,6 +308,7 @@ class ChatApp:
 
     def _reply(self, session: Session, turn: Turn, settings: Settings, request, owner: str):
         cfg, turn.notes = self.config(settings)
+        cfg.owner = owner  # drafts may copy this visitor's earlier turns, no one else's
         ids, cfg.stop = self.prompt_ids(session, len(session.turns) - 1, settings, turn.notes)
         notice = " ".join(turn.notes)
         stop = self._stop_event(request)

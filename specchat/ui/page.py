@@ -91,7 +91,7 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                         ghosts, samplers, controls = _settings_column(self, d)
             with gr.Tab("Stats", id="stats") as tab:
                 stats = stats_tab.build_stats_tab(self.store, self.access, browser, demo,
-                                                  self.writer, self.slot.redact)
+                                                  self.writer, self.slot.redact, self.forget)
                 stats.refresh_on(tab.select)
         timer = gr.Timer(1.0, active=self.slot.state not in ("ready", "failed"))
         view = View(session, browser, header, status, samplers=samplers, ghosts=ghosts,

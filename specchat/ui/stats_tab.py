@@ -322,14 +322,16 @@ class StatsTab:
 
 def build_stats_tab(store: StatsStore, access: Access, browser: gr.BrowserState,
                     demo: gr.Blocks | None = None, writer: StatsWriter | None = None,
-                    redact: Callable[[str], str] = str) -> StatsTab:
+                    redact: Callable[[str], str] = str,
+                    forget: Callable[[str], None] | None = None) -> StatsTab:
     """Lay out the Stats tab inside the caller's open `gr.Blocks()` / `gr.Tab("Stats")`.
     `browser` holds the visitor's browser id (see `access`). Pass `demo` to fill the tab when
     the page loads; `StatsTab.refresh_on(tab.select)` also refreshes it whenever it is
-    opened."""
+    opened. `forget(owner)`: drop what the engine remembers of an owner's text (its drafting
+    history), called when they delete a conversation."""
     exports = Exports()
     view = _layout(status_text(store, writer, redact))
-    handlers = _Handlers(store, access, writer, redact, exports)
+    handlers = _Handlers(store, access, writer, redact, exports, forget)
     _wire(view, handlers, browser, demo)
     tab = StatsTab(view.refresh, view.conversations, view.picker, view.turns, view.history,
                    handlers.on_refresh, view.list_outputs)
@@ -420,6 +422,7 @@ class _Handlers:
     writer: StatsWriter | None
     redact: Callable[[str], str]
     exports: Exports
+    forget: Callable[[str], None] | None = None
 
     def owner(self, request: gr.Request, browser_id: str | None) -> str | None:
         return self.access.viewer(request, browser_id).filter
@@ -458,8 +461,10 @@ class _Handlers:
             return ("Delete this conversation and all its turns? This cannot be undone: click "
                     f"**{CONFIRM}** to delete it, or pick another conversation to keep it.",
                     picked, gr.Button(value=CONFIRM))
-        return (delete_conversation(self.store, self.owner(request, browser_id), picked), None,
-                gr.Button(value=DELETE))
+        said = delete_conversation(self.store, self.owner(request, browser_id), picked)
+        if self.forget is not None:  # nothing of the deleted text stays draftable
+            self.forget(self.access.viewer(request, browser_id).owner)
+        return said, None, gr.Button(value=DELETE)
 
     @staticmethod
     def on_pick_reset():
