@@ -60,6 +60,27 @@ def test_ngram_drafts_from_history_only_without_a_match_in_the_conversation():
     assert d.draft_class([5, 6, 7, 40, 41]) == 0
 
 
+def test_combined_takes_history_matches_of_three_tokens_and_the_head_below():
+    from specchat.drafters.combined import CombinedDrafter
+
+    class Head:  # stands in for the EAGLE head: combined only asks it to draft
+        def use_history(self, lookup):
+            pass
+
+        def begin(self, prompt_ids):
+            pass
+
+    ngram = NgramDrafter()
+    combined = CombinedDrafter(ngram, Head())
+    history = History()
+    history.add("ada", [40, 41, 42, 43, 44, 45])
+    combined.begin([5, 6, 7])
+    combined.use_history(lambda context, k: history.lookup("ada", context, k))
+    assert combined.draft_class([5, 6, 7, 40, 41]) == "head"
+    assert combined.draft_class([5, 6, 7, 40, 41, 42]) == "history-3"
+    assert combined.propose([5, 6, 7, 40, 41, 42], 2, None, None)[0].tolist() == [43, 44]
+
+
 def test_a_reply_drafts_from_its_owners_last_reply_and_stays_plain_decoding():
     engine = make_engine()
     prompt = "the quick brown fox"

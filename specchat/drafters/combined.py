@@ -32,9 +32,13 @@ class CombinedDrafter(Drafter):
         self.head.observe(start, token_ids, features)
 
     def draft_class(self, context):
-        """The n-gram match length (or history class) when lookup will draft, else "head"."""
+        """The n-gram match length when lookup will draft, else "head". A match in the owner's
+        history ("history-<n>") needs one token more than one in the conversation: text from
+        another conversation is a weaker guess."""
         n = self.ngram.draft_class(context)
-        return n if isinstance(n, str) or n >= self.min_match else "head"
+        if isinstance(n, str):
+            return n if int(n.rsplit("-", 1)[1]) > self.min_match else "head"
+        return n if n >= self.min_match else "head"
 
     def propose(self, context, k, params, noise):
         if self.draft_class(context) != "head":
