@@ -30,7 +30,7 @@ def test_an_owner_never_drafts_from_another_owners_text():
 
 
 def test_memory_is_bounded_per_owner_and_in_owners():
-    h = History(max_tokens=10, max_owners=2, max_n=2)
+    h = History(max_tokens=10, max_total=16, max_n=2)
     h.add("ada", [1, 2, 3, 4, 5, 6])
     h.add("ada", [11, 12, 13, 14, 15, 16])  # 12 tokens: the oldest document goes
     assert h.tokens("ada") == 6
@@ -39,8 +39,8 @@ def test_memory_is_bounded_per_owner_and_in_owners():
     assert h.tokens("ada") == 10 and h.lookup("ada", [31, 32], 3) == (2, [33, 34, 35])
     h.add("bob", [1, 2, 3])
     h.lookup("ada", [31, 32], 1)  # a lookup does not count as use; an add does
-    h.add("cy", [1, 2, 3])  # a third owner: the least recently added to goes
-    assert h.tokens("ada") == 0 and h.tokens("bob") == 3 and h.tokens("cy") == 3
+    h.add("cy", [1, 2, 3, 4])  # 17 tokens in all: the owner added to least recently goes
+    assert h.tokens("ada") == 0 and h.tokens("bob") == 3 and h.tokens("cy") == 4
 
 
 def test_ngram_drafts_from_history_only_without_a_match_in_the_conversation():

@@ -9,15 +9,16 @@ llama.cpp's `ngram-cache`).
 Per owner, always: a lookup reads only the asking owner's own text, so neither a draft nor the
 speed of a reply can reveal what another visitor wrote. Drafts from here are verified like any
 other, so replies stay plain decoding's text. Memory is bounded: each owner keeps their latest
-`max_tokens`, and the owners used least recently go once there are more than `max_owners`.
+`max_tokens`, and the owners added to least recently go once all of them hold more than
+`max_total` tokens (about 0.5 kB of index per token: 32 MB at the default).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-HISTORY_TOKENS = 32_768  # per owner
-HISTORY_OWNERS = 64
+HISTORY_TOKENS = 8_192  # per owner
+HISTORY_TOTAL = 65_536  # all owners together
 MIN_MATCH = 2  # shorter matches across conversations are guesses
 
 
@@ -57,9 +58,9 @@ class _Index:
 
 
 class History:
-    def __init__(self, max_tokens: int = HISTORY_TOKENS, max_owners: int = HISTORY_OWNERS,
+    def __init__(self, max_tokens: int = HISTORY_TOKENS, max_total: int = HISTORY_TOTAL,
                  max_n: int = 4):
-        self.max_tokens, self.max_owners, self.max_n = max_tokens, max_owners, max_n
+        self.max_tokens, self.max_total, self.max_n = max_tokens, max_total, max_n
         self._owners: OrderedDict[str, _Index] = OrderedDict()
 
     def add(self, owner: str, ids: list[int]) -> None:
@@ -69,8 +70,9 @@ class History:
         index = self._owners.pop(owner, None) or _Index(self.max_n)
         self._owners[owner] = index  # the most recently used last
         index.add(list(ids), self.max_tokens)
-        while len(self._owners) > self.max_owners:
-            self._owners.popitem(last=False)
+        total = sum(len(i.tokens) for i in self._owners.values())
+        while total > self.max_total and len(self._owners) > 1:
+            total -= len(self._owners.popitem(last=False)[1].tokens)
 
     def lookup(self, owner: str, context: list[int], k: int) -> tuple[int, list[int]]:
         """(n, up to k tokens): what followed the longest suffix of `context` (n tokens, n from
