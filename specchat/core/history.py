@@ -34,8 +34,11 @@ class _Index:
     def add(self, ids: list[int], max_tokens: int) -> None:
         self.starts.append(len(self.tokens))
         self.tokens.extend(ids)
-        if len(self.tokens) > max_tokens:  # drop whole documents, oldest first, and re-index
-            keep = next((s for s in self.starts if len(self.tokens) - s <= max_tokens), None)
+        if len(self.tokens) > max_tokens:
+            # Drop whole documents, oldest first, down to 3/4 of the bound (so the re-index
+            # comes once in a while, not with every reply), then index what is left.
+            room = max_tokens * 3 // 4
+            keep = next((s for s in self.starts if len(self.tokens) - s <= room), None)
             if keep is None:  # the newest document alone is too long: its tail
                 keep = len(self.tokens) - max_tokens
             self.tokens = self.tokens[keep:]
