@@ -252,10 +252,10 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
                         "clock stops it); makes a run reproducible on machines of any speed")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="data order and initialization")
-    p.add_argument("--init", default="", metavar="HEAD",
+    p.add_argument("--init", default=None, metavar="HEAD",
                    help="start from this head file (its vocabulary and weights, a fresh "
-                        "optimizer) rather than a new head: fine-tune it on the text generated "
-                        "here; used while the work directory has no checkpoint")
+                        "optimizer): fine-tune it on the text generated here; used while the "
+                        "work directory has no checkpoint (default: a new head)")
 
 
 __all__ = ["TrainConfig", "add_cli", "run", "evaluate_engine"]
