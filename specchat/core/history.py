@@ -15,6 +15,7 @@ other, so replies stay plain decoding's text. Memory is bounded: each owner keep
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 HISTORY_TOKENS = 8_192  # per owner
@@ -65,17 +66,20 @@ class History:
                  max_n: int = 4):
         self.max_tokens, self.max_total, self.max_n = max_tokens, max_total, max_n
         self._owners: OrderedDict[str, _Index] = OrderedDict()
+        # The engine adds and looks up under its own lock; the page forgets from other threads.
+        self._lock = threading.Lock()
 
     def add(self, owner: str, ids: list[int]) -> None:
         """Remember `ids` (a prompt and its reply) as `owner`'s."""
         if not owner or len(ids) <= MIN_MATCH or self.max_tokens <= 0:
             return
-        index = self._owners.pop(owner, None) or _Index(self.max_n)
-        self._owners[owner] = index  # the most recently used last
-        index.add(list(ids), self.max_tokens)
-        total = sum(len(i.tokens) for i in self._owners.values())
-        while total > self.max_total and len(self._owners) > 1:
-            total -= len(self._owners.popitem(last=False)[1].tokens)
+        with self._lock:
+            index = self._owners.pop(owner, None) or _Index(self.max_n)
+            self._owners[owner] = index  # the most recently used last
+            index.add(list(ids), self.max_tokens)
+            total = sum(len(i.tokens) for i in self._owners.values())
+            while total > self.max_total and len(self._owners) > 1:
+                total -= len(self._owners.popitem(last=False)[1].tokens)
 
     def lookup(self, owner: str, context: list[int], k: int) -> tuple[int, list[int]]:
         """(n, up to k tokens): what followed the longest suffix of `context` (n tokens, n from
@@ -92,10 +96,12 @@ class History:
         return 0, []
 
     def forget(self, owner: str) -> None:
-        self._owners.pop(owner, None)
+        with self._lock:
+            self._owners.pop(owner, None)
 
     def clear(self) -> None:
-        self._owners.clear()
+        with self._lock:
+            self._owners.clear()
 
     def tokens(self, owner: str) -> int:
         index = self._owners.get(owner)
