@@ -20,6 +20,8 @@ from specchat.bench.metrics import (
     metrics,
     predicted_speedup,
     predicted_speedup_steps,
+    hindsight_speedup,
+    width_costs,
     prefill_share,
     step_costs,
     summarize_bench,
@@ -97,6 +99,33 @@ def test_a_tree_step_counts_as_a_chain_as_deep_as_the_tree():
     a = 5 / 6
     expected = 2 * (1 - a ** 4) / (1 - a) / (2 * (0.02 * 3 + 1.5))
     assert predicted_speedup_steps(tree, costs) == pytest.approx(expected)
+
+
+def test_hindsight_drafts_only_what_passed_at_the_measured_width_costs():
+    # Widths 1 (a plain step, 0.1 s), 3 (0.12 s) and 5 (0.16 s) measured; 2 and 4 lie between.
+    steps = [st(4, 0, 0.004, 0.16), st(4, 2, 0.004, 0.16), st(2, 2, 0.002, 0.12),
+             st(0, 0, 0.0, 0.1)]
+    widths = width_costs(steps, 0.1)
+    assert widths == pytest.approx({1: 1.0, 3: 1.2, 5: 1.6})
+    # Hindsight: the failed step becomes a plain one; 2 passed: a 3-wide verify + 2 drafts.
+    tokens = 1 + 3 + 3 + 1
+    cost = 1.0 + (1.2 + 0.02) + (1.2 + 0.02) + 1.0
+    hindsight, bound = hindsight_speedup(steps, 0.01, widths)
+    assert hindsight == pytest.approx(tokens / cost)
+    assert bound == pytest.approx(tokens / 4)  # every step one plain step's cost
+    # Between and past the measured widths: linear.
+    one = [st(1, 1, 0.0, 0.1)]
+    assert hindsight_speedup(one, 0.0, widths)[0] == pytest.approx(2 / 1.1)
+    six = [st(5, 5, 0.0, 0.1)]
+    assert hindsight_speedup(six, 0.0, widths)[0] == pytest.approx(6 / 1.8)
+    assert hindsight_speedup([], 0.01, widths) == (None, None)
+
+    plain = [run("plain", 1, steps=[st(0, 0)] * 19)]
+    ngram = [run("ngram", 1, steps=steps)]
+    result = summarize_bench(plain + ngram, ["plain", "ngram"], {"temperature": 0.0})
+    a = result["modes"]["ngram"]["analysis"]
+    assert a["hindsight_speedup"] == pytest.approx(tokens / cost)
+    assert "hindsight" in format_report(result)
 
 
 def test_prefill_dilutes_the_predicted_speedup_amdahl():

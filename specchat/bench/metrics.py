@@ -76,6 +76,52 @@ def predicted_speedup_steps(steps: list[StepRecord], costs: dict) -> float | Non
     return tokens / cost if cost > 0 else None
 
 
+def width_costs(steps: list[StepRecord], plain_s: float) -> dict[int, float]:
+    """Verify cost by tokens fed, in plain steps, pooled over `steps` (every engine mode of a
+    run: between them they feed many widths), with one token fed costing one step."""
+    by_fed: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        if s.drafted:
+            by_fed[s.drafted + 1].append(s.verify_s)
+    out = {m: sum(v) / len(v) / plain_s for m, v in sorted(by_fed.items())} if plain_s else {}
+    return {1: 1.0, **out}
+
+
+def _cost_at(widths: dict[int, float], m: int) -> float:
+    """widths' cost at m: measured, else linear between the measured widths around it (past
+    the widest, along the last two)."""
+    if m in widths:
+        return widths[m]
+    xs = sorted(widths)
+    lo = max((x for x in xs if x < m), default=xs[0])
+    hi = min((x for x in xs if x > m), default=None)
+    if hi is None:
+        if len(xs) < 2:
+            return widths[lo]
+        lo, hi = xs[-2], xs[-1]
+    return widths[lo] + (widths[hi] - widths[lo]) * (m - lo) / (hi - lo)
+
+
+def hindsight_speedup(steps: list[StepRecord], c: float | None,
+                      widths: dict[int, float]) -> tuple[float | None, float | None]:
+    """The most these drafts could give. (hindsight, bound):
+
+    hindsight: each step drafts exactly the tokens that then passed, and nothing where none
+      passed (a plain step), at the measured verify cost for that width and c per draft;
+    bound: tokens per target call, as if drafts and verifies cost no more than a plain step.
+
+    Run with --fixed-draft-len so every step drafts its full k: an adaptive run's steps were
+    cut short by the policy, which caps what hindsight sees."""
+    if not steps or c is None:
+        return None, None
+    tokens = cost = 0.0
+    for s in steps:
+        n = s.accepted
+        tokens += n + 1
+        cost += 1.0 if n == 0 else _cost_at(widths, n + 1) + c * n
+    return tokens / cost, tokens / len(steps)
+
+
 def with_prefill(speedup: float | None, prefill_share: float | None) -> float | None:
     """Amdahl's law on a decoding speedup: speculation leaves the prompt's encoding as it is, so
     a reply whose plain time is a fraction `prefill_share` prefill ends up only
@@ -236,6 +282,9 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict,
     remote_plain = by_mode.get(REMOTE_PLAIN)
     categories = list(dict.fromkeys(r.category for r in runs))  # file order
     plain_steps = [s for r in (plain or []) for s in r.steps]
+    base_s = [s.verify_s + s.draft_s for s in plain_steps if s.drafted == 0]
+    widths = width_costs([s for r in runs if r.mode in ENGINE_MODES + HEAD_MODES
+                          for s in r.steps], sum(base_s) / len(base_s) if base_s else 0.0)
     out_modes = {}
     for mode in modes:
         mruns = by_mode.get(mode, [])
@@ -260,6 +309,10 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict,
             costs["predicted_speedup_e2e"] = with_prefill(costs["predicted_speedup_steps"],
                                                           costs["prefill_share"])
             costs["achieved_speedup"] = entry["overall"]["speedup"]
+            hindsight, bound = hindsight_speedup(steps, costs["c"], widths)
+            costs["hindsight_speedup"], costs["bound_speedup"] = hindsight, bound
+            costs["hindsight_speedup_e2e"] = with_prefill(hindsight, costs["prefill_share"])
+            costs["bound_speedup_e2e"] = with_prefill(bound, costs["prefill_share"])
             entry["analysis"] = costs
         out_modes[mode] = entry
     # Same text as plain: greedy, every engine mode should match; sampled too, but for a draft

@@ -124,6 +124,26 @@ def _cost_model_lines(result: dict) -> list[str]:
         f"{'achieved':>8} {'ach/form':>8} {'ach/step':>8} {'ach/+pf':>8}"]
     for mode, a in analysed:
         lines += [_cost_row(mode, a), _verify_costs_line(mode, a)]
+    return lines + _hindsight_lines(analysed)
+
+
+def _hindsight_lines(analysed: list[tuple[str, dict]]) -> list[str]:
+    """What the drafts of each mode could give at most (metrics.hindsight_speedup)."""
+    rows = [(mode, a) for mode, a in analysed if a.get("hindsight_speedup")]
+    if not rows:
+        return []
+    lines = ["",
+             "ceiling of these drafts (hindsight: each step drafts exactly the tokens that "
+             "passed, at the measured",
+             "  verify cost of that width; bound: tokens per target call, verifies and drafts "
+             "free; +prefill: Amdahl;",
+             "  with --fixed-draft-len every step shows its drafts' full reach)",
+             f"  {'mode':<12} {'hindsight':>9} {'+prefill':>8} {'bound':>7} {'+prefill':>8} "
+             f"{'achieved':>8}"]
+    for mode, a in rows:
+        lines.append(f"  {mode:<12} {_x(a['hindsight_speedup']):>9} "
+                     f"{_x(a.get('hindsight_speedup_e2e')):>8} {_x(a['bound_speedup']):>7} "
+                     f"{_x(a.get('bound_speedup_e2e')):>8} {_x(a['achieved_speedup']):>8}")
     return lines
 
 
