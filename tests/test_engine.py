@@ -249,6 +249,27 @@ def test_probes_back_off_while_drafts_keep_failing_and_return_when_they_pay():
     assert policy.choose(4) > 0
 
 
+def test_drafting_that_runs_without_proposing_counts_in_the_draft_cost():
+    """A drafter that was asked and proposed nothing (a head under its confidence bar) still
+    ran: its seconds count per drafted token, so drafts that pass 90% of the time but are
+    made on one step in ten, for a head run on every step, no longer look worth it."""
+    from specchat.core.policy import DraftLengthPolicy
+
+    def trained(asked_for_nothing: bool):
+        policy = DraftLengthPolicy(probe_every=1000)
+        for i in range(200):
+            policy.update(1, 0.10, 0, 0, 0.0)  # plain steps: 0.1 s
+            if i % 10 == 0:
+                policy.update(2, 0.11, 1, 1 if i % 100 else 0, 0.008)  # passes 90%
+            elif asked_for_nothing:
+                policy.update(1, 0.10, 0, 0, 0.008, asked=True)  # ran, proposed nothing
+        return policy
+
+    assert trained(False).draft_token_s == pytest.approx(0.008)
+    assert 0.06 < trained(True).draft_token_s < 0.2  # about 10 runs per draft, decayed
+    assert trained(False).choose(1) == 1 and trained(True).choose(1) == 0
+
+
 def test_mismatched_tokenizers_are_refused_with_the_difference():
     other = byte_tokenizer(extra=["<extra>"])
     problem = vocab_mismatch(TOK, other, 259, 260)

@@ -263,6 +263,8 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
         keep = min(keep, ahead)
         assert 0 <= keep < k and drafts.tolist() == full[:keep].tolist() and q is None
         assert len(forwards) == min(sum(r >= min_gain for r in running) + 1, ahead)
+        gated.stop_early(False)  # a fixed-k request: every draft asked for
+        assert gated.propose(context, k, params, Noise(1))[0].tolist() == full.tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -272,21 +274,24 @@ def test_gated_head_drafts_keep_speculation_lossless(temperature):
                           min_gain=0.3)
     engine = Engine(loaded(target, TOK), {"head": drafter})
     prompt = ids_of(TEXT)
-    cfg = dict(max_new_tokens=30, adaptive=False, temperature=temperature, seed=3)
-    steps = []
+    cfg = dict(max_new_tokens=30, temperature=temperature, seed=3)
 
     def run(**more):
-        out = []
+        out, steps = [], []
         for e in engine.stream(prompt, GenerateConfig(**cfg, **more)):
             if isinstance(e, TokenEvent):
                 out.append(e.id)
-            elif hasattr(e, "drafted") and not isinstance(e, TokenEvent):
-                steps.append(e.drafted)
-        return out
+            elif isinstance(e, StepRecord) and e.step:
+                steps.append((e.drafted, e.k))
+        return out, steps
 
-    spec = run(drafter="head", draft_len=4)
-    assert any(0 < d < 4 for d in steps) and 0 in steps  # the gate cut some drafts short
-    assert spec == run(speculation=False)  # seeded: plain decoding's reply, at any temperature
+    plain, _ = run(speculation=False)
+    spec, steps = run(drafter="head", draft_len=4)
+    assert any(d < k for d, k in steps if k)  # the gate cut drafts short of the policy's k
+    assert spec == plain  # seeded: plain decoding's reply, at any temperature
+    fixed, steps = run(drafter="head", draft_len=4, adaptive=False)
+    assert all(d == k for d, k in steps)  # a fixed k: no gate
+    assert fixed == plain
 
 
 def tiny_prompts(tmp_path):

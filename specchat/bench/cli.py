@@ -70,7 +70,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-len", type=int, default=4, metavar="N",
                    help="k: most draft tokens per step")
     p.add_argument("--fixed-draft-len", action="store_true",
-                   help="always draft k tokens (default: the engine adapts k)")
+                   help="always draft k tokens where the drafter has them: k does not adapt, and "
+                        "the head drafts past its confidence bar (default: the engine adapts "
+                        "k)")
     p.add_argument("--tree-nodes", type=int, default=TREE_NODES, metavar="N",
                    help="draft-tree size of the head-tree and combined-tree modes "
                         "(default: %(default)s)")

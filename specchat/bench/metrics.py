@@ -44,7 +44,9 @@ def step_costs(steps: list[StepRecord], plain_steps: list[StepRecord]) -> dict:
            "c": None, "verify_ratio": None, "verify_ratio_by_fed": {}}
     if not spec or plain_s <= 0:
         return out
-    out["c"] = sum(s.draft_s for s in spec) / sum(s.levels for s in spec) / plain_s
+    # Every second spent drafting, also where the drafter proposed nothing (a head under its
+    # confidence bar has run all the same), per drafted token.
+    out["c"] = sum(s.draft_s for s in steps) / sum(s.levels for s in spec) / plain_s
     out["verify_ratio"] = sum(s.verify_s for s in spec) / len(spec) / plain_s
     by_fed = defaultdict(list)
     for s in steps:

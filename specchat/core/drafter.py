@@ -12,6 +12,10 @@ default that does nothing.
     use_history(lookup)                    what the request's owner said before
                                            (core/history.History.lookup bound to the owner,
                                            or None): for drafters that copy text
+    stop_early(on)                         whether `propose` may stop short of k where the
+                                           drafter judges further drafts unlikely to pass (the
+                                           head's confidence bar); off when the request fixes
+                                           k (GenerateConfig.adaptive False), before `begin`
     propose(context, k, params, noise) -> (draft_ids [k'], draft_probs [k', vocab] | None)
                                            k' <= k; None probs mean one-hot drafts (the target's
                                            own draw decides). Draft i is for reply position
@@ -70,6 +74,10 @@ class Drafter:
     def use_history(self, lookup) -> None:
         """`lookup(context, k) -> (n, tokens)` over the request's owner's past prompts and
         replies (`History.lookup`), or None, before `begin`."""
+
+    def stop_early(self, on: bool) -> None:
+        """Whether `propose` may return fewer than k drafts by its own judgement, before
+        `begin`."""
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 noise: Noise | None) -> Chain:

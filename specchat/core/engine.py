@@ -435,7 +435,8 @@ class Engine:
                                         if plain else None)
             run.drafter.feedback(k, n)
             # A tree counts as its depth: one draft forward and one test per level.
-            run.policy.update(k + 1, step.verify_s, levels, n, step.draft_s, step.cls)
+            run.policy.update(k + 1, step.verify_s, levels, n, step.draft_s, step.cls,
+                              asked=step.allowed > 0)
         last_kind = TARGET if k == 0 else (BONUS if step.bonus else RESAMPLED)
         tokens = [(t, ACCEPTED) for t in step.accepted] + [(step.next_token, last_kind)]
         return self._with_logprobs(run, step.rows, tokens), record
@@ -525,6 +526,7 @@ class Engine:
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
         if run.drafter:
             run.drafter.use_penalties(run.shaper)
+            run.drafter.stop_early(run.cfg.adaptive)
             owner = run.cfg.owner
             run.drafter.use_history(
                 (lambda context, k: self.history.lookup(owner, context, k)) if owner else None)

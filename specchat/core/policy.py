@@ -40,6 +40,7 @@ class DraftLengthPolicy:
         # (a BLAS may price 2-4 rows like one and jump at 5, which a line misprices).
         self._width: dict[int, list[float]] = {}  # m -> decayed [weight, sum of y]
         self.draft_token_s = 0.0
+        self._draft_sums = [0.0, 0.0]  # decayed drafting seconds and drafted tokens
         self.plain_streak = 0
 
     @property
@@ -90,7 +91,10 @@ class DraftLengthPolicy:
         return best
 
     def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float,
-               cls=None):
+               cls=None, asked: bool = False):
+        """One step's outcome: `fed` tokens verified in `verify_s`, `drafted` of them drafts
+        (a tree: its depth) of which `accepted` passed, `draft_s` spent drafting; `asked`: the
+        drafter was asked for drafts (k > 0), whether or not it proposed any."""
         decay = 0.9
         if fed == 1 or not self.step_s:
             self.step_s = verify_s if not self.step_s else decay * self.step_s + (1 - decay) * verify_s
@@ -106,6 +110,11 @@ class DraftLengthPolicy:
             tests = self._tests.setdefault(cls, [2.0, 1.0])
             tests[0] = decay * tests[0] + accepted
             tests[1] = decay * tests[1] + (1 if accepted < drafted else 0)
-            per_token = draft_s / drafted
-            self.draft_token_s = (per_token if not self.draft_token_s
-                                  else decay * self.draft_token_s + (1 - decay) * per_token)
+        if drafted or (asked and draft_s > 0):
+            # Seconds per drafted token, counting the steps where the drafter was asked and
+            # proposed nothing (a head below its confidence bar has run all the same): drafting
+            # pays only if the drafts that are made also pay for those.
+            seconds, tokens = self._draft_sums
+            self._draft_sums = [decay * seconds + draft_s, decay * tokens + drafted]
+            if self._draft_sums[1] > 0:
+                self.draft_token_s = self._draft_sums[0] / self._draft_sums[1]

@@ -21,6 +21,9 @@ class CombinedDrafter(Drafter):
     def use_penalties(self, shaper):
         self.head.use_penalties(shaper)
 
+    def stop_early(self, on):
+        self.head.stop_early(on)
+
     def use_history(self, lookup):
         self.ngram.use_history(lookup)
 

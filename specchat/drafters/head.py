@@ -49,6 +49,7 @@ class HeadDrafter(Drafter):
         # head's probabilities track acceptance (EAGLE-2; measured in docs/performance.md, "The
         # head's stopping rules").
         self.min_gain = min_gain
+        self.early = True  # stop_early: False drafts all k (a fixed-k request)
         # And do not even run the head for the next draft once the product is under twice
         # min_gain: that draft would need a probability of at least 1/2 to be kept, and the
         # forward is usually spent for nothing (docs/performance.md, "The head's stopping
@@ -69,6 +70,9 @@ class HeadDrafter(Drafter):
 
     def use_penalties(self, shaper):
         self.shaper = shaper
+
+    def stop_early(self, on):
+        self.early = on
 
     def _penalized(self, rows: torch.Tensor, context: list[int],
                    extras: list[list[int]]) -> torch.Tensor:
@@ -149,6 +153,7 @@ class HeadDrafter(Drafter):
             return NO_DRAFT, None
         pred, logits = self._catch_up(context)
         ids, rows = [], []
+        min_gain = self.min_gain if self.early else 0.0
         p_all = 1.0  # the head's probability that every draft so far passes
         self.last_top = []
         for i in range(k):
@@ -159,12 +164,12 @@ class HeadDrafter(Drafter):
             self.last_top.append([(int(self.head.vocab_ids[j]), q) for j, q in top])
             token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
             p_all *= p_token
-            if p_all < self.min_gain:
+            if p_all < min_gain:
                 break
             ids.append(token)
             if q is not None:
                 rows.append(q)
-            if i == k - 1 or p_all < self.lookahead * self.min_gain:
+            if i == k - 1 or p_all < self.lookahead * min_gain:
                 break
             pos = torch.tensor([L - 1 + i], device=self.device)
             pred, logits, self.cache = self.head(pred[:, -1:], self._embed([token]), pos,
