@@ -32,7 +32,8 @@ import torch
 from specchat.help import HelpFormatter
 from specchat.models.eagle_files import default_head_dir, save_head, target_identity
 from specchat.train.config import TrainConfig
-from specchat.train.data import load_data, load_prompts, sequences, with_samples
+from specchat.train.data import (load_data, load_prompts, question_overlap, sequences,
+                                 with_samples)
 from specchat.train.features import extract_features, load_features
 from specchat.train.fit import train_head
 from specchat.train.replies import generate_replies
@@ -50,6 +51,8 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     (cfg.out / "target.json").write_text(json.dumps(identity, indent=1))
     extra_prompts, texts = load_data(cfg.data)
     prompts = (load_prompts(cfg.prompt_files) if cfg.generate else []) + extra_prompts
+    prompts = apart_from_bench(prompts, "prompt", progress)
+    texts = apart_from_bench(texts, "text", progress)
     if prompts and cfg.generate:
         generate_replies(target, with_samples(prompts, cfg.samples), cfg,
                          t0 + cfg.gen_share * cfg.minutes * 60)
@@ -65,6 +68,20 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     save_head(path, head, identity, meta=summary)
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return path, summary
+
+
+def apart_from_bench(rows: list[dict], field: str, progress=print) -> list[dict]:
+    """`rows` without those whose `field` shares text with the bench's own questions
+    (`data.question_overlap`): the bench measures the head on questions it never saw."""
+    from specchat.bench.questions import default_questions_path, load_questions
+    questions = [t for q in load_questions(default_questions_path()) for t in q["turns"]]
+    tied = question_overlap([r[field] for r in rows], questions)
+    if not tied:
+        return rows
+    progress(f"left out {len(tied)} {field}(s) sharing text with the bench's questions, "
+             f"such as {rows[tied[0][0]]['key']} (\"{tied[0][1]}\")")
+    drop = {i for i, _ in tied}
+    return [r for i, r in enumerate(rows) if i not in drop]
 
 
 def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens: int,

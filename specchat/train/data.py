@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from pathlib import Path
 
@@ -58,6 +59,38 @@ def load_data(paths: list[Path]) -> tuple[list[dict], list[dict]]:
         else:
             texts.append({"key": str(f), "text": f.read_text(errors="replace")})
     return prompts, texts
+
+
+OVERLAP_WORDS = 8  # a shared run of this many words ties a prompt to a question
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def question_overlap(prompts: list[str], questions: list[str], n: int = OVERLAP_WORDS
+                     ) -> list[tuple[int, str]]:
+    """(prompt index, the words it shares) for each prompt tied to a question: sharing a run of
+    `n` words with one, or holding one shorter than that whole. Training on a benchmark's
+    questions would let the head memorize what it is measured on."""
+    grams: set[tuple[str, ...]] = set()
+    short: set[tuple[str, ...]] = set()
+    for q in questions:
+        w = _words(q)
+        if len(w) < n:
+            short.add(tuple(w))
+        grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+    lengths = sorted({len(s) for s in short if s})
+    found = []
+    for i, prompt in enumerate(prompts):
+        w = _words(prompt)
+        hit = next((g for j in range(len(w) - n + 1) if (g := tuple(w[j:j + n])) in grams), None)
+        if hit is None:
+            hit = next((g for m in lengths for j in range(len(w) - m + 1)
+                        if (g := tuple(w[j:j + m])) in short), None)
+        if hit is not None:
+            found.append((i, " ".join(hit)))
+    return found
 
 
 def read_jsonl(path: Path) -> list[dict]:
