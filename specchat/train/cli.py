@@ -32,8 +32,8 @@ import torch
 from specchat.help import HelpFormatter
 from specchat.models.eagle_files import default_head_dir, save_head, target_identity
 from specchat.train.config import TrainConfig
-from specchat.train.data import (load_data, load_prompts, question_overlap, sequences,
-                                 with_samples)
+from specchat.train.data import (BENCH_QUESTIONS, load_data, load_prompts, question_overlap,
+                                 read_jsonl, sequences, with_samples)
 from specchat.train.features import extract_features, load_features
 from specchat.train.fit import train_head
 from specchat.train.replies import generate_replies
@@ -73,8 +73,7 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
 def apart_from_bench(rows: list[dict], field: str, progress=print) -> list[dict]:
     """`rows` without those whose `field` shares text with the bench's own questions
     (`data.question_overlap`): the bench measures the head on questions it never saw."""
-    from specchat.bench.questions import default_questions_path, load_questions
-    questions = [t for q in load_questions(default_questions_path()) for t in q["turns"]]
+    questions = [t for q in read_jsonl(BENCH_QUESTIONS) for t in q.get("turns", [])]
     tied = question_overlap([r[field] for r in rows], questions)
     if not tied:
         return rows

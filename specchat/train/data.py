@@ -12,6 +12,9 @@ from specchat.train.config import TrainConfig
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 HOLDOUT_EVERY = 10  # prompt i is held out when i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
+# The bench's own questions, read as data (train imports nothing of the bench): kept out of
+# training so the bench measures the head on questions it never saw.
+BENCH_QUESTIONS = Path(__file__).resolve().parents[1] / "bench" / "questions.jsonl"
 
 
 # -- data ---------------------------------------------------------------------------------------
