@@ -253,7 +253,15 @@ def _login(browser, url: str, user: str, password: str):
     page.set_default_timeout(WAIT_MS)
     page.goto(url)
     page.wait_for_selector("#sc-status .sc-status-ready")
+    _settled(page)
     return page
+
+
+def _settled(page) -> None:
+    """Wait until no event is pending on the page: a pending event's progress overlay takes the
+    clicks meant for the components under it (seen on a busy machine)."""
+    page.wait_for_function("() => ![...document.querySelectorAll('[data-testid=status-tracker]')]"
+                           ".some(e => !e.className.includes('hide'))")
 
 
 def _no_markup(page, trap_port: int) -> None:
