@@ -71,13 +71,14 @@ def test_rows_leave_where_a_stop_string_is_complete():
     ref = [greedy(model, p, 12) for p in prompts]
     text = TOK.decode(ref[0][1:3])  # the first row completes it with its 3rd token
     assert len(text) == 2 and text not in TOK.decode(ref[0][:2])
+    ends = stop_check(TOK, [text])
     out = sample_with_features(model, prompts, [False] * 3, 12, 1.0, 8, set(), 0,
-                               ends=stop_check(TOK, [text]))
+                               ends=[ends, None, ends])  # row 1: plain text, no stop strings
     assert out[0].ids[len(prompts[0]):] == ref[0][:2]  # the 3rd was written, never fed
     assert len(out[0].feats) == len(out[0].ids)
-    for p, r, want in zip(prompts[1:], out[1:], ref[1:]):
-        cut = next((i for i in range(1, 12) if text in TOK.decode(want[:i])), 12)
-        assert r.ids[len(p):] == want[:cut - 1]
+    assert out[1].ids[len(prompts[1]):] == ref[1][:11]  # to the cap (the 12th never fed)
+    cut = next((i for i in range(1, 12) if text in TOK.decode(ref[2][:i])), 12)
+    assert out[2].ids[len(prompts[2]):] == ref[2][:cut - 1]
 
 
 def test_sampled_rows_draw_from_the_tempered_top_k():

@@ -422,6 +422,11 @@ def test_train_draft_command_line():
     args = parser.parse_args(["train-draft", "--minutes", "2", "--out", "x", "--data", "a.txt"])
     assert args.minutes == 2 and args.out == "x" and args.data == ["a.txt"]
     assert args.func.__name__ == "cmd_train_draft"
+    assert args.formats == ("chat", "system", "completion")
+    args = parser.parse_args(["train-draft", "--formats", "chat, completion"])
+    assert args.formats == ("chat", "completion")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train-draft", "--formats", "chat,poem"])
 
 
 def test_bench_runs_the_head_modes():

@@ -96,12 +96,13 @@ class _Masks:
 def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                          max_new_tokens: int, temperature: float, top_k: int, stop: set[int],
                          pad: int, generator: torch.Generator | None = None,
-                         ends: Callable[[list[int]], bool] | None = None) -> list[Sampled]:
+                         ends: list[Callable[[list[int]], bool] | None] | None = None
+                         ) -> list[Sampled]:
     """Each prompt's reply (greedy where `sampled` is False, else softmax(top-k / T)), with
     the target's features and top-1 tokens along prompt and reply. Rows leave the batch when
-    they write a stop token, or when `ends(reply)` says the token just written completes a stop
-    string (`text.stop_check`): the end of the turn in a plain chat format, where a base model
-    would go on to write the user's next message itself."""
+    they write a stop token, or when their `ends[i](reply)` says the token just written
+    completes a stop string (`text.stop_check`; None: none): the end of the turn in a plain
+    chat format, where a base model would go on to write the user's next message itself."""
     device = model.device
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -174,7 +175,8 @@ def _write(rows: list[int], tokens: list[int], best: torch.Tensor, top1: list[li
         if t in stop:
             continue
         replies[i].append(t)
-        if not last and not (ends is not None and ends(replies[i])):
+        end = ends[i] if ends is not None else None
+        if not last and not (end is not None and end(replies[i])):
             keep.append(r)
     return keep
 

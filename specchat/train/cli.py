@@ -32,8 +32,8 @@ import torch
 from specchat.help import HelpFormatter
 from specchat.models.eagle_files import default_head_dir, save_head, target_identity
 from specchat.train.config import TrainConfig
-from specchat.train.data import (BENCH_QUESTIONS, load_data, load_prompts, question_overlap,
-                                 read_jsonl, sequences, with_samples)
+from specchat.train.data import (BENCH_QUESTIONS, FORMATS, load_data, load_prompts,
+                                 question_overlap, read_jsonl, sequences, with_samples)
 from specchat.train.features import extract_features, load_features
 from specchat.train.fit import train_head
 from specchat.train.replies import generate_replies
@@ -68,6 +68,15 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     save_head(path, head, identity, meta=summary)
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return path, summary
+
+
+def _formats_arg(value: str) -> tuple[str, ...]:
+    formats = tuple(dict.fromkeys(f.strip() for f in value.split(",") if f.strip()))
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {', '.join(bad) or '(none)'}; "
+                                         f"choose from {', '.join(FORMATS)}")
+    return formats
 
 
 def apart_from_bench(rows: list[dict], field: str, progress=print) -> list[dict]:
@@ -157,6 +166,7 @@ def cmd_train_draft(args) -> int:
                       data=[Path(p) for p in args.data], generate=not args.no_generate,
                       gen_share=args.gen_share, max_new_tokens=args.max_new_tokens,
                       stop_at_turn_end=args.stop_at_turn_end,
+                      formats=args.formats,
                       gen_batch=args.gen_batch, samples=args.samples, seq_len=args.seq_len,
                       draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
                       batch_tokens=args.batch_tokens, lr=args.lr,
@@ -234,6 +244,11 @@ def _add_generation_arguments(p: argparse.ArgumentParser) -> None:
                    help="end each generated reply at the chat format's stop string, as the "
                         "app does (default: go on to the cap; the model's own follow-up turns "
                         "are more text of the kind it writes)")
+    p.add_argument("--formats", type=_formats_arg, default=FORMATS, metavar="LIST",
+                   help="the app's prompt formats the target answers in, comma separated, each "
+                        "prompt in one: chat (the chat format), system (the chat format under a "
+                        "system prompt), completion (the prompt as plain text to continue, the "
+                        f"page's Completion mode) (default: {','.join(FORMATS)})")
     p.add_argument("--gen-batch", type=int, default=0, metavar="N",
                    help="prompts generated together (0 = 64 on a CPU, 16 on a GPU)")
     p.add_argument("--samples", type=int, default=3, metavar="N",

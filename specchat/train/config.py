@@ -20,6 +20,10 @@ class TrainConfig:
     # does. Off: the embedded target's replies then average 16 tokens, a tenth of the text;
     # past the stop it writes its own follow-up turns, whose "Assistant:" parts are replies too.
     stop_at_turn_end: bool = False
+    # The app's prompt formats the target answers in (`data.FORMATS`), each prompt in one,
+    # chosen by its key: the chat format, the chat format under a system prompt, and plain text
+    # to continue (the page's Completion mode).
+    formats: tuple[str, ...] = ("chat", "system", "completion")
     gen_batch: int = 0  # prompts generated together (left padded); 0: `gen_batch`'s default
     gen_temperature: float = 0.7  # odd prompts are sampled at this temperature, even ones greedy
     samples: int = 3  # replies per prompt: the first as above, the others sampled (more text)

@@ -108,14 +108,45 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _prompts(tok, todo: list[dict]) -> tuple[dict[str, list[int]], tuple[str, ...]]:
-    """Each prompt's chat-formatted ids by key, and the format's stop strings (where a base
-    model's plain "User:/Assistant:" turn ends: it has no end-of-turn token)."""
-    from specchat.core.text import chat_prompt
-    formatted = {p["key"]: chat_prompt(tok, [{"role": "user", "content": p["prompt"]}])
-                 for p in todo}
-    stops = next(iter(formatted.values()), ([], ()))[1]
-    return {k: ids for k, (ids, _) in formatted.items()}, tuple(stops)
+FORMATS = ("chat", "system", "completion")  # the app's prompt formats (--formats)
+# System prompts of the kind the page's System prompt box gets, written for this project.
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant. Answer clearly and briefly.",
+    "You are a patient tutor. Explain step by step, in plain words.",
+    "Answer in a formal tone, in a few sentences.",
+    "You are a careful assistant: say so when you are not sure of something.",
+)
+
+
+def _pick(salt: str, key: str, n: int) -> int:
+    """0..n-1, fixed by a prompt's key (its samples "#j" share the prompt's)."""
+    return zlib.crc32(f"{salt}:{key.split('#')[0]}".encode()) % n
+
+
+def prompt_format(key: str, formats: tuple[str, ...]) -> str:
+    """The format the prompt with this key is asked in: one of `formats`."""
+    return formats[_pick("format", key, len(formats))]
+
+
+def _prompts(tok, todo: list[dict], formats: tuple[str, ...] = ("chat",)
+             ) -> tuple[dict[str, list[int]], dict[str, tuple[str, ...]]]:
+    """Each prompt's ids in its format (`prompt_format`) by key, and its stop strings: the chat
+    format's where a base model's plain "User:/Assistant:" turn ends (it has no end-of-turn
+    token), none for plain text to continue, as the page's Completion mode has none."""
+    from specchat.core.text import chat_prompt, raw_prompt
+    ids, stops = {}, {}
+    for p in todo:
+        kind = prompt_format(p["key"], formats)
+        if kind == "completion":
+            ids[p["key"]], stops[p["key"]] = raw_prompt(tok, p["prompt"]), ()
+            continue
+        messages = [{"role": "user", "content": p["prompt"]}]
+        if kind == "system":
+            system = SYSTEM_PROMPTS[_pick("system", p["key"], len(SYSTEM_PROMPTS))]
+            messages.insert(0, {"role": "system", "content": system})
+        prompt, stop = chat_prompt(tok, messages)
+        ids[p["key"]], stops[p["key"]] = prompt, tuple(stop)
+    return ids, stops
 
 
 def with_samples(prompts: list[dict], samples: int) -> list[dict]:

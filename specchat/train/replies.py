@@ -48,8 +48,9 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     stop = set(_eos(model, tok))
-    prompt_ids, stops = _prompts(tok, todo)
-    ends = stop_check(tok, stops) if cfg.stop_at_turn_end else None
+    prompt_ids, stops = _prompts(tok, todo, cfg.formats)
+    checks = {s: stop_check(tok, s) for s in set(stops.values())} if cfg.stop_at_turn_end \
+        else {}
     # Round by round (a budget that runs out still covers every prompt), and within a round
     # prompts of similar lengths together: little left padding to encode.
     todo = sorted(todo, key=lambda p: (p.get("sample", 0), len(prompt_ids[p["key"]])))
@@ -69,7 +70,7 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
             results = sample_with_features(
                 model, [prompt_ids[p["key"]] for p in part], [_is_sampled(p) for p in part],
                 cfg.max_new_tokens, cfg.gen_temperature, GEN_TOP_K, stop, pad, generator,
-                ends)
+                [checks.get(stops[p["key"]]) for p in part] if checks else None)
             records = []
             for p, r in zip(part, results):
                 n, first = min(len(r.ids), cfg.seq_len), r.prompt_len - 1  # as `sequences`
@@ -96,7 +97,7 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
     from specchat.core.text import tokens_until_stop
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    formatted, stops = _prompts(tok, todo)
+    formatted, stops = _prompts(tok, todo, cfg.formats)
     size = gen_batch(cfg, target.device)
     made = 0
     with path.open("a") as f:
@@ -105,17 +106,16 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                 bar.write("generate: time share used up; training on what there is")
                 break
             batch = todo[start:start + size]
-            for sampled in (False, True):
-                part = [p for p in batch if _is_sampled(p) == sampled]
-                if not part:
-                    continue
+            for sampled, stop_set in sorted({(_is_sampled(p), stops[p["key"]]) for p in batch}):
+                part = [p for p in batch
+                        if _is_sampled(p) == sampled and stops[p["key"]] == stop_set]
                 ids = [formatted[p["key"]] for p in part]
                 width = max(map(len, ids))
                 input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
                 mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
                 kwargs = dict(do_sample=False)
-                if stops and cfg.stop_at_turn_end:
-                    kwargs.update(stop_strings=list(stops), tokenizer=tok)
+                if stop_set and cfg.stop_at_turn_end:
+                    kwargs.update(stop_strings=list(stop_set), tokenizer=tok)
                 if sampled:
                     kwargs["logits_processor"] = LogitsProcessorList(
                         [GumbelTopK(GEN_TOP_K, cfg.gen_temperature)])
@@ -131,7 +131,7 @@ def _generate_text(target, todo: list[dict], cfg: TrainConfig, deadline: float, 
                             break
                         reply.append(t)
                     if cfg.stop_at_turn_end:
-                        reply = reply[:tokens_until_stop(tok, prompt_ids, reply, stops)]
+                        reply = reply[:tokens_until_stop(tok, prompt_ids, reply, stop_set)]
                     f.write(json.dumps({"key": p["key"], "ids": prompt_ids + reply,
                                         "prompt_len": len(prompt_ids),
                                         "heldout": p["heldout"]}) + "\n")
