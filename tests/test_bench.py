@@ -487,6 +487,30 @@ def test_the_bench_measures_real_use_by_default_and_labels_the_stress_mode(tmp_p
     assert "min_p=0.1" in printed and "dry_multiplier=0.8" in printed
 
 
+def test_the_completion_format_sends_each_turn_as_plain_text_with_no_stop_strings():
+    """--format completion measures the page's Completion mode: the turn's text alone, no chat
+    format and no stop strings, every mode alike; the report names the regime."""
+    from specchat.core.text import chat_prompt, raw_prompt
+    engine, draft = tiny_engine()
+    tok = engine.tokenizer
+    settings = BenchSettings(modes=("plain", "ngram"), turns="all", max_new_tokens=5,
+                             warmup_tokens=0, prompt_format="completion")
+    result = bench(engine, QUESTIONS, settings, progress=False)
+    turns = {(q["question_id"], i + 1): t for q in QUESTIONS for i, t in enumerate(q["turns"])}
+    for r in result["runs"]:
+        text = turns[(r["question_id"], r["turn"])]
+        assert r["prompt_tokens"] == len(raw_prompt(tok, text))  # no history, no preamble
+        assert r["prompt_tokens"] < len(chat_prompt(tok, [{"role": "user", "content": text}])[0])
+    chat = bench(engine, QUESTIONS[1:], BenchSettings(modes=("plain",), max_new_tokens=5,
+                                                      warmup_tokens=0), progress=False)
+    assert chat["runs"][0]["prompt_tokens"] == len(
+        chat_prompt(tok, [{"role": "user", "content": QUESTIONS[1]["turns"][0]}])[0])
+    texts = {(r["question_id"], r["turn"], r["mode"]): r["text"] for r in result["runs"]}
+    assert all(texts[(q, t, "ngram")] == texts[(q, t, "plain")] for q, t in turns)
+    assert result["config"]["prompt_format"] == "completion"
+    assert format_report(result).startswith("regime: Completion")
+
+
 def test_every_mode_meets_the_prefix_store_as_its_question_found_it():
     """A long question's pages, once a mode encoded them, must not make the next modes' first
     turns cheaper: each mode encodes the same tokens of its prompt."""

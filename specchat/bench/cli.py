@@ -85,6 +85,11 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "not at the chat format's stop strings. A small base model then loops "
                         "(User: ... Assistant: ...) and any n-gram drafter predicts the loop; "
                         "the report labels its figures as looping text")
+    p.add_argument("--format", choices=("chat", "completion"), default="chat",
+                   dest="prompt_format",
+                   help="how each question is sent, as the page's two modes send a message: "
+                        "chat (the chat format, its stop strings) or completion (plain text "
+                        "to continue, no stop strings, each turn on its own)")
     p.add_argument("--history", action="store_true",
                    help="one user asking the questions in turn: the engine's modes may draft "
                         "from the prompts and replies of the questions before (never from the "
@@ -227,13 +232,14 @@ def _samplers(args) -> dict:
 
 
 def _settings(args, modes: tuple[str, ...]) -> BenchSettings:
-    return BenchSettings(samplers=_samplers(args),modes=modes, turns=args.turns, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    return BenchSettings(samplers=_samplers(args), modes=modes, turns=args.turns,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          seed=args.seed, draft_len=args.draft_len,
                          adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
                          tree_nodes=args.tree_nodes,
                          repeats=args.repeats, warmup_tokens=args.warmup_tokens,
-                         stop_strings=not args.ignore_stop_strings, history=args.history)
+                         stop_strings=not args.ignore_stop_strings, history=args.history,
+                         prompt_format=args.prompt_format)
 
 
 def _bench_beside_servers(args, engine, questions: list[dict], settings: BenchSettings,

@@ -36,6 +36,10 @@ class BenchSettings:
     repeats: int = 1  # runs per (question, mode); timings are medians over them
     warmup_tokens: int = 16  # one short unrecorded run per mode before the first question
     stop_strings: bool = True  # stop at the chat format's stop strings (False: EOS and length)
+    # "chat": each turn in the target's chat format, as the page's Chat mode sends it;
+    # "completion": each turn as plain text to continue, as its Completion mode sends it (no
+    # chat format, no history, no stop strings).
+    prompt_format: str = "chat"
     # One owner's history across the questions (core/history.py), as one user asking them in
     # turn: every engine mode may draft from the prompts and replies of the questions before,
     # never from the question's own runs (its reply joins the history after its last run).

@@ -51,6 +51,10 @@ def _regime_lines(cfg: dict) -> list[str]:
     """Which regime the figures are from: real use, or the looping-text stress mode."""
     history = (" + one user's history: drafts may copy the earlier questions' prompts and "
                "replies (--history)" if cfg.get("history") else "")
+    if cfg.get("prompt_format") == "completion":
+        return ["regime: Completion (each question as plain text to continue, as the page's "
+                "Completion mode sends it: no chat format, no stop strings, every reply runs "
+                "to the token limit)" + history, ""]
     if cfg.get("stop_strings", True):
         return ["regime: real use (the chat format, its stop strings on)" + history, ""]
     return ["regime: LOOPING TEXT, a stress mode (--ignore-stop-strings): replies run to the "

@@ -328,12 +328,22 @@ class _ModeRunner:
             h.remove()
 
 
+def prompt_of(tokenizer, messages: list[dict], s: BenchSettings) -> tuple[list[int], tuple]:
+    """The prompt ids and stop strings of the last user turn in `messages`, as the page sends
+    it in the bench's format: Chat, the conversation in the chat format (its stop strings
+    unless --ignore-stop-strings); Completion, that turn's text alone, with no stop strings."""
+    from specchat.core.text import chat_prompt, raw_prompt
+    if s.prompt_format == "completion":
+        return raw_prompt(tokenizer, messages[-1]["content"]), ()
+    ids, stops = chat_prompt(tokenizer, messages)
+    return ids, tuple(stops) if s.stop_strings else ()
+
+
 def _warm_up(run_mode: _ModeRunner, engine, questions: list[dict], s: BenchSettings) -> None:
     """One short unrecorded run per mode on the first question."""
-    from specchat.core.text import chat_prompt
     if s.warmup_tokens and questions:
-        ids, stops = chat_prompt(engine.tokenizer,
-                                 [{"role": "user", "content": questions[0]["turns"][0]}])
+        ids, stops = prompt_of(engine.tokenizer,
+                               [{"role": "user", "content": questions[0]["turns"][0]}], s)
         for mode in s.modes:
             run_mode(mode, ids, stops, True, s.warmup_tokens)
 
@@ -364,14 +374,13 @@ def history_add(engine, q: dict, runs: list[Run], s: BenchSettings) -> None:
     """Add a question's turns and the replies of one of its runs to the --history owner's
     history, as the engine adds a finished reply and its prompt."""
     from specchat.bench.config import HISTORY_OWNER
-    from specchat.core.text import chat_prompt
 
     messages: list[dict] = []
     for user, run in zip(q["turns"], sorted(runs, key=lambda r: r.turn)):
         messages += [{"role": "user", "content": user}, {"role": "assistant",
                                                          "content": run.text}]
     if messages and hasattr(engine, "history"):
-        ids, _ = chat_prompt(engine.tokenizer, messages[:-1])
+        ids, _ = prompt_of(engine.tokenizer, messages[:-1], s)
         reply = engine.tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
         engine.history.add(HISTORY_OWNER, ids + reply)
 
@@ -380,14 +389,13 @@ def _run_turns(run_mode: _ModeRunner, engine, q: dict, mode: str, rep: int, s: B
                log: Callable[[str], None]) -> list[Run]:
     """One mode on a question's turns (the first, or all), each follow-up after the mode's own
     reply to the one before."""
-    from specchat.core.text import chat_prompt
     turns = q["turns"] if s.turns == "all" else q["turns"][:1]
     runs: list[Run] = []
     messages: list[dict] = []
     for ti, user in enumerate(turns):
         messages.append({"role": "user", "content": user})
-        ids, stops = chat_prompt(engine.tokenizer, messages)
-        r = run_mode(mode, ids, stops if s.stop_strings else (), fresh=ti == 0)
+        ids, stops = prompt_of(engine.tokenizer, messages, s)
+        r = run_mode(mode, ids, stops, fresh=ti == 0)
         if r["error"]:
             log(f"bench: {mode} on question {q['question_id']}: {r['error']}")
         runs.append(Run(q["question_id"], q["category"], ti + 1, mode, rep, **r))
