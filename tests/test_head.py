@@ -23,7 +23,8 @@ from specchat.drafters.head import HeadDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import head_drafters
 from specchat.models.eagle import DraftHead, HeadConfig, target_features
-from specchat.models.eagle_files import HeadMismatchError, load_head, save_head, target_identity
+from specchat.models.eagle_files import (HeadMismatchError, load_head, read_header, save_head,
+                                         target_identity)
 from specchat.train import cli as train_cli
 from specchat.train import config as train_config
 from specchat.train import data as train_data
@@ -337,6 +338,9 @@ def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
                                             "init": path, "max_steps": 3, "lr": 1e-3})
     tuned_path, tuned = train_cli.run(target, tuned_cfg, progress=lambda m: None)
     assert tuned["steps"] == 3
+    recorded = read_header(tuned_path)["meta"]["config"]  # names, not this machine's paths
+    assert (recorded["out"], recorded["init"]) == ("tuned", path.name)
+    assert tuned["config"]["out"] == str(tmp_path / "tuned")  # summary.json stays local
     tuned_head = load_head(tuned_path, target.model, TOK)
     assert torch.equal(tuned_head.vocab_ids, head.vocab_ids)
     assert not torch.equal(tuned_head.fc.weight, head.fc.weight)

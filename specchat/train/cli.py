@@ -62,10 +62,13 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     records = load_features(cfg.out, seqs)
     head, summary = train_head(target, records, cfg, deadline, identity)
     path = cfg.out / "head.safetensors"
-    summary.update(minutes_total=round((time.time() - t0) / 60, 2),
-                   config={k: (str(v) if isinstance(v, Path) else v)
-                           for k, v in asdict(cfg).items() if k not in ("prompt_files", "data")})
-    save_head(path, head, identity, meta=summary)
+    config = {k: (str(v) if isinstance(v, Path) else v)
+              for k, v in asdict(cfg).items() if k not in ("prompt_files", "data")}
+    summary.update(minutes_total=round((time.time() - t0) / 60, 2), config=config)
+    # A head file travels (it may be shipped or shared): it names the directories and the head
+    # it came from, not where they lay on the machine that trained it.
+    names = {k: Path(config[k]).name for k in ("out", "init") if config.get(k)}
+    save_head(path, head, identity, meta={**summary, "config": {**config, **names}})
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return path, summary
 
