@@ -233,8 +233,9 @@ def _samplers(args) -> dict:
 
 def _settings(args, modes: tuple[str, ...]) -> BenchSettings:
     return BenchSettings(samplers=_samplers(args), modes=modes, turns=args.turns,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                         seed=args.seed, draft_len=args.draft_len,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                         draft_len=args.draft_len,
                          adaptive=not args.fixed_draft_len, hf_pld_tokens=args.hf_pld_tokens,
                          tree_nodes=args.tree_nodes,
                          repeats=args.repeats, warmup_tokens=args.warmup_tokens,
