@@ -1,0 +1,313 @@
+"""The CUDA runtime's Triton kernels. Each computes a row of its output from that row of its
+input alone, in an order fixed by the shapes of the weights, never by the number of rows: rows
+are tiles of ROWS, reductions run over fixed blocks in one sequential loop, with no split-K and
+no atomics. So a token's activations are the same bits whatever is fed beside it.
+
+| kernel      | computes                                                        |
+| ----------- | --------------------------------------------------------------- |
+| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, both codes of a byte looked up at once (`pair_table`), the block's absmax applied to its partial product |
+| `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
+| `rms_norm`  | an optional residual add, then the RMS norm of each row         |
+| `silu_mul`  | silu(gate) * up, the Llama MLP's activation                     |
+| `rope_store`| RoPE on a fused q|k|v row, q out, k and v into the static cache |
+| `attention` | causal (optionally sliding-window) attention over the static cache, blocks of KEYS keys from slot 0, combined in one pass whatever the context's length |
+
+Under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests do, at tiny shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Under the interpreter (the CPU tests), tl.dot misreads bf16 operands and runs on numpy's
+# BLAS, whose rows depend on the rows beside them: there `_dot` multiplies float32 copies and
+# sums each product row in numpy's fixed order instead, so the interpreted kernels are
+# row-exact as the compiled ones are.
+UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """a [M, K] @ b [K, N] in float32."""
+    if UPCAST:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b)
+
+ROWS = 16  # rows per tile: tl.dot's smallest M; a decode step pads its rows to a multiple
+KEYS = 64  # keys per attention block (a fixed split size, counted from slot 0)
+NF4_BLOCK = 64  # codes per absmax: bitsandbytes' default 4-bit blocksize, the one supported
+
+
+# -- NF4 ------------------------------------------------------------------------------------
+
+
+def pair_table(code: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' 16-entry NF4 codebook -> 256 int32s: for each byte, the bf16 bits of its
+    high-nibble code (the first of the two) in the low half and of its low-nibble code in the
+    high half, so one lookup gives both codes of a byte."""
+    bits = code.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    byte = torch.arange(256)
+    return (bits[byte >> 4] | (bits[byte & 15] << 16)).to(torch.int32).contiguous()
+
+
+@triton.jit
+def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                       K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 64)
+    rb = tl.arange(0, 32)
+    row_ok = rm < M
+    col_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // 64):
+        x = tl.load(x_ptr + rm[:, None] * K + kb * 64 + rk[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb * 32 + rb[None, :],
+                         mask=col_ok[:, None], other=0)
+        pair = tl.load(table_ptr + packed.to(tl.int32))
+        first = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        second = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        w = tl.reshape(tl.join(first, second), (BLOCK_N, 64))
+        part = _dot(x, tl.trans(w), UPCAST)
+        scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+        acc += part * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def nf4_block_n(n: int, k: int) -> int:
+    """Output columns per program, from the weight's shape alone (never the rows): narrow
+    tiles for short weights keep every SM busy."""
+    return 16 if n * k <= 4096 * 4096 * 4 else 32
+
+
+def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+               table: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
+    first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
+    table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
+    buffer (rows strided, columns contiguous)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n = nf4_block_n(n, k)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS))
+    _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
+                             out, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
+                             BLOCK_M=ROWS,
+                             BLOCK_N=block_n, UPCAST=UPCAST, num_warps=4, num_stages=4)
+    return out
+
+
+# -- bf16 -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_om, K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < M
+    col_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + rk < K
+        x = tl.load(x_ptr + rm[:, None] * K + k0 + rk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + k0 + rk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += _dot(x, tl.trans(w), UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T, weight [N, K] in x's dtype -> [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n = 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS))
+    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, out.stride(0), K=k,
+                         HAS_BIAS=bias is not None, BLOCK_M=ROWS, BLOCK_N=block_n,
+                         BLOCK_K=64, UPCAST=UPCAST, num_warps=4, num_stages=4)
+    return out
+
+
+# -- norms and activations ------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, D, eps, offset,
+                     HAS_ADD: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    rd = tl.arange(0, BLOCK_D)
+    ok = rd < D
+    x = tl.load(x_ptr + row * D + rd, mask=ok, other=0.0)
+    if HAS_ADD:  # the residual stream: x += add, kept in x's dtype as the model's own add
+        x = (x.to(tl.float32) + tl.load(add_ptr + row * D + rd, mask=ok, other=0.0)
+             .to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * D + rd, x, mask=ok)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / D
+    normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + rd, mask=ok, other=0.0).to(tl.float32) + offset
+    tl.store(out_ptr + row * D + rd, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, offset: float = 0.0) -> torch.Tensor:
+    """Each row of x [M, D]: first x += add (in place, where given), then
+    x / rms(x) * (weight + offset). -> [M, D]."""
+    m, d = x.shape
+    if out is None:
+        out = torch.empty_like(x)
+    _rms_norm_kernel[(m,)](x, add if add is not None else x, weight, out, d, eps, offset,
+                           HAS_ADD=add is not None, BLOCK_D=triton.next_power_of_2(d),
+                           num_warps=4)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < I
+    g = tl.load(gu_ptr + row * 2 * I + r, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * I + I + r, mask=ok, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * I + r, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [M, 2I] (gate | up) -> silu(gate) * up [M, I]."""
+    m, two_i = gate_up.shape
+    i = two_i // 2
+    if out is None:
+        out = torch.empty(m, i, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(m, triton.cdiv(i, block))](gate_up, out, i, BLOCK=block, num_warps=4)
+    return out
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, S,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # 0..HQ-1: q heads, then HKV k heads, then HKV v heads
+    half = tl.arange(0, D // 2)
+    pos = tl.load(pos_ptr + row)
+    src = qkv_ptr + (row * (HQ + 2 * HKV) + head) * D
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + D // 2 + half).to(tl.float32)
+    if head < HQ + HKV:
+        c1 = tl.load(cos_ptr + pos * D + half).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * D + half).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    else:
+        y1 = x1
+        y2 = x2
+    if head < HQ:
+        dst = q_ptr + (row * HQ + head) * D
+    elif head < HQ + HKV:
+        dst = k_ptr + ((head - HQ) * S + pos) * D
+    else:
+        dst = v_ptr + ((head - HQ - HKV) * S + pos) * D
+    tl.store(dst + half, y1.to(q_ptr.dtype.element_ty))
+    tl.store(dst + D // 2 + half, y2.to(q_ptr.dtype.element_ty))
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+               q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               heads: int, kv_heads: int) -> None:
+    """qkv [M, (heads + 2 kv_heads) * D] -> q [M, heads, D] with RoPE at positions pos [M];
+    k (with RoPE) and v written into the caches [kv_heads, S, D] at slot pos."""
+    m = qkv.shape[0]
+    d = q.shape[-1]
+    _rope_store_kernel[(m, heads + 2 * kv_heads)](qkv, cos, sin, pos, q, k_cache, v_cache,
+                                                  k_cache.shape[1], HQ=heads, HKV=kv_heads,
+                                                  D=d, num_warps=1)
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, M, S, scale, window,
+                      HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr):
+    head = tl.program_id(0)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    rd = tl.arange(0, D)
+    kv = head // GROUP
+    pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
+    q = tl.load(q_ptr + (rm[:, None] * HQ + head) * D + rd[None, :], mask=row_ok[:, None],
+                other=0.0)
+    hi = tl.max(pos, axis=0) + 1
+    lowest = tl.min(tl.where(row_ok, pos, hi), axis=0)
+    lo = tl.maximum(lowest - window + 1, 0) // BLOCK_S * BLOCK_S
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    k_base = k_ptr + kv * S * D
+    v_base = v_ptr + kv * S * D
+    for start in range(lo, hi, BLOCK_S):
+        rs = start + tl.arange(0, BLOCK_S)
+        k = tl.load(k_base + rs[:, None] * D + rd[None, :])
+        s = _dot(q, tl.trans(k), UPCAST) * scale
+        seen = (rs[None, :] <= pos[:, None]) & (pos[:, None] - rs[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + rs[:, None] * D + rd[None, :])
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (rm[:, None] * HQ + head) * D + rd[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+              scale: float, window: int | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [M, heads, D] at positions pos [M] (int32) over the caches [kv_heads, S, D], where the
+    key of position p sits at slot p. Row r sees slots <= pos[r] (and > pos[r] - window).
+    S must be a multiple of KEYS and exceed every position. -> [M, heads, D]."""
+    m, heads, d = q.shape
+    kv_heads, s, _ = k_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    grid = (heads, triton.cdiv(m, ROWS))
+    _attention_kernel[grid](q, k_cache, v_cache, pos, out, m, s, scale,
+                            window if window else 1 << 30, HQ=heads, GROUP=heads // kv_heads,
+                            D=d, BLOCK_M=ROWS, BLOCK_S=KEYS, UPCAST=UPCAST, num_warps=4,
+                            num_stages=2)
+    return out

@@ -1,0 +1,291 @@
+"""`CudaTarget`: a Llama-family causal LM run by specchat's own forward on a CUDA GPU.
+
+The weights stay the ones transformers loaded (bitsandbytes' NF4 `Linear4bit`s, or bf16
+`Linear`s); this module reads them in place, adding only the absmax of each NF4 block as
+float32 (bitsandbytes' double quantization undone once, 1/16 of a byte a weight). What it adds:
+
+- **a static KV cache** allocated at load, [layers, kv heads, slots, head dim]: a token's keys
+  and values sit at the slot of its position, a rollback is the engine forgetting tokens (the
+  next forward overwrites them), and nothing is allocated while decoding;
+- **one decode width**: a forward of up to `WIDTH` tokens is padded to `WIDTH` rows and one of
+  up to `PAGE` tokens to `PAGE` rows, each replayed as a CUDA graph captured at load (static
+  input buffers, no host sync inside); wider forwards (never fed by the engine) run eagerly;
+- **row-exact kernels** (`kernels.py`): a row's bits never depend on the rows beside it, so
+  padding, verifies and prompt pages give a token the logits a one-token step gives it.
+
+Pad rows carry the positions after the real ones, so every row is finite and writes its keys
+to slots past the real tokens, which the next forward overwrites before any row can see them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specchat.models.cuda import kernels
+
+WIDTH = 16  # the decode width: plain steps, verifies of up to 15 drafts, short prompt tails
+PAGE = 64  # the prompt-page width (the engine's whole pages and their tails)
+CONTEXT_ENV = "SPECCHAT_CUDA_CONTEXT"
+CONTEXT = 4096  # slots in the static cache by default: 0.5 GiB for an 8B Llama in bf16
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot run on this runtime, or None."""
+    config = model.config.get_text_config()
+    kind = getattr(config, "model_type", "")
+    if kind not in SUPPORTED:
+        return f"{kind or type(model).__name__} is not a Llama-family model ({', '.join(SUPPORTED)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"its activation is {config.hidden_act}, not silu"
+    if getattr(config, "use_sliding_window", False) \
+            or kind == "mistral" and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    head_dim = _head_dim(config)
+    if head_dim % 16 or head_dim & (head_dim - 1):
+        return f"head dim {head_dim} is not a power of two of at least 16"
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Linear4bit":
+            state = module.weight.quant_state
+            if state.quant_type != "nf4" or state.blocksize != kernels.NF4_BLOCK \
+                    or module.in_features % kernels.NF4_BLOCK:
+                return (f"{name}: {state.quant_type} with blocks of {state.blocksize} over "
+                        f"{module.in_features} inputs (needs nf4, blocks of 64, inputs a "
+                        "multiple of 64)")
+    return None
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Linear:
+    """One linear layer as the kernels take it: NF4 (bitsandbytes' packed codes viewed as
+    [N, K/2], absmax as float32 [N, K/64]) or a plain [N, K] weight."""
+
+    def __init__(self, module, table: torch.Tensor | None):
+        self.bias = module.bias.data if getattr(module, "bias", None) is not None else None
+        self.out_features = module.out_features
+        if type(module).__name__ == "Linear4bit":
+            from bitsandbytes.functional import dequantize_blockwise
+            state = module.weight.quant_state
+            n, k = state.shape
+            absmax = state.absmax
+            if state.nested:
+                absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+            self.packed = module.weight.data.view(n, k // 2)
+            self.absmax = absmax.float().reshape(n, k // kernels.NF4_BLOCK).contiguous()
+            self.table = table if table is not None else kernels.pair_table(state.code).to(
+                self.packed.device)
+            self.weight = None
+        else:
+            self.weight = module.weight.data
+            self.packed = None
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return kernels.nf4_matmul(x, self.packed, self.absmax, self.table, self.bias, out)
+        return kernels.matmul(x, self.weight, self.bias, out)
+
+
+@dataclass
+class Layer:
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+
+
+class StaticCache:
+    """Every layer's keys and values at fixed slots, allocated once. `layers[i].keys` and
+    `.values` are [1, kv heads, slots, head dim] views and `update` writes a prefix: what the
+    prefix store reads and restores."""
+
+    def __init__(self, layers: int, kv_heads: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (layers, kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def layers(self) -> list:
+        return [_LayerView(self.k[i][None], self.v[i][None]) for i in range(self.k.shape[0])]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
+        n = keys.shape[-2]
+        self.k[layer, :, :n] = keys[0]
+        self.v[layer, :, :n] = values[0]
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Move the fed tokens at start + rows (increasing) to start, start + 1, ...: a draft
+        tree's accepted path, kept as a chain."""
+        src = torch.tensor([start + r for r in rows], device=self.k.device)
+        dst = torch.arange(start, start + len(rows), device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, :, dst] = t[:, :, src]
+
+
+@dataclass
+class _LayerView:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class CudaTarget:
+    """The target seam (`core.target`) for a Llama-family model on CUDA. One cache per model:
+    `new_cache` returns it emptied, since the engine keeps one conversation at a time."""
+
+    tree_masks = False  # draft trees are verified as chains here (slots are positions)
+    row_exact_by_design = True
+
+    def __init__(self, model, graphs: bool | None = None, context: int | None = None):
+        why = unsupported(model)
+        if why:
+            raise ValueError(f"the CUDA runtime cannot run this model: {why}")
+        config = model.config.get_text_config()
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = base.embed_tokens.weight.dtype
+        if self.dtype == torch.float32:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.hidden = config.hidden_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.vocab = config.vocab_size
+        self.embed = base.embed_tokens.weight.data
+        self.final_norm = base.norm.weight.data
+        table = None
+        self.layers = []
+        for block in base.layers:
+            att, mlp = block.self_attn, block.mlp
+            linears = [Linear(m, table) for m in (att.q_proj, att.k_proj, att.v_proj,
+                                                  att.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                  mlp.down_proj)]
+            table = next((lin.table for lin in linears if lin.packed is not None), table)
+            self.layers.append(Layer(*linears, block.input_layernorm.weight.data,
+                                     block.post_attention_layernorm.weight.data))
+        self.lm_head = Linear(model.get_output_embeddings(), table)
+        limit = getattr(config, "max_position_embeddings", None) or CONTEXT
+        wanted = context or int(os.environ.get(CONTEXT_ENV, CONTEXT))
+        self.context = min(limit, wanted)
+        slots = -(-(self.context + PAGE) // kernels.KEYS) * kernels.KEYS
+        self.cache = StaticCache(len(self.layers), self.kv_heads, slots, self.head_dim,
+                                 self.dtype, self.device)
+        self.cos, self.sin = _rope_tables(base, slots, self.head_dim, self.device)
+        self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self._captured: dict[int, tuple] = {}
+        if self.graphs:
+            self._capture()
+
+    # -- the forward ------------------------------------------------------------------------
+
+    def _rows(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [M], pos [M] int32 -> (logits [M, vocab], final-norm output [M, d]); writes
+        each row's keys and values at slot pos."""
+        m = ids.shape[0]
+        h = self.embed[ids]
+        q = torch.empty(m, self.heads, self.head_dim, dtype=self.dtype, device=self.device)
+        qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        qkv = torch.empty(m, qkv_width, dtype=self.dtype, device=self.device)
+        nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        inter = self.layers[0].gate.out_features
+        gate_up = torch.empty(m, 2 * inter, dtype=self.dtype, device=self.device)
+        x = kernels.rms_norm(h, self.layers[0].attn_norm, self.eps)
+        for i, layer in enumerate(self.layers):
+            layer.q(x, out=qkv[:, :nq])
+            layer.k(x, out=qkv[:, nq:nq + nk])
+            layer.v(x, out=qkv[:, nq + nk:])
+            kernels.rope_store(qkv, self.cos, self.sin, pos, q, self.cache.k[i],
+                               self.cache.v[i], self.heads, self.kv_heads)
+            att = kernels.attention(q, self.cache.k[i], self.cache.v[i], pos, self.scale)
+            o = layer.o(att.view(m, -1))
+            x = kernels.rms_norm(h, layer.mlp_norm, self.eps, add=o)
+            layer.gate(x, out=gate_up[:, :inter])
+            layer.up(x, out=gate_up[:, inter:])
+            down = layer.down(kernels.silu_mul(gate_up))
+            norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+            x = kernels.rms_norm(h, norm, self.eps, add=down)
+        return self.lm_head(x), x
+
+    def _capture(self) -> None:
+        """Capture the forward at WIDTH and PAGE rows as CUDA graphs over static buffers."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        pool = None
+        with torch.cuda.stream(stream):
+            for width in (PAGE, WIDTH):
+                ids = torch.zeros(width, dtype=torch.long, device=self.device)
+                pos = torch.arange(width, dtype=torch.int32, device=self.device)
+                for _ in range(2):  # compile the kernels, settle the allocator
+                    self._rows(ids, pos)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits, hidden = self._rows(ids, pos)
+                pool = graph.pool()
+                self._captured[width] = (graph, ids, pos, logits, hidden)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(self, cache, ids: list[int], start: int, n_logits: int) -> torch.Tensor:
+        """Feed `ids` at positions start.. after the cached ones; the last n_logits rows of
+        logits [n, vocab]."""
+        n = len(ids)
+        if start + n > self.context:
+            raise ValueError(f"the context is full: {start + n} tokens, the CUDA runtime "
+                             f"holds {self.context} ({CONTEXT_ENV})")
+        width = WIDTH if n <= WIDTH else PAGE if n <= PAGE else None
+        if width is not None and width in self._captured:
+            graph, ids_buf, pos_buf, logits, hidden = self._captured[width]
+            padded = ids + [ids[-1]] * (width - n)
+            host = torch.tensor([padded, list(range(start, start + width))], dtype=torch.long)
+            ids_buf.copy_(host[0], non_blocking=True)
+            pos_buf.copy_(host[1], non_blocking=True)
+            graph.replay()
+        else:
+            padded = ids + [ids[-1]] * ((width or n) - n)
+            ids_t = torch.tensor(padded, dtype=torch.long, device=self.device)
+            pos = torch.arange(start, start + len(padded), dtype=torch.int32, device=self.device)
+            logits, hidden = self._rows(ids_t, pos)
+        self.last_hidden = hidden[:n]
+        return logits[n - n_logits:n]
+
+    # -- the seam ---------------------------------------------------------------------------
+
+    def new_cache(self) -> StaticCache:
+        return self.cache
+
+    def crop(self, cache, cached: int, keep: int) -> bool:
+        return True  # the slots past `keep` are rewritten before any row reads them
+
+    def keep_fed(self, cache, fed: int, start: int, keep: list[int]) -> None:
+        cache.keep(start, keep)
+
+    def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
+        if rows is None:
+            return self.last_hidden[:n]
+        return self.last_hidden[torch.tensor(rows, device=self.last_hidden.device)]
+
+
+def _rope_tables(base, slots: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [slots, head dim] in float32, from the model's own rotary embedding (its
+    scaling included)."""
+    positions = torch.arange(slots, device=device)[None]
+    probe = torch.zeros(1, 1, head_dim, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        cos, sin = base.rotary_emb(probe, positions)
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
