@@ -142,7 +142,7 @@ def _engine(ctx: Context, name: str):
     ngram = NgramDrafter()
     headd = HeadDrafter(head, target.model, vocab, tree_min_score=0.0)  # random: trees anyway
     return Engine(target, {"ngram": ngram, "model": ModelDrafter(draft.model, vocab,
-                                                                  paged=draft.paged_cache),
+                                                                  runner=draft.runner),
                            "head": headd, "combined": CombinedDrafter(ngram, headd)})
 
 

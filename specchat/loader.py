@@ -60,7 +60,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
             draft = None
         else:
             engine.drafters["model"] = ModelDrafter(draft.model, engine.vocab_size,
-                                                    paged=draft.paged_cache)
+                                                    paged=draft.paged_cache,
+                                                    runner=draft.runner)
     return LoadReport(engine, draft, notes)
 
 

@@ -138,11 +138,11 @@ def test_a_path_that_fails_the_proof_gives_way_or_is_labelled(checkpoint, monkey
         pytest.skip("one path only on this machine")
     proven = runtime.prove_row_exact
 
-    def fails_first(model, paged, vocab):
+    def fails_first(runner, vocab):
         if not is_second[0]:
             is_second[0] = True
             return False, "a verify of 6 rows gave other logits than one-token steps at 2 of 6"
-        return proven(model, paged, vocab)
+        return proven(runner, vocab)
 
     is_second = [False]
     monkeypatch.setattr(runtime, "prove_row_exact", fails_first)

@@ -8,7 +8,8 @@ One step = one target forward over [last token] + k drafts, then `sampling.verif
 speculation off (or when the drafter has nothing to propose) k = 0 and the very same code path
 is plain decoding. A drafter may propose a tree instead (`tree.DraftTree`, the head does): the
 forward then reads every node under a tree attention mask, `tree.verify_tree` walks the path the
-target agrees with, and the cache keeps that path (`kvcache.keep_fed`).
+target agrees with, and the cache keeps that path. The target's forwards, cache and features
+go through its runner (core/runner.py): transformers' own, or the CUDA runtime's.
 
 The target's KV cache lives across steps and across requests: after each
 verification it is cropped to the accepted context, and a new request re-encodes only what its
@@ -39,14 +40,7 @@ from specchat.core.events import (
     TokenEvent,
     summarize,
 )
-from specchat.core.features import FeatureTap
 from specchat.core.history import History
-from specchat.core.kvcache import (
-    crop_to,
-    keep_fed,
-    new_cache,
-    tree_attention_mask,
-)
 from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.policy import DraftLengthPolicy
 from specchat.core.prefix import PREFIX_CACHE_TOKENS, PrefixStore
@@ -59,7 +53,7 @@ from specchat.core.text import (
     non_text_ids,
     tokens_until_stop,
 )
-from specchat.core.tree import DraftTree, verify_tree, visibility
+from specchat.core.tree import DraftTree, verify_tree
 
 # The longest prompt a request may bring by default, in tokens: what a 2-core CPU encodes in
 # about 10 s on the embedded target, so one request cannot hold the engine for minutes.
@@ -201,13 +195,13 @@ class Engine:
         # The longest prompt a request may bring, counted in tokens after the chat format (the
         # page, the API and the CLI alike); None: the model's context window alone.
         self.max_prompt_tokens = max_prompt_tokens
-        self._tap = None  # head.FeatureTap on the target's final norm, once a drafter wants it
-        # What the model runtime gives (models.LoadedModel): verify logits equal one-token
-        # logits bit for bit (proved at load), tree masks, the paged cache its attention needs.
+        # What runs the target's forwards (core/runner.py): its cache, rollback, trees and
+        # features. The model runtime proved at load whether verify logits equal one-token
+        # logits bit for bit (models.LoadedModel.row_exact).
+        self.runner = target.runner
         self.row_exact = target.row_exact
         self.gives_logprobs = True  # GenerateConfig.logprobs is honoured
-        self.trees_ok = target.tree_masks
-        self.paged_cache = target.paged_cache
+        self.trees_ok = self.runner.tree_masks
 
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).
@@ -231,25 +225,18 @@ class Engine:
     def _forward(self, ids: list[int], n_logits: int) -> torch.Tensor:
         """Feed `ids` after the cached tokens; return the last n_logits rows [n, vocab]
         (on the model's device and dtype: sampling moves them to CPU only when it needs them)."""
-        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
-                         use_cache=True, logits_to_keep=n_logits)
+        logits = self.runner.forward(self._cache, ids, len(self._cache_ids), n_logits)
         self._cache_ids.extend(ids)
-        return out.logits[0, :, :self.vocab_size]
+        return logits[:, :self.vocab_size]
 
     @torch.inference_mode()
     def _forward_tree(self, ids: list[int], parents: list[int]) -> torch.Tensor:
         """Feed the root ids[0] and a draft tree ids[1:] (node i a child of parents[i], -1 the
         root) after the cached tokens, with a tree attention mask. Returns logits [len(ids),
         vocab]."""
-        cached = len(self._cache_ids)
-        visible = visibility(parents)
-        positions = cached + visible.sum(-1).to(self.device) - 1  # depth = ancestors seen
-        mask = tree_attention_mask(self.model, self._cache, cached, visible, positions)
-        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self._cache,
-                         attention_mask=mask, position_ids=positions[None], use_cache=True,
-                         logits_to_keep=len(ids))
+        logits = self.runner.forward_tree(self._cache, ids, parents, len(self._cache_ids))
         self._cache_ids.extend(ids)
-        return out.logits[0, :, :self.vocab_size]
+        return logits[:, :self.vocab_size]
 
     def _prefill(self, prompt_ids: list[int], wants: list,
                  stop_event: threading.Event | None = None) -> tuple[torch.Tensor | None, int]:
@@ -264,13 +251,13 @@ class Engine:
         where this prompt would have computed it the same way (`_reusable`)."""
         wide_end = len(prompt_ids) // self.page * self.page
         keep = self._reusable(prompt_ids, wide_end)
-        if self._cache is None or not crop_to(self._cache, len(self._cache_ids), keep):
-            self._cache, keep = new_cache(self.model, self.paged_cache), 0
+        if self._cache is None or not self.runner.crop(self._cache, len(self._cache_ids), keep):
+            self._cache, keep = self.runner.new_cache(), 0
         self._cache_ids = self._cache_ids[:keep]
         self._wide_end = min(self._wide_end, keep)
         stored, n = self.prefixes.longest(prompt_ids, min(wide_end, len(prompt_ids) - 1))
         if n > keep:  # more whole pages in the prefix store than in the cache
-            self._cache = new_cache(self.model, self.paged_cache)
+            self._cache = self.runner.new_cache()
             self.prefixes.restore(stored, n, self._cache)
             self._cache_ids, self._wide_end, keep = list(prompt_ids[:n]), n, n
         logits, at = None, keep
@@ -301,8 +288,8 @@ class Engine:
         """Drafters that draft from the target's features (the EAGLE head). They get them for
         free: a hook on the target's final norm keeps the hidden states of each forward."""
         wants = [d for d in self.drafters.values() if d.needs_features]
-        if wants and self._tap is None:
-            self._tap = FeatureTap(self.model)
+        if wants:
+            self.runner.watch_features()
         return wants
 
     def _observe(self, wants: list, start: int, ids: list[int],
@@ -311,14 +298,16 @@ class Engine:
         tokens `ids` at context positions start.. . Sent whichever drafter is active, so
         switching drafters costs nothing."""
         if wants:
-            features = self._tap.features(len(ids), rows)  # [len(ids), d]
+            features = self.runner.features(len(ids), rows)  # [len(ids), d]
             for d in wants:
                 d.observe(start, ids, features)
 
     @property
     def context_window(self) -> int | None:
         """The most tokens (prompt + reply) the target reads: its position embeddings."""
-        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        window = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        held = getattr(self.runner, "context", None)  # a static cache's slots
+        return min(w for w in (window, held) if w) if window or held else None
 
     def reset_cache(self) -> None:
         self._cache, self._cache_ids, self._wide_end = None, [], 0
@@ -338,7 +327,7 @@ class Engine:
         v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context))
         n = v.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
-        crop_to(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
+        self.runner.crop(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
         self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
         self._observe(run.wants, len(context) - 1, [context[-1], *drafted[:n]])
         refused = drafted[n] if n < k else None
@@ -353,7 +342,7 @@ class Engine:
         logits = self._distribution(run, logits, context, tree.paths())
         v = verify_tree(tree, logits, run.params, run.noise, len(context))
         keep = [0] + [1 + i for i in v.path]  # the root and the accepted path
-        keep_fed(self._cache, len(ids), keep)
+        self.runner.keep_fed(self._cache, len(ids), len(self._cache_ids) - len(ids), keep)
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
         self._observe(run.wants, len(context) - 1, [ids[j] for j in keep], keep)
         refused = int(tree.tokens[v.refused[0]]) if v.refused else None

@@ -18,9 +18,12 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, model, vocab_size: int, paged: bool = False):
+    def __init__(self, model, vocab_size: int, paged: bool = False, runner=None):
+        from specchat.models.hf_runner import HFRunner
         self.model = model
-        self.paged = paged  # the draft's attention needs paged caches (models.LoadedModel)
+        # What runs its forwards (core/runner.py): the draft's LoadedModel.runner, or
+        # transformers' own (paged where the draft's attention needs it).
+        self.runner = runner or HFRunner(model, paged)
         self.vocab_size = vocab_size  # the target's logits width; the draft's is cut/padded to it
         self.device = next(model.parameters()).device
         self.cache = None
@@ -31,25 +34,23 @@ class ModelDrafter(Drafter):
         self.shaper = shaper
 
     def begin(self, prompt_ids):
-        from specchat.core.kvcache import new_cache
-        self.cache = new_cache(self.model, self.paged)
+        self.cache = self.runner.new_cache()
         self.cached_ids = []
 
     def _sync(self, context: list[int]) -> list[int]:
         """Crop the cache to the longest prefix it shares with `context`; return the rest."""
-        from specchat.core.kvcache import crop_to
         keep = common_prefix_len(self.cached_ids, context)
         keep = min(keep, len(context) - 1)  # always feed at least one token to get logits
-        crop_to(self.cache, len(self.cached_ids), keep)
+        if not self.runner.crop(self.cache, len(self.cached_ids), keep):
+            self.cache, keep = self.runner.new_cache(), 0
         self.cached_ids = self.cached_ids[:keep]
         return context[keep:]
 
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        logits = self.runner.forward(self.cache, ids, len(self.cached_ids), 1)
         self.cached_ids.extend(ids)
-        return out.logits[0, -1:, :self.vocab_size]  # [1, vocab], on the draft's device
+        return logits[-1:, :self.vocab_size]  # [1, vocab], on the draft's device
 
     def propose(self, context, k, params, noise):
         if k <= 0:

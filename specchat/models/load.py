@@ -80,11 +80,13 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() \
             else torch.float16
         loaded = _load(name_or_path, path, quantization, dev, compute, local)
-        # The same proof as the CPU paths' (a GPU's kernels may round a verify's rows otherwise
-        # than one-token steps): said, not acted on, since no other path is tried here.
+        name, skipped = dev.type, ()
+        if dev.type == "cuda":
+            name, skipped = _use_cuda_runtime(loaded, progress)
+        # The same proof as the CPU paths': on CUDA it covers the widths the runtime pads to.
         vocab = loaded.model.config.get_text_config().vocab_size
-        exact, proof = runtime.prove_row_exact(loaded.model, loaded.paged_cache, vocab)
-        loaded.runtime = Runtime(dev.type, _device_name(dev), exact, proof)
+        exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
+        loaded.runtime = Runtime(name, _device_name(dev), exact, proof, skipped=skipped)
         if not exact:
             progress(f"specchat: {loaded.runtime.lossless_note}")
         return loaded
@@ -105,7 +107,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         loaded = _load(name_or_path, path, quantization, dev, cpu_path.compute, local,
                        cpu_path, lib)
         vocab = loaded.model.config.get_text_config().vocab_size
-        exact, proof = runtime.prove_row_exact(loaded.model, loaded.paged_cache, vocab)
+        exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
         if exact or forced or i == len(tries) - 1:
             loaded.runtime = Runtime(cpu_path.name, cpu.describe(), exact, proof, forced,
                                      tuple(skipped))
@@ -118,6 +120,31 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         del loaded
         _release_freed_memory()
     raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
+
+
+CUDA_RUNTIME_ENV = "SPECCHAT_CUDA_RUNTIME"  # "transformers": transformers' forward on CUDA
+
+
+def _use_cuda_runtime(loaded: LoadedModel, progress) -> tuple[str, tuple[str, ...]]:
+    """Give a model loaded on CUDA specchat's CUDA runtime where it can run it (a Llama-family
+    model, Triton importable); else it runs on transformers' forward, and says why.
+    -> (the runtime's name, why the CUDA runtime was not taken)."""
+    import os
+
+    if os.environ.get(CUDA_RUNTIME_ENV) == "transformers":
+        return "cuda-transformers", (f"cuda-graphs: {CUDA_RUNTIME_ENV}=transformers",)
+    try:
+        from specchat.models.cuda.runner import CudaRunner, unsupported
+    except ImportError as e:  # no Triton
+        why = f"cuda-graphs: Triton does not import ({e})"
+    else:
+        why = unsupported(loaded.model)
+        if why is None:
+            loaded.runner_ = CudaRunner(loaded.model)
+            return "cuda-graphs", ()
+        why = f"cuda-graphs: {why}"
+    progress(f"specchat: {why}; running on transformers' forward")
+    return "cuda-transformers", (why,)
 
 
 def _build_kernels_soon() -> None:

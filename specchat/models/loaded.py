@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.models.attention import WIDE, is_row_exact, tree_masks_supported
+from specchat.models.attention import WIDE, is_row_exact
 from specchat.models.runtime import Runtime
 
 
@@ -24,6 +24,16 @@ class LoadedModel:
     load_s: float
     compute: str = ""  # how it runs, where not obvious: "dequantized once to float32"
     runtime: Runtime | None = None  # the path taken and what it proved (models.runtime)
+    # What runs its forwards for the engine (core/runner.py); None: transformers' own
+    # (`HFRunner`), made on first use.
+    runner_: object = None
+
+    @property
+    def runner(self):
+        if self.runner_ is None:
+            from specchat.models.hf_runner import HFRunner
+            self.runner_ = HFRunner(self.model, self.paged_cache)
+        return self.runner_
 
     @property
     def label(self) -> str:
@@ -56,5 +66,5 @@ class LoadedModel:
 
     @property
     def tree_masks(self) -> bool:
-        """Its attention takes a draft tree's mask (flash attention takes none)."""
-        return tree_masks_supported(self.model)
+        """Its runner verifies a draft tree in one forward."""
+        return self.runner.tree_masks

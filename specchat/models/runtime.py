@@ -180,31 +180,29 @@ class Runtime:
 
 
 PROOF_PROMPT = 9  # tokens before the proof's rows
-PROOF_WIDTHS = (1, 2, 6, 17)  # rows per forward compared over PROOF_NEW tokens (1: the steps)
+PROOF_WIDTHS = (1, 2, 6, 16, 17)  # rows per forward compared over PROOF_NEW tokens (1: the
+# steps; 16 and 17: the CUDA runtime's decode width and one past it, a prompt-page forward)
 PROOF_NEW = 17
 PROOF_WIDEST = 63  # then one forward this wide against forwards of 17: every width a verify
 # or a prompt's last page can take (the engine feeds at most `LoadedModel.narrow_rows` rows)
 
 
 @torch.inference_mode()
-def prove_row_exact(model, paged: bool, vocab: int) -> tuple[bool, str]:
-    """Feed the same tokens after a short prompt in forwards of each width of PROOF_WIDTHS
-    (one at a time, 2, 6 and 17 at a time: chains and trees of drafts), then PROOF_WIDEST
-    tokens in one forward against forwards of 17, and compare their logits bit for bit.
-    Returns (exact, what was found). About a second on the embedded target."""
-    from specchat.core.kvcache import new_cache
-
+def prove_row_exact(runner, vocab: int) -> tuple[bool, str]:
+    """Feed the same tokens after a short prompt through `runner` (core/runner.py) in forwards
+    of each width of PROOF_WIDTHS (one at a time, 2, 6, 16 and 17 at a time: chains and trees of
+    drafts, the widths a runtime pads to), then PROOF_WIDEST tokens in one forward against
+    forwards of 17, and compare their logits bit for bit. Returns (exact, what was found).
+    About a second on the embedded target."""
     ids = [(1000 + 37 * i) % vocab for i in range(PROOF_PROMPT + PROOF_WIDEST)]
     prompt = ids[:PROOF_PROMPT]
-    device = next(model.parameters()).device
 
     def logits(new: list[int], width: int) -> torch.Tensor:
-        cache = new_cache(model, paged)
-        model(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        cache = runner.new_cache()
+        runner.forward(cache, prompt, 0, 1)
         return torch.cat([
-            model(torch.tensor([new[i:i + width]], device=device), past_key_values=cache,
-                  use_cache=True).logits[0] for i in range(0, len(new), width)])
+            runner.forward(cache, new[i:i + width], PROOF_PROMPT + i, len(new[i:i + width]))
+            for i in range(0, len(new), width)])
 
     new = ids[PROOF_PROMPT:PROOF_PROMPT + PROOF_NEW]
     steps = logits(new, 1)

@@ -1,4 +1,4 @@
-"""`CudaTarget`: a Llama-family causal LM run by specchat's own forward on a CUDA GPU.
+"""`CudaRunner`: a Llama-family causal LM run by specchat's own forward on a CUDA GPU.
 
 The weights stay the ones transformers loaded (bitsandbytes' NF4 `Linear4bit`s, or bf16
 `Linear`s); this module reads them in place, adding only the absmax of each NF4 block as
@@ -140,8 +140,8 @@ class _LayerView:
     values: torch.Tensor
 
 
-class CudaTarget:
-    """The target seam (`core.target`) for a Llama-family model on CUDA. One cache per model:
+class CudaRunner:
+    """The runner seam (`core.runner`) for a Llama-family model on CUDA. One cache per model:
     `new_cache` returns it emptied, since the engine keeps one conversation at a time."""
 
     tree_masks = False  # draft trees are verified as chains here (slots are positions)
@@ -262,7 +262,7 @@ class CudaTarget:
             pos = torch.arange(start, start + len(padded), dtype=torch.int32, device=self.device)
             logits, hidden = self._rows(ids_t, pos)
         self.last_hidden = hidden[:n]
-        return logits[n - n_logits:n]
+        return logits[n - n_logits:n].clone()  # the graph's buffer is rewritten next step
 
     # -- the seam ---------------------------------------------------------------------------
 
@@ -275,9 +275,16 @@ class CudaTarget:
     def keep_fed(self, cache, fed: int, start: int, keep: list[int]) -> None:
         cache.keep(start, keep)
 
+    def forward_tree(self, cache, ids, parents, start):
+        raise NotImplementedError("the CUDA runtime verifies draft trees as chains "
+                                  "(tree_masks is False)")
+
+    def watch_features(self) -> None:
+        pass  # every forward keeps its final-norm output (`last_hidden`)
+
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
         if rows is None:
-            return self.last_hidden[:n]
+            return self.last_hidden[:n].clone()
         return self.last_hidden[torch.tensor(rows, device=self.last_hidden.device)]
 
 

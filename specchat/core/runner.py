@@ -1,0 +1,51 @@
+"""The seam between the decode loop and the model that runs the target.
+
+The engine never calls a model directly: it asks its runner for a cache, feeds tokens at
+positions, rolls back, keeps a draft tree's path, and reads the features the EAGLE head drafts
+from. Two rooms implement it under `models/`, as ggml-cpu and ggml-cuda sit behind ggml-backend:
+
+| runner                        | runs                                                           |
+| ----------------------------- | -------------------------------------------------------------- |
+| `models.hf_runner.HFRunner`   | transformers' forward with a `DynamicCache` (the CPU paths, and any model on any device) |
+| `models.cuda.runner.CudaRunner` | specchat's own forward on CUDA: a static cache, one padded decode width, CUDA graphs, Triton kernels |
+
+`models.load.load_model` picks one (`LoadedModel.runner`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Runner(Protocol):
+    tree_masks: bool  # forward_tree is supported (draft trees verified in one forward)
+
+    def new_cache(self) -> Any:
+        """An empty cache (what forward writes into)."""
+
+    def forward(self, cache: Any, ids: list[int], start: int, n_logits: int) -> torch.Tensor:
+        """Feed `ids` at positions start.. after the `start` tokens the cache holds; the logits
+        of the last n_logits rows [n_logits, vocab or wider], on the target's device."""
+
+    def forward_tree(self, cache: Any, ids: list[int], parents: list[int],
+                     start: int) -> torch.Tensor:
+        """Feed a root ids[0] and a draft tree ids[1:] (node i a child of parents[i], -1 the
+        root) after `start` cached tokens, each node at the position of its depth; logits
+        [len(ids), vocab]. Only where `tree_masks`."""
+
+    def crop(self, cache: Any, cached: int, keep: int) -> bool:
+        """Forget all but the first `keep` of `cached` tokens; False where the cache cannot
+        (the engine then starts a new one)."""
+
+    def keep_fed(self, cache: Any, fed: int, start: int, keep: list[int]) -> None:
+        """After a forward that fed `fed` tokens at start.., keep only the fed tokens at the
+        indices `keep` (increasing), moved to start, start + 1, ...: a tree's accepted path."""
+
+    def watch_features(self) -> None:
+        """From now on, keep each forward's features (the final norm's output)."""
+
+    def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
+        """The latest forward's features: its first n rows, or the rows `rows`. [n, d]"""

@@ -1,0 +1,58 @@
+"""`HFRunner`: the runner seam (`core.runner`) over transformers' own forward.
+
+The CPU paths (`models.cpu`, `models.attention` swap in specchat's kernels and row-exact
+attention under the same modules) and any model the CUDA runtime does not take run here:
+a `DynamicCache` (paged where the row-exact attention reads keys in place), rolled back by
+cropping, draft trees under a tree attention mask, features from a hook on the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.core.features import FeatureTap
+from specchat.core.kvcache import crop_to, keep_fed, new_cache, tree_attention_mask
+from specchat.core.tree import visibility
+from specchat.models.attention import tree_masks_supported
+
+
+class HFRunner:
+    def __init__(self, model, paged: bool = False):
+        self.model = model
+        self.paged = paged
+        self.device = next(model.parameters()).device
+        self.tree_masks = tree_masks_supported(model)
+        self._tap: FeatureTap | None = None
+
+    def new_cache(self):
+        return new_cache(self.model, self.paged)
+
+    @torch.inference_mode()
+    def forward(self, cache, ids: list[int], start: int, n_logits: int) -> torch.Tensor:
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=cache,
+                         use_cache=True, logits_to_keep=n_logits)
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def forward_tree(self, cache, ids: list[int], parents: list[int],
+                     start: int) -> torch.Tensor:
+        visible = visibility(parents)
+        positions = start + visible.sum(-1).to(self.device) - 1  # depth = ancestors seen
+        mask = tree_attention_mask(self.model, cache, start, visible, positions)
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=cache,
+                         attention_mask=mask, position_ids=positions[None], use_cache=True,
+                         logits_to_keep=len(ids))
+        return out.logits[0]
+
+    def crop(self, cache, cached: int, keep: int) -> bool:
+        return crop_to(cache, cached, keep)
+
+    def keep_fed(self, cache, fed: int, start: int, keep: list[int]) -> None:
+        keep_fed(cache, fed, keep)
+
+    def watch_features(self) -> None:
+        if self._tap is None:
+            self._tap = FeatureTap(self.model)
+
+    def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
+        return self._tap.features(n, rows)
