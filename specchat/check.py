@@ -46,6 +46,7 @@ class Context:
     device: str
     small: bool
     workdir: Path
+    shape: str = "1b"  # the speed check's target: Llama 3.2 1B's shape or Llama 3.1 8B's
     quantization: str = "none"  # "nf4" where bitsandbytes imports, else "none"
     bnb_problem: str = ""
     targets: dict = field(default_factory=dict)  # name -> (LoadedModel, checkpoint dir)
@@ -287,25 +288,21 @@ def _median_ms(fn: Callable[[], None], device: str, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def _verify_costs(loaded, device: str, widths=(1, 2, 3, 4, 5, 6, 8, 12, 16),
+def _verify_costs(runner, vocab: int, device: str, widths=(1, 2, 3, 4, 5, 6, 8, 12, 16),
                   context: int = 256, repeats: int = 9) -> dict:
     """Milliseconds of one target forward feeding n tokens after `context` cached ones (a
-    verify of n - 1 drafts), the cache cropped back after each."""
-    from specchat.core.kvcache import crop_to, new_cache
-    model = loaded.model
-    vocab = len(loaded.tokenizer)
-    cache = new_cache(model, loaded.paged_cache)
-    ids = torch.randint(3, vocab, (1, context + max(widths)), device=device)
-    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    verify of n - 1 drafts), the cache rolled back after each."""
+    cache = runner.new_cache()
+    ids = torch.randint(3, vocab, (context + max(widths),)).tolist()
+    runner.forward(cache, ids[:context], 0, 1)
 
     def feed(n):
-        model(ids[:, context:context + n], past_key_values=cache, use_cache=True,
-              logits_to_keep=n)
-        crop_to(cache, context + n, context)
+        runner.forward(cache, ids[context:context + n], context, n)
+        runner.crop(cache, context + n, context)
 
     feed(1)  # warm-up
     ms = {n: _median_ms(lambda n=n: feed(n), device, repeats) for n in widths}
-    return {"context": context, "ms": {n: round(v, 2) for n, v in ms.items()},
+    return {"context": context, "ms": {n: round(v, 3) for n, v in ms.items()},
             "vs_one_token": {n: round(v / ms[1], 2) for n, v in ms.items()}}
 
 
@@ -317,28 +314,104 @@ def _steps_by_drafts(steps) -> dict:
     return {k: [len(v), round(statistics.median(v) * 1000, 2)] for k, v in sorted(by.items())}
 
 
+def _copy_bandwidth(device: str) -> float | None:
+    """GB/s of a 1 GiB device-to-device copy, bytes read plus bytes written (median of 10):
+    the rate a decode step's weight reads are held to."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), device, 10)
+    del src, dst
+    return 2 * 2**30 / (ms / 1000) / 1e9
+
+
+def _bytes_per_token(model) -> int:
+    """Bytes a decode step reads: every weight once (4-bit codes and their absmax, norms, the
+    LM head), the embedding table aside (one row of it)."""
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(t.numel() * t.element_size() for t in model.parameters())
+    total += sum(t.numel() * t.element_size() for t in model.buffers())
+    return total - (table.numel() * table.element_size() if table is not head else 0)
+
+
+@torch.inference_mode()
+def _hf_generate(loaded, prompt: list[int], max_new: int, device: str) -> dict:
+    """transformers' `generate` on the same loaded model (its own forward, DynamicCache),
+    greedy, `max_new` tokens: the baseline that any stack gives."""
+    model = loaded.model
+    ids = torch.tensor([prompt], device=device)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kwargs)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    new = out.shape[1] - len(prompt)
+    return {"tokens": new, "tokens_per_s": round(new / seconds, 1)}
+
+
+@torch.inference_mode()
+def _draft_step_ms(path: Path, device: str) -> dict:
+    """One token through a draft model of this shape, unquantized (bf16), on the runtime a
+    draft model gets on this device: median milliseconds of a step."""
+    from specchat.models.load import load_model
+    draft = load_model(str(path), "none", device, progress=lambda *_: None)
+    runner, vocab = draft.runner, len(draft.tokenizer)
+    cache = runner.new_cache()
+    ids = torch.randint(3, vocab, (300,)).tolist()
+    runner.forward(cache, ids[:256], 0, 1)
+    at = [256]
+
+    def step():
+        runner.forward(cache, ids[at[0]:at[0] + 1], at[0], 1)
+        at[0] += 1
+
+    step()
+    ms = _median_ms(step, device, 31)
+    out = {"runtime": draft.runtime.path if draft.runtime else "", "ms": round(ms, 3)}
+    del draft, runner, cache
+    return out
+
+
+SHAPES = ("1b", "8b")
+
+
 def check_speed(ctx: Context) -> dict:
-    """Llama-3.2-1B-shaped target (random weights): tokens/s plain and speculative, the step
-    time, verify cost by tokens fed, peak GPU memory."""
+    """A target of a real size (Llama 3.2 1B's or Llama 3.1 8B's shape, random weights):
+    tokens/s plain and speculative, transformers' `generate` on the same loaded model, the
+    first token, the step time, verify cost by tokens fed, the copy bandwidth and the decode
+    rate it allows, peak GPU memory."""
     from specchat.core.engine import Engine, GenerateConfig
     from specchat.core.events import GenerationStats, StepRecord, TokenEvent
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.load import load_model
     from specchat.models.loaded import LoadedModel
-    from specchat.models.synthetic import byte_tokenizer, llama_1b_config, random_model, save
+    from specchat.models.synthetic import (
+        byte_tokenizer,
+        llama_1b_config,
+        llama_8b_config,
+        random_model,
+        save,
+    )
 
-    config = llama_1b_config(small=ctx.small)
-    build_device = ctx.device if ctx.device.startswith("cuda") else "cpu"
+    cuda = ctx.device.startswith("cuda")
+    config = llama_8b_config() if ctx.shape == "8b" else llama_1b_config(small=ctx.small)
+    build_device = ctx.device if cuda else "cpu"
     model = random_model(config, seed=3, device=build_device)
     params = sum(p.numel() for p in model.parameters())  # before 4-bit packing halves them
     tokenizer = byte_tokenizer()
-    path = save(model, tokenizer, ctx.workdir / "llama-1b-shape")
-    # The same weights unquantized, for what 4 bits change in a verify's cost.
-    dense = _verify_costs(LoadedModel(model, tokenizer, "llama-1b-shape", "none",
-                                      torch.device(build_device), 0.0), ctx.device,
-                          repeats=5 if ctx.small else 9) if build_device != "cpu" else None
+    path = save(model, tokenizer, ctx.workdir / f"llama-{ctx.shape}-shape")
+    # The same weights unquantized on transformers' forward, for what 4 bits change in a
+    # verify's cost (the 1B shape: 16 GB of bf16 at 8B say nothing new).
+    dense = _verify_costs(LoadedModel(model, tokenizer, "llama-shape", "none",
+                                      torch.device(build_device), 0.0).runner,
+                          config.vocab_size, ctx.device, repeats=5 if ctx.small else 9) \
+        if cuda and ctx.shape == "1b" else None
     del model
-    if ctx.device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     loaded = load_model(str(path), ctx.quantization, ctx.device, progress=lambda *_: None)
@@ -352,6 +425,7 @@ def check_speed(ctx: Context) -> dict:
         best = None
         for _ in range(2):  # the first run warms up kernels and allocations
             engine.reset_cache()
+            engine.prefixes.clear()  # a cold prompt: the first token's time is the prompt's
             events = list(engine.stream(prompt, GenerateConfig(max_new_tokens=max_new, **cfg)))
             stats = events[-1]
             assert isinstance(stats, GenerationStats)
@@ -360,9 +434,10 @@ def check_speed(ctx: Context) -> dict:
             run = {"tokens": stats.new_tokens, "tokens_per_s": round(stats.tokens_per_s, 1),
                    "decode_tokens_per_s": round((stats.new_tokens - 1) / decode_s, 1)
                    if decode_s > 0 else None,
+                   "first_token_ms": round(stats.ttft_s * 1000, 1) if stats.ttft_s else None,
                    "prefill_ms": round((stats.seconds - decode_s) * 1000, 1),
                    "step_ms": round(statistics.median(s.draft_s + s.verify_s for s in steps)
-                                    * 1000, 2) if steps else None,
+                                    * 1000, 3) if steps else None,
                    "acceptance": round(stats.acceptance_rate, 3),
                    "mean_accepted_len": round(stats.mean_accepted_len, 2),
                    "steps": _steps_by_drafts(steps),
@@ -373,20 +448,64 @@ def check_speed(ctx: Context) -> dict:
                 best = run
         runs[name] = best
     ids = {name: run.pop("ids") for name, run in runs.items()}
-    out = {"shape": "llama-3.2-1b" + (" (small)" if ctx.small else ""),
+    verify = _verify_costs(loaded.runner, config.vocab_size, ctx.device,
+                           repeats=5 if ctx.small else 9)
+    out = {"shape": f"llama-{ctx.shape}" + (" (small)" if ctx.small else ""),
            "parameters_m": round(params / 1e6, 1), "quantization": loaded.quantization,
+           "runtime": loaded.runtime.path if loaded.runtime else "",
            "row_exact": loaded.row_exact, "proof": loaded.runtime.proof if loaded.runtime else "",
            "prompt_tokens": len(prompt), "runs": runs,
            "greedy_same_as_plain": ids["ngram"] == ids["plain"],
            "ngram_vs_plain": round(runs["ngram"]["tokens_per_s"] / runs["plain"]["tokens_per_s"],
                                    2),
-           "verify": _verify_costs(loaded, ctx.device, repeats=5 if ctx.small else 9),
-           **({"verify_unquantized": dense} if dense else {}),
-           "note": "random weights: acceptance says nothing about real text; the step time "
-                   "and verify costs are the model's"}
-    if ctx.device.startswith("cuda"):
+           "verify": verify,
+           **({"verify_unquantized_transformers": dense} if dense else {}),
+           "note": "random weights: acceptance says nothing about real text (their greedy text "
+                   "loops); the step time and verify costs are the model's"}
+    if cuda:
+        out["gpu"] = torch.cuda.get_device_name(ctx.device)
         out["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        out["hf_generate"] = _hf_generate(loaded, prompt, max_new, ctx.device)
+        out["plain_vs_hf_generate"] = round(runs["plain"]["tokens_per_s"]
+                                            / out["hf_generate"]["tokens_per_s"], 2)
+        bandwidth = _copy_bandwidth(ctx.device)
+        read = _bytes_per_token(loaded.model)
+        out["copy_gb_s"] = round(bandwidth, 0)
+        out["bytes_per_token_gb"] = round(read / 1e9, 3)
+        out["memory_limit_tokens_per_s"] = round(bandwidth * 1e9 / read, 0)
+        del engine, loaded
+        torch.cuda.empty_cache()
+        if ctx.shape == "1b":
+            out["draft_model_step"] = _draft_step_ms(path, ctx.device)
     return {**out, "ok": True}
+
+
+def speed_summary(r: dict) -> str:
+    """The speed check's figures side by side, in words."""
+    plain, ngram, verify = r["runs"]["plain"], r["runs"]["ngram"], r["verify"]["vs_one_token"]
+    where = r.get("gpu", "this CPU")
+    lines = [f"{r['shape']} ({r['parameters_m']:,.0f} M parameters, {r['quantization']}) on "
+             f"{where}, runtime {r['runtime']}, row-exact: {r['row_exact']}"]
+    line = f"  plain {plain['tokens_per_s']} tok/s"
+    if "hf_generate" in r:
+        line += (f"; transformers generate on the same model {r['hf_generate']['tokens_per_s']}"
+                 f" tok/s (plain is {r['plain_vs_hf_generate']}x); memory limit "
+                 f"{r['memory_limit_tokens_per_s']:.0f} tok/s ({r['bytes_per_token_gb']} GB a "
+                 f"token at {r['copy_gb_s']:.0f} GB/s)")
+    lines.append(line)
+    lines.append(f"  ngram k=4 {ngram['tokens_per_s']} tok/s ({r['ngram_vs_plain']}x plain, "
+                 f"{ngram['mean_accepted_len']} tokens a step; random weights loop)")
+    widest = max(verify, key=int)
+    lines.append(f"  a verify of {widest} tokens costs {verify[widest]}x a plain step "
+                 f"({r['verify']['ms'][1]} ms); first token after {r['prompt_tokens']} "
+                 f"prompt tokens {plain['first_token_ms']} ms")
+    if "peak_gpu_memory_gib" in r:
+        lines.append(f"  peak GPU memory {r['peak_gpu_memory_gib']} GiB")
+    if "draft_model_step" in r:
+        d = r["draft_model_step"]
+        lines.append(f"  a draft-model step (this shape, bf16, {d['runtime']}) {d['ms']} ms")
+    lines.append(f"  greedy speculative text = plain: {r['greedy_same_as_plain']}")
+    return "\n".join(lines)
 
 
 CHECKS: dict[str, Callable[[Context], dict]] = {
@@ -404,12 +523,12 @@ NEEDS = {"drafters_gemma3": "load_gemma3", "drafters_llama": "load_llama",
 
 
 def run_checks(device: str = "cuda", small: bool | None = None,
-               only: list[str] | None = None) -> Iterator[dict]:
+               only: list[str] | None = None, shape: str = "1b") -> Iterator[dict]:
     """Run the checks in order, yielding one result each; a failing check is reported and the
     rest still run (those that need what it loaded are skipped)."""
     small = not device.startswith("cuda") if small is None else small
     with tempfile.TemporaryDirectory(prefix="specchat-check-") as tmp:
-        ctx = Context(device, small, Path(tmp))
+        ctx = Context(device, small, Path(tmp), shape=shape)
         failed: set[str] = set()
         wanted = {"environment", *only, *(NEEDS[n] for n in only if n in NEEDS)} if only \
             else set(CHECKS)
@@ -436,12 +555,15 @@ def main(args) -> int:
     out = open(args.out, "w") if args.out else None
     failed = 0
     try:
-        for result in run_checks(args.device, True if args.small else None, args.only or None):
+        for result in run_checks(args.device, True if args.small else None, args.only or None,
+                                 args.shape):
             line = json.dumps(result)
             print(line, flush=True)
             if out:
                 out.write(line + "\n")
                 out.flush()
+            if result["check"] == "speed_real_size" and result.get("ok"):
+                print(speed_summary(result), file=sys.stderr)
             mark = {True: "ok", False: "FAILED", None: "skipped"}[result.get("ok")]
             print(f"specchat check: {result['check']}: {mark} ({result.get('seconds', 0)} s)"
                   + (f": {result['error']}" if result.get("error") else ""), file=sys.stderr)
@@ -465,6 +587,9 @@ def add_cli(sub) -> None:
     p.add_argument("--small", action="store_true",
                    help="time a small target instead of the 1B-shaped one (default: small on "
                         "a CPU only)")
+    p.add_argument("--shape", choices=SHAPES, default="1b",
+                   help="the speed check's target: Llama 3.2 1B's shape or Llama 3.1 8B's "
+                        "(default: 1b)")
     p.add_argument("--only", action="append", choices=sorted(CHECKS), metavar="CHECK",
                    help=f"run only this check (repeatable; its prerequisites too): "
                         f"{', '.join(CHECKS)} (default: all)")

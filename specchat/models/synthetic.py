@@ -71,6 +71,16 @@ def llama_1b_config(small: bool = False) -> LlamaConfig:
                        pad_token_id=0)
 
 
+def llama_8b_config() -> LlamaConfig:
+    """Llama 3.1 8B's shape (32 layers, d 4096, GQA 32/8, MLP 14,336, 128,256-token vocabulary,
+    untied LM head)."""
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0,
+                       tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                       pad_token_id=0)
+
+
 def random_model(config, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.bfloat16):
     """A causal LM of `config` with random weights, built directly on `device`."""

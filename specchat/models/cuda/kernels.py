@@ -88,7 +88,9 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, M
 
 def nf4_block_n(n: int, k: int) -> int:
     """Output columns per program, from the weight's shape alone (never the rows): narrow
-    tiles for short weights keep every SM busy."""
+    tiles for short weights keep every SM busy. (Interpreted, wide tiles: fewer programs.)"""
+    if UPCAST:
+        return 64
     return 16 if n * k <= 4096 * 4096 * 4 else 32
 
 
@@ -160,21 +162,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, D, eps, offset,
-                     HAS_ADD: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)
+def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, M, D, eps, offset,
+                     HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
-    ok = rd < D
-    x = tl.load(x_ptr + row * D + rd, mask=ok, other=0.0)
+    ok = (rm < M)[:, None] & (rd < D)[None, :]
+    at = rm[:, None] * D + rd[None, :]
+    x = tl.load(x_ptr + at, mask=ok, other=0.0)
     if HAS_ADD:  # the residual stream: x += add, kept in x's dtype as the model's own add
-        x = (x.to(tl.float32) + tl.load(add_ptr + row * D + rd, mask=ok, other=0.0)
-             .to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + row * D + rd, x, mask=ok)
+        x = (x.to(tl.float32) + tl.load(add_ptr + at, mask=ok, other=0.0).to(tl.float32)
+             ).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + at, x, mask=ok)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / D
-    normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + rd, mask=ok, other=0.0).to(tl.float32) + offset
-    tl.store(out_ptr + row * D + rd, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+    var = tl.sum(xf * xf, axis=1) / D
+    normed = (xf * (1.0 / tl.sqrt(var + eps))[:, None]).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + rd, mask=rd < D, other=0.0).to(tl.float32) + offset
+    tl.store(out_ptr + at, (normed.to(tl.float32) * w[None, :]).to(out_ptr.dtype.element_ty),
+             mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
@@ -184,21 +188,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tenso
     m, d = x.shape
     if out is None:
         out = torch.empty_like(x)
-    _rms_norm_kernel[(m,)](x, add if add is not None else x, weight, out, d, eps, offset,
-                           HAS_ADD=add is not None, BLOCK_D=triton.next_power_of_2(d),
-                           num_warps=4)
+    block_d = triton.next_power_of_2(d)
+    rows = max(1, min(ROWS, 8192 // block_d))  # a tile of rows, each reduced on its own
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](x, add if add is not None else x, weight, out, m,
+                                               d, eps, offset, HAS_ADD=add is not None,
+                                               BLOCK_M=rows, BLOCK_D=block_d, num_warps=8)
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _silu_mul_kernel(gu_ptr, out_ptr, M, I, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = r < I
-    g = tl.load(gu_ptr + row * 2 * I + r, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * 2 * I + I + r, mask=ok, other=0.0).to(tl.float32)
+    ok = (rm < M)[:, None] & (r < I)[None, :]
+    g = tl.load(gu_ptr + rm[:, None] * 2 * I + r[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rm[:, None] * 2 * I + I + r[None, :], mask=ok, other=0.0)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * I + r, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + rm[:, None] * I + r[None, :],
+             (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,8 +214,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     i = two_i // 2
     if out is None:
         out = torch.empty(m, i, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(i, block))](gate_up, out, i, BLOCK=block, num_warps=4)
+    block = 256
+    grid = (triton.cdiv(m, ROWS), triton.cdiv(i, block))
+    _silu_mul_kernel[grid](gate_up, out, m, i, BLOCK_M=ROWS, BLOCK=block, num_warps=4)
     return out
 
 
@@ -216,33 +224,39 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, S,
-                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-    row = tl.program_id(0)
-    head = tl.program_id(1)  # 0..HQ-1: q heads, then HKV k heads, then HKV v heads
-    half = tl.arange(0, D // 2)
-    pos = tl.load(pos_ptr + row)
-    src = qkv_ptr + (row * (HQ + 2 * HKV) + head) * D
-    x1 = tl.load(src + half).to(tl.float32)
-    x2 = tl.load(src + D // 2 + half).to(tl.float32)
-    if head < HQ + HKV:
-        c1 = tl.load(cos_ptr + pos * D + half).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * D + half).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
-    else:
-        y1 = x1
-        y2 = x2
-    if head < HQ:
-        dst = q_ptr + (row * HQ + head) * D
-    elif head < HQ + HKV:
-        dst = k_ptr + ((head - HQ) * S + pos) * D
-    else:
-        dst = v_ptr + ((head - HQ - HKV) * S + pos) * D
-    tl.store(dst + half, y1.to(q_ptr.dtype.element_ty))
-    tl.store(dst + D // 2 + half, y2.to(q_ptr.dtype.element_ty))
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, M, S,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # one (row, head) pair a line: heads are HQ q heads, then HKV k heads, then HKV v heads
+    line = tl.arange(0, BLOCK_M * BLOCK_H)
+    row = tl.program_id(0) * BLOCK_M + line // BLOCK_H
+    head = (line % BLOCK_H)[:, None]
+    half = tl.arange(0, D // 2)[None, :]
+    real = ((row < M) & (line % BLOCK_H < HQ + 2 * HKV))[:, None]
+    pos = tl.load(pos_ptr + row, mask=row < M, other=0)[:, None]
+    row = row[:, None]
+    src = qkv_ptr + (row * (HQ + 2 * HKV) + head) * D + half
+    x1 = tl.load(src, mask=real, other=0.0).to(tl.float32)
+    x2 = tl.load(src + D // 2, mask=real, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + pos * D + half).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * D + half).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
+    rotate = head < HQ + HKV  # q and k; v passes as it is
+    y1 = tl.where(rotate, x1 * c1 - x2 * s1, x1).to(q_ptr.dtype.element_ty)
+    y2 = tl.where(rotate, x2 * c2 + x1 * s2, x2).to(q_ptr.dtype.element_ty)
+    is_q = real & (head < HQ)
+    q_at = q_ptr + (row * HQ + head) * D + half
+    tl.store(q_at, y1, mask=is_q)
+    tl.store(q_at + D // 2, y2, mask=is_q)
+    is_k = real & (head >= HQ) & (head < HQ + HKV)
+    k_at = k_ptr + ((head - HQ) * S + pos) * D + half
+    tl.store(k_at, y1, mask=is_k)
+    tl.store(k_at + D // 2, y2, mask=is_k)
+    is_v = real & (head >= HQ + HKV)
+    v_at = v_ptr + ((head - HQ - HKV) * S + pos) * D + half
+    tl.store(v_at, y1, mask=is_v)
+    tl.store(v_at + D // 2, y2, mask=is_v)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -252,9 +266,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
     k (with RoPE) and v written into the caches [kv_heads, S, D] at slot pos."""
     m = qkv.shape[0]
     d = q.shape[-1]
-    _rope_store_kernel[(m, heads + 2 * kv_heads)](qkv, cos, sin, pos, q, k_cache, v_cache,
-                                                  k_cache.shape[1], HQ=heads, HKV=kv_heads,
-                                                  D=d, num_warps=1)
+    block_h = triton.next_power_of_2(heads + 2 * kv_heads)
+    rows = max(1, min(ROWS, 64 // block_h))
+    _rope_store_kernel[(triton.cdiv(m, rows),)](qkv, cos, sin, pos, q, k_cache, v_cache, m,
+                                                k_cache.shape[1], HQ=heads, HKV=kv_heads, D=d,
+                                                BLOCK_M=rows, BLOCK_H=block_h, num_warps=4)
 
 
 @triton.jit

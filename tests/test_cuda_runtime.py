@@ -1,0 +1,283 @@
+"""The CUDA runtime's code on the CPU: its Triton kernels under TRITON_INTERPRET=1 against
+torch references (small-integer data where sums must be exact), and `CudaRunner` with graphs
+off over a tiny NF4 Llama: bitsandbytes' layout read right, rows independent of their
+neighbours and of the padding, the static cache's rollback and prefix pages, the load-time
+proof, and speculative replies equal to plain ones. On a GPU, `specchat check --device cuda`
+runs the same code compiled and captured."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+triton = pytest.importorskip("triton")
+
+from specchat.models.cuda import kernels  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+if not kernels.UPCAST:
+    pytest.skip("these tests run the kernels interpreted on the CPU", allow_module_level=True)
+
+INTEGER_CODE = torch.arange(-8, 8).float()  # a codebook whose products and sums are exact
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> bitsandbytes' layout [N, K/2]: the first code of a pair in the
+    high nibble."""
+    return (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+
+
+def test_the_pair_table_holds_both_codes_of_a_byte_high_nibble_first():
+    table = kernels.pair_table(INTEGER_CODE)
+    byte = 0x3C  # codes 3 (high nibble, first) and 12
+    first = torch.tensor([table[byte] & 0xFFFF], dtype=torch.int32).to(torch.int16)
+    second = torch.tensor([(table[byte] >> 16) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+    assert first.view(torch.bfloat16).item() == INTEGER_CODE[3]
+    assert second.view(torch.bfloat16).item() == INTEGER_CODE[12]
+
+
+def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output():
+    torch.manual_seed(0)
+    n, k, m = 40, 192, 5  # n not a multiple of the tile, three absmax blocks a row
+    codes = torch.randint(0, 16, (n, k))
+    absmax = 2.0 ** torch.randint(-2, 3, (n, k // 64)).float()
+    bias = torch.randint(-4, 5, (n,)).to(torch.bfloat16)
+    x = torch.randint(-3, 4, (m, k)).to(torch.bfloat16)
+    wide = torch.full((m, n + 8), float("nan"))
+    kernels.nf4_matmul(x, _pack(codes), absmax, kernels.pair_table(INTEGER_CODE), bias,
+                       out=wide[:, 4:4 + n])
+    weight = INTEGER_CODE[codes] * absmax.repeat_interleave(64, 1)
+    assert torch.equal(wide[:, 4:4 + n], x.float() @ weight.T + bias.float())
+    assert wide[:, :4].isnan().all() and wide[:, 4 + n:].isnan().all()  # nothing else written
+
+
+def test_nf4_matmul_reads_bitsandbytes_weights_as_its_own_dequantize_does():
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit
+
+    from specchat.models.cuda.runner import Linear
+
+    torch.manual_seed(1)
+    layer = bnb.nn.Linear4bit(128, 48, bias=False, compute_dtype=torch.bfloat16,
+                              quant_type="nf4", compress_statistics=True)
+    layer.weight = bnb.nn.Params4bit(torch.randn(48, 128, dtype=torch.bfloat16),
+                                     requires_grad=False, quant_type="nf4",
+                                     compress_statistics=True)._quantize("cpu")
+    assert layer.weight.quant_state.nested  # double quantization, undone once at load
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    got = Linear(layer, None)(x).float()
+    weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+    want = x.float() @ weight.T
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def _rows_alone_and_together(fn, x: torch.Tensor) -> None:
+    """fn(rows) -> outputs row for row: each row computed alone, or among others in any order,
+    gives the same bits."""
+    together = fn(x)
+    order = torch.randperm(x.shape[0])
+    shuffled = fn(x[order].contiguous())
+    for i in range(x.shape[0]):
+        assert torch.equal(fn(x[i:i + 1].contiguous())[0], together[i])
+    assert torch.equal(shuffled, together[order])
+
+
+def test_matmul_rows_never_depend_on_their_neighbours():
+    torch.manual_seed(2)
+    packed = _pack(torch.randint(0, 16, (32, 128)))
+    absmax = torch.rand(32, 2)
+    table = kernels.pair_table(torch.linspace(-1, 1, 16))
+    weight = torch.randn(80, 128).to(torch.bfloat16)
+    x = torch.randn(19, 128).to(torch.bfloat16)
+    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table), x)
+    _rows_alone_and_together(lambda r: kernels.matmul(r, weight), x)
+    _rows_alone_and_together(lambda r: kernels.rms_norm(r, weight[0], 1e-6), x)
+
+
+def _attention_reference(q, k_cache, v_cache, pos, scale, window=None):
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out = torch.empty(q.shape)
+    for r, p in enumerate(pos.tolist()):
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            s = (k_cache[kv, lo:p + 1].double() @ q[r, h].double()) * scale
+            out[r, h] = (torch.softmax(s, 0) @ v_cache[kv, lo:p + 1].double()).float()
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_attention_matches_softmax_attention_over_each_rows_past(window):
+    torch.manual_seed(3)
+    heads, kv_heads, d, slots = 4, 2, 16, 192
+    k_cache = torch.randn(kv_heads, slots, d).to(torch.bfloat16)
+    v_cache = torch.randn(kv_heads, slots, d).to(torch.bfloat16)
+    pos = torch.tensor([0, 5, 63, 64, 130, 131, 140], dtype=torch.int32)
+    q = torch.randn(len(pos), heads, d).to(torch.bfloat16)
+    got = kernels.attention(q, k_cache, v_cache, pos, d ** -0.5, window)
+    want = _attention_reference(q, k_cache, v_cache, pos, d ** -0.5, window)
+    assert (got.float() - want).abs().max() < 0.02
+    # a row's output is its own, whatever rows share its tile and how far they reach
+    for i in range(len(pos)):
+        alone = kernels.attention(q[i:i + 1].contiguous(), k_cache, v_cache, pos[i:i + 1],
+                                  d ** -0.5, window)
+        assert torch.equal(alone[0], got[i])
+
+
+def test_rope_store_rotates_q_and_k_and_writes_keys_and_values_at_their_positions():
+    torch.manual_seed(4)
+    heads, kv_heads, d, slots = 2, 1, 16, 64
+    pos = torch.tensor([7, 8, 9], dtype=torch.int32)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+    angle = torch.arange(slots)[:, None] * torch.rand(d // 2)[None]
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    q = torch.empty(3, heads, d, dtype=torch.bfloat16)
+    k_cache = torch.zeros(kv_heads, slots, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros(kv_heads, slots, d, dtype=torch.bfloat16)
+    kernels.rope_store(qkv, cos, sin, pos, q, k_cache, v_cache, heads, kv_heads)
+
+    def rope(x, p):
+        x = x.float()
+        half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+        return x * cos[p] + half * sin[p]
+
+    parts = qkv.view(3, heads + 2 * kv_heads, d)
+    for r, p in enumerate(pos.tolist()):
+        assert torch.allclose(q[r].float(), rope(parts[r, :heads], p), atol=0.02)
+        assert torch.allclose(k_cache[0, p].float(), rope(parts[r, heads], p), atol=0.02)
+        assert torch.equal(v_cache[0, p], parts[r, heads + 1])
+    assert not k_cache[0, :7].any() and not k_cache[0, 10:].any()
+
+
+# -- the runner over a tiny NF4 Llama -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nf4_llama(tmp_path_factory):
+    """A tiny Llama (dimensions multiples of 64, as NF4 blocks need) in NF4 through
+    transformers and bitsandbytes, bf16 compute, on the CPU."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from tiny import byte_tokenizer
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=2, bos_token_id=1,
+                         pad_token_id=0, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("nf4-llama")
+    from transformers import LlamaForCausalLM
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant,
+                                                 dtype=torch.bfloat16,
+                                                 device_map={"": "cpu"}).eval()
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def runner(nf4_llama):
+    from specchat.models.cuda.runner import CudaRunner
+    return CudaRunner(nf4_llama[0], graphs=False, context=192)
+
+
+IDS = [(40 + 37 * i) % 250 + 3 for i in range(20)]
+
+
+def test_the_runner_computes_what_transformers_computes(nf4_llama, runner):
+    model, _ = nf4_llama
+    got = runner.forward(runner.new_cache(), IDS, 0, len(IDS)).float()
+    with torch.inference_mode():
+        want = model(torch.tensor([IDS])).logits[0].float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert got.argmax(-1).eq(want.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_tokens_logits_never_depend_on_what_is_fed_with_it(runner):
+    """One at a time (padded to the decode width), in chains of every length, or in one page:
+    the same bits."""
+    cache = runner.new_cache()
+    whole = runner.forward(cache, IDS, 0, len(IDS))
+    steps = torch.cat([runner.forward(cache, IDS[i:i + 1], i, 1) for i in range(len(IDS))])
+    assert torch.equal(steps, whole)
+    at, parts = 0, []
+    for width in (3, 16, 1):
+        parts.append(runner.forward(cache, IDS[at:at + width], at, width))
+        at += width
+    assert at == len(IDS) and torch.equal(torch.cat(parts), whole)
+
+
+def test_rolling_back_the_static_cache_forgets_the_rejected_tokens(runner):
+    """A verify writes drafts past the kept tokens; the next forward overwrites them before
+    any row can see them: the reply goes on as if they had never been fed."""
+    cache = runner.new_cache()
+    want = runner.forward(cache, IDS, 0, len(IDS))
+    runner.forward(cache, IDS[:10], 0, 1)
+    runner.forward(cache, [200, 201, 202, 203, 204], 10, 5)  # rejected drafts
+    assert runner.crop(cache, 15, 10)
+    assert torch.equal(runner.forward(cache, IDS[10:], 10, 10), want[10:])
+
+
+def test_the_prefix_store_restores_whole_pages_of_the_static_cache(runner):
+    from specchat.core.prefix import PrefixStore
+
+    store = PrefixStore(1000, page=8)
+    cache = runner.new_cache()
+    want = runner.forward(cache, IDS, 0, len(IDS))
+    store.add(IDS, cache, 16)
+    runner.forward(cache, [9] * 16, 0, 16)  # another prompt overwrites the slots
+    stored, n = store.longest(IDS, 16)
+    assert n == 16
+    store.restore(stored, n, runner.new_cache())
+    assert torch.equal(runner.forward(cache, IDS[16:], 16, 4), want[16:])
+
+
+def test_the_load_time_proof_passes_on_the_runner(runner, monkeypatch):
+    """The proof load_model runs, over fewer tokens (interpreted kernels are slow): steps,
+    verifies of 2 and 6, the decode width and a page past it."""
+    from specchat.models import runtime
+
+    monkeypatch.setattr(runtime, "PROOF_NEW", 6)
+    monkeypatch.setattr(runtime, "PROOF_WIDTHS", (1, 2, 6))
+    monkeypatch.setattr(runtime, "PROOF_WIDEST", 17)
+    exact, proof = runtime.prove_row_exact(runner, 259)
+    assert exact, proof
+    assert "6 and 17 rows" in proof
+
+
+def test_speculative_replies_are_plain_replies_on_the_runner(nf4_llama, runner):
+    """Greedy and seeded, with n-gram drafts and a draft model (the same tiny model on its own
+    runner): the engine's text equals plain decoding's."""
+    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.events import TokenEvent
+    from specchat.drafters.model import ModelDrafter
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.models.cuda.runner import CudaRunner
+    from specchat.models.loaded import LoadedModel
+    from tiny import byte_tokenizer
+
+    model, _ = nf4_llama
+    tokenizer = byte_tokenizer()
+    loaded = LoadedModel(model, tokenizer, "tiny-nf4", "nf4", torch.device("cpu"), 0.0,
+                         runner_=runner)
+    draft = ModelDrafter(model, 259, runner=CudaRunner(model, graphs=False, context=192))
+    engine = Engine(loaded, {"ngram": NgramDrafter(), "model": draft})
+    assert not engine.trees_ok  # trees are verified as chains here
+    prompt = tokenizer("abcabc abc", add_special_tokens=False).input_ids
+
+    def reply(**cfg):
+        events = engine.stream(prompt, GenerateConfig(max_new_tokens=8, **cfg))
+        return [e.id for e in events if isinstance(e, TokenEvent)]
+
+    for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=3)):
+        plain = reply(speculation=False, **sampling)
+        assert reply(speculation=True, drafter="ngram", adaptive=False, **sampling) == plain
+    greedy = reply(speculation=False, temperature=0.0)
+    assert reply(speculation=True, drafter="model", adaptive=False, temperature=0.0) == greedy
