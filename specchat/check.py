@@ -104,6 +104,7 @@ def _load_target(ctx: Context, name: str, model) -> dict:
     rt = loaded.runtime
     out = {"target": name, "quantization": loaded.quantization, "linear4bit_layers": four_bit,
            "load_s": round(loaded.load_s, 2), "path": rt.path if rt else "",
+           "skipped": list(rt.skipped) if rt else [],
            "row_exact": rt.row_exact if rt else None, "proof": rt.proof if rt else ""}
     if ctx.quantization == "nf4" and four_bit == 0 and loaded.device.type == "cuda":
         return {**out, "ok": False, "error": "NF4 asked, but no layer is 4-bit"}
@@ -437,7 +438,7 @@ def check_speed(ctx: Context) -> dict:
                    "first_token_ms": round(stats.ttft_s * 1000, 1) if stats.ttft_s else None,
                    "prefill_ms": round((stats.seconds - decode_s) * 1000, 1),
                    "step_ms": round(statistics.median(s.draft_s + s.verify_s for s in steps)
-                                    * 1000, 3) if steps else None,
+                                    * 1000, 2) if steps else None,
                    "acceptance": round(stats.acceptance_rate, 3),
                    "mean_accepted_len": round(stats.mean_accepted_len, 2),
                    "steps": _steps_by_drafts(steps),
@@ -453,6 +454,7 @@ def check_speed(ctx: Context) -> dict:
     out = {"shape": f"llama-{ctx.shape}" + (" (small)" if ctx.small else ""),
            "parameters_m": round(params / 1e6, 1), "quantization": loaded.quantization,
            "runtime": loaded.runtime.path if loaded.runtime else "",
+           "runtime_skipped": list(loaded.runtime.skipped) if loaded.runtime else [],
            "row_exact": loaded.row_exact, "proof": loaded.runtime.proof if loaded.runtime else "",
            "prompt_tokens": len(prompt), "runs": runs,
            "greedy_same_as_plain": ids["ngram"] == ids["plain"],
@@ -469,7 +471,7 @@ def check_speed(ctx: Context) -> dict:
         out["plain_vs_hf_generate"] = round(runs["plain"]["tokens_per_s"]
                                             / out["hf_generate"]["tokens_per_s"], 2)
         bandwidth = _copy_bandwidth(ctx.device)
-        read = _bytes_per_token(loaded.model)
+        read = getattr(loaded.runner, "bytes_per_token", None) or _bytes_per_token(loaded.model)
         out["copy_gb_s"] = round(bandwidth, 0)
         out["bytes_per_token_gb"] = round(read / 1e9, 3)
         out["memory_limit_tokens_per_s"] = round(bandwidth * 1e9 / read, 0)

@@ -140,8 +140,11 @@ def _use_cuda_runtime(loaded: LoadedModel, progress) -> tuple[str, tuple[str, ..
     else:
         why = unsupported(loaded.model)
         if why is None:
-            loaded.runner_ = CudaRunner(loaded.model)
-            return "cuda-graphs", ()
+            try:
+                loaded.runner_ = CudaRunner(loaded.model)
+                return "cuda-graphs", ()
+            except Exception as e:  # a kernel that does not build on this GPU, say
+                why = f"it failed to start ({type(e).__name__}: {str(e).splitlines()[0]})"
         why = f"cuda-graphs: {why}"
     progress(f"specchat: {why}; running on transformers' forward")
     return "cuda-transformers", (why,)

@@ -96,21 +96,23 @@ def nf4_block_n(n: int, k: int) -> int:
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                table: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+               ) -> torch.Tensor:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
     first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
     table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
-    buffer (rows strided, columns contiguous)."""
+    buffer (rows strided, columns contiguous). `config`: (columns a program, warps, stages)
+    instead of the shape's own (`sweep.py` times them)."""
     m, k = x.shape
     n = packed.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n = nf4_block_n(n, k)
+    block_n, warps, stages = config or (nf4_block_n(n, k), 4, 4)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS))
     _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
                              out, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
-                             BLOCK_M=ROWS,
-                             BLOCK_N=block_n, UPCAST=UPCAST, num_warps=4, num_stages=4)
+                             BLOCK_M=ROWS, BLOCK_N=block_n, UPCAST=UPCAST, num_warps=warps,
+                             num_stages=stages)
     return out
 
 

@@ -79,12 +79,19 @@ class Linear:
                 absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
             self.packed = module.weight.data.view(n, k // 2)
             self.absmax = absmax.float().reshape(n, k // kernels.NF4_BLOCK).contiguous()
-            self.table = table if table is not None else kernels.pair_table(state.code).to(
-                self.packed.device)
+            self.table = table if table is not None else kernels.pair_table(
+                state.code.cpu()).to(self.packed.device)
             self.weight = None
         else:
             self.weight = module.weight.data
             self.packed = None
+
+    @property
+    def bytes(self) -> int:
+        """What one forward reads of this layer's weights."""
+        parts = (self.packed, self.absmax) if self.packed is not None else (self.weight,)
+        parts += (self.bias,) if self.bias is not None else ()
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
@@ -190,6 +197,15 @@ class CudaRunner:
         self._captured: dict[int, tuple] = {}
         if self.graphs:
             self._capture()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Weight bytes one forward reads (every layer once, the embedding table aside)."""
+        norms = sum(t.numel() * t.element_size() for layer in self.layers
+                    for t in (layer.attn_norm, layer.mlp_norm))
+        return sum(lin.bytes for layer in self.layers for lin in
+                   (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)) \
+            + self.lm_head.bytes + norms
 
     # -- the forward ------------------------------------------------------------------------
 
