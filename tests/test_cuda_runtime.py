@@ -53,6 +53,10 @@ def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output():
     weight = INTEGER_CODE[codes] * absmax.repeat_interleave(64, 1)
     assert torch.equal(wide[:, 4:4 + n], x.float() @ weight.T + bias.float())
     assert wide[:, :4].isnan().all() and wide[:, 4 + n:].isnan().all()  # nothing else written
+    # K in three fixed parts, their partial sums added in order by a second kernel
+    split = kernels.nf4_matmul(x, _pack(codes), absmax, kernels.pair_table(INTEGER_CODE), bias,
+                               out=torch.empty(m, n), config=(64, 64, 3, 4, 1))
+    assert torch.equal(split, wide[:, 4:4 + n])
 
 
 def test_nf4_matmul_reads_bitsandbytes_weights_as_its_own_dequantize_does():
@@ -94,6 +98,8 @@ def test_matmul_rows_never_depend_on_their_neighbours():
     weight = torch.randn(80, 128).to(torch.bfloat16)
     x = torch.randn(19, 128).to(torch.bfloat16)
     _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table), x)
+    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table,
+                                                          config=(32, 64, 2, 4, 1)), x)
     _rows_alone_and_together(lambda r: kernels.matmul(r, weight), x)
     _rows_alone_and_together(lambda r: kernels.rms_norm(r, weight[0], 1e-6), x)
 

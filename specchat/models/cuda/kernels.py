@@ -57,62 +57,102 @@ def pair_table(code: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                       K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+                       K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    # row tiles vary fastest, so the tiles of one column block run together and read its
+    # codes from HBM once (a prompt page has four)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # this program's share of K (SPLIT of them, fixed by the shape)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, 64)
-    rb = tl.arange(0, 32)
+    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)
+    ra = tl.arange(0, BLOCK_K // 64)
     row_ok = rm < M
     col_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // 64):
-        x = tl.load(x_ptr + rm[:, None] * K + kb * 64 + rk[None, :], mask=row_ok[:, None],
+    for k0 in range(pid_s * (K // SPLIT), (pid_s + 1) * (K // SPLIT), BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * K + k0 + rk[None, :], mask=row_ok[:, None],
                     other=0.0)
-        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb * 32 + rb[None, :],
+        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + k0 // 2 + rb[None, :],
                          mask=col_ok[:, None], other=0)
         pair = tl.load(table_ptr + packed.to(tl.int32))
         first = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         second = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        w = tl.reshape(tl.join(first, second), (BLOCK_N, 64))
-        part = _dot(x, tl.trans(w), UPCAST)
-        scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
-        acc += part * scale[None, :]
+        codes = tl.reshape(tl.join(first, second), (BLOCK_N, BLOCK_K // 64, 64))
+        scale = tl.load(absmax_ptr + rn[:, None] * (K // 64) + k0 // 64 + ra[None, :],
+                        mask=col_ok[:, None], other=0.0)
+        # code x absmax in float32, then bf16: bitsandbytes' own dequantization
+        w = tl.reshape(codes.to(tl.float32) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+        acc += _dot(x, tl.trans(w.to(x.dtype)), UPCAST)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:  # out is the float32 partial sums [SPLIT, M, N]; `_sum_splits` adds them in order
+        tl.store(out_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :], acc,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # in order: the same sum for every row, every width
+        acc += tl.load(part_ptr + (s * M + row) * N + rn, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def nf4_block_n(n: int, k: int) -> int:
-    """Output columns per program, from the weight's shape alone (never the rows): narrow
-    tiles for short weights keep every SM busy. (Interpreted, wide tiles: fewer programs.)"""
+def nf4_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(columns a program, codes an iteration, splits of K, warps, stages) from the weight's
+    shape alone, never the rows: wide loads, and K split in a fixed number of parts where the
+    column blocks alone would leave SMs idle. (Interpreted: the fewest programs.)"""
     if UPCAST:
-        return 64
-    return 16 if n * k <= 4096 * 4096 * 4 else 32
+        return 64, 64, 1, 4, 1
+    block_n, block_k = 32, 256
+    while k % block_k:
+        block_k //= 2
+    split = 1
+    while -(-n // block_n) * split < 512 and split < 16 and (k // (2 * split)) % block_k == 0:
+        split *= 2
+    return block_n, block_k, split, 4, 3
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                table: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
-               ) -> torch.Tensor:
+               out: torch.Tensor | None = None,
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
     first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
     table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
-    buffer (rows strided, columns contiguous). `config`: (columns a program, warps, stages)
-    instead of the shape's own (`sweep.py` times them)."""
+    buffer (rows strided, columns contiguous). `config`: instead of `nf4_config`'s (the
+    sweep times them)."""
     m, k = x.shape
     n = packed.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, warps, stages = config or (nf4_block_n(n, k), 4, 4)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS))
-    _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
-                             out, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
-                             BLOCK_M=ROWS, BLOCK_N=block_n, UPCAST=UPCAST, num_warps=warps,
-                             num_stages=stages)
+    block_n, block_k, split, warps, stages = config or nf4_config(n, k)
+    grid = (triton.cdiv(m, ROWS), triton.cdiv(n, block_n), split)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
+                                                device=x.device)
+    bias_or_any = bias if bias is not None else absmax
+    _nf4_matmul_kernel[grid](x, packed, absmax, table, bias_or_any, target, m, n,
+                             out.stride(0), K=k, SPLIT=split, HAS_BIAS=bias is not None,
+                             BLOCK_M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=UPCAST,
+                             num_warps=warps, num_stages=stages)
+    if split > 1:
+        _sum_splits_kernel[(m, triton.cdiv(n, 1024))](target, bias_or_any, out, m, n,
+                                                      out.stride(0), SPLIT=split,
+                                                      HAS_BIAS=bias is not None, BLOCK=1024,
+                                                      num_warps=4)
     return out
 
 
@@ -124,8 +164,8 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_om, K: tl.const
                    HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -145,18 +185,25 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_om, K: tl.const
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+# (columns a program, K an iteration, warps, stages) of the bf16 matmul
+MATMUL_CONFIG = (64, 64, 4, 1) if UPCAST else (64, 128, 4, 3)
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight.T, weight [N, K] in x's dtype -> [M, N]."""
+           out: torch.Tensor | None = None,
+           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T, weight [N, K] in x's dtype -> [M, N]. `config`: (columns a
+    program, K an iteration, warps, stages) instead of the default."""
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n = 64
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, ROWS))
-    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, out.stride(0), K=k,
-                         HAS_BIAS=bias is not None, BLOCK_M=ROWS, BLOCK_N=block_n,
-                         BLOCK_K=64, UPCAST=UPCAST, num_warps=4, num_stages=4)
+    block_n, block_k, warps, stages = config or MATMUL_CONFIG
+    grid = (triton.cdiv(m, ROWS), triton.cdiv(n, block_n))
+    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n,
+                         out.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_M=ROWS,
+                         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=UPCAST, num_warps=warps,
+                         num_stages=stages)
     return out
 
 
