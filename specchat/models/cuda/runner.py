@@ -65,9 +65,9 @@ def _head_dim(config) -> int:
 
 class Linear:
     """One linear layer as the kernels take it: NF4 (bitsandbytes' packed codes viewed as
-    [N, K/2], absmax as float32 [N, K/64]) or a plain [N, K] weight."""
+    [N, K/2], absmax as float32 [N, K/64], its 16-entry codebook) or a plain [N, K] weight."""
 
-    def __init__(self, module, table: torch.Tensor | None):
+    def __init__(self, module, code: torch.Tensor | None):
         self.bias = module.bias.data if getattr(module, "bias", None) is not None else None
         self.out_features = module.out_features
         if type(module).__name__ == "Linear4bit":
@@ -79,8 +79,7 @@ class Linear:
                 absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
             self.packed = module.weight.data.view(n, k // 2)
             self.absmax = absmax.float().reshape(n, k // kernels.NF4_BLOCK).contiguous()
-            self.table = table if table is not None else kernels.pair_table(
-                state.code.cpu()).to(self.packed.device)
+            self.code = code if code is not None else state.code.float().contiguous()
             self.weight = None
         else:
             self.weight = module.weight.data
@@ -95,7 +94,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            return kernels.nf4_matmul(x, self.packed, self.absmax, self.table, self.bias, out)
+            return kernels.nf4_matmul(x, self.packed, self.absmax, self.code, self.bias, out)
         return kernels.matmul(x, self.weight, self.bias, out)
 
 
@@ -174,17 +173,17 @@ class CudaRunner:
         self.vocab = config.vocab_size
         self.embed = base.embed_tokens.weight.data
         self.final_norm = base.norm.weight.data
-        table = None
+        code = None  # bitsandbytes' NF4 codebook, one tensor for all layers
         self.layers = []
         for block in base.layers:
             att, mlp = block.self_attn, block.mlp
-            linears = [Linear(m, table) for m in (att.q_proj, att.k_proj, att.v_proj,
+            linears = [Linear(m, code) for m in (att.q_proj, att.k_proj, att.v_proj,
                                                   att.o_proj, mlp.gate_proj, mlp.up_proj,
                                                   mlp.down_proj)]
-            table = next((lin.table for lin in linears if lin.packed is not None), table)
+            code = next((lin.code for lin in linears if lin.packed is not None), code)
             self.layers.append(Layer(*linears, block.input_layernorm.weight.data,
                                      block.post_attention_layernorm.weight.data))
-        self.lm_head = Linear(model.get_output_embeddings(), table)
+        self.lm_head = Linear(model.get_output_embeddings(), code)
         limit = getattr(config, "max_position_embeddings", None) or CONTEXT
         wanted = context or int(os.environ.get(CONTEXT_ENV, CONTEXT))
         self.context = min(limit, wanted)
