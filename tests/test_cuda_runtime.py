@@ -31,6 +31,15 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
 
 
+def test_the_pair_table_holds_both_codes_of_a_byte_high_nibble_first():
+    table = kernels.pair_table(INTEGER_CODE)
+    byte = 0x3C  # codes 3 (high nibble, first) and 12
+    first = torch.tensor([table[byte] & 0xFFFF], dtype=torch.int32).to(torch.int16)
+    second = torch.tensor([(table[byte] >> 16) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+    assert first.view(torch.bfloat16).item() == INTEGER_CODE[3]
+    assert second.view(torch.bfloat16).item() == INTEGER_CODE[12]
+
+
 def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output():
     torch.manual_seed(0)
     n, k, m = 40, 192, 5  # n not a multiple of the tile, three absmax blocks a row
@@ -39,46 +48,11 @@ def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output():
     bias = torch.randint(-4, 5, (n,)).to(torch.bfloat16)
     x = torch.randint(-3, 4, (m, k)).to(torch.bfloat16)
     wide = torch.full((m, n + 8), float("nan"))
-    kernels.nf4_matmul(x, _pack(codes), absmax, INTEGER_CODE, bias, out=wide[:, 4:4 + n])
+    kernels.nf4_matmul(x, _pack(codes), absmax, kernels.pair_table(INTEGER_CODE), bias,
+                       out=wide[:, 4:4 + n])
     weight = INTEGER_CODE[codes] * absmax.repeat_interleave(64, 1)
     assert torch.equal(wide[:, 4:4 + n], x.float() @ weight.T + bias.float())
     assert wide[:, :4].isnan().all() and wide[:, 4 + n:].isnan().all()  # nothing else written
-    # K in three fixed parts, their partial sums added in order by a second kernel
-    split = kernels.nf4_matmul(x, _pack(codes), absmax, INTEGER_CODE, bias,
-                               out=torch.empty(m, n), config=(64, 64, 3, 4, 1))
-    assert torch.equal(split, wide[:, 4:4 + n])
-
-
-def test_the_three_ways_to_decode_nf4_codes_give_the_same_bits():
-    """From the table in memory, from registers, or by selects on the code's bits: the same
-    values, so the runtime may take the fastest without changing a reply."""
-    torch.manual_seed(6)
-    packed = _pack(torch.randint(0, 16, (32, 128)))
-    absmax = torch.rand(32, 2)
-    code = torch.linspace(-1, 1, 16) ** 3  # uneven, as NF4's quantiles are
-    x = torch.randn(5, 128).to(torch.bfloat16)
-    outs = [kernels.nf4_matmul(x, packed, absmax, code, decode=d) for d in (0, 1, 2)]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-def test_nf4_matmul_reads_bitsandbytes_weights_as_its_own_dequantize_does():
-    import bitsandbytes as bnb
-    from bitsandbytes.functional import dequantize_4bit
-
-    from specchat.models.cuda.runner import Linear
-
-    torch.manual_seed(1)
-    layer = bnb.nn.Linear4bit(128, 48, bias=False, compute_dtype=torch.bfloat16,
-                              quant_type="nf4", compress_statistics=True)
-    layer.weight = bnb.nn.Params4bit(torch.randn(48, 128, dtype=torch.bfloat16),
-                                     requires_grad=False, quant_type="nf4",
-                                     compress_statistics=True)._quantize("cpu")
-    assert layer.weight.quant_state.nested  # double quantization, undone once at load
-    x = torch.randn(3, 128).to(torch.bfloat16)
-    got = Linear(layer, None)(x).float()
-    weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
-    want = x.float() @ weight.T
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
 def _rows_alone_and_together(fn, x: torch.Tensor) -> None:
@@ -96,12 +70,12 @@ def test_matmul_rows_never_depend_on_their_neighbours():
     torch.manual_seed(2)
     packed = _pack(torch.randint(0, 16, (32, 128)))
     absmax = torch.rand(32, 2)
-    code = torch.linspace(-1, 1, 16)
+    table = kernels.pair_table(torch.linspace(-1, 1, 16))
     weight = torch.randn(80, 128).to(torch.bfloat16)
     x = torch.randn(19, 128).to(torch.bfloat16)
-    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, code), x)
-    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, code,
-                                                          config=(32, 64, 2, 4, 1)), x)
+    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table), x)
+    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table,
+                                                          config=(16, 4, 1)), x)
     _rows_alone_and_together(lambda r: kernels.matmul(r, weight), x)
     _rows_alone_and_together(lambda r: kernels.rms_norm(r, weight[0], 1e-6), x)
 

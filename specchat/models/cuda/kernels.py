@@ -5,7 +5,7 @@ no atomics. So a token's activations are the same bits whatever is fed beside it
 
 | kernel      | computes                                                        |
 | ----------- | --------------------------------------------------------------- |
-| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: codes read once for all rows, decoded in registers, times their block's absmax, then bf16 (bitsandbytes' own dequantization), K split in a fixed number of parts by the weight's shape |
+| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, both codes of a byte looked up at once (`pair_table`), the block's absmax applied to its partial product |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row         |
 | `silu_mul`  | silu(gate) * up, the Llama MLP's activation                     |
@@ -46,140 +46,80 @@ NF4_BLOCK = 64  # codes per absmax: bitsandbytes' default 4-bit blocksize, the o
 # -- NF4 ------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _decode(q, code_ptr, code, DECODE: tl.constexpr):
-    """NF4 codes q (int32, 0..15) -> their codebook values in float32, three ways to the same
-    values: a gather from the 16-entry table in global memory (0), from the table held in
-    registers (1), or a tree of selects on q's four bits (2)."""
-    if DECODE == 0:
-        return tl.load(code_ptr + q)
-    elif DECODE == 1:
-        src = tl.broadcast_to(code[None, :], (q.shape[0], 16))
-        return tl.gather(src, q, axis=1)
-    else:
-        b0 = (q & 1) != 0
-        b1 = (q & 2) != 0
-        b2 = (q & 4) != 0
-        b3 = (q & 8) != 0
-        c = code_ptr
-        v01 = tl.where(b0, tl.load(c + 1), tl.load(c + 0))
-        v23 = tl.where(b0, tl.load(c + 3), tl.load(c + 2))
-        v45 = tl.where(b0, tl.load(c + 5), tl.load(c + 4))
-        v67 = tl.where(b0, tl.load(c + 7), tl.load(c + 6))
-        v89 = tl.where(b0, tl.load(c + 9), tl.load(c + 8))
-        vab = tl.where(b0, tl.load(c + 11), tl.load(c + 10))
-        vcd = tl.where(b0, tl.load(c + 13), tl.load(c + 12))
-        vef = tl.where(b0, tl.load(c + 15), tl.load(c + 14))
-        v03 = tl.where(b1, v23, v01)
-        v47 = tl.where(b1, v67, v45)
-        v8b = tl.where(b1, vab, v89)
-        vcf = tl.where(b1, vef, vcd)
-        return tl.where(b3, tl.where(b2, vcf, v8b), tl.where(b2, v47, v03))
+def pair_table(code: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' 16-entry NF4 codebook -> 256 int32s: for each byte, the bf16 bits of its
+    high-nibble code (the first of the two) in the low half and of its low-nibble code in the
+    high half, so one lookup gives both codes of a byte."""
+    bits = code.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    byte = torch.arange(256)
+    return (bits[byte >> 4] | (bits[byte & 15] << 16)).to(torch.int32).contiguous()
 
 
 @triton.jit
-def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                       K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DECODE: tl.constexpr, UPCAST: tl.constexpr):
+def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                       K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     # row tiles vary fastest, so the tiles of one column block run together and read its
     # codes from HBM once (a prompt page has four)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)  # this program's share of K (SPLIT of them, fixed by the shape)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rb = tl.arange(0, BLOCK_K // 2)  # bytes: the even codes in their high nibbles
+    rk = tl.arange(0, 64)
+    rb = tl.arange(0, 32)
     row_ok = rm < M
     col_ok = rn < N
-    code = tl.load(code_ptr + tl.arange(0, 16))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(pid_s * (K // SPLIT), (pid_s + 1) * (K // SPLIT), BLOCK_K):
-        x_at = x_ptr + rm[:, None] * K + k0 + 2 * rb[None, :]
-        x_even = tl.load(x_at, mask=row_ok[:, None], other=0.0)
-        x_odd = tl.load(x_at + 1, mask=row_ok[:, None], other=0.0)
-        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + k0 // 2 + rb[None, :],
-                         mask=col_ok[:, None], other=0).to(tl.int32)
-        scale = tl.load(absmax_ptr + rn[:, None] * (K // 64) + (k0 + 2 * rb[None, :]) // 64,
-                        mask=col_ok[:, None], other=0.0)
-        # code x absmax in float32, then bf16: bitsandbytes' own dequantization
-        w_even = (_decode((packed >> 4) & 15, code_ptr, code, DECODE) * scale).to(x_even.dtype)
-        w_odd = (_decode(packed & 15, code_ptr, code, DECODE) * scale).to(x_odd.dtype)
-        acc += _dot(x_even, tl.trans(w_even), UPCAST)
-        acc += _dot(x_odd, tl.trans(w_odd), UPCAST)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    else:  # out is the float32 partial sums [SPLIT, M, N]; `_sum_splits` adds them in order
-        tl.store(out_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = rn < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):  # in order: the same sum for every row, every width
-        acc += tl.load(part_ptr + (s * M + row) * N + rn, mask=ok, other=0.0)
+    for kb in range(0, K // 64):
+        x = tl.load(x_ptr + rm[:, None] * K + kb * 64 + rk[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb * 32 + rb[None, :],
+                         mask=col_ok[:, None], other=0)
+        pair = tl.load(table_ptr + packed.to(tl.int32))
+        first = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        second = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        w = tl.reshape(tl.join(first, second), (BLOCK_N, 64))
+        part = _dot(x, tl.trans(w), UPCAST)
+        scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+        acc += part * scale[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
-DECODE_ENV = "SPECCHAT_NF4_DECODE"
-# How codes become values (`_decode`): all three give the same bits, so the choice is speed's.
-DECODE = int(os.environ.get(DECODE_ENV, "2"))
-
-
-def nf4_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(columns a program, codes an iteration, splits of K, warps, stages) from the weight's
-    shape alone, never the rows: wide loads, and K split in a fixed number of parts where the
-    column blocks alone would leave SMs idle. (Interpreted: the fewest programs.)"""
+def nf4_config(n: int, k: int) -> tuple[int, int, int]:
+    """(columns a program, warps, stages) from the weight's shape alone, never the rows: the
+    fastest of `sweep.py`'s table on an H200 for each of Llama 3.1 8B's shapes (q/o, k/v
+    square-ish; gate/up wide; down deep). (Interpreted: wide tiles, fewer programs.)"""
     if UPCAST:
-        return 64, 64, 1, 4, 1
-    block_n, block_k = 16, 256
-    while k % block_k:
-        block_k //= 2
-    split = 1
-    while -(-n // block_n) * split < 512 and split < 16 and (k // (2 * split)) % block_k == 0:
-        split *= 2
-    return block_n, block_k, split, 4, 3
+        return 64, 4, 1
+    if n >= 2 * k:
+        return 64, 2, 3
+    if k >= 2 * n:
+        return 16, 4, 2
+    return 16, 2, 4
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-               code: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None,
-               config: tuple[int, int, int, int, int] | None = None,
-               decode: int | None = None) -> torch.Tensor:
+               table: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+               ) -> torch.Tensor:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
-    first in the high nibble), absmax [N, K/64] float32 (double quantization undone), code
-    the 16-entry codebook (float32). -> [M, N] in x's dtype; `out` may be a column slice of a
-    wider buffer (rows strided, columns contiguous). `config` and `decode`: instead of
-    `nf4_config`'s and DECODE (the sweep times them)."""
+    first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
+    table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
+    buffer (rows strided, columns contiguous). `config`: (columns a program, warps, stages)
+    instead of the shape's own (`sweep.py` times them)."""
     m, k = x.shape
     n = packed.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, split, warps, stages = config or nf4_config(n, k)
-    grid = (triton.cdiv(m, ROWS), triton.cdiv(n, block_n), split)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
-                                                device=x.device)
-    bias_or_any = bias if bias is not None else absmax
-    _nf4_matmul_kernel[grid](x, packed, absmax, code, bias_or_any, target, m, n,
-                             out.stride(0), K=k, SPLIT=split, HAS_BIAS=bias is not None,
-                             BLOCK_M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                             DECODE=DECODE if decode is None else decode, UPCAST=UPCAST,
-                             num_warps=warps, num_stages=stages)
-    if split > 1:
-        _sum_splits_kernel[(m, triton.cdiv(n, 1024))](target, bias_or_any, out, m, n,
-                                                      out.stride(0), SPLIT=split,
-                                                      HAS_BIAS=bias is not None, BLOCK=1024,
-                                                      num_warps=4)
+    block_n, warps, stages = config or nf4_config(n, k)
+    grid = (triton.cdiv(m, ROWS), triton.cdiv(n, block_n))
+    _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
+                             out, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
+                             BLOCK_M=ROWS, BLOCK_N=block_n, UPCAST=UPCAST, num_warps=warps,
+                             num_stages=stages)
     return out
 
 

@@ -65,7 +65,8 @@ def _head_dim(config) -> int:
 
 class Linear:
     """One linear layer as the kernels take it: NF4 (bitsandbytes' packed codes viewed as
-    [N, K/2], absmax as float32 [N, K/64], its 16-entry codebook) or a plain [N, K] weight."""
+    [N, K/2], absmax as float32 [N, K/64], its codebook as `kernels.pair_table`) or a plain
+    [N, K] weight."""
 
     def __init__(self, module, code: torch.Tensor | None):
         self.bias = module.bias.data if getattr(module, "bias", None) is not None else None
@@ -79,7 +80,8 @@ class Linear:
                 absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
             self.packed = module.weight.data.view(n, k // 2)
             self.absmax = absmax.float().reshape(n, k // kernels.NF4_BLOCK).contiguous()
-            self.code = code if code is not None else state.code.float().contiguous()
+            self.code = code if code is not None else kernels.pair_table(
+                state.code.cpu()).to(self.packed.device)
             self.weight = None
         else:
             self.weight = module.weight.data
@@ -173,7 +175,7 @@ class CudaRunner:
         self.vocab = config.vocab_size
         self.embed = base.embed_tokens.weight.data
         self.final_norm = base.norm.weight.data
-        code = None  # bitsandbytes' NF4 codebook, one tensor for all layers
+        code = None  # bitsandbytes' NF4 codebook as a pair table, one for all layers
         self.layers = []
         for block in base.layers:
             att, mlp = block.self_attn, block.mlp

@@ -15,9 +15,8 @@ from specchat.models.cuda import kernels
 
 NF4_SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
               "down": (4096, 14336)}  # (out features, in features)
-NF4_CONFIGS = [(16, 256, 1, 4, 3), (16, 128, 2, 4, 4), (32, 256, 2, 4, 3), (16, 512, 2, 8, 3),
-               (64, 128, 1, 4, 3)]
-DECODES = (0, 1, 2)
+NF4_CONFIGS = [(16, 2, 4), (16, 2, 3), (16, 4, 2), (16, 4, 4), (32, 2, 3), (32, 4, 3),
+               (64, 2, 3), (64, 4, 3)]
 HEAD_SHAPES = {"lm head 8B": (128256, 4096), "lm head 1B": (128256, 2048)}
 HEAD_CONFIGS = [(64, 128, 4, 3), (32, 128, 4, 4), (128, 128, 8, 3)]
 
@@ -55,28 +54,18 @@ def _sweep(fn, configs) -> list:
 
 def main() -> None:
     device = torch.device("cuda")
-    code = torch.linspace(-1, 1, 16, device=device)
-    print(f"{torch.cuda.get_device_name(device)}: {kernels.ROWS} rows; NF4 configs (decode, "
-          "columns, codes an iteration, splits, warps, stages), bf16 (columns, K, warps, "
-          "stages); the runtime's own marked *")
-    best: dict[int, float] = {}
+    table = kernels.pair_table(torch.linspace(-1, 1, 16)).to(device)
+    print(f"{torch.cuda.get_device_name(device)}: {kernels.ROWS} rows; NF4 configs (columns, "
+          "warps, stages), bf16 (columns, K, warps, stages); the runtime's own marked *")
     for name, (n, k) in NF4_SHAPES.items():
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
         absmax = torch.rand(n, k // 64, device=device)
         x = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
-        configs = [c for c in NF4_CONFIGS if k % (c[1] * c[2]) == 0]
         default = kernels.nf4_config(n, k)
-        configs += [default] if default not in configs else []
-        configs = [(d, *c) for d in DECODES for c in configs]
-        runs = _sweep(lambda c: kernels.nf4_matmul(x, packed, absmax, code, config=c[1:],
-                                                   decode=c[0]), configs)
+        configs = NF4_CONFIGS + ([default] if default not in NF4_CONFIGS else [])
+        runs = _sweep(lambda c: kernels.nf4_matmul(x, packed, absmax, table, config=c), configs)
         read = packed.numel() + absmax.numel() * 4 + x.numel() * 2
-        _report(name, f"{n}x{k}", read, runs, (kernels.DECODE, *default))
-        for d in DECODES:  # the shape's default tiles, each decode
-            best[d] = best.get(d, 0.0) + next(ms for c, ms in runs if c == (d, *default))
-    print("decode " + ", ".join(f"{d}: {ms * 1000:.0f} us" for d, ms in best.items())
-          + " (the four shapes at their default tiles)")
-    print(f"FASTEST_DECODE={min(best, key=best.get)}")
+        _report(name, f"{n}x{k}", read, runs, default)
     for name, (n, k) in HEAD_SHAPES.items():
         weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
         x = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
