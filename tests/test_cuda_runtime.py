@@ -263,3 +263,54 @@ def test_speculative_replies_are_plain_replies_on_the_runner(nf4_llama, runner):
         assert reply(speculation=True, drafter="ngram", adaptive=False, **sampling) == plain
     greedy = reply(speculation=False, temperature=0.0)
     assert reply(speculation=True, drafter="model", adaptive=False, temperature=0.0) == greedy
+
+
+def test_a_gemma3_model_runs_as_transformers_runs_it_row_exact(tmp_path):
+    """Gemma 3's stack (sandwich norms scaled by 1 + weight, q and k norms, gelu, a scaled
+    embedding, sliding-window layers with their own rotary table) on the same kernels: close to
+    transformers' forward, and a token's logits the same bits alone or in a page, past the
+    window."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Gemma3ForCausalLM, \
+        Gemma3TextConfig
+
+    from specchat.models.cuda.runner import CudaRunner, unsupported
+
+    torch.manual_seed(7)
+    config = Gemma3TextConfig(vocab_size=259, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=32, sliding_window=6, max_position_embeddings=256,
+                              layer_types=["sliding_attention", "sliding_attention",
+                                           "full_attention"])
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16).eval()
+    for p in model.parameters():  # norm weights start at zero: make them count
+        if p.dim() == 1:
+            p.data.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
+                                                 dtype=torch.bfloat16,
+                                                 device_map={"": "cpu"}).eval()
+    assert unsupported(model) is None
+    runner = CudaRunner(model, graphs=False, context=128)
+    ids = IDS[:14]
+    whole = runner.forward(runner.new_cache(), ids, 0, len(ids))
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0].float()
+    assert (whole.float() - want).abs().max() <= 0.05 * want.abs().max()
+    steps = torch.cat([runner.forward(None, ids[i:i + 1], i, 1) for i in range(len(ids))])
+    assert torch.equal(steps, whole)
+
+
+def test_models_it_cannot_run_say_why():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specchat.models.cuda.runner import unsupported
+
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, hidden_act="gelu"))
+    assert unsupported(tiny) == "its activation is gelu"
+    from transformers import GPT2Config, GPT2LMHeadModel
+    assert "is not a model it runs" in unsupported(GPT2LMHeadModel(GPT2Config(n_layer=1)))

@@ -8,8 +8,8 @@ no atomics. So a token's activations are the same bits whatever is fed beside it
 | `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, both codes of a byte looked up at once (`pair_table`), the block's absmax applied to its partial product |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row         |
-| `silu_mul`  | silu(gate) * up, the Llama MLP's activation                     |
-| `rope_store`| RoPE on a fused q|k|v row, q out, k and v into the static cache |
+| `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
+| `rope_store`| RoPE (after Gemma's q and k norms) on a q|k|v row: q out, k and v into the static cache |
 | `attention` | causal (optionally sliding-window) attention over the static cache, blocks of KEYS keys from slot 0, combined in one pass whatever the context's length |
 
 Under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests do, at tiny shapes).
@@ -179,7 +179,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, M, D, eps, offset,
-                     HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_ADD: tl.constexpr, CAST_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     ok = (rm < M)[:, None] & (rd < D)[None, :]
@@ -191,16 +192,19 @@ def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, M, D, eps, offset,
         tl.store(x_ptr + at, x, mask=ok)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / D
-    normed = (xf * (1.0 / tl.sqrt(var + eps))[:, None]).to(out_ptr.dtype.element_ty)
+    normed = xf * (1.0 / tl.sqrt(var + eps))[:, None]
+    if CAST_FIRST:  # Llama rounds the normed row, then scales it; Gemma scales in float32
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + rd, mask=rd < D, other=0.0).to(tl.float32) + offset
-    tl.store(out_ptr + at, (normed.to(tl.float32) * w[None, :]).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(out_ptr + at, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
-             out: torch.Tensor | None = None, offset: float = 0.0) -> torch.Tensor:
+             out: torch.Tensor | None = None, offset: float = 0.0,
+             cast_first: bool = True) -> torch.Tensor:
     """Each row of x [M, D]: first x += add (in place, where given), then
-    x / rms(x) * (weight + offset). -> [M, D]."""
+    x / rms(x) * (weight + offset), the normed row rounded to x's dtype before the scaling
+    (Llama's way) or not (`cast_first` False: Gemma's, with offset 1). -> [M, D]."""
     m, d = x.shape
     if out is None:
         out = torch.empty_like(x)
@@ -208,31 +212,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tenso
     rows = max(1, min(ROWS, 8192 // block_d))  # a tile of rows, each reduced on its own
     _rms_norm_kernel[(triton.cdiv(m, rows),)](x, add if add is not None else x, weight, out, m,
                                                d, eps, offset, HAS_ADD=add is not None,
-                                               BLOCK_M=rows, BLOCK_D=block_d, num_warps=8)
+                                               CAST_FIRST=cast_first, BLOCK_M=rows,
+                                               BLOCK_D=block_d, num_warps=8)
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, M, I, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(gu_ptr, out_ptr, M, I, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = (rm < M)[:, None] & (r < I)[None, :]
     g = tl.load(gu_ptr + rm[:, None] * 2 * I + r[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rm[:, None] * 2 * I + I + r[None, :], mask=ok, other=0.0)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if GELU:  # gelu with tanh's approximation: tanh(y) = 2 / (1 + e^(-2y)) - 1
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * y)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rm[:, None] * I + r[None, :],
              (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up [M, 2I] (gate | up) -> silu(gate) * up [M, I]."""
+def act_mul(gate_up: torch.Tensor, gelu: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [M, 2I] (gate | up) -> act(gate) * up [M, I], act silu (Llama) or gelu with
+    tanh's approximation (Gemma)."""
     m, two_i = gate_up.shape
     i = two_i // 2
     if out is None:
         out = torch.empty(m, i, dtype=gate_up.dtype, device=gate_up.device)
     block = 256
     grid = (triton.cdiv(m, ROWS), triton.cdiv(i, block))
-    _silu_mul_kernel[grid](gate_up, out, m, i, BLOCK_M=ROWS, BLOCK=block, num_warps=4)
+    _act_mul_kernel[grid](gate_up, out, m, i, GELU=gelu, BLOCK_M=ROWS, BLOCK=block, num_warps=4)
     return out
 
 
@@ -240,9 +253,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, M, S,
-                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
+                       M, S, eps, offset, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     # one (row, head) pair a line: heads are HQ q heads, then HKV k heads, then HKV v heads
     line = tl.arange(0, BLOCK_M * BLOCK_H)
     row = tl.program_id(0) * BLOCK_M + line // BLOCK_H
@@ -254,6 +267,20 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, 
     src = qkv_ptr + (row * (HQ + 2 * HKV) + head) * D + half
     x1 = tl.load(src, mask=real, other=0.0).to(tl.float32)
     x2 = tl.load(src + D // 2, mask=real, other=0.0).to(tl.float32)
+    if QK_NORM:  # each q and k head's RMS norm (Gemma's way: scaled in float32, then rounded)
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
+        inv = (1.0 / tl.sqrt(var + eps))[:, None]
+        is_qh = head < HQ
+        normed = head < HQ + HKV
+        wq1 = tl.load(qn_ptr + half).to(tl.float32) + offset  # [1, D/2]: every head's
+        wq2 = tl.load(qn_ptr + D // 2 + half).to(tl.float32) + offset
+        wk1 = tl.load(kn_ptr + half).to(tl.float32) + offset
+        wk2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32) + offset
+        w1 = tl.where(is_qh, wq1, wk1)
+        w2 = tl.where(is_qh, wq2, wk2)
+        dtype = q_ptr.dtype.element_ty
+        x1 = tl.where(normed, (x1 * inv * w1).to(dtype).to(tl.float32), x1)
+        x2 = tl.where(normed, (x2 * inv * w2).to(dtype).to(tl.float32), x2)
     c1 = tl.load(cos_ptr + pos * D + half).to(tl.float32)
     c2 = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
     s1 = tl.load(sin_ptr + pos * D + half).to(tl.float32)
@@ -277,15 +304,19 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               heads: int, kv_heads: int) -> None:
+               heads: int, kv_heads: int,
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None) -> None:
     """qkv [M, (heads + 2 kv_heads) * D] -> q [M, heads, D] with RoPE at positions pos [M];
-    k (with RoPE) and v written into the caches [kv_heads, S, D] at slot pos."""
+    k (with RoPE) and v written into the caches [kv_heads, S, D] at slot pos. `qk_norm`:
+    (q norm weight, k norm weight, eps, offset), each q and k head normed first."""
     m = qkv.shape[0]
     d = q.shape[-1]
     block_h = triton.next_power_of_2(heads + 2 * kv_heads)
     rows = max(1, min(ROWS, 64 // block_h))
-    _rope_store_kernel[(triton.cdiv(m, rows),)](qkv, cos, sin, pos, q, k_cache, v_cache, m,
-                                                k_cache.shape[1], HQ=heads, HKV=kv_heads, D=d,
+    qn, kn, eps, offset = qk_norm if qk_norm is not None else (cos, cos, 0.0, 0.0)
+    _rope_store_kernel[(triton.cdiv(m, rows),)](qkv, cos, sin, pos, q, k_cache, v_cache, qn, kn,
+                                                m, k_cache.shape[1], eps, offset, HQ=heads,
+                                                HKV=kv_heads, D=d, QK_NORM=qk_norm is not None,
                                                 BLOCK_M=rows, BLOCK_H=block_h, num_warps=4)
 
 

@@ -1,4 +1,5 @@
-"""`CudaRunner`: a Llama-family causal LM run by specchat's own forward on a CUDA GPU.
+"""`CudaRunner`: a Llama-family or Gemma 3 causal LM run by specchat's own forward on a CUDA
+GPU.
 
 The weights stay the ones transformers loaded (bitsandbytes' NF4 `Linear4bit`s, or bf16
 `Linear`s); this module reads them in place, adding only the absmax of each NF4 block as
@@ -31,7 +32,8 @@ PAGE = 64  # the prompt-page width (the engine's whole pages and their tails)
 CONTEXT_ENV = "SPECCHAT_CUDA_CONTEXT"
 CONTEXT = 4096  # slots in the static cache by default: 0.5 GiB for an 8B Llama in bf16
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "mistral", "gemma3_text")
+GEMMA = ("gemma3_text",)  # the Gemma 3 text stack: sandwich norms, q/k norms, gelu, windows
 
 
 def unsupported(model) -> str | None:
@@ -39,12 +41,19 @@ def unsupported(model) -> str | None:
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", "")
     if kind not in SUPPORTED:
-        return f"{kind or type(model).__name__} is not a Llama-family model ({', '.join(SUPPORTED)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"its activation is {config.hidden_act}, not silu"
-    if getattr(config, "use_sliding_window", False) \
-            or kind == "mistral" and getattr(config, "sliding_window", None):
+        return f"{kind or type(model).__name__} is not a model it runs ({', '.join(SUPPORTED)})"
+    act = getattr(config, "hidden_activation", None) if kind in GEMMA \
+        else getattr(config, "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if kind in GEMMA else "silu"):
+        return f"its activation is {act}"
+    if kind not in GEMMA and (getattr(config, "use_sliding_window", False)
+                              or kind == "mistral" and getattr(config, "sliding_window", None)):
         return "sliding-window attention"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name} {getattr(config, name)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     head_dim = _head_dim(config)
     if head_dim % 16 or head_dim & (head_dim - 1):
         return f"head dim {head_dim} is not a power of two of at least 16"
@@ -109,8 +118,14 @@ class Layer:
     gate: Linear
     up: Linear
     down: Linear
-    attn_norm: torch.Tensor
-    mlp_norm: torch.Tensor
+    attn_norm: torch.Tensor  # before attention
+    mlp_norm: torch.Tensor  # before the MLP
+    window: int | None = None  # a sliding-window layer's window
+    rope: str = "default"  # which rotary table (Gemma: "sliding_attention", "full_attention")
+    q_norm: torch.Tensor | None = None  # per-head q and k norms (Gemma)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # on the attention's output (Gemma)
+    post_mlp_norm: torch.Tensor | None = None  # on the MLP's output (Gemma)
 
 
 class StaticCache:
@@ -149,7 +164,8 @@ class _LayerView:
 
 
 class CudaRunner:
-    """The runner seam (`core.runner`) for a Llama-family model on CUDA. One cache per model:
+    """The runner seam (`core.runner`) for a Llama-family or Gemma 3 model on CUDA. One cache
+    per model:
     `new_cache` returns it emptied, since the engine keeps one conversation at a time."""
 
     tree_masks = False  # draft trees are verified as chains here (slots are positions)
@@ -171,20 +187,36 @@ class CudaRunner:
         self.head_dim = _head_dim(config)
         self.hidden = config.hidden_size
         self.eps = config.rms_norm_eps
-        self.scale = self.head_dim ** -0.5
+        self.gemma = config.model_type in GEMMA
+        self.scale = (config.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
+        self.norm_offset = 1.0 if self.gemma else 0.0  # Gemma's norms scale by 1 + weight
         self.vocab = config.vocab_size
         self.embed = base.embed_tokens.weight.data
+        scale = getattr(base.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
+        self.embed_scale = scale.to(self.dtype) if scale is not None else None
         self.final_norm = base.norm.weight.data
         code = None  # bitsandbytes' NF4 codebook as a pair table, one for all layers
+        types = getattr(config, "layer_types", None) or ["full_attention"] * len(base.layers)
         self.layers = []
-        for block in base.layers:
+        for i, block in enumerate(base.layers):
             att, mlp = block.self_attn, block.mlp
             linears = [Linear(m, code) for m in (att.q_proj, att.k_proj, att.v_proj,
                                                   att.o_proj, mlp.gate_proj, mlp.up_proj,
                                                   mlp.down_proj)]
             code = next((lin.code for lin in linears if lin.packed is not None), code)
-            self.layers.append(Layer(*linears, block.input_layernorm.weight.data,
-                                     block.post_attention_layernorm.weight.data))
+            if self.gemma:
+                sliding = types[i] == "sliding_attention"
+                layer = Layer(*linears, block.input_layernorm.weight.data,
+                              block.pre_feedforward_layernorm.weight.data,
+                              window=config.sliding_window if sliding else None,
+                              rope=types[i], q_norm=att.q_norm.weight.data,
+                              k_norm=att.k_norm.weight.data,
+                              post_attn_norm=block.post_attention_layernorm.weight.data,
+                              post_mlp_norm=block.post_feedforward_layernorm.weight.data)
+            else:
+                layer = Layer(*linears, block.input_layernorm.weight.data,
+                              block.post_attention_layernorm.weight.data)
+            self.layers.append(layer)
         self.lm_head = Linear(model.get_output_embeddings(), code)
         limit = getattr(config, "max_position_embeddings", None) or CONTEXT
         wanted = context or int(os.environ.get(CONTEXT_ENV, CONTEXT))
@@ -192,7 +224,9 @@ class CudaRunner:
         slots = -(-(self.context + PAGE) // kernels.KEYS) * kernels.KEYS
         self.cache = StaticCache(len(self.layers), self.kv_heads, slots, self.head_dim,
                                  self.dtype, self.device)
-        self.cos, self.sin = _rope_tables(base, slots, self.head_dim, self.device)
+        self.rope = {kind: _rope_tables(base, slots, self.head_dim, self.device,
+                                        kind if self.gemma else None)
+                     for kind in dict.fromkeys(layer.rope for layer in self.layers)}
         self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._captured: dict[int, tuple] = {}
@@ -215,28 +249,44 @@ class CudaRunner:
         each row's keys and values at slot pos."""
         m = ids.shape[0]
         h = self.embed[ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         q = torch.empty(m, self.heads, self.head_dim, dtype=self.dtype, device=self.device)
         qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         qkv = torch.empty(m, qkv_width, dtype=self.dtype, device=self.device)
         nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
         inter = self.layers[0].gate.out_features
         gate_up = torch.empty(m, 2 * inter, dtype=self.dtype, device=self.device)
-        x = kernels.rms_norm(h, self.layers[0].attn_norm, self.eps)
+        x = self._norm(h, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
             layer.q(x, out=qkv[:, :nq])
             layer.k(x, out=qkv[:, nq:nq + nk])
             layer.v(x, out=qkv[:, nq + nk:])
-            kernels.rope_store(qkv, self.cos, self.sin, pos, q, self.cache.k[i],
-                               self.cache.v[i], self.heads, self.kv_heads)
-            att = kernels.attention(q, self.cache.k[i], self.cache.v[i], pos, self.scale)
+            cos, sin = self.rope[layer.rope]
+            qk_norm = (layer.q_norm, layer.k_norm, self.eps, self.norm_offset) \
+                if layer.q_norm is not None else None
+            kernels.rope_store(qkv, cos, sin, pos, q, self.cache.k[i], self.cache.v[i],
+                               self.heads, self.kv_heads, qk_norm)
+            att = kernels.attention(q, self.cache.k[i], self.cache.v[i], pos, self.scale,
+                                    layer.window)
             o = layer.o(att.view(m, -1))
-            x = kernels.rms_norm(h, layer.mlp_norm, self.eps, add=o)
+            if layer.post_attn_norm is not None:
+                o = self._norm(o, layer.post_attn_norm)
+            x = self._norm(h, layer.mlp_norm, add=o)
             layer.gate(x, out=gate_up[:, :inter])
             layer.up(x, out=gate_up[:, inter:])
-            down = layer.down(kernels.silu_mul(gate_up))
+            down = layer.down(kernels.act_mul(gate_up, gelu=self.gemma))
+            if layer.post_mlp_norm is not None:
+                down = self._norm(down, layer.post_mlp_norm)
             norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
-            x = kernels.rms_norm(h, norm, self.eps, add=down)
+            x = self._norm(h, norm, add=down)
         return self.lm_head(x), x
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's RMS norm of x's rows (after x += add)."""
+        return kernels.rms_norm(x, weight, self.eps, add=add, offset=self.norm_offset,
+                                cast_first=not self.gemma)
 
     def _capture(self) -> None:
         """Capture the forward at WIDTH and PAGE rows as CUDA graphs over static buffers."""
@@ -305,11 +355,15 @@ class CudaRunner:
         return self.last_hidden[torch.tensor(rows, device=self.last_hidden.device)]
 
 
-def _rope_tables(base, slots: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(base, slots: int, head_dim: int, device,
+                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [slots, head dim] in float32, from the model's own rotary embedding (its
-    scaling included)."""
+    scaling included; Gemma's has one per layer type)."""
     positions = torch.arange(slots, device=device)[None]
     probe = torch.zeros(1, 1, head_dim, dtype=torch.float32, device=device)
     with torch.no_grad():
-        cos, sin = base.rotary_emb(probe, positions)
+        if layer_type is None:
+            cos, sin = base.rotary_emb(probe, positions)
+        else:
+            cos, sin = base.rotary_emb(probe, positions, layer_type)
     return cos[0].float().contiguous(), sin[0].float().contiguous()
