@@ -23,6 +23,7 @@ from specchat.args import (
     add_trusted_proxy_argument,
     load_from_args,
     model_choice,
+    proxies_to_trust,
     trust_proxies,
 )
 from specchat.help import HelpFormatter
@@ -170,8 +171,9 @@ def _serve(args, demo, slot: ModelSlot, store: StatsStore, auth) -> None:
     # The login (if any) is throttled per client address (auth.py); the API's "user:password"
     # keys go through the same guard, so guesses there count the same.
     # Client addresses (which the guard counts failures by) come from X-Forwarded-For only
-    # when a --trusted-proxy forwarded the request; otherwise they are the peer's.
-    trust_proxies(args.trusted_proxy)
+    # when a --trusted-proxy, or behind --share the tunnel, forwarded the request (its last
+    # entry, the one the proxy wrote); otherwise they are the peer's.
+    trust_proxies(proxies_to_trust(args.trusted_proxy, args.share))
     login = guarded_launch_kwargs(auth)
     guard = login["auth"].__self__ if login["auth"] else None
     launch(demo, server_name=args.host, server_port=args.port, share=args.share, **login,

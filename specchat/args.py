@@ -92,8 +92,22 @@ def add_trusted_proxy_argument(group) -> None:
                        type=trusted_proxy,
                        help="a reverse proxy (IP or CIDR network, repeatable) whose "
                             "X-Forwarded-For names the client; from any other peer the header "
-                            "is ignored and the peer is the client (default: none, so a share "
-                            "tunnel's visitors all count as 127.0.0.1)")
+                            "is ignored and the peer is the client (default: none; with --share, "
+                            "the share tunnel on this machine, whose last X-Forwarded-For entry "
+                            "is the visitor's address)")
+
+
+# gradio's share tunnel: frp's client on this machine relays each visitor's request from
+# loopback, and frp's HTTP proxies append the visitor's address to X-Forwarded-For. Trusting
+# loopback then gives the rightmost entry, the one the tunnel wrote (uvicorn takes the
+# rightmost address that is not a trusted proxy); the entries left of it are the visitor's own
+# writing and are never read.
+SHARE_TUNNEL = ["127.0.0.1/32", "::1/128"]
+
+
+def proxies_to_trust(trusted: list[str], share: bool) -> list[str]:
+    """The --trusted-proxy list, and behind --share the tunnel on this machine."""
+    return trusted + [p for p in SHARE_TUNNEL if share and p not in trusted]
 
 
 def trust_proxies(proxies: list[str]) -> None:

@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py
 
+# Without a GPU, the CUDA runtime's Triton kernels run interpreted (tests/test_cuda_runtime.py).
+# Set before anything imports Triton (transformers does), which reads it once.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads the real embedded model (select with -m slow)")

@@ -236,3 +236,56 @@ def test_x_forwarded_for_is_read_only_from_a_trusted_proxy(monkeypatch, proxies,
     else:
         assert guard.failures("alice", "203.0.113.7") == guard.failures("bob", "203.0.113.8") == 0
         assert guard.failures("carol", "127.0.0.1") == 2  # the address: both failures
+
+
+def test_behind_the_share_tunnel_each_visitor_counts_under_the_address_the_tunnel_wrote(
+        monkeypatch):
+    """A real server trusting the share tunnel as app.py does for --share, reached through a
+    fake tunnel: requests from 127.0.0.1 whose X-Forwarded-For ends with the visitor's
+    address, as frp's HTTP proxy appends it. A hostile visitor guesses passwords and keys with
+    forged entries naming an honest visitor's address: only the hostile address is blocked,
+    and the honest visitor's right password and key go through at once."""
+    from specchat.args import SHARE_TUNNEL, proxies_to_trust
+
+    assert proxies_to_trust([], share=False) == []
+    assert proxies_to_trust(["10.0.0.0/8"], share=True) == ["10.0.0.0/8", *SHARE_TUNNEL]
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "restored after the test")
+    trust_proxies(proxies_to_trust([], share=True))
+    kwargs = guarded_launch_kwargs(PAIRS, budget=5, user_budget=3, free=1000)
+    guard = kwargs["auth"].__self__
+    with gr.Blocks() as demo:
+        gr.Markdown("hello")
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **kwargs)
+    hostile, honest = "203.0.113.66", "198.51.100.20"
+
+    def tunnel(visitor: str, written: str = "") -> dict:
+        """The headers the tunnel passes on: what the visitor wrote, then its address."""
+        return {"X-Forwarded-For": f"{written}, {visitor}" if written else visitor}
+
+    try:
+        demo.app.include_router(api_router(Api(None, logins=PAIRS, api_keys={API_KEY: "key1"},
+                                               guard=guard)))
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=30) as c:
+            guesses = [c.post(f"{url}/login", data={"username": "alice", "password": f"g{n}"},
+                              headers=tunnel(hostile, written=honest)).status_code
+                       for n in range(8)]
+            guesses += [c.get(f"{url}/v1/models", headers={
+                "Authorization": f"Bearer bob:g{n}", **tunnel(hostile, f"{honest}, 127.0.0.1")}
+            ).status_code for n in range(4)]
+            right = c.post(f"{url}/login", data={"username": "alice", "password": "wonderland"},
+                           headers=tunnel(honest))
+            key = c.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}",
+                                                     **tunnel(honest)})
+            login_key = c.get(f"{url}/v1/models", headers={"Authorization": "Bearer bob:builder",
+                                                           **tunnel(honest)})
+    finally:
+        demo.close()
+    # alice's budget from the hostile address (3), then the address's own (5) with bob's
+    assert guesses == [400] * 3 + [429] * 5 + [401] * 2 + [429] * 2
+    assert right.status_code == 200
+    assert key.status_code == login_key.status_code == 503  # past the login: no models here
+    assert guard.failures("alice", honest) == 0 and guard.failures("alice", "127.0.0.1") == 0
+    assert guard.retry_after("alice", hostile) > 0

@@ -5,15 +5,10 @@ neighbours and of the padding, the static cache's rollback and prefix pages, the
 proof, and speculative replies equal to plain ones. On a GPU, `specchat check --device cuda`
 runs the same code compiled and captured."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton")  # TRITON_INTERPRET=1 without a GPU: conftest.py
 
 from specchat.models.cuda import kernels  # noqa: E402
 
@@ -140,15 +135,15 @@ def test_rope_store_rotates_q_and_k_and_writes_keys_and_values_at_their_position
 
 @pytest.fixture(scope="module")
 def nf4_llama(tmp_path_factory):
-    """A tiny Llama (dimensions multiples of 64, as NF4 blocks need) in NF4 through
-    transformers and bitsandbytes, bf16 compute, on the CPU."""
+    """A tiny one-layer Llama (dimensions multiples of 64, as NF4 blocks need) in NF4 through
+    transformers and bitsandbytes, bf16 compute, on the CPU (the Gemma test chains three)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
     from tiny import byte_tokenizer
 
     torch.manual_seed(5)
     config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, eos_token_id=2, bos_token_id=1,
                          pad_token_id=0, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("nf4-llama")

@@ -20,8 +20,9 @@ address and username). Three small pieces connect the two, all installed through
 
 The address is the one uvicorn reports: the peer's, or the `X-Forwarded-For` client when the
 peer is a proxy named by `--trusted-proxy` (`args.trust_proxies`). Behind `--share`, visitors
-reach the app through gradio's tunnel client on this machine, so without that option they all
-share the address 127.0.0.1.
+reach the app through gradio's tunnel client on this machine, which is then trusted
+(`args.SHARE_TUNNEL`): each visitor counts under the address the tunnel appended, never under
+one a visitor wrote, and never under the tunnel's 127.0.0.1 that every visitor shares.
 """
 
 from __future__ import annotations
