@@ -1,8 +1,11 @@
-"""One queue per engine, in arrival order, for every reply that wants it: the page's and the API's.
+"""One line per engine for every reply that wants it, the page's and the API's, served fairly:
+round-robin over owners (a login, an API key, a browser), each owner's own replies in the order
+it asked.
 
-    ticket = EngineQueue.of(engine).join()       # a place at the end of the line
+    ticket = EngineQueue.of(engine).join(owner=owner)   # a place in the line
     for report in ticket.reports(stop):          # the page: in a worker thread, as the line moves
-        show(report.message())                   #   "Waiting for the model: 2 ahead of you."
+        show(report.message())                   #   "Waiting for the model: 2 ahead of you
+                                                 #    (about 20 s)."
     await ticket.granted()                       # the API: in the event loop, holding no thread
     ...                                          # generate: the engine is this ticket's
     ticket.leave()                               # the next in line gets it at once
@@ -13,8 +16,15 @@ event loop's executor would take every thread it has, and the reply holding the 
 never get one to continue (the whole server hung). A ticket serves both: the line is a list under
 one lock, its first ticket holds the engine, and every change wakes the waiting tickets (a
 condition for threads, a future set through `call_soon_threadsafe` for coroutines), so each
-knows its place at once and replies are served in the order they asked. `join(limit)` raises
-QueueFull when `limit` tickets wait already: how the API bounds the line.
+knows its place at once. `join(limit, per_owner=n)` raises QueueFull when `limit` tickets
+wait already, or `n` of this owner's: how the API bounds the line and one owner's share of it.
+
+**Fair, not first come first served.** When the engine comes free it goes to the next owner
+in the rotation that has a reply waiting, who then moves to the rotation's end: with owners A
+(five replies waiting), B and C (one each), the order is A, B, C, A, A, A, A, and an owner
+who floods the line delays each other owner by one of its replies at most per round. A
+ticket's place (`ahead`) is its place in that order, and its expected wait is that many
+replies at the average time the engine was held lately.
 
 The queue belongs to the engine, the way its lock does; `EngineQueue.of(engine)` finds it, so the
 page and the API share it without either knowing of the other.
@@ -24,35 +34,49 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
+from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class QueueFull(Exception):
-    """`join(limit)` found `limit` tickets waiting already."""
+    """`join` found `limit` tickets waiting already (`mine` False), or `per_owner` of this
+    owner's (`mine` True)."""
 
-    def __init__(self, waiting: int):
-        super().__init__(f"{waiting} replies are waiting for the engine")
-        self.waiting = waiting
+    def __init__(self, waiting: int, mine: bool = False):
+        super().__init__(f"{waiting} of your replies are waiting already" if mine
+                         else f"{waiting} replies are waiting for the engine")
+        self.waiting, self.mine = waiting, mine
 
 
 @dataclass
 class Waiting:
-    """A reply still waiting for the engine: how many replies are ahead of it (0: its turn)."""
+    """A reply still waiting for the engine: how many replies are ahead of it (0: its turn),
+    and about how many seconds that is (None until a reply has held the engine)."""
     ahead: int
+    seconds: float | None = field(default=None, compare=False)
 
     def message(self) -> str:
         if not self.ahead:
             return ""
-        return f"Waiting for the model: {self.ahead} ahead of you."
+        wait = f" (about {_duration(self.seconds)})" if self.seconds is not None else ""
+        return f"Waiting for the model: {self.ahead} ahead of you{wait}."
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{max(1, round(seconds))} s"
+    return f"{round(seconds / 60)} min"
 
 
 class Ticket:
     """A place in an `EngineQueue`. `leave` may be called from any thread, more than once."""
 
-    def __init__(self, queue: EngineQueue):
+    def __init__(self, queue: EngineQueue, owner: str = ""):
         self.queue = queue
+        self.owner = owner
         self._wake = None  # a waiting coroutine's wake-up, called on every change of the line
 
     @property
@@ -77,7 +101,7 @@ class Ticket:
         waited at all. Afterwards `ahead` is 0 unless it was stopped."""
         ahead = waited = self.ahead
         while ahead and not (stop is not None and stop.is_set()):
-            yield Waiting(ahead)
+            yield Waiting(ahead, self.queue.expected_wait(ahead))
             ahead = self.wait(0.25)
         if waited:
             yield Waiting(0)
@@ -111,14 +135,20 @@ def _settle(future: asyncio.Future) -> None:
 
 
 class EngineQueue:
-    """The tickets of one engine: the first holds it, the others wait in arrival order."""
+    """The tickets of one engine: one holds it, the others wait their owner's turn."""
 
     _queues: dict[int, EngineQueue] = {}  # id(engine) -> its queue, while the engine lives
     _queues_lock = threading.Lock()
+    HELD_WEIGHT = 0.3  # weight of the latest hold in the average hold time
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self._changed = threading.Condition()
-        self._line: list[Ticket] = []
+        self._holder: Ticket | None = None
+        self._held_since = 0.0
+        # owner -> its waiting tickets in the order it asked; the owners in rotation order
+        self._owners: OrderedDict[str, deque[Ticket]] = OrderedDict()
+        self._held_s: float | None = None  # average seconds the engine was held lately
+        self.clock = clock
 
     @classmethod
     def of(cls, engine) -> EngineQueue:
@@ -138,18 +168,42 @@ class EngineQueue:
     def waiting(self) -> int:
         """Tickets waiting, not counting the one that holds the engine."""
         with self._changed:
-            return max(len(self._line) - 1, 0)
+            return self._waiting()
 
-    def join(self, limit: int | None = None) -> Ticket:
-        """A ticket at the end of the line (the engine at once when the line is empty).
-        Raises QueueFull when `limit` tickets wait already."""
-        ticket = Ticket(self)
+    def expected_wait(self, ahead: int) -> float | None:
+        """About how long `ahead` replies take, at the average hold time lately."""
+        return None if self._held_s is None else ahead * self._held_s
+
+    def join(self, limit: int | None = None, owner: str = "",
+             per_owner: int | None = None) -> Ticket:
+        """A ticket in the line for `owner` (the engine at once when no one holds it). Raises
+        QueueFull when `limit` tickets wait already, or `per_owner` of this owner's."""
+        ticket = Ticket(self, owner)
         with self._changed:
-            waiting = max(len(self._line) - 1, 0)
-            if limit is not None and self._line and waiting >= limit:
+            if self._holder is None:
+                self._holder, self._held_since = ticket, self.clock()
+                return ticket
+            waiting = self._waiting()
+            if limit is not None and waiting >= limit:
                 raise QueueFull(waiting)
-            self._line.append(ticket)
+            mine = self._owners.get(owner)
+            if per_owner is not None and mine and len(mine) >= per_owner:
+                raise QueueFull(len(mine), mine=True)
+            self._owners.setdefault(owner, deque()).append(ticket)
         return ticket
+
+    @property
+    def _line(self) -> list[Ticket]:
+        """The holder, then the waiting tickets in the order they will be served: one of each
+        owner's in rotation order, round after round."""
+        line = [self._holder] if self._holder is not None else []
+        queues = list(self._owners.values())
+        for round_ in range(max((len(q) for q in queues), default=0)):
+            line.extend(q[round_] for q in queues if round_ < len(q))
+        return line
+
+    def _waiting(self) -> int:
+        return sum(len(q) for q in self._owners.values())
 
     def _ahead(self, ticket: Ticket) -> int:
         try:
@@ -159,9 +213,24 @@ class EngineQueue:
 
     def _leave(self, ticket: Ticket) -> None:
         with self._changed:
-            if ticket not in self._line:
-                return
-            self._line.remove(ticket)
+            if ticket is self._holder:
+                held = self.clock() - self._held_since
+                self._held_s = held if self._held_s is None else \
+                    self.HELD_WEIGHT * held + (1 - self.HELD_WEIGHT) * self._held_s
+                self._holder = None
+                if self._owners:  # the next owner in the rotation, then to its end
+                    owner, mine = next(iter(self._owners.items()))
+                    self._holder, self._held_since = mine.popleft(), self.clock()
+                    del self._owners[owner]
+                    if mine:
+                        self._owners[owner] = mine
+            else:
+                mine = self._owners.get(ticket.owner)
+                if mine is None or ticket not in mine:
+                    return
+                mine.remove(ticket)
+                if not mine:
+                    del self._owners[ticket.owner]
             self._changed.notify_all()
             wakes = [t._wake for t in self._line if t._wake is not None]
         for wake in wakes:  # outside the lock: a wake-up only schedules work on its loop

@@ -28,6 +28,58 @@ def test_tickets_hold_the_engine_in_arrival_order():
     assert queue.join().ahead == 0  # an empty line: the engine at once
 
 
+def test_owners_are_served_round_robin_each_in_the_order_it_asked():
+    """A flood of one owner's replies delays every other owner by one of its replies a round
+    at most; each owner's own replies keep their order."""
+    queue = EngineQueue()
+    holder = queue.join(owner="flood")
+    flood = [queue.join(owner="flood") for _ in range(4)]
+    alice, bob = queue.join(owner="alice"), queue.join(owner="bob")
+    alice2 = queue.join(owner="alice")
+    # in line: flood, alice, bob, then flood, alice, then the flood's last three
+    assert [t.ahead for t in (flood[0], alice, bob, flood[1], alice2)] == [1, 2, 3, 4, 5]
+    served = []
+    holder.leave()
+    while queue.waiting or queue._holder is not None:
+        current = queue._holder
+        served.append(("flood", flood.index(current)) if current in flood
+                      else ("alice2" if current is alice2 else
+                            "alice" if current is alice else "bob"))
+        current.leave()
+    assert served == [("flood", 0), "alice", "bob", ("flood", 1), "alice2", ("flood", 2),
+                      ("flood", 3)]
+
+
+def test_one_owner_may_hold_only_so_many_places_and_is_told_which_limit():
+    queue = EngineQueue()
+    queue.join(owner="a")  # holds the engine: not a waiting place
+    queue.join(owner="a", per_owner=2)
+    queue.join(owner="a", per_owner=2)
+    with pytest.raises(QueueFull) as full:
+        queue.join(owner="a", per_owner=2)
+    assert full.value.mine and full.value.waiting == 2
+    assert "of your replies" in str(full.value)
+    assert queue.join(owner="b", per_owner=2).ahead == 2  # another owner's turn comes first
+
+
+def test_a_waiting_reply_is_told_its_expected_wait_from_recent_replies():
+    now = [0.0]
+    queue = EngineQueue(clock=lambda: now[0])
+    first = queue.join()
+    waiting = [queue.join(owner=str(i)) for i in range(2)]
+    assert queue.expected_wait(2) is None  # no reply has held the engine yet
+    now[0] = 10.0
+    first.leave()  # held 10 s
+    assert queue.expected_wait(1) == 10.0
+    report = next(waiting[1].reports())
+    assert report == Waiting(1) and report.message() == \
+        "Waiting for the model: 1 ahead of you (about 10 s)."
+    now[0] = 210.0
+    waiting[0].leave()  # held 200 s: the average moves toward it
+    assert queue.expected_wait(3) == pytest.approx(3 * (0.3 * 200 + 0.7 * 10))
+    assert Waiting(3, 200.0).message() == "Waiting for the model: 3 ahead of you (about 3 min)."
+
+
 def test_a_full_line_refuses_and_the_holder_does_not_count():
     queue = EngineQueue()
     queue.join(limit=1)  # holds the engine
@@ -86,7 +138,9 @@ def test_a_thread_and_coroutines_are_served_in_the_order_they_came():
     asyncio.run(main())
     assert served == ["first", "page", "last"]
     assert reports[0] == "Waiting for the model: 2 ahead of you."
-    assert "Waiting for the model: 1 ahead of you." in reports and reports[-1] == ""
+    # by then a reply has held the engine: the wait comes with its expected length
+    assert any(r.startswith("Waiting for the model: 1 ahead of you (about ") for r in reports)
+    assert reports[-1] == ""
     assert queue.waiting == 0 and queue.join().ahead == 0
 
 

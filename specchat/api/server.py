@@ -16,9 +16,10 @@ for llama-server read it unchanged. The model's id is a slug of the target's nam
 (`model_slug`: "gemma-3-270m"); its display name is in the model object's `specchat` field.
 
 Settings pass the same check as the page and the CLI (`core.settings.build_config`), and the
-same caps. One reply is generated at a time, in the order asked, the page's included: requests
-wait in the engine's queue (`engine_queue.py`) as coroutines, holding no thread, and past
-`MAX_WAITING` waiting a request gets 429 with `Retry-After`. Each reply runs in a thread of its
+same caps. One reply is generated at a time, the page's included, in fair turns: requests wait
+in the engine's queue (`engine_queue.py`, round-robin over owners) as coroutines, holding no
+thread. Past `MAX_WAITING` waiting, or `MAX_PER_OWNER` of the same owner's, a request gets 429
+saying which limit it met, with `Retry-After`. Each reply runs in a thread of its
 own; a client that goes away stops it at the next step, frees the engine, and its turn is
 recorded as interrupted. Errors are OpenAI error objects with the HTTP status that says whose
 fault it was. Turns are saved to the stats database in the background, owned by the API key's
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import re
 import threading
 import time
@@ -50,6 +52,7 @@ from specchat.stats.writer import StatsWriter
 from specchat.auth import LoginGuard, TooManyAttempts
 
 MAX_WAITING = 8  # replies waiting behind the one generating, the page's included; more: 429
+MAX_PER_OWNER = 2  # of those, one key's or login's; more: 429 (one owner cannot fill the line)
 RETRY_AFTER_S = 5
 # How often a request that is not streaming checks whether its client is still there, while it
 # waits for the engine and while its reply is made: a client that left frees its place.
@@ -109,6 +112,7 @@ class Api:
         self.guard = guard or LoginGuard(logins or [])
         self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
         self.max_waiting = MAX_WAITING  # a request finding this many waiting gets 429
+        self.max_per_owner = MAX_PER_OWNER  # ... or this many of its owner's
         self.started = int(time.time())
         self.redact = redact  # model names as visitors may see them (paths cut on exposed pages)
 
@@ -334,11 +338,17 @@ class Api:
         reply at its next step. With `request`, a client that disconnects while waiting leaves
         the queue at once (a stream's client that leaves cancels this coroutine itself)."""
         try:
-            ticket = self.queue.join(self.max_waiting)
+            ticket = self.queue.join(self.max_waiting, owner=cfg.owner,
+                                     per_owner=self.max_per_owner)
         except QueueFull as full:
-            raise ApiError(429, f"The server is busy: {full.waiting} replies are waiting "
-                                "already. Retry shortly.", "rate_limit_error",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            expected = self.queue.expected_wait(1)
+            retry = max(RETRY_AFTER_S, math.ceil(expected)) if expected else RETRY_AFTER_S
+            reason = (f"You have {full.waiting} replies waiting already, the most one key or "
+                      "login may have; retry when one is done." if full.mine else
+                      f"The server is busy: {full.waiting} replies are waiting already. "
+                      "Retry shortly.")
+            raise ApiError(429, reason, "rate_limit_error",
+                           headers={"Retry-After": str(retry)}) from None
         try:
             # waits as a coroutine: no thread is held meanwhile
             granted = asyncio.ensure_future(ticket.granted())

@@ -168,13 +168,13 @@ class ChatApp:
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
                tokens: list[TokenEvent], steps: list[StepRecord] | None = None
                ) -> Iterator[GenerationStats | Waiting | None]:
-        """One generation in its turn: the engine's queue, shared with the API's requests,
-        yields Waiting reports while replies are ahead. Then appends TokenEvents to `tokens`
+        """One generation in its turn: the engine's queue, shared with the API's requests and
+        fair between visitors (`cfg.owner`), yields Waiting reports while replies are ahead. Then appends TokenEvents to `tokens`
         (and StepRecords to `steps`), yields None when a repaint is due, the GenerationStats
         last. An engine error becomes stats with `error` set."""
         engine = self.slot.engine
         stats, error = None, ""
-        ticket = EngineQueue.of(engine).join()
+        ticket = EngineQueue.of(engine).join(owner=cfg.owner)  # fair turns per visitor
         try:
             yield from ticket.reports(stop)
             if ticket.ahead:  # stopped before its turn came: the engine never ran
