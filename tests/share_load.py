@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import httpx
 import uvicorn
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # specchat
 
 from tiny import byte_tokenizer, loaded, tiny_llama  # noqa: E402
 
