@@ -165,11 +165,10 @@ class _LayerView:
 
 class CudaRunner:
     """The runner seam (`core.runner`) for a Llama-family or Gemma 3 model on CUDA. One cache
-    per model:
-    `new_cache` returns it emptied, since the engine keeps one conversation at a time."""
+    per model: `new_cache` returns it, since the engine keeps one conversation at a time and
+    a forward at `start` overwrites whatever the slots from there held."""
 
     tree_masks = False  # draft trees are verified as chains here (slots are positions)
-    row_exact_by_design = True
 
     def __init__(self, model, graphs: bool | None = None, context: int | None = None):
         why = unsupported(model)
@@ -334,7 +333,7 @@ class CudaRunner:
     # -- the seam ---------------------------------------------------------------------------
 
     def new_cache(self) -> StaticCache:
-        return self.cache
+        return self.cache  # "empty": the next forward starts at 0 and rewrites its slots
 
     def crop(self, cache, cached: int, keep: int) -> bool:
         return True  # the slots past `keep` are rewritten before any row reads them
