@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -54,7 +53,8 @@ class Figures:
     guess_statuses: dict[int, int] = field(default_factory=dict)
     honest_saved: int = 0
     honest_finished: int = 0
-    peak_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # the process's resident memory at its highest during the run
+    start_rss_mb: float = 0.0  # ... and as the run began (in the suite: pytest's own)
     seconds: float = 0.0
 
     @property
@@ -74,7 +74,17 @@ class Figures:
                 "longest_reply_s": round(max(self.reply_seconds, default=0.0), 3),
                 "fair_round_s": round(self.fair_bound(owners), 3),
                 "honest_finished": self.honest_finished, "honest_saved": self.honest_saved,
-                "peak_rss_mb": round(self.peak_rss_mb), "seconds": round(self.seconds, 1)}
+                "peak_rss_mb": round(self.peak_rss_mb), "start_rss_mb": round(self.start_rss_mb),
+                "seconds": round(self.seconds, 1)}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (Linux), in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _count(counts: dict[int, int], status: int, lock: threading.Lock) -> None:
@@ -106,6 +116,15 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
     figures, lock = Figures(), threading.Lock()
     deadline = time.monotonic() + seconds
     start = time.monotonic()
+    figures.start_rss_mb = figures.peak_rss_mb = _rss_mb()
+    sampling = threading.Event()
+
+    def sample() -> None:  # the server's memory through the whole run
+        while not sampling.wait(0.05):
+            figures.peak_rss_mb = max(figures.peak_rss_mb, _rss_mb())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
 
     def tunnel(address: str, written: str = "") -> dict:
         return {"X-Forwarded-For": f"{written}, {address}" if written else address}
@@ -165,6 +184,8 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
     finally:
         server.should_exit = True
         thread.join(10)
+        sampling.set()
+        sampler.join(5)
     figures.seconds = time.monotonic() - start
 
     def saved() -> int:
@@ -175,7 +196,6 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
     while saved() < figures.honest_finished and time.monotonic() < settle:
         time.sleep(0.05)
     figures.honest_saved = saved()
-    figures.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
 
 

@@ -20,4 +20,6 @@ def test_a_hostile_visitor_neither_locks_out_nor_starves_the_honest_ones():
     # each honest first token came within a fair round: one reply of every other owner
     assert max(figures.honest_waits) <= figures.fair_bound(honest + len(HOSTILE_KEYS)) + 1.0
     assert figures.honest_saved == figures.honest_finished == honest * turns
-    assert figures.peak_rss_mb < 2048
+    # the server shares pytest's process here: what the run added stays small (alone, the
+    # full script holds the whole process under 2 GB)
+    assert figures.peak_rss_mb - figures.start_rss_mb < 512
