@@ -11,7 +11,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_a_hostile_visitor_neither_locks_out_nor_starves_the_honest_ones():
     honest, turns = 3, 2
-    figures = run(honest=honest, turns=turns, flood=12, tabs=4, guesses=16, seconds=120)
+    figures = run(honest=honest, turns=turns, flood=12, tabs=4, guesses=6, seconds=120)
     print(figures.to_json(honest + len(HOSTILE_KEYS)))
     assert figures.honest_statuses == {200: honest * turns}  # no 401, no 429, no time-out
     assert figures.flood_statuses.get(429, 0) > 0  # the flood met its owner's limit
