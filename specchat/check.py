@@ -323,7 +323,6 @@ def _copy_bandwidth(device: str) -> float | None:
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src), device, 10)
-    del src, dst
     return 2 * 2**30 / (ms / 1000) / 1e9
 
 
@@ -372,9 +371,7 @@ def _draft_step_ms(path: Path, device: str) -> dict:
 
     step()
     ms = _median_ms(step, device, 31)
-    out = {"runtime": draft.runtime.path if draft.runtime else "", "ms": round(ms, 3)}
-    del draft, runner, cache
-    return out
+    return {"runtime": draft.runtime.path if draft.runtime else "", "ms": round(ms, 3)}
 
 
 SHAPES = ("1b", "8b")

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
 import sys
 import threading
 import time
@@ -26,12 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
-import uvicorn
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # specchat
 
-from tiny import byte_tokenizer, loaded, tiny_llama  # noqa: E402
+from tiny import byte_tokenizer, loaded, served_on_loopback, tiny_llama  # noqa: E402
 
 from specchat.api.server import create_app  # noqa: E402
 from specchat.args import SHARE_TUNNEL, trust_proxies  # noqa: E402
@@ -104,15 +101,7 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
     app = create_app(LoadReport(engine, None, []), store,
                      {key: f"flood{i}" for i, key in enumerate(HOSTILE_KEYS)}, logins=users,
                      max_tokens_cap=cap)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}/v1"
+    url = ""  # the API's, once it is served (below)
     figures, lock = Figures(), threading.Lock()
     deadline = time.monotonic() + seconds
     start = time.monotonic()
@@ -174,7 +163,9 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
         _count(figures.guess_statuses, r.status_code, lock)
 
     try:
-        with ThreadPoolExecutor(max_workers=honest + tabs + 2) as pool:
+        with served_on_loopback(app) as base, \
+                ThreadPoolExecutor(max_workers=honest + tabs + 2) as pool:
+            url = base + "/v1"
             jobs = [pool.submit(flooder, n) for n in range(flood)]
             jobs += [pool.submit(guesser, n) for n in range(guesses)]
             time.sleep(0.2)  # the flood is in the line first
@@ -182,8 +173,6 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
             for job in jobs:
                 job.result()
     finally:
-        server.should_exit = True
-        thread.join(10)
         sampling.set()
         sampler.join(5)
     figures.seconds = time.monotonic() - start

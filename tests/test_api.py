@@ -4,15 +4,13 @@ auth, OpenAI error objects, and turns saved to the stats store."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from tiny import byte_tokenizer, loaded, tiny_llama
+from tiny import byte_tokenizer, loaded, served_on_loopback, tiny_llama
 
 from specchat.api.server import create_app
 from specchat.core.engine import Engine
@@ -35,17 +33,8 @@ def server():
     store = StatsStore(":memory:")
     app = create_app(LoadReport(engine, None, []), store, {KEY: "tests"}, max_tokens_cap=64,
                      max_input_chars=2000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", app.state.api, store
-    server.should_exit = True
-    thread.join(10)
+    with served_on_loopback(app) as url:
+        yield f"{url}/v1", app.state.api, store
 
 
 def client(url, key=KEY):

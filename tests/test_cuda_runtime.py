@@ -137,7 +137,7 @@ def test_rope_store_rotates_q_and_k_and_writes_keys_and_values_at_their_position
 def nf4_llama(tmp_path_factory):
     """A tiny one-layer Llama (dimensions multiples of 64, as NF4 blocks need) in NF4 through
     transformers and bitsandbytes, bf16 compute, on the CPU (the Gemma test chains three)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     from tiny import byte_tokenizer
 
@@ -150,13 +150,20 @@ def nf4_llama(tmp_path_factory):
     from transformers import LlamaForCausalLM
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
+    return _load_nf4(path), path
+
+
+def _load_nf4(path):
+    """A saved checkpoint loaded in NF4 (double quantization, bf16 compute) on the CPU, as
+    load_model loads a target on CUDA."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant,
-                                                 dtype=torch.bfloat16,
-                                                 device_map={"": "cpu"}).eval()
-    return model, path
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quant,
+                                                dtype=torch.bfloat16,
+                                                device_map={"": "cpu"}).eval()
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +272,7 @@ def test_a_gemma3_model_runs_as_transformers_runs_it_row_exact(tmp_path):
     embedding, sliding-window layers with their own rotary table) on the same kernels: close to
     transformers' forward, and a token's logits the same bits alone or in a page, past the
     window."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Gemma3ForCausalLM, \
-        Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from specchat.models.cuda.runner import CudaRunner, unsupported
 
@@ -281,12 +287,7 @@ def test_a_gemma3_model_runs_as_transformers_runs_it_row_exact(tmp_path):
         if p.dim() == 1:
             p.data.normal_(0, 0.3)
     model.save_pretrained(tmp_path)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
-                                                 dtype=torch.bfloat16,
-                                                 device_map={"": "cpu"}).eval()
+    model = _load_nf4(tmp_path)
     assert unsupported(model) is None
     runner = CudaRunner(model, graphs=False, context=128)
     ids = IDS[:14]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import socket
+import threading
+import time
 
 import torch
 
@@ -31,3 +35,24 @@ def most_repeats(seq, n: int = 6) -> int:
     """How many times the most frequent n-gram of `seq` occurs (0 when shorter than n)."""
     grams = collections.Counter(tuple(seq[i:i + n]) for i in range(len(seq) - n + 1))
     return max(grams.values(), default=0)
+
+
+@contextlib.contextmanager
+def served_on_loopback(app):
+    """Serve an ASGI app with uvicorn on a free loopback port, in a thread; yields its base
+    URL ("http://127.0.0.1:PORT") and stops the server after."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
