@@ -16,8 +16,11 @@ event loop's executor would take every thread it has, and the reply holding the 
 never get one to continue (the whole server hung). A ticket serves both: the line is a list under
 one lock, its first ticket holds the engine, and every change wakes the waiting tickets (a
 condition for threads, a future set through `call_soon_threadsafe` for coroutines), so each
-knows its place at once. `join(limit, per_owner=n)` raises QueueFull when `limit` tickets
-wait already, or `n` of this owner's: how the API bounds the line and one owner's share of it.
+knows its place at once. `join(limit, per_owner=n)` raises QueueFull when `n` of this owner's
+tickets wait already, or when `limit` tickets wait and this owner has one of them: how every
+route bounds one owner's share of the line and the line itself. An owner with nothing waiting
+always gets a place, so no number of other owners' replies shuts a visitor out; the line holds
+at most `limit` tickets plus one for each other owner.
 
 **Fair, not first come first served.** When the engine comes free it goes to the next owner
 in the rotation that has a reply waiting, who then moves to the rotation's end: with owners A
@@ -41,9 +44,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
+# The limits every route joins the line with (the page's replies, the page's `generate`
+# endpoint and the HTTP API): past MAX_WAITING waiting, an owner with a reply waiting already
+# is refused; no owner may have more than MAX_PER_OWNER waiting.
+MAX_WAITING = 8
+MAX_PER_OWNER = 2
+
+
 class QueueFull(Exception):
-    """`join` found `limit` tickets waiting already (`mine` False), or `per_owner` of this
-    owner's (`mine` True)."""
+    """`join` found `limit` tickets waiting already, one of them this owner's (`mine` False),
+    or `per_owner` of this owner's (`mine` True)."""
 
     def __init__(self, waiting: int, mine: bool = False):
         super().__init__(f"{waiting} of your replies are waiting already" if mine
@@ -177,16 +187,17 @@ class EngineQueue:
     def join(self, limit: int | None = None, owner: str = "",
              per_owner: int | None = None) -> Ticket:
         """A ticket in the line for `owner` (the engine at once when no one holds it). Raises
-        QueueFull when `limit` tickets wait already, or `per_owner` of this owner's."""
+        QueueFull when `per_owner` of this owner's tickets wait already, or `limit` tickets
+        wait and one of them is this owner's (an owner with none waiting always joins)."""
         ticket = Ticket(self, owner)
         with self._changed:
             if self._holder is None:
                 self._holder, self._held_since = ticket, self.clock()
                 return ticket
             waiting = self._waiting()
-            if limit is not None and waiting >= limit:
-                raise QueueFull(waiting)
             mine = self._owners.get(owner)
+            if limit is not None and waiting >= limit and mine:
+                raise QueueFull(waiting)
             if per_owner is not None and mine and len(mine) >= per_owner:
                 raise QueueFull(len(mine), mine=True)
             self._owners.setdefault(owner, deque()).append(ticket)

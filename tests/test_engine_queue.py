@@ -180,3 +180,19 @@ def test_a_stopped_page_reply_stops_waiting():
     reports = list(ticket.reports(stop))
     assert time.monotonic() - started < 1.0  # no need to wait out the second
     assert reports[0] == Waiting(1) and reports[-1] == Waiting(0) and ticket.ahead == 1
+
+
+def test_past_the_limit_only_an_owner_with_nothing_waiting_gets_a_place():
+    """A full line refuses an owner who has a reply waiting already; one who has none joins,
+    so no number of other owners' replies shuts a visitor out."""
+    queue = EngineQueue()
+    queue.join(limit=2, owner="flood")  # holds the engine
+    queue.join(limit=2, owner="flood")
+    queue.join(limit=2, owner="flood-2")
+    with pytest.raises(QueueFull) as full:
+        queue.join(limit=2, owner="flood")
+    assert not full.value.mine and full.value.waiting == 2
+    alice = queue.join(limit=2, owner="alice")
+    assert alice.ahead == 3 and queue.waiting == 3  # its turn comes in the first round
+    with pytest.raises(QueueFull):
+        queue.join(limit=2, owner="alice")  # her second waits for room like anyone's

@@ -21,7 +21,8 @@ from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import LoadReport
 from specchat.stats.speedup import ESTIMATE, Speedup
 from specchat.stats.store import StatsStore
-from specchat.ui.handlers import ChatApp, ab_verdict, first_difference
+from specchat.engine_queue import EngineQueue
+from specchat.ui.handlers import BUSY, ONE_AT_A_TIME, ChatApp, ab_verdict, first_difference
 from specchat.ui.render import markup_ranges, render_history, render_tokens, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
@@ -562,6 +563,67 @@ def test_a_closed_page_records_the_reply_as_interrupted(engine, store):
     assert row["interrupted"] and row["stop_reason"] == "cancelled" and row["reply"] == turn.reply
     send(app, session, "still there?")  # the engine is free and consistent
     assert session.turns[-1].stats.stop_reason != "error"
+
+
+def test_one_reply_at_a_time_in_a_tab(engine, store):
+    """While a tab's reply runs, its next message, Retry and Undo wait (the message stays in
+    the box), and a second reply asked for directly is refused: each reply's prompt holds the
+    whole of the replies before it."""
+    app = make_app(engine, store)
+    session = Session()
+    app.user("tell me a long story", session)
+    updates = app.bot(session, Settings(max_new_tokens=400, seed=3, speculation=False))
+    next(updates)
+    assert app.busy()
+    box, _, _, notice = app.user("and then?", session)
+    assert box == "and then?" and notice == ONE_AT_A_TIME and session.pending is None
+    assert app.retry(session)[2] == app.undo(session)[3] == BUSY
+    other = Session(pending="sent around the box")  # as a client skipping `user` might
+    assert list(app.bot(other, Settings(max_new_tokens=4)))[-1][2] == BUSY
+    assert other.turns == [] and len(session.turns) == 1
+    updates.close()
+    assert not app.busy()
+    send(app, session, "and then?")
+    assert [t.user for t in session.turns] == ["tell me a long story", "and then?"]
+
+
+def test_a_reply_past_its_owners_places_in_line_is_not_sent_nor_saved(engine, store):
+    """The page joins the engine's line with the API's limits: a visitor with 2 replies
+    waiting already (other tabs, the API) is told so in the chat; nothing is saved, and Retry
+    sends it once there is room."""
+    app = make_app(engine, store)
+    queue = EngineQueue.of(engine)
+    holder = queue.join(owner="someone else")
+    mine = [queue.join(owner="local") for _ in range(2)]  # this page's owner (no login)
+    try:
+        session = Session()
+        chat, _, notice = send(app, session, "<b>hi</b>")[-1]
+    finally:
+        for ticket in (holder, *mine):
+            ticket.leave()
+    turn = session.turns[-1]
+    assert turn.stats.stop_reason == "refused" and not turn.tokens
+    assert notice.startswith("Not sent: 2 replies of yours are waiting")
+    assert '<div class="sc-error">⚠ Not sent' in chat[-1]["content"]
+    assert "sc-stats" not in chat[-1]["content"]  # it never ran: no figures
+    assert "&lt;b&gt;hi&lt;/b&gt;" in chat[-2]["content"]
+    assert app.writer.flush(10) and store.conversations() == []
+    app.retry(session)
+    list(app.bot(session, Settings(max_new_tokens=4, seed=0)))
+    assert session.turns[-1].stats.stop_reason != "refused" and session.turns[-1].tokens
+
+
+def test_page_replies_wait_in_the_fair_line_not_in_gradios_queue(engine):
+    """The events that generate share one gradio lane wide enough for many visitors' places,
+    so the engine's line, fair between visitors, is where they wait."""
+    from specchat.ui.page import ENGINE_LANE, build_ui
+
+    demo = build_ui(engine)
+    lanes = {getattr(fn.fn, "__name__", ""): (fn.concurrency_id, fn.concurrency_limit)
+             for fn in demo.fns.values()}
+    assert ENGINE_LANE > 1
+    for name in ("on_bot", "on_ab", "generate"):
+        assert lanes[name] == ("engine", ENGINE_LANE), name
 
 
 def test_an_exposed_page_names_models_without_their_paths(engine):

@@ -18,8 +18,9 @@ for llama-server read it unchanged. The model's id is a slug of the target's nam
 Settings pass the same check as the page and the CLI (`core.settings.build_config`), and the
 same caps. One reply is generated at a time, the page's included, in fair turns: requests wait
 in the engine's queue (`engine_queue.py`, round-robin over owners) as coroutines, holding no
-thread. Past `MAX_WAITING` waiting, or `MAX_PER_OWNER` of the same owner's, a request gets 429
-saying which limit it met, with `Retry-After`. Each reply runs in a thread of its
+thread. A request whose owner has `MAX_PER_OWNER` waiting already, or one waiting while
+`MAX_WAITING` wait in all, gets 429 saying which limit it met, with `Retry-After`; an owner
+with nothing waiting always gets a place. Each reply runs in a thread of its
 own; a client that goes away stops it at the next step, frees the engine, and its turn is
 recorded as interrupted. Errors are OpenAI error objects with the HTTP status that says whose
 fault it was. Turns are saved to the stats database in the background, owned by the API key's
@@ -46,13 +47,14 @@ from specchat.core.engine import GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
 from specchat.core.settings import SETTINGS, build_config, values_from_body
-from specchat.engine_queue import EngineQueue, QueueFull
+from specchat.engine_queue import MAX_PER_OWNER, MAX_WAITING, EngineQueue, QueueFull
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.auth import LoginGuard, TooManyAttempts
 
-MAX_WAITING = 8  # replies waiting behind the one generating, the page's included; more: 429
-MAX_PER_OWNER = 2  # of those, one key's or login's; more: 429 (one owner cannot fill the line)
+# The line's limits (engine_queue.MAX_WAITING, MAX_PER_OWNER) are the page's too: past 8
+# waiting, a request whose key or login has one waiting already gets 429; a key or login with
+# 2 waiting gets 429 (one owner cannot fill the line).
 RETRY_AFTER_S = 5
 # How often a request that is not streaming checks whether its client is still there, while it
 # waits for the engine and while its reply is made: a client that left frees its place.
@@ -111,7 +113,7 @@ class Api:
         self.logins = bool(logins)
         self.guard = guard or LoginGuard(logins or [])
         self.max_input_chars, self.max_tokens_cap = max_input_chars, max_tokens_cap
-        self.max_waiting = MAX_WAITING  # a request finding this many waiting gets 429
+        self.max_waiting = MAX_WAITING  # past this many waiting, 429 for an owner with one
         self.max_per_owner = MAX_PER_OWNER  # ... or this many of its owner's
         self.started = int(time.time())
         self.redact = redact  # model names as visitors may see them (paths cut on exposed pages)
@@ -345,8 +347,8 @@ class Api:
             retry = max(RETRY_AFTER_S, math.ceil(expected)) if expected else RETRY_AFTER_S
             reason = (f"You have {full.waiting} replies waiting already, the most one key or "
                       "login may have; retry when one is done." if full.mine else
-                      f"The server is busy: {full.waiting} replies are waiting already. "
-                      "Retry shortly.")
+                      f"The server is busy: {full.waiting} replies are waiting already, one "
+                      "of them yours. Retry when it is done.")
             raise ApiError(429, reason, "rate_limit_error",
                            headers={"Retry-After": str(retry)}) from None
         try:

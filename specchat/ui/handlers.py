@@ -33,7 +33,7 @@ from specchat.core.inputs import InputError, clean_text
 from specchat.core.settings import SETTINGS, build_config
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
-from specchat.engine_queue import EngineQueue, Waiting
+from specchat.engine_queue import MAX_PER_OWNER, MAX_WAITING, EngineQueue, QueueFull, Waiting
 from specchat.loader import LoadReport
 from specchat.stats.speedup import Speedup, noise_band, plain_step_times, turn_speedup
 from specchat.stats.store import StatsStore
@@ -45,6 +45,10 @@ from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
 
 # What a message sent while the models load is told; it goes once they are ready.
 STILL_LOADING = "The models are still loading; your message is kept, send it when ready."
+# What a tab is told when it asks for a second reply (a message, Retry, Undo, A/B) while its
+# first is running; a message stays in the box.
+BUSY = "Wait for the reply being written, or stop it: one reply at a time in a tab."
+ONE_AT_A_TIME = BUSY + " Your message is still in the box."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +66,11 @@ class ChatApp:
         self.min_interval = min_interval  # seconds between repaints while streaming
         self._stops: dict[str, threading.Event] = {}  # session key -> the running reply's flag
         self._stops_lock = threading.Lock()
+        # Session keys (one per tab) with a reply or A/B replay running: one at a time each, so
+        # a reply's prompt always holds the whole of the replies before it.
+        self._busy: set[str] = set()
+        # Every reply joins the engine's line (engine_queue.py) with the API's limits.
+        self.max_waiting, self.max_per_owner = MAX_WAITING, MAX_PER_OWNER
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -79,6 +88,23 @@ class ChatApp:
         with self._stops_lock:
             if self._stops.get(self._key(request)) is event:
                 del self._stops[self._key(request)]
+
+    def _claim(self, request) -> bool:
+        """This tab's one running reply: False when it has one already."""
+        with self._stops_lock:
+            if self._key(request) in self._busy:
+                return False
+            self._busy.add(self._key(request))
+            return True
+
+    def _unclaim(self, request) -> None:
+        with self._stops_lock:
+            self._busy.discard(self._key(request))
+
+    def busy(self, request: gr.Request | None = None) -> bool:
+        """Whether this tab has a reply (or A/B replay) running."""
+        with self._stops_lock:
+            return self._key(request) in self._busy
 
     def stop(self, request: gr.Request | None = None) -> str:
         """Ask this browser's running reply (or A/B replay) to end after the current step."""
@@ -166,15 +192,24 @@ class ChatApp:
         return ids, tuple(stops)
 
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
-               tokens: list[TokenEvent], steps: list[StepRecord] | None = None
-               ) -> Iterator[GenerationStats | Waiting | None]:
+               tokens: list[TokenEvent], steps: list[StepRecord] | None = None,
+               owner: str | None = None) -> Iterator[GenerationStats | Waiting | None]:
         """One generation in its turn: the engine's queue, shared with the API's requests and
-        fair between visitors (`cfg.owner`), yields Waiting reports while replies are ahead. Then appends TokenEvents to `tokens`
-        (and StepRecords to `steps`), yields None when a repaint is due, the GenerationStats
-        last. An engine error becomes stats with `error` set."""
+        fair between visitors (`owner`, by default `cfg.owner`), with the API's limits, yields
+        Waiting reports while replies are ahead. Then appends TokenEvents to `tokens` (and
+        StepRecords to `steps`), yields None when a repaint is due, the GenerationStats last.
+        An engine error becomes stats with `error` set; a place the line refuses (QueueFull),
+        stats with stop_reason REFUSED and the reason as `error`: nothing ran."""
         engine = self.slot.engine
         stats, error = None, ""
-        ticket = EngineQueue.of(engine).join(owner=cfg.owner)  # fair turns per visitor
+        queue = EngineQueue.of(engine)
+        try:  # fair turns per visitor, with the API's limits
+            ticket = queue.join(self.max_waiting, owner=cfg.owner if owner is None else owner,
+                                per_owner=self.max_per_owner)
+        except QueueFull as full:
+            yield GenerationStats.for_config(cfg, stop_reason=REFUSED,
+                                             error=refusal(full, queue.expected_wait(1)))
+            return
         try:
             yield from ticket.reports(stop)
             if ticket.ahead:  # stopped before its turn came: the engine never ran
@@ -235,7 +270,7 @@ class ChatApp:
         """Queue the turn for the stats database (never waits on it); the future of its row id.
         The conversation is created with its first saved turn; `speedup` is the figure the
         page showed for it."""
-        if not self.store.enabled or viewer_owner == NOBODY or \
+        if not self.store.enabled or viewer_owner == NOBODY or stats.stop_reason == REFUSED or \
                 (stats.stop_reason == "error" and not reply):
             return None
         if session.conversation_id is None:
@@ -279,6 +314,8 @@ class ChatApp:
                        "(it is still in the box).")
         elif self.slot.state != "ready":
             refused = self._not_ready()
+        elif self.busy(request):
+            refused = ONE_AT_A_TIME
         elif settings is not None:
             try:
                 self.config(settings)
@@ -300,11 +337,17 @@ class ChatApp:
         except InputError as e:  # `user` checks first; this guards direct calls
             yield render_history(session), session, _notice(str(e), request)
             return
-        turn = Turn(session.pending)
-        session.pending = None
-        session.turns.append(turn)
-        owner = self.access.viewer(request, browser_id).owner
-        yield from self._reply(session, turn, settings, request, owner)
+        if not self._claim(request):  # `user` refuses first; this guards direct calls
+            yield render_history(session), session, _notice(BUSY, request)
+            return
+        try:
+            turn = Turn(session.pending)
+            session.pending = None
+            session.turns.append(turn)
+            owner = self.access.viewer(request, browser_id).owner
+            yield from self._reply(session, turn, settings, request, owner)
+        finally:
+            self._unclaim(request)
 
     def _reply(self, session: Session, turn: Turn, settings: Settings, request, owner: str):
         cfg, turn.notes = self.config(settings)
@@ -314,16 +357,22 @@ class ChatApp:
         stop = self._stop_event(request)
         drive = self._drive(ids, cfg, stop, turn.tokens, turn.steps)
         started = time.perf_counter()
+        said = None  # the last place in line shown
         try:
             yield render_history(session, streaming=True), session, notice
             for result in drive:
                 if result is None:
                     yield render_history(session, streaming=True), session, gr.skip()
                 elif isinstance(result, Waiting):  # other replies have the engine first
-                    yield (render_history(session, streaming=True), session,
-                           result.message() or notice)
+                    message = result.message() or notice
+                    # (a report that says nothing new sends nothing: one every quarter second)
+                    yield (gr.skip(), session, gr.skip()) if message == said else \
+                        (render_history(session, streaming=True), session, message)
+                    said = message
                 else:
                     turn.stats = result
+                    if result.stop_reason == REFUSED:
+                        notice = _notice(result.error, request)
         except GeneratorExit:  # the tab was closed or the reply cancelled: gradio closes us
             drive.close()  # the engine stops at the step boundary it is at, cache consistent
             turn.stats = cut_short(cfg, turn.tokens, time.perf_counter() - started)
@@ -368,25 +417,32 @@ class ChatApp:
         session = Session(turns=[Turn(text)])
         ids, cfg.stop = self.prompt_ids(session, 0, settings, notes)
         turn = session.turns[0]
-        for result in self._drive(ids, cfg, threading.Event(), turn.tokens, turn.steps):
-            yield [{"id": t.id, "text": t.text, "kind": t.kind, "step": t.step}
-                   for t in turn.tokens]
+        owner = self.access.viewer(request, None).owner
+        for result in self._drive(ids, cfg, threading.Event(), turn.tokens, turn.steps,
+                                  owner=owner):
             if isinstance(result, GenerationStats):
                 turn.stats = result
-        owner = self.access.viewer(request, None).owner
+                if result.stop_reason == REFUSED:
+                    raise gr.Error(result.error)
+            yield [{"id": t.id, "text": t.text, "kind": t.kind, "step": t.step}
+                   for t in turn.tokens]
         self._record(session, owner, text, turn.reply, turn.stats, None, turn.tokens,
                      turn.steps, self.figure(turn.stats, turn.steps))
 
-    def retry(self, session: Session):
+    def retry(self, session: Session, request: gr.Request | None = None):
         """Drop the last reply and queue its message again. -> (chat, session, notice)"""
+        if self.busy(request):
+            return render_history(session), session, BUSY
         if not session.turns:
             return render_history(session), session, "Nothing to retry yet."
         session.pending = session.turns.pop().user
         return render_history(session), session, ""
 
-    def undo(self, session: Session):
+    def undo(self, session: Session, request: gr.Request | None = None):
         """Remove the last exchange; its message goes back into the box.
         -> (box, chat, session, notice)"""
+        if self.busy(request):
+            return gr.skip(), render_history(session), session, BUSY
         if not session.turns:
             return gr.skip(), render_history(session), session, "Nothing to undo."
         turn = session.turns.pop()
@@ -422,6 +478,9 @@ class ChatApp:
         last = len(session.turns) - 1
         prompt = session.turns[last].user
         ids, cfg.stop = self.prompt_ids(session, last, settings, notes)
+        if not self._claim(request):
+            yield *ab_placeholders(), gr.skip(), session, _notice(BUSY, request)
+            return
         stop = self._stop_event(request)
         notice = " ".join(notes)
         owner = self.access.viewer(request, browser_id).owner
@@ -429,6 +488,7 @@ class ChatApp:
             yield from self._ab_runs(session, owner, prompt, ids, cfg, stop, notice)
         finally:
             self._release(request, stop)
+            self._unclaim(request)
 
     def _ab_runs(self, session, owner, prompt, ids, cfg, stop, notice):
         engine = self.slot.engine
@@ -448,7 +508,7 @@ class ChatApp:
             tokens: list[TokenEvent] = []
             runs[name] = (tokens, None)
             run_cfg = replace(cfg, speculation=speculation)
-            drive = self._drive(ids, run_cfg, stop, tokens, steps[name])
+            drive = self._drive(ids, run_cfg, stop, tokens, steps[name], owner=owner)
             started = time.perf_counter()
             try:
                 yield (*panels(name), '<div class="sc-verdict">Replaying with speculation '
@@ -479,12 +539,28 @@ class ChatApp:
                 figure = self.figure(stats, steps[name], runs["off"][1])
                 self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name],
                              figure)
-            if stop.is_set() or stats.stop_reason == "error":
+            if stats.stop_reason == REFUSED:
+                notice = stats.error
+            if stop.is_set() or stats.stop_reason in ("error", REFUSED):
                 break
         verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact, steps,
                              figure)
         # The chat is unchanged: its replies keep the figures they were shown with.
         yield *panels(), verdict, gr.skip(), session, notice
+
+
+REFUSED = "refused"  # the stop reason of a reply the engine's line had no place for
+
+
+def refusal(full: QueueFull, expected: float | None) -> str:
+    """What a visitor whose reply the line refused is told (the reply was not sent)."""
+    if full.mine:
+        return (f"Not sent: {full.waiting} replies of yours are waiting for the model already "
+                "(in other tabs, or through the API), the most one visitor may have. Send it "
+                "again (↻ Retry) when one of them is done.")
+    about = f" (about {max(1, round(expected))} s each)" if expected else ""
+    return (f"Not sent: the model is busy, {full.waiting} replies are waiting already, one of "
+            f"them yours{about}. Send it again (↻ Retry) when yours is done.")
 
 
 def cut_short(cfg: GenerateConfig, tokens: list[TokenEvent], seconds: float) -> GenerationStats:

@@ -220,6 +220,12 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     def on_stop(request: gr.Request):
         return self.stop(request) or gr.skip()
 
+    def on_retry(session: Session, request: gr.Request):
+        return self.retry(session, request)
+
+    def on_undo(session: Session, request: gr.Request):
+        return self.undo(session, request)
+
     def on_example(index: int, current: Session):
         """An example starts a conversation of its own (one example's turns never become
         another's context), with the example's text and every setting it names (the others
@@ -245,7 +251,10 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
         return sampler_preset(dict(zip(SAMPLER_FIELDS, values)))
 
     private = dict(api_visibility="private")
-    engine_lane = dict(concurrency_id="engine", concurrency_limit=1, **private)
+    # Replies wait for the engine in its fair line (engine_queue.py), not in gradio's queue:
+    # the lane lets ENGINE_LANE of them through at once (one per tab at most, each owner's
+    # bounded by the line's limits), so gradio's first-come order applies only past that.
+    engine_lane = dict(concurrency_id="engine", concurrency_limit=ENGINE_LANE, **private)
     instant = dict(concurrency_limit=None, show_progress="hidden", **private)
     chat_out = [v.chat, v.session, v.notice]
     user_out = [v.box, v.chat, v.session, v.notice]
@@ -265,8 +274,8 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
           **instant)
     for trigger in (v.box.submit, v.send.click):
         trigger(on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
-    v.retry.click(self.retry, v.session, chat_out, **instant).then(**bot)
-    v.undo.click(self.undo, v.session, user_out, **instant)
+    v.retry.click(on_retry, v.session, chat_out, **instant).then(**bot)
+    v.undo.click(on_undo, v.session, user_out, **instant)
     v.new.click(self.new_conversation, v.session, v.new_outputs, **instant)
     v.chat.clear(self.new_conversation, v.session, v.new_outputs, **instant)
     # Once the replay is done, its verdict (under the A/B button, often below the fold) is
@@ -276,7 +285,8 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
         None, None, None, js=SHOW_VERDICT)
     v.stop.click(on_stop, None, v.notice, queue=False, **private)
     # The one public endpoint: a stateless reply for gradio_client and "Use via API".
-    gr.api(self.generate, api_name="generate", concurrency_id="engine", concurrency_limit=1)
+    gr.api(self.generate, api_name="generate", concurrency_id="engine",
+           concurrency_limit=ENGINE_LANE)
     _wire_page(self, demo, v, d, instant, follow_model)
 
 
@@ -320,6 +330,13 @@ def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: di
     v.timer.tick(on_page, v.notice, page_out, **instant)
     demo.load(on_page, v.notice, page_out, **instant)
     demo.load(on_browser, v.browser, v.browser, **instant)
+
+
+# How many page replies (and `generate` calls) gradio lets through to the engine's line at
+# once. There each owner holds at most MAX_PER_OWNER waiting places, and a place the line
+# refuses, or a tab's second reply, ends at once: 16 hold the engine and the places of many
+# visitors. Past 16, replies wait in gradio's queue in the order they came.
+ENGINE_LANE = 16
 
 
 SHOW_VERDICT = ("() => { document.getElementById('sc-ab-verdict')"

@@ -226,7 +226,7 @@ def render_turn(turn: Turn, streaming: bool = False) -> str:
     parts = [f'<div class="sc-turn sc-turn-{turn.key}">', body]
     if turn.stats and turn.stats.error:
         parts.append(f'<div class="sc-error">⚠ {html.escape(turn.stats.error)}</div>')
-    if turn.stats:
+    if turn.stats and turn.stats.stop_reason != "refused":  # (a refused reply never ran)
         parts.append(stats_line(turn.stats, turn.speedup))
     parts += [f'<div class="sc-note">{html.escape(n)}</div>' for n in turn.notes]
     return "".join(parts) + "</div>"
