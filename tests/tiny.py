@@ -37,15 +37,20 @@ def most_repeats(seq, n: int = 6) -> int:
     return max(grams.values(), default=0)
 
 
+def free_port() -> int:
+    """A loopback port no one listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def served_on_loopback(app):
     """Serve an ASGI app with uvicorn on a free loopback port, in a thread; yields its base
     URL ("http://127.0.0.1:PORT") and stops the server after."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
