@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
+import torch
 from gradio_client.utils import apply_diff
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py
@@ -486,6 +487,7 @@ def main() -> int:
     p.add_argument("--guesses", type=int, default=100)
     p.add_argument("--seconds", type=float, default=300.0)
     args = p.parse_args()
+    torch.set_num_threads(1)  # tiny tensors: one thread, as in the suite (tests/conftest.py)
     figures = run(args.honest, args.turns, args.flood, guesses=args.guesses,
                   seconds=args.seconds, page=args.page, page_flood=args.page_flood)
     n = owners(args.honest, args.page)
