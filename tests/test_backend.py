@@ -230,7 +230,12 @@ def fake_llama():
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        app.state.bodies.append(await request.json())
+        body = await request.json()
+        app.state.bodies.append(body)
+        if not body.get("stream"):  # one JSON reply: a prompt sent only to fill the cache
+            return {"id": "cmpl-1", "object": "text_completion", "created": 0,
+                    "model": body.get("model", ""),
+                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
         lines = [f"data: {json.dumps(c)}\n\n" for c in app.state.chunks]
         return StreamingResponse(iter(lines + ["data: [DONE]\n\n"]),
                                  media_type="text/event-stream")
@@ -307,6 +312,34 @@ def test_the_bench_counts_a_llama_server_s_target_passes_from_its_tokens(fake_ll
     assert spec["target_calls_per_token"] == pytest.approx(8 / 13)  # 13 tokens, 5 accepted
     assert spec["mean_accepted_len"] == pytest.approx(3.5)  # (4 + 1 + 1 + 1) / 2 steps
     assert spec["target_calls_per_token"] >= 1 / spec["mean_accepted_len"]
+
+
+def test_the_bench_races_llama_server_with_its_prompt_cache_on_or_both_cold(fake_llama):
+    """Warm (the default): llama-server keeps its prompt cache, as its users run it, and a
+    repeat first gives it back the prompt it held when the question came; the tokens it encoded
+    are its own count (`prompt_n`). Cold: every first turn asks it to encode the whole prompt."""
+    from specchat.bench.config import BenchSettings
+    from specchat.bench.run import run_remote_mode
+
+    url, state = fake_llama
+    state.speculative, state.chunks = False, llama_chunks(counters=False)
+    state.chunks[-2]["timings"]["prompt_n"] = 2  # 3 of the 5 prompt tokens from its cache
+    remote, prompt, before = RemoteEngine(url), [1, 2, 3, 4, 5], [9, 8, 7]
+    state.bodies.clear()
+    warm = BenchSettings(max_new_tokens=13)
+    run = run_remote_mode(remote, prompt, (), warm, fresh=True, found=None)
+    assert (run["prompt_tokens"], run["prefill_tokens"]) == (5, 2)
+    assert len(state.bodies) == 1 and "cache_prompt" not in state.bodies[0]
+    assert remote.last_prompt_ids == prompt
+    run_remote_mode(remote, prompt, (), warm, fresh=True, found=before)  # a repeat
+    primed, timed = state.bodies[1:]
+    assert primed["prompt"] == before and primed["max_tokens"] == 1 and not primed["stream"]
+    assert timed["prompt"] == prompt and timed["stream"] and "cache_prompt" not in timed
+    run_remote_mode(remote, prompt, (), warm, fresh=True, found=prompt)  # nothing to give back
+    assert len(state.bodies) == 4
+    cold = BenchSettings(max_new_tokens=13, prompt_cache="cold")
+    run_remote_mode(remote, prompt, (), cold, fresh=True, found=before)
+    assert len(state.bodies) == 5 and state.bodies[-1]["cache_prompt"] is False
 
 
 def test_samplers_reach_a_server_by_its_own_names():
@@ -428,7 +461,15 @@ def test_the_bench_races_a_server_on_the_same_prompt_ids(served, tiny_dir, one_t
                                                                                    "ngram")
     assert vs["best_ratio"] == pytest.approx(vs["best_tokens_per_s"] /
                                              vs["their_best_tokens_per_s"])
-    assert "specchat vs llama.cpp on the same 2 items" in format_report(result)
+    report = format_report(result)
+    assert "specchat vs llama.cpp on the same 2 items; prompt caches warm" in report
+    assert report.index("plain vs plain: end to end") < report.index("category")  # first
+    # what each engine encoded of a first turn's prompt, its own count: both keep the chat
+    # preamble's pages (the server here is specchat's, whose timings say `prompt_n` too)
+    for mode in ("plain", "llama.cpp"):
+        f = vs["per_mode"][mode]
+        assert 0 < f["encoded_tokens"] < f["prompt_tokens"], mode
+    assert vs["per_mode"]["plain"]["decode_tokens_per_s"] > 0
 
 
 def test_bench_llama_options_are_checked_before_loading(capsys):

@@ -139,6 +139,8 @@ class RemoteEngine:
         self.lock = threading.Lock()
         self._fresh = False
         self.last_usage: dict = {}
+        self.last_timings: dict = {}  # llama-server's timings of the last reply
+        self.last_prompt_ids: list[int] | None = None  # the last prompt sent as token ids
         self.device = RemoteDevice()
         name, owner = self._model(model)
         self.target = RemoteTarget(name, self.url, SERVERS.get(owner, "OpenAI-compatible"))
@@ -192,6 +194,19 @@ class RemoteEngine:
 
     def text_prompt(self, text: str) -> tuple[RemotePrompt, tuple]:
         return RemotePrompt(text=text), ()
+
+    def prime(self, ids: list[int]) -> None:
+        """Leave `ids` in the server's prompt cache (llama-server keeps a slot's last prompt):
+        one untimed request for a single token. Errors are the caller's to see on the next
+        reply."""
+        body = self._request(RemotePrompt(ids=list(ids)), GenerateConfig(max_new_tokens=1))
+        body["stream"] = False
+        body.pop("stream_options", None)
+        try:
+            self.client.completions.create(**body)
+        except Exception:  # noqa: BLE001 (the timed request that follows reports the server)
+            return
+        self.last_prompt_ids = list(ids)
 
     def reset_cache(self) -> None:
         """The next request encodes its whole prompt (llama-server: no prompt cache), as a
@@ -293,6 +308,9 @@ class RemoteEngine:
             steps.append(event)
             yield event
         self.last_usage = dict(reader.usage)  # the server's own token counts
+        self.last_timings = dict(reader.timings)
+        if prompt.ids is not None:
+            self.last_prompt_ids = list(prompt.ids)
         yield reader.finish(summarize(steps, stats))
 
 
@@ -346,6 +364,7 @@ class _Reader:
         self.open: StepRecord | None = None  # llama.cpp: the verify step being received
         self.step_started = 0.0
         self.usage: dict = {}
+        self.timings: dict = {}  # the last chunk's llama-server timings
         self.finish_reason = ""
         self.counts: dict | None = None  # per-reply counters (vLLM, SGLang, llama.cpp)
         self.server_stats: dict | None = None  # specchat's stats object
@@ -357,6 +376,8 @@ class _Reader:
         if data.get("usage"):
             self.usage = data["usage"]
         timings = data.get("timings") or {}
+        if timings:
+            self.timings = timings
         if self.server == "vLLM":
             spec = (data.get("metrics") or {}).get("speculative_decoding")
             if spec:

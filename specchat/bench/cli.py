@@ -49,6 +49,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="only these categories, space or comma separated (default: all)")
     p.add_argument("--limit-per-category", type=int, default=None, metavar="N",
                    help="the first N questions of each category (default: all)")
+    p.add_argument("--prompt-cache", choices=["warm", "cold"], default="warm",
+                   help="warm (default): each engine keeps its prompt cache across questions, as "
+                        "its users run it (specchat's prefix store, llama-server's cache_prompt); "
+                        "cold: both caches emptied before every question's first turn")
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first turns only, or every turn (follow-ups reuse the cached history)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -233,6 +237,7 @@ def _samplers(args) -> dict:
 
 def _settings(args, modes: tuple[str, ...]) -> BenchSettings:
     return BenchSettings(samplers=_samplers(args), modes=modes, turns=args.turns,
+                         prompt_cache=args.prompt_cache,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                          draft_len=args.draft_len,

@@ -44,6 +44,11 @@ class BenchSettings:
     # turn: every engine mode may draft from the prompts and replies of the questions before,
     # never from the question's own runs (its reply joins the history after its last run).
     history: bool = False
+    # What each engine keeps of the prompts before a question's first turn. "warm": what its
+    # users get, specchat's prefix store and llama-server's prompt cache (`cache_prompt`, its
+    # default) as the questions before left them; "cold": both emptied before every first turn,
+    # so every prompt is encoded whole.
+    prompt_cache: str = "warm"
     # min-p and the penalties (GenerateConfig fields, core/settings.py) for every engine and
     # server mode; transformers' modes cannot apply them the same way and are left out.
     samplers: dict = field(default_factory=dict)

@@ -146,7 +146,9 @@ def _median_item(runs: list[Run]) -> dict:
             "ttft_s": statistics.median(r.ttft_s for r in runs),
             "forward_s": (None if any(r.forward_s is None for r in runs)  # a server's
                           else statistics.median(r.forward_s for r in runs)),
-            "prefill_s": statistics.median(r.prefill_s for r in runs)}
+            "prefill_s": statistics.median(r.prefill_s for r in runs),
+            "prompt_tokens": statistics.median(r.prompt_tokens for r in runs),
+            "prefill_tokens": statistics.median(r.prefill_tokens for r in runs)}
 
 
 def group_items(runs: list[Run]) -> dict[tuple, list[Run]]:
@@ -240,12 +242,24 @@ def same_text_speedup(runs: list[Run], plain_runs: list[Run]) -> dict:
 def versus(by_mode: dict[str, list[Run]], ours: Iterable[str], theirs: Iterable[str]
            ) -> dict | None:
     """specchat's modes against another engine's (llama.cpp) on the items both ran: the best
-    mode of each by tokens/s, their ratio, and the two plain decodings' ratio."""
-    def tps(mode: str, keys: set) -> float:
+    mode of each by tokens/s, their ratio, and the two plain decodings' ratio; per mode, end to
+    end and decode-only tokens/s (after each reply's first token, over the time after its
+    prompt's forwards; for a server, after its first token) and how much of a first turn's
+    prompt each engine encoded (the rest came from its prompt cache)."""
+    def figures(mode: str, keys: set) -> dict:
         med = {k[1:]: _median_item(rs) for k, rs in group_items(by_mode[mode]).items()
                if k[1:] in keys}
         seconds = sum(m["seconds"] for m in med.values())
-        return sum(m["new_tokens"] for m in med.values()) / seconds if seconds > 0 else 0.0
+        tokens = sum(m["new_tokens"] for m in med.values())
+        decode_s = seconds - sum(m["prefill_s"] for m in med.values())
+        first = [m for (q, turn), m in med.items() if turn == 1]
+        return {"tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+                "decode_tokens_per_s": (tokens - len(med)) / decode_s if decode_s > 0 else None,
+                "prompt_tokens": (statistics.mean(m["prompt_tokens"] for m in first)
+                                  if first else None),
+                "encoded_tokens": (statistics.mean(m["prefill_tokens"] for m in first)
+                                   if first else None),
+                "ttft_s": statistics.mean(m["ttft_s"] for m in first) if first else None}
 
     ours = [m for m in ours if by_mode.get(m)]
     theirs = [m for m in theirs if by_mode.get(m)]
@@ -255,17 +269,23 @@ def versus(by_mode: dict[str, list[Run]], ours: Iterable[str], theirs: Iterable[
                               for m in ours + theirs))
     if not keys:
         return None
-    ours_tps = {m: tps(m, keys) for m in ours}
-    theirs_tps = {m: tps(m, keys) for m in theirs}
+    per_mode = {m: figures(m, keys) for m in ours + theirs}
+    ours_tps = {m: per_mode[m]["tokens_per_s"] for m in ours}
+    theirs_tps = {m: per_mode[m]["tokens_per_s"] for m in theirs}
     best_ours = max(ours_tps, key=ours_tps.get)
     best_theirs = max(theirs_tps, key=theirs_tps.get)
     out = {"items": len(keys), "tokens_per_s": {**ours_tps, **theirs_tps},
+           "per_mode": per_mode,
            "best": best_ours, "best_tokens_per_s": ours_tps[best_ours],
            "their_best": best_theirs, "their_best_tokens_per_s": theirs_tps[best_theirs],
            "best_ratio": (ours_tps[best_ours] / theirs_tps[best_theirs]
                           if theirs_tps[best_theirs] else None)}
     if "plain" in ours_tps and REMOTE_PLAIN in theirs_tps and theirs_tps[REMOTE_PLAIN]:
         out["plain_ratio"] = ours_tps["plain"] / theirs_tps[REMOTE_PLAIN]
+        ours_d = per_mode["plain"]["decode_tokens_per_s"]
+        theirs_d = per_mode[REMOTE_PLAIN]["decode_tokens_per_s"]
+        if ours_d and theirs_d:
+            out["plain_decode_ratio"] = ours_d / theirs_d
     return out
 
 

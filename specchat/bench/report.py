@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specchat.bench.config import HF_MODES
+from specchat.bench.config import HF_MODES, REMOTE_PLAIN
 
 # ---------------------------------------------------------------------------------------------
 # Report text
@@ -39,10 +39,10 @@ def format_report(result: dict) -> str:
     return "\n".join([*_regime_lines(result["config"]),
                       *_runtime_lines(result["config"].get("runtime")),
                       *_sampler_lines(result["config"].get("samplers")),
+                      *_versus_lines(vs, result["config"].get("prompt_cache", "warm")),
                       *_table_lines(result),
                       *_turn2_lines(result),
                       *_cost_model_lines(result),
-                      *_versus_lines(vs),
                       *_identical_lines(result, vs),
                       *_footer_lines(result["config"])])
 
@@ -173,19 +173,37 @@ def _verify_costs_line(mode: str, a: dict) -> str:
     return f"  {'':<12} (no costs: run {base} too for a baseline step)"
 
 
-def _versus_lines(vs: dict | None) -> list[str]:
-    """specchat's best and plain modes against llama.cpp's, when the bench raced a server."""
+def _versus_lines(vs: dict | None, cache: str = "warm") -> list[str]:
+    """specchat's plain and best modes against llama.cpp's, side by side: end to end,
+    decode-only, the first token, and what each engine encoded of a first turn's prompt (the
+    rest came from its prompt cache). First in the report, when the bench raced a server."""
     if not vs:
         return []
-    lines = ["",
-             f"specchat vs llama.cpp on the same {vs['items']} items (llama.cpp modes: "
-             f"speedup over llama.cpp's own plain decoding, text compared with its replies)",
-             f"  best: specchat {vs['best']} {vs['best_tokens_per_s']:.1f} tok/s vs "
-             f"{vs['their_best']} {vs['their_best_tokens_per_s']:.1f} tok/s = "
-             f"{_x(vs['best_ratio'])}"]
+    how = ("prompt caches warm: each engine keeps what the questions before left it, "
+           "specchat's prefix store and llama-server's prompt cache" if cache == "warm" else
+           "prompt caches cold: both emptied before every first turn (--prompt-cache cold)")
+    lines = [f"specchat vs llama.cpp on the same {vs['items']} items; {how}",
+             f"  {'mode':<26} {'end to end':>11} {'decode-only':>12} {'TTFT s':>7} "
+             f"{'prompt encoded':>17}"]
+    per_mode = vs.get("per_mode") or {}
+    shown = ["plain", vs["best"], REMOTE_PLAIN, vs["their_best"]]
+    for mode in dict.fromkeys(m for m in shown if m in per_mode):
+        f = per_mode[mode]
+        who = "" if mode.startswith("llama.cpp") else "specchat "
+        best = " (best)" if mode in (vs["best"], vs["their_best"]) else ""
+        encoded = (f"{f['encoded_tokens']:.0f} of {f['prompt_tokens']:.0f}"
+                   if f.get("prompt_tokens") else "-")
+        lines.append(f"  {who + mode + best:<26} {f['tokens_per_s']:>7.1f} t/s "
+                     f"{_f(f.get('decode_tokens_per_s'), '.1f'):>8} t/s "
+                     f"{_f(f.get('ttft_s'), '.3f'):>7} {encoded:>17}")
     if vs.get("plain_ratio") is not None:
-        lines.append(f"  plain: specchat plain / llama.cpp plain = {_x(vs['plain_ratio'])}")
-    return lines
+        decode = (f", decode-only {_x(vs['plain_decode_ratio'])}"
+                  if vs.get("plain_decode_ratio") is not None else "")
+        lines.append(f"  plain vs plain: end to end {_x(vs['plain_ratio'])}{decode}")
+    lines.append(f"  best vs best: specchat {vs['best']} / {vs['their_best']} = "
+                 f"{_x(vs['best_ratio'])} end to end (llama.cpp modes: speedup over its own "
+                 "plain decoding, text compared with its replies)")
+    return lines + [""]
 
 
 def _identical_lines(result: dict, vs: dict | None) -> list[str]:

@@ -137,7 +137,9 @@ class _StopText:
 def run_engine_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: BenchSettings,
                     fresh: bool, max_new_tokens: int | None = None) -> dict:
     if fresh:
-        engine.reset_cache()  # every first turn pays its prefill, as generate() does
+        engine.reset_cache()  # a first turn starts from no KV, as generate() does ...
+        if s.prompt_cache == "cold":  # ... and, cold, with no stored prompt pages either
+            engine.prefixes.clear()
     cfg = s.generate_config(mode, stops, list(engine.drafters), max_new_tokens)
     probe.reset()
     reply = collect(engine.stream(ids, cfg))
@@ -212,12 +214,17 @@ def run_hf_mode(engine, probe: _Probe, ids: list[int], stops, mode: str, s: Benc
 
 
 def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool,
-                    max_new_tokens: int | None = None) -> dict:
+                    max_new_tokens: int | None = None, found: list[int] | None = None) -> dict:
     """A server (`RemoteEngine`) on the same prompt ids, with the same stop condition and
-    sampling settings; timed as its client sees it (request to last chunk)."""
+    sampling settings; timed as its client sees it (request to last chunk). `found`: the prompt
+    the server last served when the question came (its prompt cache's content then)."""
     from specchat.backends.remote import RemotePrompt, served_target_calls
-    if fresh:
-        remote.reset_cache()  # no prompt cache: every first turn pays its prefill
+    if fresh and s.prompt_cache == "cold":
+        remote.reset_cache()  # no prompt cache: the first turn encodes its whole prompt
+    elif fresh and found is not None and remote.last_prompt_ids != found:
+        # a repeat: give the server's cache back the prompt it held when the question came,
+        # as specchat's prefix store is given back its snapshot (untimed)
+        remote.prime(found)
     # speculation on: the server's own setting decides
     cfg = s.generate_config("ngram", stops, ["ngram"], max_new_tokens)
     reply = collect(remote.stream(RemotePrompt(ids=list(ids)), cfg))
@@ -227,8 +234,11 @@ def run_remote_mode(remote, ids: list[int], stops, s: BenchSettings, fresh: bool
     # Target passes: as the server counted them (specchat), else one per token that was not an
     # accepted draft, never fewer than the steps seen (served_target_calls).
     calls = max(stats.target_calls, served_target_calls(tokens, stats.accepted, len(steps)))
+    # the tokens it encoded (llama-server's `prompt_n`; the rest came from its prompt cache)
+    encoded = remote.last_timings.get("prompt_n")
     return dict(new_tokens=tokens, seconds=stats.seconds, ttft_s=stats.ttft_s,
-                prompt_tokens=stats.prompt_tokens or len(ids), prefill_tokens=len(ids),
+                prompt_tokens=stats.prompt_tokens or len(ids),
+                prefill_tokens=encoded if isinstance(encoded, int) else len(ids),
                 target_calls=calls, forward_s=None, prefill_s=stats.ttft_s,
                 steps=steps, text=text, stop_reason=stats.stop_reason,
                 error=stats.error)
@@ -306,12 +316,18 @@ class _ModeRunner:
         self.probe, self.draft_probe = _Probe(), _Probe()
         self.hooks = self.probe.attach(engine.model) + (
             self.draft_probe.attach(assistant) if assistant is not None else [])
+        self.found: dict[str, list[int] | None] = {}  # each server's last prompt, by mode
+
+    def question_starts(self) -> None:
+        """Note what each server's prompt cache holds as a question comes (its last prompt)."""
+        self.found = {mode: r.last_prompt_ids for mode, r in self.remotes.items()}
 
     def __call__(self, mode: str, ids: list[int], stops, fresh: bool,
                  max_new: int | None = None) -> dict:
         engine, s = self.engine, self.s
         if mode in self.remotes:
-            return run_remote_mode(self.remotes[mode], ids, stops, s, fresh, max_new)
+            return run_remote_mode(self.remotes[mode], ids, stops, s, fresh, max_new,
+                                   self.found.get(mode))
         if mode in ENGINE_MODES + HEAD_MODES:
             return run_engine_mode(engine, self.probe, ids, stops, mode, s, fresh, max_new)
         self.draft_probe.reset()
@@ -357,6 +373,7 @@ def _run_question(run_mode: _ModeRunner, engine, q: dict, qi: int, s: BenchSetti
     # for this very prompt would make the later modes' first turns cheaper than the first's.
     prefixes = getattr(engine, "prefixes", None)
     before = prefixes.snapshot() if prefixes is not None else None
+    run_mode.question_starts()  # and every server's prompt cache as the question found it
     for rep in range(s.repeats):
         shift = (qi + rep) % len(s.modes)
         for mode in s.modes[shift:] + s.modes[:shift]:
