@@ -539,3 +539,42 @@ def test_bench_requests_are_built_and_checked_as_the_pages_are():
         BenchSettings(temperature=5.0).generate_config("ngram", (), ["ngram"])
     with pytest.raises(InputError, match="not loaded"):
         s.generate_config("head", (), ["ngram"])
+
+
+def test_the_profile_accounts_for_every_millisecond_of_a_plain_token():
+    """`--profile`: plain decoding timed again with hooks; the rows of the forward add up to the
+    forward, the forward and the host's rows to the step, and the report shows them. The tiny
+    target has no NF4 layers and ties no LM head of its own: those rows are 0 or the head's."""
+    from specchat.bench.profile import FORWARD_ROWS, HOST_ROWS, profile_lines, profile_plain
+    from specchat.bench.run import prompt_of
+
+    engine, _ = tiny_engine()
+    samplers = dict(dry_multiplier=0.8, repeat_penalty=1.3, min_p=0.05)
+    settings = BenchSettings(modes=("plain",), max_new_tokens=24, samplers=samplers,
+                             stop_strings=False)
+    prompts = [prompt_of(engine.tokenizer, [{"role": "user", "content": q["turns"][0]}],
+                         settings) for q in QUESTIONS]
+    ids, stops = prompts[0]
+    first = [e.id for e in engine.stream(ids, settings.generate_config("plain", stops, []))
+             if hasattr(e, "kind")]
+    found = profile_plain(engine, prompts, settings)
+    rows = found["ms_per_token"]
+    assert found["tokens"] == len(QUESTIONS) * 22  # every decode step after the first
+    assert set(rows) == set(FORWARD_ROWS + HOST_ROWS) and min(rows.values()) >= 0
+    assert rows["NF4 layers"] == 0 and rows["attention"] > 0 and rows["LM head"] > 0
+    assert rows["masks and penalties"] > 0 and rows["sampling"] > 0
+    assert rows["drafting"] < 0.01  # plain decoding asks no drafter for anything
+    forward = sum(rows[r] for r in FORWARD_ROWS)
+    assert forward == pytest.approx(found["forward_ms"], rel=1e-6)
+    assert forward + sum(rows[r] for r in HOST_ROWS) == pytest.approx(found["step_ms"],
+                                                                      rel=1e-6)
+    # the hooks and timers go: the engine is as it was, and writes the reply it wrote before
+    assert not {"forward", "_distribution", "_draft"} & (set(vars(engine))
+                                                         | set(vars(engine.runner)))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.model.modules())
+    ids, stops = prompts[0]
+    cfg = settings.generate_config("plain", stops, [])
+    assert [e.id for e in engine.stream(ids, cfg) if hasattr(e, "kind")] == first
+    lines = "\n".join(profile_lines(found, llama_ms=12.5))
+    assert "where a plain decoding token goes" in lines and "llama.cpp, a plain token" in lines
+    assert f"{found['step_ms']:.2f}" in lines

@@ -49,6 +49,11 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="only these categories, space or comma separated (default: all)")
     p.add_argument("--limit-per-category", type=int, default=None, metavar="N",
                    help="the first N questions of each category (default: all)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, decode every question once more in plain mode "
+                        "with timers on, and report where a token's time goes: the forward's "
+                        "parts (NF4 layers, LM head, attention, norms, ...) and the host's "
+                        "(penalties, sampling, streaming and stats)")
     p.add_argument("--prompt-cache", choices=["warm", "cold"], default="warm",
                    help="warm (default): each engine keeps its prompt cache across questions, as "
                         "its users run it (specchat's prefix store, llama-server's cache_prompt); "
@@ -170,6 +175,13 @@ def cmd_bench(args) -> int:
     result = _bench_beside_servers(args, engine, questions, settings, assistant, extra)
     if isinstance(result, int):
         return result
+    if args.profile and not result["config"]["interrupted"]:
+        from specchat.bench.profile import profile_plain
+        from specchat.bench.run import prompt_of
+
+        prompts = [prompt_of(engine.tokenizer, [{"role": "user", "content": q["turns"][0]}],
+                             settings) for q in questions]
+        result["profile"] = profile_plain(engine, prompts, settings)
     print(format_report(result))
     if args.json:
         out = Path(args.json)

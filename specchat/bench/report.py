@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specchat.bench.config import HF_MODES, REMOTE_PLAIN
+from specchat.bench.profile import profile_lines
 
 # ---------------------------------------------------------------------------------------------
 # Report text
@@ -40,6 +41,7 @@ def format_report(result: dict) -> str:
                       *_runtime_lines(result["config"].get("runtime")),
                       *_sampler_lines(result["config"].get("samplers")),
                       *_versus_lines(vs, result["config"].get("prompt_cache", "warm")),
+                      *profile_lines(result.get("profile"), _llama_ms(vs)),
                       *_table_lines(result),
                       *_turn2_lines(result),
                       *_cost_model_lines(result),
@@ -171,6 +173,12 @@ def _verify_costs_line(mode: str, a: dict) -> str:
                 f"(plain step {1000 * a['plain_step_s']:.1f} ms)")
     base = "hf-plain" if mode in HF_MODES else "plain"
     return f"  {'':<12} (no costs: run {base} too for a baseline step)"
+
+
+def _llama_ms(vs: dict | None) -> float | None:
+    """llama.cpp's plain decode-only milliseconds per token in the race, if it ran."""
+    rate = ((vs or {}).get("per_mode") or {}).get(REMOTE_PLAIN, {}).get("decode_tokens_per_s")
+    return 1000 / rate if rate else None
 
 
 def _versus_lines(vs: dict | None, cache: str = "warm") -> list[str]:
