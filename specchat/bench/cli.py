@@ -56,7 +56,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "(penalties, sampling, streaming and stats)")
     p.add_argument("--prompt-cache", choices=["warm", "cold"], default="warm",
                    help="warm (default): each engine keeps its prompt cache across questions, as "
-                        "its users run it (specchat's prefix store, llama-server's cache_prompt); "
+                        "its users run it (specchat's prefix store, llama-server's cache_prompt, "
+                        "with --swa-full so that it can keep a prefix on Gemma 3); "
                         "cold: both caches emptied before every question's first turn")
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first turns only, or every turn (follow-ups reuse the cached history)")
@@ -317,10 +318,14 @@ def _llama_servers(args, stack: contextlib.ExitStack) -> dict:
                                       "python -m specchat.backends.llama_cpp build")
     gguf = llama_cpp.embedded_gguf()
     threads = args.threads or torch.get_num_threads()
+    # Warm, its prompt cache must be able to keep a prefix: on a model with sliding-window
+    # layers (Gemma 3) llama-server keeps only the window's KV unless told --swa-full, and
+    # then encodes every prompt whole whatever it cached.
+    extra = llama_cpp.WARM_ARGS if args.prompt_cache == "warm" else []
     remotes = {}
     for spec in [None, *dict.fromkeys(args.llama_spec_type)]:
         url = stack.enter_context(llama_cpp.LlamaServer(binary, gguf, _free_port(), threads,
-                                                        spec))
+                                                        spec, extra=extra))
         remotes[f"llama.cpp-{spec}" if spec else "llama.cpp"] = RemoteEngine(url)
     return remotes
 

@@ -353,10 +353,14 @@ class Engine:
         """The target's logits [n, width] -> the logits its tokens are drawn from: non-text
         tokens masked, then the request's penalties, row r for the prefix context + extras[r].
         Every token of a reply, plain or speculative, is drawn from these."""
-        logits = logits.float().index_fill(-1, self._masked(logits), -torch.inf)
+        # One copy of the row, the engine's own (on the CPU where penalties apply), then every
+        # change in place: a pass over 262k logits costs as much as the penalties themselves.
+        out = logits.to(device="cpu" if run.shaper else logits.device, dtype=torch.float32,
+                        copy=True)
+        out.index_fill_(-1, self._masked(out), -torch.inf)
         if run.shaper:
-            logits = run.shaper.shape(logits, context, extras)
-        return logits
+            run.shaper.shape_(out, context, extras)
+        return out
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The ids `_distribution` masks in logits this wide: the non-text tokens, and the

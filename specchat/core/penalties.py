@@ -89,12 +89,16 @@ class Shaper:
               extras: list[list[int]]) -> torch.Tensor:
         """logits [n, vocab] -> new float32 CPU logits, row r reshaped for the prefix
         context + extras[r]."""
-        out = logits.float().cpu().clone()
+        return self.shape_(logits.float().cpu().clone(), context, extras)
+
+    def shape_(self, logits: torch.Tensor, context: list[int],
+               extras: list[list[int]]) -> torch.Tensor:
+        """`shape` in place, on float32 CPU logits the caller owns; returns them."""
         base = np.asarray(context, dtype=np.int64)
         for r, extra in enumerate(extras):
             prefix = np.concatenate([base, np.asarray(extra, dtype=np.int64)]) if extra else base
-            self.shape_row(out[r], prefix)
-        return out
+            self.shape_row(logits[r], prefix)
+        return logits
 
     def shape_row(self, row: torch.Tensor, prefix: np.ndarray,
                   index: torch.Tensor | None = None) -> None:
