@@ -34,6 +34,18 @@ def generate(*args, check=True):
     return proc
 
 
+def generate_here(capsys, *args):
+    """`generate` in this process (`cli.main`): for what is refused before a model is loaded,
+    where a subprocess would spend its time importing torch. -> (exit code, stderr)"""
+    from specchat.cli import main
+    capsys.readouterr()
+    try:
+        code = main(["generate", *args])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 def parse(stdout, with_steps=False):
     lines = [json.loads(line) for line in stdout.splitlines()]
     tokens = [x for x in lines if x["type"] == "token"]
@@ -77,15 +89,17 @@ def test_incompatible_draft_is_refused_with_the_difference(tiny_dirs):
     assert stats["drafter"] == "ngram"
 
 
-def test_bad_input_gets_a_clear_message(tiny_dirs, tmp_path):
-    proc = generate("--target", str(tmp_path / "nope"), "--prompt", "hi", check=False)
-    assert proc.returncode == 1 and "no such directory" in proc.stderr
-    proc = generate("--target", str(tmp_path), "--prompt", "hi", check=False)
-    assert proc.returncode == 1 and "holds no model: it has no config.json" in proc.stderr
-    proc = generate("--target", tiny_dirs["target"], "--prompt", "   ", check=False)
-    assert proc.returncode == 2 and "prompt is empty" in proc.stderr
+def test_bad_input_gets_a_clear_message(tiny_dirs, tmp_path, capsys):
+    code, err = generate_here(capsys, "--target", str(tmp_path / "nope"), "--prompt", "hi")
+    assert code == 1 and "no such directory" in err
+    code, err = generate_here(capsys, "--target", str(tmp_path), "--prompt", "hi")
+    assert code == 1 and "holds no model: it has no config.json" in err
+    code, err = generate_here(capsys, "--target", tiny_dirs["target"], "--prompt", "   ")
+    assert code == 2 and "prompt is empty" in err
+    # a real process, offline as a user without a network is: the hub's refusal in one line
     proc = generate("--target", "no-such-org/no-such-model", "--prompt", "hi", check=False)
     assert proc.returncode == 1 and "could not be fetched" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_step_lines_explain_each_step_and_agree_with_the_tokens(tiny_dirs):
@@ -117,10 +131,10 @@ def test_step_lines_explain_each_step_and_agree_with_the_tokens(tiny_dirs):
     (["--seed", "9223372036854775808"], "--seed must be a whole number between 0 and "
                                         "9223372036854775807, or -1 for a random seed"),
 ])
-def test_bad_numbers_get_one_clear_line_not_a_traceback(tiny_dirs, flags, message):
-    proc = generate("--target", tiny_dirs["target"], "--prompt", "hi", *flags, check=False)
-    assert proc.returncode == 2 and message in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_bad_numbers_get_one_clear_line_not_a_traceback(tiny_dirs, flags, message, capsys):
+    code, err = generate_here(capsys, "--target", tiny_dirs["target"], "--prompt", "hi", *flags)
+    assert code == 2 and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_lone_surrogate_in_the_prompt_is_replaced(tiny_dirs):

@@ -215,7 +215,6 @@ def test_a_tiny_gemma3_gguf_converts_as_transformers_loads_it(tiny_gguf, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_the_embedded_tokenizer_is_transformers_own_gguf_tokenizer(tmp_path):
     """The real 262k-token vocabulary: our conversion's tokenizer against the one transformers
     builds from the GGUF, on text in several scripts, special and control tokens, the chat

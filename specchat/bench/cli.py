@@ -55,10 +55,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "parts (NF4 layers, LM head, attention, norms, ...) and the host's "
                         "(penalties, sampling, streaming and stats)")
     p.add_argument("--prompt-cache", choices=["warm", "cold"], default="warm",
-                   help="warm (default): each engine keeps its prompt cache across questions, as "
-                        "its users run it (specchat's prefix store, llama-server's cache_prompt, "
-                        "with --swa-full so that it can keep a prefix on Gemma 3); "
-                        "cold: both caches emptied before every question's first turn")
+                   help="warm: each engine keeps its prompt cache across questions, as its "
+                        "users run it (specchat's prefix store, llama-server's cache_prompt, "
+                        "with --swa-full so that it can keep a prefix on Gemma 3); cold: both "
+                        "caches emptied before every question's first turn (default: warm)")
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first turns only, or every turn (follow-ups reuse the cached history)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
