@@ -7,13 +7,13 @@ each request come from the address the test names; the proxy tests start a real 
 
 import argparse
 import asyncio
-import socket
 import time
 
 import gradio as gr
 import httpx
 import pytest
 from fastapi import FastAPI
+from tiny import free_port
 
 from specchat.api.server import Api, api_router
 from specchat.app import build_parser
@@ -194,12 +194,6 @@ def test_serve_takes_trusted_proxies_too():
     assert cli_parser().parse_args(["serve"]).trusted_proxy == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("proxies, trusted", [
     ([], False),  # the default: no proxy, loopback (a share tunnel) included
     (["10.0.0.0/8"], False),  # a proxy elsewhere: this peer is not it
@@ -216,7 +210,7 @@ def test_x_forwarded_for_is_read_only_from_a_trusted_proxy(monkeypatch, proxies,
     guard = kwargs["auth"].__self__
     with gr.Blocks() as demo:
         gr.Markdown("hello")
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                 **kwargs)
     try:
@@ -255,7 +249,7 @@ def test_behind_the_share_tunnel_each_visitor_counts_under_the_address_the_tunne
     guard = kwargs["auth"].__self__
     with gr.Blocks() as demo:
         gr.Markdown("hello")
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                 **kwargs)
     hostile, honest = "203.0.113.66", "198.51.100.20"

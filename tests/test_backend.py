@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import urllib.request
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from tiny import byte_tokenizer, tiny_llama
+from tiny import byte_tokenizer, free_port, served_on_loopback, tiny_llama
 
 from specchat.backends.remote import RemoteEngine, RemotePrompt, RemoteStats, _Reader
 from specchat.core.engine import GenerateConfig
@@ -38,12 +37,6 @@ from specchat.ui.state import Session, Settings
 
 KEY = "sk-backend-test"
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(url: str, process: subprocess.Popen, seconds: float = 180) -> None:
@@ -212,10 +205,6 @@ def llama_chunks(reply=LLAMA_REPLY, counters: bool = True) -> list[dict]:
 def fake_llama():
     """A fake llama-server: /v1/models, /slots and /v1/completions streaming `app.state.chunks`
     (`app.state.speculative`: what /slots says)."""
-    import threading
-
-    import uvicorn
-
     app = FastAPI()
     app.state.chunks, app.state.speculative, app.state.bodies = [], True, []
 
@@ -240,15 +229,8 @@ def fake_llama():
         return StreamingResponse(iter(lines + ["data: [DONE]\n\n"]),
                                  media_type="text/event-stream")
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app.state
-    server.should_exit = True
-    thread.join(10)
+    with served_on_loopback(app) as url:
+        yield url, app.state
 
 
 def test_llama_server_tokens_are_counted_by_predicted_n():
@@ -412,7 +394,12 @@ def test_a_server_that_always_speculates_needs_a_plain_one_for_the_off_side():
 def test_llama_server_as_a_backend():
     """llama.cpp built from the PyPI source package (cached after the first build, about 8
     minutes on 2 cores), serving the embedded GGUF with and without its n-gram drafts."""
-    from specchat.backends.llama_cpp import LlamaServer, build, cached_server, embedded_gguf
+    from specchat.backends.llama_cpp import (
+        LlamaServer,
+        build,
+        cached_server,
+        embedded_gguf,
+    )
 
     binary = cached_server() or build() / "llama-server"
     prompt = "Count: one, two, three, four, five, six, seven, eight, nine, ten. Count again: one,"

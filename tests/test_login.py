@@ -6,12 +6,12 @@ test_auth_lockout.py."""
 import asyncio
 import inspect
 import logging
-import socket
 import time
 
 import gradio as gr
-import pytest
 import httpx
+import pytest
+from tiny import free_port
 
 from specchat.auth import LoginGuard, TooManyAttempts, client_address
 from specchat.ui.login import ClientAddress, RefusalNotice, guarded_launch_kwargs
@@ -187,18 +187,12 @@ def test_middleware_sets_address_for_login_only():
     assert seen == ["1.2.3.4", "1.2.3.4", None, None, None]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_login_route_is_throttled_then_refused_with_the_seconds_left(caplog):
     kwargs = guarded_launch_kwargs(PAIRS, base=0.05, cap=0.2, user_budget=12)
     guard = kwargs["auth"].__self__
     with gr.Blocks() as demo:
         gr.Markdown("hello")
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                 **kwargs)
     url = f"http://127.0.0.1:{port}/login"
