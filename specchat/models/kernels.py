@@ -1,6 +1,7 @@
 """specchat's own CPU kernels (the C files in `csrc/`): products with weights kept compact (NF4
 where bitsandbytes has no fused kernel, bf16, GGUF's Q8_0), the attention of a few query rows
-over the KV cache, and Gemma's RMSNorm. Every kernel is row-exact: a row's result is the same
+over the KV cache, Gemma's RMSNorm, and a whole Gemma 3 decoder stack built from them (one call
+a forward: `models.cpu_runner`). Every kernel is row-exact: a row's result is the same
 bits whatever the number of rows in the call.
 
 The C files are compiled with the system's C compiler (`$CC`, else `gcc`) into specchat's cache,
@@ -54,7 +55,9 @@ _ARGTYPES = {
     "attend": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64,
                ctypes.c_float, _ptr, _ptr, _int],
     "rms_norm": [_ptr, _i64, _i64, _int, _ptr, ctypes.c_float, _ptr],
+    "decoder_forward": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int],
 }
+_RESTYPES = {"decoder_forward": _int}  # 0, or -1 out of memory; the others return nothing
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +77,8 @@ class Kernels:
     q8_0_matmul_i8: Callable[..., None]
     attend: Callable[..., None]
     rms_norm: Callable[..., None]
+    # a Gemma 3 decoder stack for n rows in one call (csrc/decoder.c, `models.cpu_runner`)
+    decoder_forward: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
 
 
@@ -155,7 +160,7 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
     functions = {}
     for name, argtypes in _ARGTYPES.items():
         function = lib[names[name]]
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
         functions[name] = function
     max_in = lib["max_in"]
     max_in.argtypes, max_in.restype = [], ctypes.c_int

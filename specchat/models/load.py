@@ -106,6 +106,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             continue
         loaded = _load(name_or_path, path, quantization, dev, cpu_path.compute, local,
                        cpu_path, lib)
+        _use_cpu_runner(loaded, lib)
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
         if exact or forced or i == len(tries) - 1:
@@ -120,6 +121,18 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         del loaded
         _release_freed_memory()
     raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
+
+
+def _use_cpu_runner(loaded: LoadedModel, lib) -> None:
+    """Give a CPU model specchat's own forward (`cpu_runner.CpuRunner`, one C call a forward)
+    where its path left every layer on specchat's kernels and the runner takes the model; it
+    keeps transformers' forward otherwise, and `SPECCHAT_CPU_RUNNER=transformers` asks for it."""
+    from specchat.models import cpu_runner
+
+    if lib is None or not cpu_runner.wanted() or cpu_runner.unsupported(loaded.model):
+        return
+    loaded.runner_ = cpu_runner.CpuRunner(loaded.model, lib)
+    loaded.compute = ", ".join(filter(None, [loaded.compute, "specchat's decoder forward"]))
 
 
 CUDA_RUNTIME_ENV = "SPECCHAT_CUDA_RUNTIME"  # "transformers": transformers' forward on CUDA

@@ -44,12 +44,13 @@ def tiny_llama(seed: int, vocab: int = 259, layers: int = 2, hidden: int = 32) -
 
 
 def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16,
-                hidden: int = 32) -> Gemma3ForCausalLM:
-    """Gemma 3 style: sliding-window layers mixed with a full-attention layer."""
+                hidden: int = 32, head_dim: int = 16) -> Gemma3ForCausalLM:
+    """Gemma 3 style: sliding-window layers mixed with a full-attention layer. With hidden and
+    head_dim multiples of 64, every layer is one specchat's NF4 kernel takes once quantized."""
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                           head_dim=16, sliding_window=sliding_window,
+                           head_dim=head_dim, sliding_window=sliding_window,
                            layer_types=["sliding_attention", "sliding_attention",
                                         "full_attention"],
                            max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,

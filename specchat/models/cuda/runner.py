@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.models.cuda import kernels
+from specchat.models.static import StaticCache, rope_tables
 
 WIDTH = 16  # the decode width: plain steps, verifies of up to 15 drafts, short prompt tails
 PAGE = 64  # the prompt-page width (the engine's whole pages and their tails)
@@ -128,41 +129,6 @@ class Layer:
     post_mlp_norm: torch.Tensor | None = None  # on the MLP's output (Gemma)
 
 
-class StaticCache:
-    """Every layer's keys and values at fixed slots, allocated once. `layers[i].keys` and
-    `.values` are [1, kv heads, slots, head dim] views and `update` writes a prefix: what the
-    prefix store reads and restores."""
-
-    def __init__(self, layers: int, kv_heads: int, slots: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (layers, kv_heads, slots, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    @property
-    def layers(self) -> list:
-        return [_LayerView(self.k[i][None], self.v[i][None]) for i in range(self.k.shape[0])]
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
-        n = keys.shape[-2]
-        self.k[layer, :, :n] = keys[0]
-        self.v[layer, :, :n] = values[0]
-
-    def keep(self, start: int, rows: list[int]) -> None:
-        """Move the fed tokens at start + rows (increasing) to start, start + 1, ...: a draft
-        tree's accepted path, kept as a chain."""
-        src = torch.tensor([start + r for r in rows], device=self.k.device)
-        dst = torch.arange(start, start + len(rows), device=self.k.device)
-        for t in (self.k, self.v):
-            t[:, :, dst] = t[:, :, src]
-
-
-@dataclass
-class _LayerView:
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
 class CudaRunner:
     """The runner seam (`core.runner`) for a Llama-family or Gemma 3 model on CUDA. One cache
     per model: `new_cache` returns it, since the engine keeps one conversation at a time and
@@ -223,7 +189,7 @@ class CudaRunner:
         slots = -(-(self.context + PAGE) // kernels.KEYS) * kernels.KEYS
         self.cache = StaticCache(len(self.layers), self.kv_heads, slots, self.head_dim,
                                  self.dtype, self.device)
-        self.rope = {kind: _rope_tables(base, slots, self.head_dim, self.device,
+        self.rope = {kind: rope_tables(base, slots, self.head_dim, self.device,
                                         kind if self.gemma else None)
                      for kind in dict.fromkeys(layer.rope for layer in self.layers)}
         self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
@@ -352,17 +318,3 @@ class CudaRunner:
         if rows is None:
             return self.last_hidden[:n].clone()
         return self.last_hidden[torch.tensor(rows, device=self.last_hidden.device)]
-
-
-def _rope_tables(base, slots: int, head_dim: int, device,
-                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [slots, head dim] in float32, from the model's own rotary embedding (its
-    scaling included; Gemma's has one per layer type)."""
-    positions = torch.arange(slots, device=device)[None]
-    probe = torch.zeros(1, 1, head_dim, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        if layer_type is None:
-            cos, sin = base.rotary_emb(probe, positions)
-        else:
-            cos, sin = base.rotary_emb(probe, positions, layer_type)
-    return cos[0].float().contiguous(), sin[0].float().contiguous()

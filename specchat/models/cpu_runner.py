@@ -1,0 +1,215 @@
+"""`CpuRunner`: a Gemma 3 target run by specchat's own forward on the CPU, one C call a forward.
+
+transformers' forward spends its time around the arithmetic on a small model: for one token of
+the embedded Gemma 3 270M it makes several hundred torch calls (norms, RoPE, masks, cache
+updates, each kernel through its module), which cost as much as the NF4 products themselves.
+Here the decoder stack runs in one call to `csrc/decoder.c`, on the same kernels the CPU path's
+modules call (specchat's NF4 product, attention and RMSNorm), reading the weights where the
+loaded model holds them; the embedding lookup and the LM head stay the model's own modules
+(the GGUF's Q8_0 head on the embedded target).
+
+Its cache is a `static.StaticCache` of float32 keys and values, a slot per position, grown as
+a conversation grows. Draft trees are verified in one forward: the tree's nodes take the slots
+after the cached tokens, their positions are their depths, and a visibility matrix says which
+fed rows each row attends to; `keep_fed` moves the accepted path into place.
+
+Every step is row-exact (csrc/decoder.c), so a token gets the same logits fed alone, in a
+verify, in a tree or in a prompt page: `runtime.prove_row_exact` checks it at load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from specchat.core.tree import visibility
+from specchat.models.static import StaticCache, rope_tables
+
+ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run transformers' forward instead
+SLOTS = 256  # a cache's first slots, and the step it grows by (at least doubling)
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _NF4Weight(ctypes.Structure):
+    _fields_ = [("codes", _ptr), ("absmax", _ptr), ("out", _i64), ("in_", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _NF4Weight) for name in ("q", "k", "v", "o", "gate", "up", "down")] + \
+        [(name, _ptr) for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm",
+                                   "q_norm", "k_norm")] + [("window", _i64), ("rope", _i64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
+                                          "inter", "blocksize")] + \
+        [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("table", _ptr),
+         ("layer", ctypes.POINTER(_Layer)), ("final_norm", _ptr)]
+
+
+ROPES = ("sliding_attention", "full_attention")  # the forward's RoPE tables, in this order
+
+
+def unsupported(model) -> str | None:
+    """Why this runner cannot run `model` (as its CPU path left it), or None."""
+    from specchat.models.cpu import _NF4KernelForward
+
+    config = model.config.get_text_config()
+    if getattr(config, "model_type", "") != "gemma3_text":
+        return f"it runs Gemma 3 only, not {getattr(config, 'model_type', type(model).__name__)}"
+    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"its activation is {getattr(config, 'hidden_activation', None)}"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name} {getattr(config, name)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds <= set(ROPES):
+        return f"layer types {sorted(kinds - set(ROPES))}"
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads or config.head_dim % 8 or config.hidden_size % 8:
+        return f"heads {heads}/{kv_heads}, head dim {config.head_dim}"
+    base = model.get_decoder()
+    weights = set()
+    for i, block in enumerate(base.layers):
+        for module in _linears(block):
+            forward = vars(module).get("forward")
+            if not isinstance(forward, _NF4KernelForward) or forward.bias is not None:
+                return f"layer {i}: a linear layer not on specchat's NF4 kernel"
+            weights.add((forward.state.blocksize, tuple(forward.table.tolist())))
+    if len(weights) != 1:
+        return "its NF4 layers differ in block size or codebook"
+    return None
+
+
+def _linears(block) -> list:
+    att, mlp = block.self_attn, block.mlp
+    return [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj,
+            mlp.down_proj]
+
+
+def _w1(norm) -> torch.Tensor:
+    """Gemma's norm scale, 1 + weight, in float32 (what csrc/norms.c takes)."""
+    return (1.0 + norm.weight.detach().float()).contiguous()
+
+
+class CpuRunner:
+    """The runner seam (`core.runner`) for a Gemma 3 target on a CPU path with specchat's
+    kernels (`lib`, a `kernels.load` build): see the module's docstring."""
+
+    tree_masks = True
+
+    def __init__(self, model, lib):
+        why = unsupported(model)
+        if why:
+            raise ValueError(f"specchat's CPU forward cannot run this model: {why}")
+        config = model.config.get_text_config()
+        base = model.get_decoder()
+        self.model, self.lib = model, lib
+        self.hidden, self.head_dim = config.hidden_size, config.head_dim
+        self.kv_heads, self.n_layers = config.num_key_value_heads, len(base.layers)
+        self.embed = model.get_input_embeddings()
+        self.head = model.get_output_embeddings()
+        self._keep: list[torch.Tensor] = []  # every tensor the C structs point into
+        types = getattr(config, "layer_types", None) or ["full_attention"] * self.n_layers
+        layers = (_Layer * self.n_layers)()
+        for i, block in enumerate(base.layers):
+            weights = [self._nf4(vars(m)["forward"]) for m in _linears(block)]
+            norms = [self._ptr(_w1(n)) for n in (
+                block.input_layernorm, block.post_attention_layernorm,
+                block.pre_feedforward_layernorm, block.post_feedforward_layernorm,
+                block.self_attn.q_norm, block.self_attn.k_norm)]
+            sliding = types[i] == "sliding_attention"
+            layers[i] = _Layer(*weights, *norms, config.sliding_window if sliding else 0,
+                               ROPES.index(types[i]))
+        first = vars(base.layers[0].self_attn.q_proj)["forward"]
+        self._layers = layers
+        self._model = _Model(self.n_layers, self.hidden, config.num_attention_heads,
+                             self.kv_heads, self.head_dim, config.intermediate_size,
+                             first.state.blocksize, float(config.rms_norm_eps),
+                             float(config.query_pre_attn_scalar) ** -0.5,
+                             self._ptr(first.table), layers, self._ptr(_w1(base.norm)))
+        self._base = base
+        self._rope: list[torch.Tensor] = []
+        self._rope_ptrs = (_ptr * 4)()
+        self._rope_slots = 0
+        self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
+
+    def _ptr(self, t: torch.Tensor) -> int:
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _nf4(self, forward) -> _NF4Weight:
+        return _NF4Weight(self._ptr(forward.codes), self._ptr(forward.absmax),
+                          forward.out_features, forward.in_features)
+
+    def _ropes_for(self, slots: int) -> None:
+        """RoPE tables covering positions below `slots`."""
+        if slots <= self._rope_slots:
+            return
+        slots = max(slots, 2 * self._rope_slots, SLOTS)
+        self._rope = [t for kind in ROPES
+                      for t in rope_tables(self._base, slots, self.head_dim, "cpu", kind)]
+        for i, t in enumerate(self._rope):
+            self._rope_ptrs[i] = t.data_ptr()
+        self._rope_slots = slots
+
+    @torch.inference_mode()
+    def _run(self, cache: StaticCache, ids: list[int], positions: torch.Tensor, start: int,
+             visible: torch.Tensor | None, n_logits: int) -> torch.Tensor:
+        n = len(ids)
+        if start + n > cache.slots:  # whole steps of SLOTS, at least doubling
+            cache.grow(-(-max(start + n, 2 * cache.slots) // SLOTS) * SLOTS)
+        self._ropes_for(int(positions.max()) + 1)
+        h = self.embed(torch.tensor(ids)).to(torch.float32).contiguous()
+        out = torch.empty(n, self.hidden, dtype=torch.float32)
+        done = self.lib.decoder_forward(
+            ctypes.byref(self._model), h.data_ptr(), n, positions.data_ptr(), start,
+            visible.data_ptr() if visible is not None else None, cache.k.data_ptr(),
+            cache.v.data_ptr(), cache.slots, self._rope_ptrs, out.data_ptr(),
+            torch.get_num_threads())
+        if done != 0:
+            raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "
+                              f"{n} rows after {start} tokens")
+        self.last_hidden = out
+        return self.head(out[n - n_logits:])
+
+    # -- the seam ---------------------------------------------------------------------------
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(self.n_layers, self.kv_heads, SLOTS, self.head_dim, torch.float32,
+                           torch.device("cpu"))
+
+    def forward(self, cache: StaticCache, ids: list[int], start: int,
+                n_logits: int) -> torch.Tensor:
+        positions = torch.arange(start, start + len(ids), dtype=torch.int64)
+        return self._run(cache, ids, positions, start, None, n_logits)
+
+    def forward_tree(self, cache: StaticCache, ids: list[int], parents: list[int],
+                     start: int) -> torch.Tensor:
+        visible = visibility(parents)
+        positions = start + visible.sum(-1) - 1  # a node's position: the root's plus its depth
+        return self._run(cache, ids, positions.to(torch.int64).contiguous(), start,
+                         visible.to(torch.uint8).contiguous(), len(ids))
+
+    def crop(self, cache, cached: int, keep: int) -> bool:
+        return True  # the slots past `keep` are rewritten before any row reads them
+
+    def keep_fed(self, cache: StaticCache, fed: int, start: int, keep: list[int]) -> None:
+        cache.keep(start, keep)
+
+    def watch_features(self) -> None:
+        pass  # every forward keeps its final-norm output (`last_hidden`)
+
+    def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
+        if rows is None:
+            return self.last_hidden[:n].clone()
+        return self.last_hidden[torch.tensor(rows)]
+
+
+def wanted() -> bool:
+    """Whether the CPU paths may take this runner (SPECCHAT_CPU_RUNNER is not 'transformers')."""
+    return os.environ.get(ENV, "") != "transformers"

@@ -1,0 +1,227 @@
+// A Gemma 3 decoder stack in one call: every layer of the model for n rows (tokens), from their
+// embeddings to the final norm's output, writing each row's keys and values into the KV cache.
+// It is the model's forward as transformers computes it, layer for layer:
+//
+//   x = norm(h); q, k, v = x Wq, x Wk, x Wv; q, k normed per head; RoPE at the row's position;
+//   k, v written at the row's slot; a = attention(q, the cache); h += norm(a Wo);
+//   x = norm(h); h += norm((gelu_tanh(x Wg) * x Wu) Wd);   after the last layer: norm(h).
+//
+// with NF4 weights (bitsandbytes' codes and block scales, nf4.c), Gemma's RMSNorm (norms.c) and
+// the attention of nf4.c's neighbour attention.c. The Python around a forward of transformers'
+// modules costs more than the arithmetic for one token of a small model (hundreds of torch
+// calls a step); here a step is one call.
+//
+// Row-exact: every product, norm and attention computes a row alone (see the kernels), and the
+// elementwise steps (RoPE, gelu, the residual adds) are per value. So a row's features, keys
+// and values are the same bits whatever rows were fed with it, and a prompt's page, a verify's
+// chain, a draft tree's node and a one-token step give a token the same logits.
+//
+// The cache: keys and values [layers, kv_heads, slots, head_dim] in float32; the fed rows go to
+// slots start .. start + n - 1. A cached slot j (j < start) holds the token at position j. Row
+// r, at position pos[r], attends to the cached slots its layer's window holds (pos[r] - j <
+// window; every slot in full-attention layers) and to the fed rows `visible` allows (row-major
+// [n, n] bytes, 1: attend; NULL: rows 0..r, a chain), within the window too.
+//
+// Two functions over the same code: `decoder_forward` on the SIMD kernels (SIMD build) and
+// `decoder_forward_ref` on their references, which compute the same bits.
+#include "common.h"
+
+typedef void (*nf4_fn)(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
+                       const float *, float *, int64_t, int);
+typedef void (*attend_fn)(const float *, int64_t, int64_t, const void *, const void *, int64_t,
+                          int64_t, int64_t, int, const uint8_t *, int64_t, int64_t, float,
+                          float *, float *, int);
+typedef void (*norm_fn)(const void *, int64_t, int64_t, int, const float *, float, void *);
+
+void nf4_matmul_ref(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
+                    const float *, float *, int64_t, int);
+void attend_ref(const float *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
+                int64_t, int, const uint8_t *, int64_t, int64_t, float, float *, float *, int);
+void rms_norm_ref(const void *, int64_t, int64_t, int, const float *, float, void *);
+#if SPECCHAT_SIMD
+void nf4_matmul(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
+                const float *, float *, int64_t, int);
+void attend(const float *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
+            int64_t, int, const uint8_t *, int64_t, int64_t, float, float *, float *, int);
+void rms_norm(const void *, int64_t, int64_t, int, const float *, float, void *);
+#endif
+
+typedef struct {
+    nf4_fn nf4;
+    attend_fn attend;
+    norm_fn norm;
+} kernels;
+
+// One NF4 weight [out, in]: bitsandbytes' packed codes and one float32 scale per block.
+typedef struct {
+    const uint8_t *codes;
+    const float *absmax;
+    int64_t out, in;
+} nf4_weight;
+
+// One layer. The norms' weights are 1 + the module's weight, in float32 (as norms.c takes them).
+typedef struct {
+    nf4_weight q, k, v, o, gate, up, down;
+    const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
+    int64_t window;  // a sliding-window layer's window; 0: full attention
+    int64_t rope;    // which of the forward's RoPE tables the layer takes (0 or 1)
+} decoder_layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, blocksize;
+    float eps, scale;    // the norms' epsilon; the attention scores' scale
+    const float *table;  // the NF4 codebook, 16 values
+    const decoder_layer *layer;
+    const float *final_norm;
+} decoder_model;
+
+// x [n, d] in place: RoPE of each head of `heads` at its row's position, transformers' way
+// (rotate_half): with c, s the tables' values, the first half x1 c - x2 s, the second x2 c + x1 s.
+static void rope(float *x, int64_t n, int64_t heads, int64_t d, const int64_t *pos,
+                 const float *cos, const float *sin) {
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (r * heads + h) * d;
+            const float *c = cos + pos[r] * d, *s = sin + pos[r] * d;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c[i] - x2 * s[i];
+                v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+}
+
+// gate_up: gelu_tanh(g) * u for the n rows of g and u [n, inter], into g
+static void gelu_mul(float *g, const float *u, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        const float x = g[i];
+        const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+        g[i] = 0.5f * x * (1.0f + tanhf(inner)) * u[i];
+    }
+}
+
+static void add(float *h, const float *x, int64_t count) {
+    for (int64_t i = 0; i < count; i++) h[i] += x[i];
+}
+
+static void product(const kernels *f, const decoder_model *m, const nf4_weight *w,
+                    const float *x, int64_t n, float *y, int threads) {
+    f->nf4(x, n, w->in, w->codes, w->absmax, m->blocksize, m->table, y, w->out, threads);
+}
+
+// The attention mask of one window for the n fed rows over slots lo .. start + n - 1:
+// mask[r * width + (j - lo)], width = start + n - lo.
+static void fill_mask(uint8_t *mask, int64_t lo, int64_t width, int64_t n, int64_t start,
+                      const int64_t *pos, const uint8_t *visible, int64_t window) {
+    for (int64_t r = 0; r < n; r++) {
+        uint8_t *row = mask + r * width;
+        for (int64_t j = lo; j < start; j++) row[j - lo] = !window || pos[r] - j < window;
+        for (int64_t i = 0; i < n; i++) {
+            const int seen = visible ? visible[r * n + i] != 0 : i <= r;
+            row[start + i - lo] = seen && (!window || pos[r] - pos[i] < window);
+        }
+    }
+}
+
+// 0 when done; -1 when out of memory (nothing in `out` is then valid)
+static int forward(const kernels *f, const decoder_model *m, const float *embeddings, int64_t n,
+                   const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
+                   float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
+                   int threads) {
+    const int64_t d = m->head_dim, hd = m->hidden, nq = m->heads * d, nkv = m->kv_heads * d;
+    const int64_t groups = m->heads / m->kv_heads, width = start + n;
+    const int64_t wide = nq > m->inter ? nq : m->inter;
+    float *h = malloc(sizeof(float) * n * hd);      // the residual stream
+    float *x = malloc(sizeof(float) * n * (hd > nq ? hd : nq));  // normed input, attention out
+    float *q = malloc(sizeof(float) * n * nq), *k = malloc(sizeof(float) * n * nkv);
+    float *v = malloc(sizeof(float) * n * nkv);
+    float *packed = malloc(sizeof(float) * n * nq), *att = malloc(sizeof(float) * n * nq);
+    float *g = malloc(sizeof(float) * n * wide), *u = malloc(sizeof(float) * n * m->inter);
+    float *scores = malloc(sizeof(float) * groups * n * width);
+    uint8_t *masks[2] = {malloc((size_t)(n * width)), malloc((size_t)(n * width))};
+    int64_t lows[2] = {0, 0}, windows[2] = {0, 0};
+    int failed = !h || !x || !q || !k || !v || !packed || !att || !g || !u || !scores
+                 || !masks[0] || !masks[1];
+    if (failed) goto done;
+    memcpy(h, embeddings, sizeof(float) * n * hd);
+    // mask 0: full attention; mask 1: the sliding window (one size per model)
+    for (int64_t l = 0; l < m->layers; l++)
+        if (m->layer[l].window) windows[1] = m->layer[l].window;
+    for (int w = 0; w < 2; w++) {
+        int64_t lo = start;  // no row sees a cached slot below the lowest row's window
+        for (int64_t r = 0; r < n && windows[w]; r++) {
+            const int64_t first = pos[r] - windows[w] + 1;
+            if (first < lo) lo = first < 0 ? 0 : first;
+        }
+        lows[w] = windows[w] ? lo : 0;
+        fill_mask(masks[w], lows[w], width - lows[w], n, start, pos, visible, windows[w]);
+    }
+    for (int64_t l = 0; l < m->layers; l++) {
+        const decoder_layer *L = m->layer + l;
+        const int w = L->window ? 1 : 0;
+        f->norm(h, n, hd, 0, L->attn_norm, m->eps, x);
+        product(f, m, &L->q, x, n, q, threads);
+        product(f, m, &L->k, x, n, k, threads);
+        product(f, m, &L->v, x, n, v, threads);
+        f->norm(q, n * m->heads, d, 0, L->q_norm, m->eps, q);
+        f->norm(k, n * m->kv_heads, d, 0, L->k_norm, m->eps, k);
+        rope(q, n, m->heads, d, pos, rope_tables[2 * L->rope], rope_tables[2 * L->rope + 1]);
+        rope(k, n, m->kv_heads, d, pos, rope_tables[2 * L->rope], rope_tables[2 * L->rope + 1]);
+        for (int64_t kh = 0; kh < m->kv_heads; kh++) {
+            float *kc = k_cache + ((l * m->kv_heads + kh) * slots) * d;
+            float *vc = v_cache + ((l * m->kv_heads + kh) * slots) * d;
+            for (int64_t r = 0; r < n; r++) {
+                memcpy(kc + (start + r) * d, k + (r * m->kv_heads + kh) * d, sizeof(float) * d);
+                memcpy(vc + (start + r) * d, v + (r * m->kv_heads + kh) * d, sizeof(float) * d);
+            }
+            // this key/value head's query heads, packed head by head: [groups * n, d]
+            for (int64_t gq = 0; gq < groups; gq++)
+                for (int64_t r = 0; r < n; r++)
+                    memcpy(packed + (gq * n + r) * d, q + (r * m->heads + kh * groups + gq) * d,
+                           sizeof(float) * d);
+            const int64_t lo = lows[w];
+            f->attend(packed, groups * n, d, kc + lo * d, vc + lo * d, width - lo, d, d, 0,
+                      masks[w], n, width - lo, m->scale, scores, att, threads);
+            for (int64_t gq = 0; gq < groups; gq++)
+                for (int64_t r = 0; r < n; r++)
+                    memcpy(x + (r * m->heads + kh * groups + gq) * d, att + (gq * n + r) * d,
+                           sizeof(float) * d);
+        }
+        product(f, m, &L->o, x, n, q, threads);  // q's buffer is free again: [n, hidden]
+        f->norm(q, n, hd, 0, L->post_attn_norm, m->eps, q);
+        add(h, q, n * hd);
+        f->norm(h, n, hd, 0, L->mlp_norm, m->eps, x);
+        product(f, m, &L->gate, x, n, g, threads);
+        product(f, m, &L->up, x, n, u, threads);
+        gelu_mul(g, u, n * m->inter);
+        product(f, m, &L->down, g, n, q, threads);
+        f->norm(q, n, hd, 0, L->post_mlp_norm, m->eps, q);
+        add(h, q, n * hd);
+    }
+    f->norm(h, n, hd, 0, m->final_norm, m->eps, out);
+done:
+    free(h), free(x), free(q), free(k), free(v), free(packed), free(att), free(g), free(u);
+    free(scores), free(masks[0]), free(masks[1]);
+    return failed ? -1 : 0;
+}
+
+int decoder_forward_ref(const decoder_model *m, const float *embeddings, int64_t n,
+                        const int64_t *pos, int64_t start, const uint8_t *visible,
+                        float *k_cache, float *v_cache, int64_t slots,
+                        const float *const *rope_tables, float *out, int threads) {
+    const kernels f = {nf4_matmul_ref, attend_ref, rms_norm_ref};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, threads);
+}
+
+#if SPECCHAT_SIMD
+int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
+                    const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
+                    float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
+                    int threads) {
+    const kernels f = {nf4_matmul, attend, rms_norm};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, threads);
+}
+#endif

@@ -1,0 +1,75 @@
+"""What specchat's own forwards (`cpu_runner.CpuRunner`, `cuda.runner.CudaRunner`) keep beside
+the weights: a KV cache with a slot per position, and the model's RoPE tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class StaticCache:
+    """Every layer's keys and values at fixed slots: the token at position p sits at slot p, a
+    rollback is the engine forgetting tokens (the next forward overwrites their slots).
+    `layers[i].keys` and `.values` are [1, kv heads, slots, head dim] views and `update` writes
+    a prefix: what the prefix store (core/prefix.py) reads and restores."""
+
+    def __init__(self, layers: int, kv_heads: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (layers, kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def layers(self) -> list:
+        return [_LayerView(self.k[i][None], self.v[i][None]) for i in range(self.k.shape[0])]
+
+    def grow(self, slots: int) -> None:
+        """At least `slots` slots, the ones held kept (new buffers: pointers taken before are
+        stale)."""
+        if slots <= self.slots:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], slots, old.shape[3]))
+            new[:, :, :old.shape[2]] = old
+            setattr(self, name, new)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
+        n = keys.shape[-2]
+        self.grow(n)
+        self.k[layer, :, :n] = keys[0]
+        self.v[layer, :, :n] = values[0]
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Move the fed tokens at start + rows (increasing) to start, start + 1, ...: a draft
+        tree's accepted path, kept as a chain."""
+        src = torch.tensor([start + r for r in rows], device=self.k.device)
+        dst = torch.arange(start, start + len(rows), device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, :, dst] = t[:, :, src]
+
+
+@dataclass
+class _LayerView:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def rope_tables(base, slots: int, head_dim: int, device,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [slots, head dim] in float32, from the model's own rotary embedding (its
+    scaling included; Gemma's has one per layer type). Each position's values are computed
+    alone, so a longer table starts with a shorter one's values."""
+    positions = torch.arange(slots, device=device)[None]
+    probe = torch.zeros(1, 1, head_dim, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        if layer_type is None:
+            cos, sin = base.rotary_emb(probe, positions)
+        else:
+            cos, sin = base.rotary_emb(probe, positions, layer_type)
+    return cos[0].float().contiguous(), sin[0].float().contiguous()

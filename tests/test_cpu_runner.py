@@ -1,0 +1,150 @@
+"""specchat's own CPU forward (`models.cpu_runner`, csrc/decoder.c): it computes what
+transformers' forward computes, every row alone (chains, trees, pages), the same bits on the
+SIMD kernels and their plain-C references, with a cache that grows and keeps a tree's path.
+Forced on every kernels path this machine runs."""
+
+import pytest
+import torch
+
+from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.events import TokenEvent
+from specchat.drafters.ngram import NgramDrafter
+from specchat.models import cpu_runner, kernels, runtime
+from specchat.models.hf_runner import HFRunner
+from specchat.models.load import load_model
+from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KERNEL_PATHS = [p.name for p in runtime.candidates(forced="")
+                if p.kernels and not p.fused_nf4 and kernels.load(p.kernels) is not None]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Gemma 3 whose every layer specchat's NF4 kernel takes: widths of 64, a window of 16 (so
+    prompts pass it), random norm weights (a fresh model's are zeros)."""
+    pytest.importorskip("bitsandbytes")
+    model = tiny_gemma3(0, hidden=128, head_dim=64)
+    for m in model.modules():
+        if type(m).__name__ == "Gemma3RMSNorm":
+            torch.nn.init.normal_(m.weight, std=0.5)
+    return save(model.to(torch.bfloat16), byte_tokenizer(), tmp_path_factory.mktemp("gemma3"))
+
+
+def load(checkpoint, path, monkeypatch, runner=""):
+    monkeypatch.setenv(runtime.ENV, path)
+    monkeypatch.setenv(cpu_runner.ENV, runner)
+    return load_model(str(checkpoint), "nf4", "cpu", progress=lambda *a: None)
+
+
+IDS = [(7 + 37 * i) % 250 + 3 for i in range(300)]  # past the window and the cache's first slots
+
+
+def logits_in_pages(runner, ids, page=64):
+    cache = runner.new_cache()
+    return torch.cat([runner.forward(cache, ids[s:s + page], s, len(ids[s:s + page]))
+                      for s in range(0, len(ids), page)]), cache
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_the_decoder_forward_computes_what_transformers_computes(checkpoint, path, monkeypatch):
+    ours = load(checkpoint, path, monkeypatch)
+    assert isinstance(ours.runner, cpu_runner.CpuRunner)
+    assert "decoder forward" in ours.label and ours.runtime.row_exact, ours.runtime.proof
+    theirs = load(checkpoint, path, monkeypatch, runner="transformers")
+    assert isinstance(theirs.runner, HFRunner) and "decoder forward" not in theirs.label
+    got, cache = logits_in_pages(ours.runner, IDS)
+    want, _ = logits_in_pages(theirs.runner, IDS)
+    assert cache.slots >= len(IDS) > cpu_runner.SLOTS  # the cache grew, keeping what it held
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the features the EAGLE head drafts from: the final norm's output of the last forward
+    theirs.runner.watch_features()
+    logits_in_pages(theirs.runner, IDS)
+    torch.testing.assert_close(ours.runner.features(len(IDS) - 256),
+                               theirs.runner.features(len(IDS) - 256), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_a_token_gets_the_same_logits_fed_alone_in_a_chain_or_in_a_page(checkpoint, path,
+                                                                        monkeypatch):
+    runner = load(checkpoint, path, monkeypatch).runner
+    pages, _ = logits_in_pages(runner, IDS)
+    for width in (1, 5, 17):
+        cache = runner.new_cache()
+        runner.forward(cache, IDS[:200], 0, 1)
+        rows = torch.cat([runner.forward(cache, IDS[s:min(s + width, 260)], s,
+                                         len(IDS[s:min(s + width, 260)]))
+                          for s in range(200, 260, width)])
+        assert torch.equal(rows, pages[200:260]), width
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_a_draft_tree_gets_the_logits_its_paths_get_as_chains(checkpoint, path, monkeypatch):
+    """Each node of a tree verified in one forward gets the logits its root path gets fed as a
+    chain, and the path `keep_fed` keeps reads on as if it had been fed alone."""
+    runner = load(checkpoint, path, monkeypatch).runner
+    prefix, start = IDS[:40], 40
+    #        root 0 - 1 - 3 - 5
+    #               \ 2 - 4
+    ids, parents = [11, 21, 22, 31, 32, 41], [-1, -1, 0, 1, 2]
+    cache = runner.new_cache()
+    runner.forward(cache, prefix, 0, 1)
+    tree = runner.forward_tree(cache, ids, parents, start)
+
+    def path_to(node):  # fed indices, root first
+        chain = [node]
+        while chain[-1] > 0:
+            chain.append(parents[chain[-1] - 1] + 1)
+        return chain[::-1]
+
+    for node in range(len(ids)):
+        chain = [ids[i] for i in path_to(node)]
+        fresh = runner.new_cache()
+        runner.forward(fresh, prefix, 0, 1)
+        assert torch.equal(runner.forward(fresh, chain, start, len(chain))[-1], tree[node])
+    keep = path_to(5)  # root, 21, 31, 41
+    runner.keep_fed(cache, len(ids), start, keep)
+    after = runner.forward(cache, [7], start + len(keep), 1)
+    fresh = runner.new_cache()
+    runner.forward(fresh, prefix + [ids[i] for i in keep], 0, 1)
+    assert torch.equal(runner.forward(fresh, [7], start + len(keep), 1), after)
+
+
+def test_the_reference_build_computes_the_simd_builds_bits(checkpoint, monkeypatch):
+    if "cpu-fp32-avx2" not in KERNEL_PATHS or "cpu-fp32-ref" not in KERNEL_PATHS:
+        pytest.skip(f"needs the AVX2 and the reference paths ({runtime.cpu_kind().describe()})")
+    simd, _ = logits_in_pages(load(checkpoint, "cpu-fp32-avx2", monkeypatch).runner, IDS[:130])
+    ref, _ = logits_in_pages(load(checkpoint, "cpu-fp32-ref", monkeypatch).runner, IDS[:130])
+    assert torch.equal(simd, ref)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_greedy_and_seeded_speculation_on_the_decoder_forward_replay_plain(checkpoint, path,
+                                                                           monkeypatch):
+    engine = Engine(load(checkpoint, path, monkeypatch), {"ngram": NgramDrafter()})
+    prompt = list(b"abcabcabcabd abcabcabcabd abcabc")
+    for temperature in (0.0, 0.8):
+        cfg = dict(max_new_tokens=40, adaptive=False, draft_len=4, temperature=temperature,
+                   seed=3)
+        plain = [e.id for e in engine.stream(prompt, GenerateConfig(speculation=False, **cfg))
+                 if isinstance(e, TokenEvent)]
+        spec = [e.id for e in engine.stream(prompt, GenerateConfig(drafter="ngram", **cfg))
+                if isinstance(e, TokenEvent)]
+        assert spec == plain and len(plain) == 40
+
+
+def test_models_it_cannot_run_keep_transformers_forward_and_say_why(tmp_path, monkeypatch):
+    llama = save(tiny_llama(1, hidden=128), byte_tokenizer(), tmp_path / "llama")
+    path = next(iter(KERNEL_PATHS), None)
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    loaded = load(llama, path, monkeypatch)
+    assert isinstance(loaded.runner, HFRunner)
+    assert "Gemma 3 only" in cpu_runner.unsupported(loaded.model)
+    with pytest.raises(ValueError, match="cannot run this model"):
+        cpu_runner.CpuRunner(loaded.model, kernels.load(runtime.BY_NAME[path].kernels))
+    small = save(tiny_gemma3(0), byte_tokenizer(), tmp_path / "small")  # widths of 16 and 32
+    loaded = load(small, path, monkeypatch)
+    assert isinstance(loaded.runner, HFRunner)
+    assert "not on specchat's NF4 kernel" in cpu_runner.unsupported(loaded.model)
