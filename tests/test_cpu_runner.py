@@ -148,3 +148,23 @@ def test_models_it_cannot_run_keep_transformers_forward_and_say_why(tmp_path, mo
     loaded = load(small, path, monkeypatch)
     assert isinstance(loaded.runner, HFRunner)
     assert "not on specchat's NF4 kernel" in cpu_runner.unsupported(loaded.model)
+
+
+def test_the_profile_splits_the_c_forward_into_its_parts(checkpoint, monkeypatch):
+    """`bench --profile` on the decoder forward: its products, attention, norms and activation
+    come from the C call's own clock, and every row adds up to the forward."""
+    from specchat.bench.config import BenchSettings
+    from specchat.bench.profile import FORWARD_ROWS, profile_plain
+
+    path = next(iter(KERNEL_PATHS), None)
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    engine = Engine(load(checkpoint, path, monkeypatch), {})
+    settings = BenchSettings(modes=("plain",), max_new_tokens=12, stop_strings=False)
+    found = profile_plain(engine, [(IDS[:70], ())], settings)
+    rows = found["ms_per_token"]
+    assert found["tokens"] == 10
+    for row in ("NF4 layers", "attention", "norms", "MLP activation", "LM head"):
+        assert rows[row] > 0, row
+    assert sum(rows[r] for r in FORWARD_ROWS) == pytest.approx(found["forward_ms"], rel=1e-6)
+    assert engine.runner.clock is None and "_run" not in vars(engine.runner)

@@ -20,6 +20,11 @@ of a step lands in one row:
     drafting                the drafter's proposal (speculative modes only; 0 here)
     streaming and stats     everything else: stop strings, text, events, step records
 
+On specchat's own CPU forward (`models.cpu_runner`), the decoder stack is one C call that
+times its own parts (`CpuRunner.clock`): its products are the NF4 layers' row, its attention
+(RoPE, cache writes and masks included), norms and activation their rows, the rest (residual
+adds, buffers, the Python around the call) the rest of the forward's.
+
 The hooks and timers cost a few microseconds each, inside the rows they time: the profile's
 total is a little above the timed runs' step time, which the report prints beside it. Only the
 decode steps count (not the prompt's forwards, not the first token).
@@ -124,6 +129,43 @@ def _wrapped(obj, name: str, clock: _Clock, row: str):
             delattr(obj, name)
 
 
+# `CpuRunner.clock`'s parts (cpu_runner.CLOCK_ROWS) -> the profile's rows
+_C_ROWS = {"products": "NF4 layers", "attention": "attention", "norms": "norms",
+           "activation": "MLP activation"}
+
+
+@contextmanager
+def _c_clock(runner, clock: _Clock):
+    """While active, the C forward's own timings of its parts land in their rows (while `clock`
+    is on); a no-op for runners without one."""
+    if not hasattr(runner, "clock"):
+        yield
+        return
+    import ctypes
+
+    from specchat.models.cpu_runner import CLOCK_ROWS
+
+    runner.clock = (ctypes.c_double * len(CLOCK_ROWS))()
+    forward = runner._run
+
+    def timed(*args, **kwargs):
+        before = list(runner.clock)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if clock.on:
+                for name, a, b in zip(CLOCK_ROWS, before, runner.clock):
+                    if name in _C_ROWS:
+                        clock.seconds[_C_ROWS[name]] += b - a
+
+    runner._run = timed
+    try:
+        yield
+    finally:
+        del runner._run
+        runner.clock = None
+
+
 def profile_plain(engine, prompts: list[tuple[list[int], tuple]], s: BenchSettings) -> dict:
     """Plain decoding of `prompts` ((ids, stops) each) with the profile's timers: milliseconds
     per decoded token by row, their total, and the tokens measured (a step's each)."""
@@ -135,6 +177,7 @@ def profile_plain(engine, prompts: list[tuple[list[int], tuple]], s: BenchSettin
     step_s, steps = 0.0, 0
     try:
         with _wrapped(engine.runner, "forward", clock, "forward"), \
+                _c_clock(engine.runner, clock), \
                 _wrapped(engine, "_distribution", clock, "masks and penalties"), \
                 _wrapped(engine_module, "verify", clock, "sampling"), \
                 _wrapped(engine, "_draft", clock, "drafting"):

@@ -50,6 +50,8 @@ class _Model(ctypes.Structure):
 
 
 ROPES = ("sliding_attention", "full_attention")  # the forward's RoPE tables, in this order
+# the parts of a forward `CpuRunner.clock` times, in csrc/decoder.c's order
+CLOCK_ROWS = ("products", "attention", "norms", "activation", "rest")
 
 
 def unsupported(model) -> str | None:
@@ -137,6 +139,9 @@ class CpuRunner:
         self._rope_ptrs = (_ptr * 4)()
         self._rope_slots = 0
         self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
+        # seconds by part of the decoder stack (CLOCK_ROWS), summed over forwards while set:
+        # `bench --profile` sets it to (ctypes.c_double * len(CLOCK_ROWS))()
+        self.clock = None
 
     def _ptr(self, t: torch.Tensor) -> int:
         self._keep.append(t)
@@ -169,7 +174,7 @@ class CpuRunner:
         done = self.lib.decoder_forward(
             ctypes.byref(self._model), h.data_ptr(), n, positions.data_ptr(), start,
             visible.data_ptr() if visible is not None else None, cache.k.data_ptr(),
-            cache.v.data_ptr(), cache.slots, self._rope_ptrs, out.data_ptr(),
+            cache.v.data_ptr(), cache.slots, self._rope_ptrs, out.data_ptr(), self.clock,
             torch.get_num_threads())
         if done != 0:
             raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "

@@ -55,7 +55,8 @@ _ARGTYPES = {
     "attend": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64,
                ctypes.c_float, _ptr, _ptr, _int],
     "rms_norm": [_ptr, _i64, _i64, _int, _ptr, ctypes.c_float, _ptr],
-    "decoder_forward": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int],
+    "decoder_forward": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                        _int],
 }
 _RESTYPES = {"decoder_forward": _int}  # 0, or -1 out of memory; the others return nothing
 

@@ -22,9 +22,34 @@
 // window; every slot in full-attention layers) and to the fed rows `visible` allows (row-major
 // [n, n] bytes, 1: attend; NULL: rows 0..r, a chain), within the window too.
 //
+// `clock`, where not NULL, gains the seconds spent in each part of the forward (`CLOCK_ROWS`):
+// `bench --profile` reads it.
+//
 // Two functions over the same code: `decoder_forward` on the SIMD kernels (SIMD build) and
 // `decoder_forward_ref` on their references, which compute the same bits.
 #include "common.h"
+
+#include <time.h>
+
+// the parts `clock` times: products, attention (RoPE, cache writes and masks included), norms,
+// the MLP's activation, and the rest (residual adds, buffers)
+enum { CLOCK_PRODUCTS, CLOCK_ATTENTION, CLOCK_NORMS, CLOCK_ACTIVATION, CLOCK_REST, CLOCK_ROWS };
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// Charges the time since the last mark to part `row` (when timing).
+#define MARK(row)                            \
+    do {                                     \
+        if (clock) {                         \
+            const double t_ = seconds();     \
+            clock[row] += t_ - last;         \
+            last = t_;                       \
+        }                                    \
+    } while (0)
 
 typedef void (*nf4_fn)(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
                        const float *, float *, int64_t, int);
@@ -128,7 +153,8 @@ static void fill_mask(uint8_t *mask, int64_t lo, int64_t width, int64_t n, int64
 static int forward(const kernels *f, const decoder_model *m, const float *embeddings, int64_t n,
                    const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
                    float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
-                   int threads) {
+                   double *clock, int threads) {
+    double last = clock ? seconds() : 0.0;
     const int64_t d = m->head_dim, hd = m->hidden, nq = m->heads * d, nkv = m->kv_heads * d;
     const int64_t groups = m->heads / m->kv_heads, width = start + n;
     const int64_t wide = nq > m->inter ? nq : m->inter;
@@ -144,6 +170,7 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
     int failed = !h || !x || !q || !k || !v || !packed || !att || !g || !u || !scores
                  || !masks[0] || !masks[1];
     if (failed) goto done;
+    MARK(CLOCK_REST);
     memcpy(h, embeddings, sizeof(float) * n * hd);
     // mask 0: full attention; mask 1: the sliding window (one size per model)
     for (int64_t l = 0; l < m->layers; l++)
@@ -157,15 +184,19 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
         lows[w] = windows[w] ? lo : 0;
         fill_mask(masks[w], lows[w], width - lows[w], n, start, pos, visible, windows[w]);
     }
+    MARK(CLOCK_ATTENTION);
     for (int64_t l = 0; l < m->layers; l++) {
         const decoder_layer *L = m->layer + l;
         const int w = L->window ? 1 : 0;
         f->norm(h, n, hd, 0, L->attn_norm, m->eps, x);
+        MARK(CLOCK_NORMS);
         product(f, m, &L->q, x, n, q, threads);
         product(f, m, &L->k, x, n, k, threads);
         product(f, m, &L->v, x, n, v, threads);
+        MARK(CLOCK_PRODUCTS);
         f->norm(q, n * m->heads, d, 0, L->q_norm, m->eps, q);
         f->norm(k, n * m->kv_heads, d, 0, L->k_norm, m->eps, k);
+        MARK(CLOCK_NORMS);
         rope(q, n, m->heads, d, pos, rope_tables[2 * L->rope], rope_tables[2 * L->rope + 1]);
         rope(k, n, m->kv_heads, d, pos, rope_tables[2 * L->rope], rope_tables[2 * L->rope + 1]);
         for (int64_t kh = 0; kh < m->kv_heads; kh++) {
@@ -188,40 +219,53 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
                     memcpy(x + (r * m->heads + kh * groups + gq) * d, att + (gq * n + r) * d,
                            sizeof(float) * d);
         }
+        MARK(CLOCK_ATTENTION);
         product(f, m, &L->o, x, n, q, threads);  // q's buffer is free again: [n, hidden]
+        MARK(CLOCK_PRODUCTS);
         f->norm(q, n, hd, 0, L->post_attn_norm, m->eps, q);
+        MARK(CLOCK_NORMS);
         add(h, q, n * hd);
+        MARK(CLOCK_REST);
         f->norm(h, n, hd, 0, L->mlp_norm, m->eps, x);
+        MARK(CLOCK_NORMS);
         product(f, m, &L->gate, x, n, g, threads);
         product(f, m, &L->up, x, n, u, threads);
+        MARK(CLOCK_PRODUCTS);
         gelu_mul(g, u, n * m->inter);
+        MARK(CLOCK_ACTIVATION);
         product(f, m, &L->down, g, n, q, threads);
+        MARK(CLOCK_PRODUCTS);
         f->norm(q, n, hd, 0, L->post_mlp_norm, m->eps, q);
+        MARK(CLOCK_NORMS);
         add(h, q, n * hd);
+        MARK(CLOCK_REST);
     }
     f->norm(h, n, hd, 0, m->final_norm, m->eps, out);
+    MARK(CLOCK_NORMS);
 done:
     free(h), free(x), free(q), free(k), free(v), free(packed), free(att), free(g), free(u);
     free(scores), free(masks[0]), free(masks[1]);
+    MARK(CLOCK_REST);
     return failed ? -1 : 0;
 }
 
 int decoder_forward_ref(const decoder_model *m, const float *embeddings, int64_t n,
                         const int64_t *pos, int64_t start, const uint8_t *visible,
                         float *k_cache, float *v_cache, int64_t slots,
-                        const float *const *rope_tables, float *out, int threads) {
+                        const float *const *rope_tables, float *out, double *clock,
+                        int threads) {
     const kernels f = {nf4_matmul_ref, attend_ref, rms_norm_ref};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
-                   rope_tables, out, threads);
+                   rope_tables, out, clock, threads);
 }
 
 #if SPECCHAT_SIMD
 int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
                     const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
                     float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
-                    int threads) {
+                    double *clock, int threads) {
     const kernels f = {nf4_matmul, attend, rms_norm};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
-                   rope_tables, out, threads);
+                   rope_tables, out, clock, threads);
 }
 #endif
