@@ -2,11 +2,12 @@
 
 The engine never calls a model directly: it asks its runner for a cache, feeds tokens at
 positions, rolls back, keeps a draft tree's path, and reads the features the EAGLE head drafts
-from. Two rooms implement it under `models/`, as ggml-cpu and ggml-cuda sit behind ggml-backend:
+from. Three rooms implement it under `models/`, as ggml-cpu and ggml-cuda sit behind ggml-backend:
 
 | runner                        | runs                                                           |
 | ----------------------------- | -------------------------------------------------------------- |
-| `models.hf_runner.HFRunner`   | transformers' forward with a `DynamicCache` (the CPU paths, and any model on any device) |
+| `models.hf_runner.HFRunner`   | transformers' forward with a `DynamicCache` (any model on any device) |
+| `models.cpu_runner.CpuRunner` | a Gemma 3 target's decoder stack in one C call on the CPU kernel paths |
 | `models.cuda.runner.CudaRunner` | specchat's own forward on CUDA: a static cache, one padded decode width, CUDA graphs, Triton kernels |
 
 `models.load.load_model` picks one (`LoadedModel.runner`).

@@ -1,7 +1,8 @@
 """`HFRunner`: the runner seam (`core.runner`) over transformers' own forward.
 
-The CPU paths (`models.cpu`, `models.attention` swap in specchat's kernels and row-exact
-attention under the same modules) and any model the CUDA runtime does not take run here:
+The CPU paths for models `cpu_runner.CpuRunner` does not take (`models.cpu`, `models.attention`
+swap in specchat's kernels and row-exact attention under the same modules) and any model the
+CUDA runtime does not take run here:
 a `DynamicCache` (paged where the row-exact attention reads keys in place), rolled back by
 cropping, draft trees under a tree attention mask, features from a hook on the final norm.
 """
