@@ -12,6 +12,7 @@ from specchat.core.text import chat_prompt
 from specchat.loader import load_engine
 from specchat.models import runtime
 from specchat.models.attention import is_row_exact
+from specchat.models.cpu_runner import CpuRunner
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,8 @@ def test_every_path_this_machine_runs_is_exact_on_the_embedded_target(monkeypatc
         engine = load_engine("embedded", quantization="nf4").engine
         rt = engine.target.runtime
         assert rt.path == name
+        on_kernels = runtime.BY_NAME[name].kernels and not runtime.BY_NAME[name].fused_nf4
+        assert isinstance(engine.target.runner, CpuRunner) == bool(on_kernels), name
         if not rt.row_exact:  # only torch's own products may fail; the proof saw what is so
             assert name == "cpu-fp32-dense" and logit_mismatches(engine.model) > 0, rt.proof
             continue
