@@ -104,28 +104,49 @@ class Shaper:
                   index: torch.Tensor | None = None) -> None:
         """Reshape one float32 row in place for the tokens `prefix` before it. The row covers
         the whole vocabulary, or with `index` (a drafter's reduced vocabulary) token t is
-        row[index[t]], and tokens with index -1 are not in the row."""
+        row[index[t]], and tokens with index -1 are not in the row.
+
+        Only the window's tokens and DRY's continuations change, a few dozen of the row's
+        entries: they are read and written through a numpy view of the row, where each
+        operation on a few dozen numbers costs a microsecond, not torch's tens. The arithmetic
+        is torch's to the bit: float32 throughout, each Python number rounded to float32 first,
+        as torch rounds a scalar operand (tests/test_penalties.py checks it against a
+        reference)."""
         pen = self.penalties
-        if pen.windowed:
-            window = prefix[-pen.repeat_last_n:]
+        values = row.numpy()  # shares the row's memory
+        places = None if index is None else index.numpy()
+        with np.errstate(over="ignore"):  # torch overflows to +-inf silently; numpy would warn
+            if pen.windowed:
+                self._windowed(values, prefix, places)
+            if pen.dry:
+                for token, length in self.dry_matches(prefix).items():
+                    at = token if places is None else int(places[token])
+                    if length >= pen.dry_allowed_length and at >= 0:
+                        values[at] -= np.float32(pen.dry_multiplier * pen.dry_base ** (
+                            length - pen.dry_allowed_length))
+
+    def _windowed(self, values: np.ndarray, prefix: np.ndarray,
+                  places: np.ndarray | None) -> None:
+        """The repeat, frequency and presence penalties over the window, on a row's values."""
+        pen = self.penalties
+        window = prefix[-pen.repeat_last_n:]
+        if pen.frequency_penalty != 0:
             ids, counts = np.unique(window, return_counts=True)
-            ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts).float()
-            if index is not None:
-                ids_t = index[ids_t]
-                ids_t, counts_t = ids_t[ids_t >= 0], counts_t[ids_t >= 0]
-            values = row[ids_t]
-            if pen.repeat_penalty != 1.0:
-                values = torch.where(values > 0, values / pen.repeat_penalty,
-                                     values * pen.repeat_penalty)
-            values = values - counts_t * pen.frequency_penalty - pen.presence_penalty
-            row[ids_t] = values
-        if pen.dry:
-            for token, length in self.dry_matches(prefix).items():
-                if length >= pen.dry_allowed_length:
-                    at = token if index is None else int(index[token])
-                    if at >= 0:
-                        row[at] -= pen.dry_multiplier * pen.dry_base ** (
-                            length - pen.dry_allowed_length)
+        else:  # counting costs as much as the rest
+            ids, counts = np.unique(window), 0
+        if places is not None:  # tokens outside the reduced vocabulary are not in the row
+            kept = places[ids] >= 0
+            ids = places[ids][kept]
+            counts = counts[kept] if pen.frequency_penalty != 0 else 0
+        picked = values[ids]
+        if pen.repeat_penalty != 1.0:
+            r = np.float32(pen.repeat_penalty)
+            picked = np.where(picked > 0, picked / r, picked * r)
+        if pen.frequency_penalty != 0:
+            picked = picked - counts.astype(np.float32) * np.float32(pen.frequency_penalty)
+        if pen.presence_penalty != 0:
+            picked = picked - np.float32(pen.presence_penalty)
+        values[ids] = picked
 
     def dry_matches(self, prefix: np.ndarray) -> dict[int, int]:
         """token t -> the length of the longest sequence that ends the prefix and that also
