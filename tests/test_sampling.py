@@ -152,6 +152,19 @@ def test_keyed_uniforms_are_uniform_independent_and_reproducible():
     assert chi2(a, a ** 2) > 10_000  # the check does see a dependence when there is one
 
 
+def test_a_few_ids_get_the_same_numbers_as_many():
+    # A handful of ids is keyed in Python integers, more with numpy: the same bits either way.
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.tensor([0, 1, 2**31 - 1, 262143]),
+                     torch.randint(0, 2**31 - 1, (60,), generator=g)])
+    for seed, position, stream in ((0, 0, 0), (2**40 + 7, 123456, 3), (5, 2**33, 1)):
+        noise = Noise(seed)
+        many = noise.uniforms(position, ids, stream)
+        for start in range(0, len(ids), 3):
+            few = noise.uniforms(position, ids[start:start + 3], stream)
+            assert torch.equal(few, many[start:start + 3])
+
+
 def test_a_draw_depends_on_its_position_and_nothing_else():
     logits = torch.randn(1000) * 4
     params = SamplingParams(0.7, 0.95, 0)

@@ -197,6 +197,10 @@ class Noise:
 
     def uniforms(self, position: int, ids: torch.Tensor, stream: int = DRAW) -> torch.Tensor:
         """ids [m] (token ids, >= 0) -> [m] float64 uniforms in (0, 1), 53 random bits each."""
+        if len(ids) <= _FEW:  # Python's integers beat numpy's calls on a handful of ids
+            k1, k2 = self._keys(position, stream)
+            return torch.tensor([_uniform(x & _M32, k1, k2) for x in ids.tolist()],
+                                dtype=torch.float64)
         k1, k2 = (np.uint32(k) for k in self._keys(position, stream))
         x = ids.cpu().numpy().astype(np.uint32)
         # Keyed twice: one xor-then-mix leaves pairs of keys' outputs slightly correlated.
@@ -213,6 +217,15 @@ class Noise:
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)
+_FEW = 8  # ids that `Noise.uniforms` keys one by one
+
+
+def _uniform(x: int, k1: int, k2: int) -> float:
+    """`Noise.uniforms`' number for one id x, in Python integers and floats: the same uint32
+    mixing and the same float64 operations in the same order, so the same bits."""
+    hi = _mix32(_mix32(x ^ k1) ^ k1) >> 11
+    lo = _mix32(_mix32(x ^ k2) ^ k2)
+    return (hi * 2.0 ** 32 + lo + 0.5) * 2.0 ** -53
 
 
 def race(ids: torch.Tensor, probs: torch.Tensor, noise: Noise, position: int,
