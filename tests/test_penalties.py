@@ -46,6 +46,8 @@ def test_dry_matches_the_reference_on_random_and_looping_texts():
     texts = [list(rng.integers(3, 9, size=n)) for n in (2, 5, 40, 120)]
     texts.append(TOK(REPETITIVE)["input_ids"])
     texts.append(TOK("a: b\na: b\na: b\na:")["input_ids"])
+    texts.append([3, 4, 5, 6, 7, 8, 9] * 40 + [3, 4])  # matches longer than DRY measures
+    texts.append(TOK("one two, three: one two, three: one two")["input_ids"] * 3)
     for text in texts:
         breakers = {t for t in set(text) if shaper._is_breaker(int(t))}
         got = shaper.dry_matches(np.asarray(text, dtype=np.int64))

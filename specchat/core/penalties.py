@@ -151,28 +151,34 @@ class Shaper:
     def dry_matches(self, prefix: np.ndarray) -> dict[int, int]:
         """token t -> the length of the longest sequence that ends the prefix and that also
         occurred earlier followed by t (breakers end sequences). Vectorized over the earlier
-        occurrences of the last token, one numpy pass per matched length."""
+        occurrences of the last token: the tokens before each one are compared with the
+        prefix's own tail in one [occurrences, reach] pass, `reach` the tail's run of tokens
+        without a breaker (no match reaches past it)."""
         n = len(prefix)
         if n < 2 or self._is_breaker(int(prefix[-1])):
             return {}
-        starts = np.nonzero(prefix[:-1] == prefix[-1])[0]  # earlier places of the last token
-        following = prefix[starts + 1]
-        ok = np.array([not self._is_breaker(int(t)) for t in following], dtype=bool)
-        starts, following = starts[ok], following[ok]
-        if not len(starts):
+        starts = np.flatnonzero(prefix[:-1] == prefix[-1])  # earlier places of the last token
+        following = prefix[starts + 1].tolist()
+        ok = [not self._is_breaker(t) for t in following]
+        if not all(ok):
+            starts = starts[ok]
+            following = [t for t, keep in zip(following, ok) if keep]
+        if not following:
             return {}
-        lengths = np.ones(len(starts), dtype=np.int64)
-        alive = np.ones(len(starts), dtype=bool)
-        for m in range(1, min(_DRY_MAX_MATCH, n - 1)):
-            alive &= starts - m >= 0
-            if not alive.any():
+        limit = min(_DRY_MAX_MATCH, n - 1) - 1  # the most tokens a match adds before the last
+        tail = prefix[n - 1 - limit:n - 1][::-1]  # prefix[n - 2], prefix[n - 3], ...
+        reach = 0
+        for token in tail.tolist():
+            if self._is_breaker(token):
                 break
-            idx = np.where(alive, starts - m, 0)
-            token = int(prefix[n - 1 - m])
-            alive &= (prefix[idx] == token) & (not self._is_breaker(token))
-            lengths += alive
+            reach += 1
+        lengths = np.ones(len(starts), dtype=np.int64)
+        if reach:
+            back = starts[:, None] - np.arange(1, reach + 1)  # [occurrences, reach]
+            same = (back >= 0) & (prefix[np.maximum(back, 0)] == tail[:reach])
+            lengths += np.cumprod(same, axis=1).sum(axis=1)  # each row's leading run
         best: dict[int, int] = {}
-        for t, length in zip(following.tolist(), lengths.tolist()):
+        for t, length in zip(following, lengths.tolist()):
             best[t] = max(best.get(t, 0), length)
         return best
 
