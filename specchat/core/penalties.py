@@ -25,6 +25,7 @@ The definitions follow llama.cpp's, with OpenAI's names where OpenAI has the set
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,11 +130,13 @@ class Shaper:
                   places: np.ndarray | None) -> None:
         """The repeat, frequency and presence penalties over the window, on a row's values."""
         pen = self.penalties
-        window = prefix[-pen.repeat_last_n:]
+        window = prefix[-pen.repeat_last_n:].tolist()  # a set of 64 beats np.unique's sort
         if pen.frequency_penalty != 0:
-            ids, counts = np.unique(window, return_counts=True)
-        else:  # counting costs as much as the rest
-            ids, counts = np.unique(window), 0
+            counted = Counter(window)
+            ids = np.fromiter(counted.keys(), np.int64, len(counted))
+            counts = np.fromiter(counted.values(), np.int64, len(counted))
+        else:
+            ids, counts = np.fromiter(set(window), np.int64), 0
         if places is not None:  # tokens outside the reduced vocabulary are not in the row
             kept = places[ids] >= 0
             ids = places[ids][kept]
