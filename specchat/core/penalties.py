@@ -96,9 +96,10 @@ class Shaper:
                extras: list[list[int]]) -> torch.Tensor:
         """`shape` in place, on float32 CPU logits the caller owns; returns them."""
         base = np.asarray(context, dtype=np.int64)
+        rows = logits.numpy()  # shares the logits' memory
         for r, extra in enumerate(extras):
             prefix = np.concatenate([base, np.asarray(extra, dtype=np.int64)]) if extra else base
-            self.shape_row(logits[r], prefix)
+            self._shape_values(rows[r], prefix, None)
         return logits
 
     def shape_row(self, row: torch.Tensor, prefix: np.ndarray,
@@ -108,48 +109,49 @@ class Shaper:
         row[index[t]], and tokens with index -1 are not in the row.
 
         Only the window's tokens and DRY's continuations change, a few dozen of the row's
-        entries: they are read and written through a numpy view of the row, where each
-        operation on a few dozen numbers costs a microsecond, not torch's tens. The arithmetic
-        is torch's to the bit: float32 throughout, each Python number rounded to float32 first,
-        as torch rounds a scalar operand (tests/test_penalties.py checks it against a
-        reference)."""
+        entries: they are read and written through a numpy view of the row, in float32
+        scalars. The arithmetic is torch's to the bit (IEEE float32, each Python number
+        rounded to float32 first, as torch rounds a scalar operand: tests/test_penalties.py
+        checks it against a torch reference), at a fraction of the cost: right after a
+        forward, when the caches hold none of the code, each array call costs tens of
+        microseconds."""
+        self._shape_values(row.numpy(), prefix, None if index is None else index.numpy())
+
+    def _shape_values(self, values: np.ndarray, prefix: np.ndarray,
+                      places: np.ndarray | None) -> None:
+        """`shape_row` on the row's float32 values (token t at values[places[t]])."""
         pen = self.penalties
-        values = row.numpy()  # shares the row's memory
-        places = None if index is None else index.numpy()
-        with np.errstate(over="ignore"):  # torch overflows to +-inf silently; numpy would warn
-            if pen.windowed:
-                self._windowed(values, prefix, places)
-            if pen.dry:
-                for token, length in self.dry_matches(prefix).items():
-                    at = token if places is None else int(places[token])
-                    if length >= pen.dry_allowed_length and at >= 0:
-                        values[at] -= np.float32(pen.dry_multiplier * pen.dry_base ** (
-                            length - pen.dry_allowed_length))
+        if pen.windowed:
+            self._windowed(values, prefix, places)
+        if pen.dry:
+            for token, length in self.dry_matches(prefix).items():
+                at = token if places is None else places[token]
+                if length >= pen.dry_allowed_length and at >= 0:
+                    values[at] -= np.float32(pen.dry_multiplier * pen.dry_base ** (
+                        length - pen.dry_allowed_length))
 
     def _windowed(self, values: np.ndarray, prefix: np.ndarray,
                   places: np.ndarray | None) -> None:
-        """The repeat, frequency and presence penalties over the window, on a row's values."""
+        """The repeat, frequency and presence penalties over the window, on a row's values:
+        a loop over the window's few distinct tokens, in float32 scalars (half the cost of
+        the same arithmetic in array calls, right after a forward)."""
         pen = self.penalties
-        window = prefix[-pen.repeat_last_n:].tolist()  # a set of 64 beats np.unique's sort
-        if pen.frequency_penalty != 0:
-            counted = Counter(window)
-            ids = np.fromiter(counted.keys(), np.int64, len(counted))
-            counts = np.fromiter(counted.values(), np.int64, len(counted))
-        else:
-            ids, counts = np.fromiter(set(window), np.int64), 0
-        if places is not None:  # tokens outside the reduced vocabulary are not in the row
-            kept = places[ids] >= 0
-            ids = places[ids][kept]
-            counts = counts[kept] if pen.frequency_penalty != 0 else 0
-        picked = values[ids]
-        if pen.repeat_penalty != 1.0:
-            r = np.float32(pen.repeat_penalty)
-            picked = np.where(picked > 0, picked / r, picked * r)
-        if pen.frequency_penalty != 0:
-            picked = picked - counts.astype(np.float32) * np.float32(pen.frequency_penalty)
-        if pen.presence_penalty != 0:
-            picked = picked - np.float32(pen.presence_penalty)
-        values[ids] = picked
+        window = prefix[-pen.repeat_last_n:].tolist()
+        counts = Counter(window) if pen.frequency_penalty != 0 else dict.fromkeys(window, 0)
+        r, f, p = (np.float32(x) for x in (pen.repeat_penalty, pen.frequency_penalty,
+                                           pen.presence_penalty))
+        for token, count in counts.items():
+            at = token if places is None else places[token]
+            if at < 0:  # not in the reduced vocabulary
+                continue
+            value = values[at]
+            if r != 1:
+                value = value / r if value > 0 else value * r
+            if f != 0:
+                value = value - np.float32(count) * f
+            if p != 0:
+                value = value - p
+            values[at] = value
 
     def dry_matches(self, prefix: np.ndarray) -> dict[int, int]:
         """token t -> the length of the longest sequence that ends the prefix and that also
