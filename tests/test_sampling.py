@@ -225,6 +225,7 @@ def test_blockwise_argmax_and_top_candidates_are_torchs_answers():
         assert torch.equal(argmax(rows), rows.argmax(-1))
         assert torch.equal(argmax(rows[0]), rows[0].argmax())
         assert [argmax_row(row) for row in rows] == rows.argmax(-1).tolist()
+        assert argmax_row(rows[2:3]) == int(rows[2].argmax())
         top, _ = top_candidates(rows[0], SamplingParams(0.0), 5)
         values, ids = torch.topk(rows[0], 5)
         assert [i for i, _ in top] == ids.tolist()

@@ -162,6 +162,23 @@ class _Request:
     wants: list = field(default_factory=list)  # drafters that read the target's features
     generated: int = 0  # reply tokens decided so far (EOS aside)
     start: float = 0.0  # perf_counter at the request's start
+    # `context` as int64 (`context_ids`): the penalties read it every step
+    _ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _converted: int = 0  # tokens of `context` already in _ids
+
+    def context_ids(self) -> np.ndarray:
+        """`context` as an int64 array. The context only grows (`Engine._emit` appends), so
+        only the tokens added since the last call are converted, not the whole context at
+        every step."""
+        n = len(self.context)
+        if n > len(self._ids):
+            grown = np.zeros(max(2 * len(self._ids), n, 256), dtype=np.int64)
+            grown[:self._converted] = self._ids[:self._converted]
+            self._ids = grown
+        if n > self._converted:
+            self._ids[self._converted:n] = self.context[self._converted:n]
+            self._converted = n
+        return self._ids[:n]
 
 
 class Engine:
@@ -228,7 +245,8 @@ class Engine:
         (on the model's device and dtype: sampling moves them to CPU only when it needs them)."""
         logits = self.runner.forward(self._cache, ids, len(self._cache_ids), n_logits)
         self._cache_ids.extend(ids)
-        return logits[:, :self.vocab_size]
+        # (no slice where there is nothing to cut: each torch call counts, with cold caches)
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size]
 
     @torch.inference_mode()
     def _forward_tree(self, ids: list[int], parents: list[int]) -> torch.Tensor:
@@ -332,7 +350,8 @@ class Engine:
         self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
         self._observe(run.wants, len(context) - 1, [context[-1], *drafted[:n]])
         refused = drafted[n] if n < k else None
-        return Verified(list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, logits[:n + 1])
+        rows = logits if n == k else logits[:n + 1]
+        return Verified(list(range(n)), v.next_token, v.bonus, refused, v.p, v.q, rows)
 
     def _verify_tree(self, run: _Request, draft: Draft) -> Verified:
         """Verify a draft tree in one forward and keep the accepted path in the cache."""
@@ -360,7 +379,8 @@ class Engine:
                         copy=True)
         self._mask_(out)
         if run.shaper:
-            run.shaper.shape_(out, context, extras)
+            run.shaper.shape_(out, run.context_ids() if context is run.context else context,
+                              extras)
         return out
 
     def _mask_(self, logits: torch.Tensor) -> None:
@@ -522,7 +542,7 @@ class Engine:
         logits, stats.prefill_tokens = self._prefill(prompt_ids, run.wants, stop_event)
         if logits is None:
             return None
-        logits = self._distribution(run, logits, prompt_ids, [[]])
+        logits = self._distribution(run, logits, run.context, [[]])  # the prompt, so far
         stats.target_calls = 1
         first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)

@@ -92,9 +92,10 @@ class Shaper:
         context + extras[r]."""
         return self.shape_(logits.float().cpu().clone(), context, extras)
 
-    def shape_(self, logits: torch.Tensor, context: list[int],
+    def shape_(self, logits: torch.Tensor, context: list[int] | np.ndarray,
                extras: list[list[int]]) -> torch.Tensor:
-        """`shape` in place, on float32 CPU logits the caller owns; returns them."""
+        """`shape` in place, on float32 CPU logits the caller owns; returns them. `context`
+        may come as an int64 array already (the engine keeps one)."""
         base = np.asarray(context, dtype=np.int64)
         rows = logits.numpy()  # shares the logits' memory
         for r, extra in enumerate(extras):

@@ -330,10 +330,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_row(row: torch.Tensor) -> int:
-    """`argmax` of one row [vocab], as a Python int: plain greedy decoding's token. On a CPU
-    float32 row, numpy's argmax (vectorized, the first place where several tie, as torch's):
-    one call where `argmax` takes seven, and each call costs tens of microseconds right after
-    a forward, with cold caches."""
+    """`argmax` of one row ([vocab] or [1, vocab]), as a Python int: plain greedy decoding's
+    token. On a CPU float32 row, numpy's argmax (vectorized, the first place where several
+    tie, as torch's): one call where `argmax` takes seven, and each call costs tens of
+    microseconds right after a forward, with cold caches."""
     if row.device.type == "cpu" and row.dtype == torch.float32:
         return int(row.numpy().argmax())
     return int(argmax(row))
@@ -377,7 +377,7 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     """
     k = draft_ids.shape[0]
     if params.greedy and k == 0:  # plain decoding: the argmax
-        return Verdict(0, argmax_row(target_logits[0]), bonus=True)
+        return Verdict(0, argmax_row(target_logits), bonus=True)
     if params.greedy:  # argmax where the logits are (GPU or CPU); move k + 1 ids, not k+1 rows
         target_ids = argmax(target_logits).cpu()  # [k + 1]
         mismatch = (draft_ids != target_ids[:k]).int()
