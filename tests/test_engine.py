@@ -695,6 +695,26 @@ class _Always(Drafter):
         return DraftTree(torch.tensor(self.tokens[:n]), list(range(-1, n - 1)))
 
 
+def test_the_mask_fills_its_runs_of_ids_as_a_gather_of_every_id_does():
+    from specchat.core.engine import _FEW_RUNS, _runs
+
+    assert _runs([9, 2, 3, 10, 4, 2, 20]) == [(2, 5), (9, 11), (20, 21)]
+    engine = make_engine(tiny_llama)
+    width = len(TOK) + 5  # logits wider than the vocabulary, as in Gemma
+    masked = torch.cat([engine.non_text, torch.arange(len(TOK), width)])
+    logits = torch.randn(3, width)
+    want = logits.clone().index_fill_(-1, masked, -torch.inf)
+    got = logits.clone()
+    engine._mask_(got)  # a few runs: slices
+    assert torch.equal(got, want)
+    engine.non_text = torch.arange(0, 2 * _FEW_RUNS + 2, 2)  # many runs: the gather
+    engine._mask_key = None
+    masked = torch.cat([engine.non_text, torch.arange(len(TOK), width)])
+    got = logits.clone()
+    engine._mask_(got)
+    assert torch.equal(got, logits.clone().index_fill_(-1, masked, -torch.inf))
+
+
 def test_non_text_tokens_are_never_sampled_nor_drafted():
     from specchat.core.text import non_text_ids
 

@@ -46,6 +46,8 @@ def test_dry_matches_the_reference_on_random_and_looping_texts():
     texts = [list(rng.integers(3, 9, size=n)) for n in (2, 5, 40, 120)]
     texts.append(TOK(REPETITIVE)["input_ids"])
     texts.append(TOK("a: b\na: b\na: b\na:")["input_ids"])
+    texts.append([3, 4, 5, 6, 7, 8, 9] * 40 + [3, 4])  # matches longer than DRY measures
+    texts.append(TOK("one two, three: one two, three: one two")["input_ids"] * 3)
     for text in texts:
         breakers = {t for t in set(text) if shaper._is_breaker(int(t))}
         got = shaper.dry_matches(np.asarray(text, dtype=np.int64))
@@ -210,3 +212,54 @@ def test_a_reduced_vocabulary_row_is_shaped_as_the_same_tokens_of_a_full_row():
         shaper.shape_row(got, np.asarray(prefix), index)
         assert torch.equal(got, want[vocab_ids])
         assert not torch.equal(got, full[vocab_ids])  # the penalties did reach the row
+
+
+def reference_shape_row(shaper: Shaper, row: torch.Tensor, prefix: np.ndarray,
+                        index: torch.Tensor | None = None) -> None:
+    """The penalties in plain torch, one operation per step of their definitions."""
+    pen = shaper.penalties
+    if pen.windowed:
+        ids, counts = np.unique(prefix[-pen.repeat_last_n:], return_counts=True)
+        ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts).float()
+        if index is not None:
+            ids_t = index[ids_t]
+            ids_t, counts_t = ids_t[ids_t >= 0], counts_t[ids_t >= 0]
+        values = row[ids_t]
+        values = torch.where(values > 0, values / pen.repeat_penalty, values * pen.repeat_penalty)
+        row[ids_t] = values - counts_t * pen.frequency_penalty - pen.presence_penalty
+    if pen.dry:
+        for token, length in shaper.dry_matches(prefix).items():
+            at = token if index is None else int(index[token])
+            if length >= pen.dry_allowed_length and at >= 0:
+                row[at] -= pen.dry_multiplier * pen.dry_base ** (length - pen.dry_allowed_length)
+
+
+@pytest.mark.parametrize("penalties", [
+    EVERY_PENALTY, dict(repeat_penalty=1.1, repeat_last_n=64, dry_multiplier=0.8),
+    dict(repeat_penalty=0.9, repeat_last_n=8), dict(frequency_penalty=0.7, repeat_last_n=16),
+    dict(presence_penalty=-0.4, repeat_last_n=16), dict(dry_multiplier=2.5, dry_base=1.1,
+                                                        dry_allowed_length=1)])
+def test_shaping_a_row_equals_the_reference_to_the_bit(penalties):
+    shaper = Shaper(Penalties(**penalties), TOK)
+    rng = np.random.default_rng(1)
+    vocab_ids = torch.tensor(sorted(rng.choice(len(TOK), 120, replace=False).tolist()))
+    index = torch.full((len(TOK),), -1, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    loops = TOK(REPETITIVE)["input_ids"]
+    for trial in range(40):
+        # loops, random text over few tokens (long DRY matches), and over the reduced vocabulary
+        if trial % 3 == 0:
+            prefix = np.asarray(loops[:rng.integers(2, len(loops))], dtype=np.int64)
+        elif trial % 3 == 1:
+            prefix = rng.integers(3, 12, size=int(rng.integers(2, 200)))
+        else:
+            prefix = rng.choice(vocab_ids.numpy(), size=int(rng.integers(2, 200)))
+        full = torch.randn(len(TOK)) * float(rng.choice([0.01, 1.0, 30.0]))
+        want, got = full.clone(), full.clone()
+        reference_shape_row(shaper, want, prefix)
+        shaper.shape_row(got, prefix)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        want, got = full[vocab_ids].clone(), full[vocab_ids].clone()
+        reference_shape_row(shaper, want, prefix, index)
+        shaper.shape_row(got, prefix, index)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -152,6 +152,19 @@ def test_keyed_uniforms_are_uniform_independent_and_reproducible():
     assert chi2(a, a ** 2) > 10_000  # the check does see a dependence when there is one
 
 
+def test_a_few_ids_get_the_same_numbers_as_many():
+    # A handful of ids is keyed in Python integers, more with numpy: the same bits either way.
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.tensor([0, 1, 2**31 - 1, 262143]),
+                     torch.randint(0, 2**31 - 1, (60,), generator=g)])
+    for seed, position, stream in ((0, 0, 0), (2**40 + 7, 123456, 3), (5, 2**33, 1)):
+        noise = Noise(seed)
+        many = noise.uniforms(position, ids, stream)
+        for start in range(0, len(ids), 3):
+            few = noise.uniforms(position, ids[start:start + 3], stream)
+            assert torch.equal(few, many[start:start + 3])
+
+
 def test_a_draw_depends_on_its_position_and_nothing_else():
     logits = torch.randn(1000) * 4
     params = SamplingParams(0.7, 0.95, 0)
@@ -201,7 +214,7 @@ def test_untruncated_sampling_reaches_the_long_tail():
 
 
 def test_blockwise_argmax_and_top_candidates_are_torchs_answers():
-    from specchat.core.sampling import argmax, top_candidates
+    from specchat.core.sampling import argmax, argmax_row, top_candidates
 
     g = torch.Generator().manual_seed(0)
     for vocab in (262144, 4096, 300):  # blocked, blocked, too narrow to block
@@ -211,8 +224,44 @@ def test_blockwise_argmax_and_top_candidates_are_torchs_answers():
         rows[3, [7, vocab - 1]] = rows[3].max() + 1  # a tie between the first and last block
         assert torch.equal(argmax(rows), rows.argmax(-1))
         assert torch.equal(argmax(rows[0]), rows[0].argmax())
+        assert [argmax_row(row) for row in rows] == rows.argmax(-1).tolist()
+        assert argmax_row(rows[2:3]) == int(rows[2].argmax())
         top, _ = top_candidates(rows[0], SamplingParams(0.0), 5)
         values, ids = torch.topk(rows[0], 5)
         assert [i for i, _ in top] == ids.tolist()
         assert [p for _, p in top] == pytest.approx(torch.softmax(rows[0], -1)[ids].tolist(),
                                                     rel=1e-4)
+
+
+def whole_row_min_p(logits: torch.Tensor, params: SamplingParams):
+    """min-p the straightforward way: every logit scaled and exponentiated, then the floor."""
+    x = logits.float() / max(params.temperature, 1e-5)
+    top = float(x.max())
+    z = torch.exp(x - top)
+    ids = (x >= top + math.log(params.min_p)).nonzero()[:, 0]
+    probs, order = torch.sort(z[ids].double(), descending=True)
+    return ids[order], probs / probs.sum()
+
+
+def test_min_p_alone_keeps_and_draws_what_the_whole_row_pass_does_to_the_bit():
+    from specchat.core.sampling import nucleus
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (262144, 4096):
+        rows = torch.randn(6, vocab, generator=g) * 2
+        rows[0, torch.randint(0, vocab, (3,), generator=g)] += 15  # peaked, like a real LM's
+        rows[1] = (rows[1] * 3).round()  # ties everywhere
+        rows[2, :vocab // 2] = -torch.inf  # a masked half
+        rows[3, [5, vocab - 2]] = rows[3].max() + 0.01  # kept tokens in the first, last block
+        rows[4] = rows[4] * 0.01  # flat: most blocks hold kept tokens
+        rows[5, 1000] = 1e4  # one certain token
+        for row, t, min_p in itertools.product(rows, (0.3, 1.0, 1.6), (0.05, 0.5, 1e-4)):
+            params = SamplingParams(t, min_p=min_p)
+            ids, probs = nucleus(row, params)
+            want_ids, want_probs = whole_row_min_p(row, params)
+            assert torch.equal(ids, want_ids)
+            assert torch.equal(probs, want_probs)
+            noise = Noise(int(t * 10))
+            for position in range(2):
+                assert sample_row(row, params, noise, position) == draw(
+                    want_ids, want_probs, noise, position)

@@ -74,9 +74,11 @@ def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor 
     Exact: a token is kept iff the reference (sort everything) implementation keeps it, up to
     the order of exact ties.
     """
-    x, z, top, total = _scaled(logits, params)
-    vocab = x.shape[-1]
+    vocab = logits.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if not top_k and params.top_p >= 1.0 and params.min_p > 0 and _blocked(logits):
+        return _min_p_only(logits, params)
+    x, z, top, total = _scaled(logits, params)
     floor = top + math.log(params.min_p) if params.min_p > 0 else None
     if not top_k and params.top_p >= 1.0:
         if floor is None:
@@ -101,6 +103,40 @@ def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor 
         keep = x[ids] >= floor  # holds the top token: ids are in descending order
         ids, probs = ids[keep], probs[keep]
     return ids, probs / probs.sum()
+
+
+def _min_p_only(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
+                                                                        torch.Tensor]:
+    """`nucleus` with min-p alone, on a CPU row whose width is whole blocks: only the blocks
+    whose largest logit clears the floor are scaled, and only the kept tokens exponentiated (a
+    few of Gemma's 262k: exp is slow far below the top logit), not the whole vocabulary. Each
+    kept token's scaled logit, exponential and probability are the numbers the whole row's
+    pass gives, so the draw is too (tests/test_sampling.py checks it against that pass): the
+    same IEEE float32 divisions and subtractions (numpy's, on the few numbers involved, like
+    torch's with the scalar rounded to float32 first), and torch's own exp, over a length of
+    whole vectors as in the whole row."""
+    temperature = np.float32(max(params.temperature, 1e-5))
+    blocks = logits.float().numpy().reshape(-1, ARGMAX_BLOCK)  # [B, 512]
+    # x / t rounds monotonically: a block's largest scaled logit is its largest logit's
+    peaks = blocks.max(1) / temperature  # [B]
+    top = peaks.max()
+    floor = np.float32(float(top) + math.log(params.min_p))
+    chosen = np.flatnonzero(peaks >= floor)  # the blocks holding a kept token
+    x = blocks[chosen] / temperature  # [m, 512]
+    rows, cols = np.nonzero(x >= floor)  # in order: ids ascend, as the whole row's nonzero
+    ids = torch.from_numpy(chosen[rows] * ARGMAX_BLOCK + cols)
+    shifted = np.zeros(-(-len(ids) // 64) * 64, dtype=np.float32)  # whole vectors
+    shifted[:len(ids)] = x[rows, cols] - top
+    z = torch.exp(torch.from_numpy(shifted))[:len(ids)]
+    probs, order = torch.sort(z.double(), descending=True)
+    return ids[order], probs / probs.sum()
+
+
+def _blocked(logits: torch.Tensor) -> bool:
+    """A CPU row that `argmax` and `_min_p_only` take in blocks."""
+    vocab = logits.shape[-1]
+    return logits.device.type == "cpu" and vocab % ARGMAX_BLOCK == 0 and \
+        vocab >= 4 * ARGMAX_BLOCK
 
 
 def _scaled(logits: torch.Tensor, params: SamplingParams):
@@ -161,6 +197,10 @@ class Noise:
 
     def uniforms(self, position: int, ids: torch.Tensor, stream: int = DRAW) -> torch.Tensor:
         """ids [m] (token ids, >= 0) -> [m] float64 uniforms in (0, 1), 53 random bits each."""
+        if len(ids) <= _FEW:  # Python's integers beat numpy's calls on a handful of ids
+            k1, k2 = self._keys(position, stream)
+            return torch.tensor([_uniform(x & _M32, k1, k2) for x in ids.tolist()],
+                                dtype=torch.float64)
         k1, k2 = (np.uint32(k) for k in self._keys(position, stream))
         x = ids.cpu().numpy().astype(np.uint32)
         # Keyed twice: one xor-then-mix leaves pairs of keys' outputs slightly correlated.
@@ -177,6 +217,15 @@ class Noise:
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)
+_FEW = 8  # ids that `Noise.uniforms` keys one by one
+
+
+def _uniform(x: int, k1: int, k2: int) -> float:
+    """`Noise.uniforms`' number for one id x, in Python integers and floats: the same uint32
+    mixing and the same float64 operations in the same order, so the same bits."""
+    hi = _mix32(_mix32(x ^ k1) ^ k1) >> 11
+    lo = _mix32(_mix32(x ^ k2) ^ k2)
+    return (hi * 2.0 ** 32 + lo + 0.5) * 2.0 ** -53
 
 
 def race(ids: torch.Tensor, probs: torch.Tensor, noise: Noise, position: int,
@@ -272,12 +321,22 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     longer than its max, so the row is taken in blocks: the first block holding the row's
     maximum (the blocks' maxima, then their argmax), then the first place in that block."""
     vocab = logits.shape[-1]
-    if logits.device.type != "cpu" or vocab % ARGMAX_BLOCK or vocab < 4 * ARGMAX_BLOCK:
+    if not _blocked(logits):
         return logits.argmax(-1)
     rows = logits.reshape(-1, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)
     block = rows.amax(-1).argmax(-1)  # [n]
     within = rows[torch.arange(len(rows)), block].argmax(-1)
     return (block * ARGMAX_BLOCK + within).reshape(logits.shape[:-1])
+
+
+def argmax_row(row: torch.Tensor) -> int:
+    """`argmax` of one row ([vocab] or [1, vocab]), as a Python int: plain greedy decoding's
+    token. On a CPU float32 row, numpy's argmax (vectorized, the first place where several
+    tie, as torch's): one call where `argmax` takes seven, and each call costs tens of
+    microseconds right after a forward, with cold caches."""
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        return int(row.numpy().argmax())
+    return int(argmax(row))
 
 
 def sample_logits(logits: torch.Tensor, params: SamplingParams, noise: Noise,
@@ -317,6 +376,8 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     noise:         the request's keyed random numbers (unused when greedy)
     """
     k = draft_ids.shape[0]
+    if params.greedy and k == 0:  # plain decoding: the argmax
+        return Verdict(0, argmax_row(target_logits), bonus=True)
     if params.greedy:  # argmax where the logits are (GPU or CPU); move k + 1 ids, not k+1 rows
         target_ids = argmax(target_logits).cpu()  # [k + 1]
         mismatch = (draft_ids != target_ids[:k]).int()
