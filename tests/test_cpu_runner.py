@@ -168,3 +168,23 @@ def test_the_profile_splits_the_c_forward_into_its_parts(checkpoint, monkeypatch
         assert rows[row] > 0, row
     assert sum(rows[r] for r in FORWARD_ROWS) == pytest.approx(found["forward_ms"], rel=1e-6)
     assert engine.runner.clock is None and "_run" not in vars(engine.runner)
+
+
+def test_the_bench_times_the_decoder_forwards_at_the_runner(checkpoint, monkeypatch):
+    """The bench's prompt and decode times come from the runner's forwards, which transformers'
+    module hooks never see on this forward."""
+    from specchat.bench.config import BenchSettings
+    from specchat.bench.run import _ModeRunner
+
+    path = next(iter(KERNEL_PATHS), None)
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    engine = Engine(load(checkpoint, path, monkeypatch), {})
+    settings = BenchSettings(modes=("plain",), max_new_tokens=8, stop_strings=False)
+    run = _ModeRunner(engine, settings, None, {})
+    try:
+        found = run("plain", IDS[:70], (), fresh=True)
+    finally:
+        run.detach()
+    assert found["prefill_tokens"] == 70 and 0 < found["prefill_s"] < found["forward_s"]
+    assert not {"forward", "forward_tree"} & set(vars(engine.runner))

@@ -83,6 +83,25 @@ class _Probe:
         return [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                 model.register_forward_hook(self._post, with_kwargs=True)]
 
+    def attach_runner(self, runner) -> list:
+        """Time the forwards of `runner` (the engine's seam, core/runner.py) instead: what the
+        engine's modes feed, whether or not transformers' modules run them. Returns handles
+        whose `remove` undoes it, as the hooks' do."""
+        handles = []
+        for name in ("forward", "forward_tree"):
+            original = getattr(runner, name)
+
+            def timed(cache, ids, *args, _original=original, **kwargs):
+                self._fed, self._t = len(ids), time.perf_counter()
+                try:
+                    return _original(cache, ids, *args, **kwargs)
+                finally:
+                    self.calls.append((self._fed, time.perf_counter() - self._t))
+
+            setattr(runner, name, timed)
+            handles.append(_Unwrap(runner, name))
+        return handles
+
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._fed = int(ids.shape[-1]) if ids is not None else 0
@@ -100,6 +119,16 @@ class _Probe:
 
     def end(self) -> None:
         pass
+
+
+class _Unwrap:
+    """Takes an instance's wrapper of a method off again (`_Probe.attach_runner`)."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        vars(self.obj).pop(self.name, None)
 
 
 def hf_steps(calls: list[tuple[int, float]], puts: list[tuple[int, float]],
@@ -313,9 +342,11 @@ class _ModeRunner:
 
     def __init__(self, engine, s: BenchSettings, assistant, remotes: dict):
         self.engine, self.s, self.assistant, self.remotes = engine, s, assistant, remotes
-        self.probe, self.draft_probe = _Probe(), _Probe()
+        # the engine's modes timed at its runner, transformers' `generate` at the model's hooks
+        self.probe, self.draft_probe, self.runner_probe = _Probe(), _Probe(), _Probe()
         self.hooks = self.probe.attach(engine.model) + (
-            self.draft_probe.attach(assistant) if assistant is not None else [])
+            self.draft_probe.attach(assistant) if assistant is not None else []) \
+            + self.runner_probe.attach_runner(engine.runner)
         self.found: dict[str, list[int] | None] = {}  # each server's last prompt, by mode
 
     def question_starts(self) -> None:
@@ -329,7 +360,8 @@ class _ModeRunner:
             return run_remote_mode(self.remotes[mode], ids, stops, s, fresh, max_new,
                                    self.found.get(mode))
         if mode in ENGINE_MODES + HEAD_MODES:
-            return run_engine_mode(engine, self.probe, ids, stops, mode, s, fresh, max_new)
+            return run_engine_mode(engine, self.runner_probe, ids, stops, mode, s, fresh,
+                                   max_new)
         self.draft_probe.reset()
         r = run_hf_mode(engine, self.probe, ids, stops, mode, s, self.assistant, max_new)
         if mode == "hf-assisted":  # spread the assistant's forward time over the drafts
