@@ -188,3 +188,20 @@ def test_the_bench_times_the_decoder_forwards_at_the_runner(checkpoint, monkeypa
         run.detach()
     assert found["prefill_tokens"] == 70 and 0 < found["prefill_s"] < found["forward_s"]
     assert not {"forward", "forward_tree"} & set(vars(engine.runner))
+
+
+def test_a_model_wider_than_its_query_heads_computes_what_transformers_computes(tmp_path,
+                                                                              monkeypatch):
+    """Gemma 3 1B's shape in small: the hidden size (192) above heads x head dim (2 x 64), so
+    the products' outputs are wider than the queries."""
+    path = next(iter(KERNEL_PATHS), None)
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    model = tiny_gemma3(1, hidden=192, head_dim=64)
+    checkpoint = save(model.to(torch.bfloat16), byte_tokenizer(), tmp_path / "wide")
+    ours = load(checkpoint, path, monkeypatch)
+    assert isinstance(ours.runner, cpu_runner.CpuRunner) and ours.runtime.row_exact
+    theirs = load(checkpoint, path, monkeypatch, runner="transformers")
+    got, _ = logits_in_pages(ours.runner, IDS[:100])
+    want, _ = logits_in_pages(theirs.runner, IDS[:100])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

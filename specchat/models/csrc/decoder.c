@@ -214,13 +214,16 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
     double last = clock ? seconds() : 0.0;
     const int64_t d = m->head_dim, hd = m->hidden, nq = m->heads * d, nkv = m->kv_heads * d;
     const int64_t groups = m->heads / m->kv_heads, width = start + n;
-    const int64_t wide = nq > m->inter ? nq : m->inter;
-    float *h = malloc(sizeof(float) * n * hd);      // the residual stream
-    float *x = malloc(sizeof(float) * n * (hd > nq ? hd : nq));  // normed input, attention out
-    float *q = malloc(sizeof(float) * n * nq), *k = malloc(sizeof(float) * n * nkv);
+    // a row of the model's width or the query heads', whichever is wider (Gemma 3 1B: 1152
+    // against 4 x 256): x holds normed inputs and the attention's output, q the queries and the
+    // outputs of the o and down products
+    const int64_t row = hd > nq ? hd : nq;
+    float *h = malloc(sizeof(float) * n * hd);  // the residual stream
+    float *x = malloc(sizeof(float) * n * row);
+    float *q = malloc(sizeof(float) * n * row), *k = malloc(sizeof(float) * n * nkv);
     float *v = malloc(sizeof(float) * n * nkv);
     float *packed = malloc(sizeof(float) * n * nq), *att = malloc(sizeof(float) * n * nq);
-    float *g = malloc(sizeof(float) * n * wide), *u = malloc(sizeof(float) * n * m->inter);
+    float *g = malloc(sizeof(float) * n * m->inter), *u = malloc(sizeof(float) * n * m->inter);
     float *scores = malloc(sizeof(float) * groups * n * width);
     uint8_t *masks[2] = {malloc((size_t)(n * width)), malloc((size_t)(n * width))};
     int64_t lows[2] = {0, 0}, windows[2] = {0, 0};
