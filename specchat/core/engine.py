@@ -373,10 +373,15 @@ class Engine:
         """The target's logits [n, width] -> the logits its tokens are drawn from: non-text
         tokens masked, then the request's penalties, row r for the prefix context + extras[r].
         Every token of a reply, plain or speculative, is drawn from these."""
-        # One copy of the row, the engine's own (on the CPU where penalties apply), then every
-        # change in place: a pass over 262k logits costs as much as the penalties themselves.
-        out = logits.to(device="cpu" if run.shaper else logits.device, dtype=torch.float32,
-                        copy=True)
+        # The engine's own copy of the rows (on the CPU where penalties apply), then every change
+        # in place: a pass over 262k logits costs as much as the penalties themselves, and more
+        # right after a forward, with cold caches. A runner that hands over new float32 CPU
+        # logits each call (`owned_logits`) needs no copy at all.
+        if getattr(self.runner, "owned_logits", False):
+            out = logits
+        else:
+            out = logits.to(device="cpu" if run.shaper else logits.device, dtype=torch.float32,
+                            copy=True)
         self._mask_(out)
         if run.shaper:
             run.shaper.shape_(out, run.context_ids() if context is run.context else context,

@@ -23,6 +23,10 @@ import torch
 @runtime_checkable
 class Runner(Protocol):
     tree_masks: bool  # forward_tree is supported (draft trees verified in one forward)
+    # forward's and forward_tree's logits are a new float32 CPU tensor each call, the caller's
+    # own to change: the engine masks and penalizes them in place instead of copying a row of
+    # the whole vocabulary first. False: they may be a buffer the runner reuses, or on a GPU.
+    owned_logits: bool
 
     def new_cache(self) -> Any:
         """An empty cache (what forward writes into)."""

@@ -103,6 +103,7 @@ class CpuRunner:
     kernels (`lib`, a `kernels.load` build): see the module's docstring."""
 
     tree_masks = True
+    owned_logits = True  # the head writes a new float32 tensor each forward
 
     def __init__(self, model, lib):
         why = unsupported(model)
@@ -180,7 +181,8 @@ class CpuRunner:
             raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "
                               f"{n} rows after {start} tokens")
         self.last_hidden = out
-        return self.head(out[n - n_logits:])
+        logits = self.head(out[n - n_logits:])
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     # -- the seam ---------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ docs/cpu.md has the measurements.
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +24,13 @@ BLOCK = 32  # values per Q8_0 block
 BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 
 
-def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
+def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight", chunk_rows: int = 4096,
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q int8 [rows, cols], d float16 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file, or
     None when the file has no such tensor. Reads the header (`embedded.read_gguf`, which skips
-    the vocabulary's strings) and that tensor's bytes only."""
+    the vocabulary's strings) and that tensor's bytes only, `chunk_rows` rows at a time into
+    the two arrays: no mapping of the file, whose pages would count as resident memory while
+    it lasts (178 MB for the embedded target), and no whole-tensor temporary."""
     from specchat.models.embedded import read_gguf
 
     tensor = read_gguf(Path(gguf_file)).tensors.get(name)
@@ -37,12 +38,18 @@ def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight",
             or tensor.shape[1] % BLOCK:
         return None
     rows, cols = tensor.shape
-    with open(gguf_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        raw = np.frombuffer(m, np.uint8, rows * cols // BLOCK * BLOCK_BYTES, tensor.start)
-        blocks = raw.reshape(rows, cols // BLOCK, BLOCK_BYTES)
-        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
-        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
-        del raw, blocks  # no view into the mapping may outlive it
+    blocks = cols // BLOCK
+    q = np.empty((rows, cols), np.int8)
+    d = np.empty((rows, blocks), np.float16)
+    raw = np.empty((min(chunk_rows, rows), blocks, BLOCK_BYTES), np.uint8)
+    with open(gguf_file, "rb") as f:
+        f.seek(tensor.start)
+        for r in range(0, rows, chunk_rows):
+            part = raw[:min(chunk_rows, rows - r)]
+            if f.readinto(memoryview(part).cast("B")) != part.nbytes:
+                raise ValueError(f"{gguf_file}: {name} ends before its {rows} rows")
+            d[r:r + len(part)] = part[..., :2].copy().view(np.float16)[..., 0]
+            q[r:r + len(part)] = part[..., 2:].view(np.int8).reshape(len(part), cols)
     return torch.from_numpy(q), torch.from_numpy(d)
 
 

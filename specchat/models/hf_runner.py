@@ -23,6 +23,7 @@ class HFRunner:
         self.paged = paged
         self.device = next(model.parameters()).device
         self.tree_masks = tree_masks_supported(model)
+        self.owned_logits = False  # transformers' output, in the model's dtype and device
         self._tap: FeatureTap | None = None
 
     def new_cache(self):

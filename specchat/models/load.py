@@ -109,6 +109,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         _use_cpu_runner(loaded, lib)
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
+        _release_freed_memory()  # the proof's logits, kept by the heap for decoding's steps
         if exact or forced or i == len(tries) - 1:
             loaded.runtime = Runtime(cpu_path.name, cpu.describe(), exact, proof, forced,
                                      tuple(skipped))

@@ -135,6 +135,7 @@ class CudaRunner:
     a forward at `start` overwrites whatever the slots from there held."""
 
     tree_masks = False  # draft trees are verified as chains here (slots are positions)
+    owned_logits = False  # on the GPU, from the graphs' static buffers
 
     def __init__(self, model, graphs: bool | None = None, context: int | None = None):
         why = unsupported(model)
