@@ -116,13 +116,26 @@ def _inputs(inp: int, g: torch.Generator, special: bool = True) -> torch.Tensor:
 def test_i8_kernel_is_its_reference(out, inp, width):
     """Blocks per row: 5 and 3 (the block factors one at a time), 10 (8 at a time, the last 8
     overlapping), 8 (exactly); 5 and 3 leave the 16-lane kernels an odd last block. 67 and 131
-    weight rows leave a tail of every tiling (blocks of 64 rows, tiles of 1 or 2 rows x up to 5
-    input rows); 9 are fewer than a block."""
+    weight rows leave a tail of every tiling (blocks of 64 rows; AVX2 tiles of 1 weight row x up
+    to 8 input rows, 16 lanes tiles of 1 or 2 rows x up to 8); 9 are fewer than a block."""
     lib, refs = _simd(width)
     g = torch.Generator().manual_seed(out * inp)
     q, d = _weights(out, inp, g)
     x = _inputs(inp, g)
     for n in ROWS:
+        got = kernels.q8_0_matmul_i8(lib, x[:n], q, d)
+        for ref in refs:
+            assert _same_bits(got, kernels.q8_0_matmul_i8(ref, x[:n], q, d)), (ref.path.name, n)
+
+
+@pytest.mark.parametrize("width", [8, 16])
+def test_i8_kernel_is_its_reference_in_many_tiles(width):
+    """17 to 25 rows: three tiles of input rows (6, 6, 5 ... 9, 8, 8) and four (7, 6, 6, 6)."""
+    lib, refs = _simd(width)
+    g = torch.Generator().manual_seed(7)
+    q, d = _weights(67, 160, g)
+    x = torch.cat([_inputs(160, g), _inputs(160, g, special=False)])
+    for n in (17, 23, 24, 25):
         got = kernels.q8_0_matmul_i8(lib, x[:n], q, d)
         for ref in refs:
             assert _same_bits(got, kernels.q8_0_matmul_i8(ref, x[:n], q, d)), (ref.path.name, n)

@@ -322,12 +322,15 @@ void q8_0_matmul_i8_16_ref(const float *x, int64_t n, int64_t in, const int8_t *
 }
 
 #if SPECCHAT_SIMD
-// Tiles: one or two input rows are bound by streaming the weights (memory), so a tile takes one
-// weight row at a time (one stream, measured the fastest); from three rows on, the arithmetic
-// bounds it, so a tile takes 2 weight rows x up to 5 input rows (10 accumulators in registers),
-// a block of Q8_BLOCK weight rows at a time (it stays in cache for each tile of input rows).
-#define Q8I_R 2         // most weight rows of a tile
-#define Q8I_J 5         // most input rows of a tile
+// Tiles: a tile takes one weight row against up to Q8I_J input rows (Q8I_J accumulators in
+// registers), so up to Q8I_J rows cost one pass over the weights, each weight row loaded (and its
+// |q| made) once for all of them; more rows go in tiles of as equal sizes as can be, a block of
+// Q8_BLOCK weight rows at a time (it stays in cache for each tile of input rows). Measured on a
+// Zen 3 core for 1 to 16 rows, it beats tiles of 2 weight rows x up to 5 input rows (two
+// weight streams) and splitting 6 to 8 rows into two tiles. The AVX-512 kernels below take up
+// to Q8I_R weight rows per tile.
+#define Q8I_R 2         // most weight rows of an AVX-512 tile
+#define Q8I_J 8         // most input rows of a tile
 #define Q8I_AHEAD 2048  // bytes of weights prefetched ahead of each row
 
 // x [n, in] -> qx, dx as `q8i_quantize_ref` does, 32 values at a time
@@ -361,83 +364,70 @@ static void q8i_quantize(const float *x, int64_t n, int64_t in, int8_t *qx, floa
     }
 }
 
-// f[(r * J + j) * nb + b] = dw[r, b] * dx[j, b] (one float multiply each) for R weight rows'
-// scales d (stride nb) and J input rows' dx (stride nb), 8 blocks at a time: the last 8 end at
-// the row's end (overlapping the previous 8 when nb % 8 != 0; the same values again), so no
-// load reads past a row. Fewer than 8 blocks: one at a time.
-static inline __attribute__((always_inline)) void q8i_factors(int R, int J, const uint16_t *d,
+// f[j * nb + b] = dw[b] * dx[j, b] (one float multiply each) for a weight row's scales d and J
+// input rows' dx (stride nb), 8 blocks at a time: the last 8 end at the row's end (overlapping
+// the previous 8 when nb % 8 != 0; the same values again), so no load reads past a row. Fewer
+// than 8 blocks: one at a time.
+static inline __attribute__((always_inline)) void q8i_factors(int J, const uint16_t *d,
                                                               const float *dx, int64_t nb,
                                                               float *f) {
     if (nb < 8) {
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < J; j++)
-                for (int64_t b = 0; b < nb; b++)
-                    f[(r * J + j) * nb + b] = _cvtsh_ss(d[r * nb + b]) * dx[j * nb + b];
+        for (int j = 0; j < J; j++)
+            for (int64_t b = 0; b < nb; b++) f[j * nb + b] = _cvtsh_ss(d[b]) * dx[j * nb + b];
         return;
     }
     for (int64_t b = 0;; b += 8) {
         if (b > nb - 8) b = nb - 8;
-        for (int r = 0; r < R; r++) {
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + r * nb + b)));
-            for (int j = 0; j < J; j++)
-                _mm256_storeu_ps(f + (r * J + j) * nb + b,
-                                 _mm256_mul_ps(dw, _mm256_loadu_ps(dx + j * nb + b)));
-        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+        for (int j = 0; j < J; j++)
+            _mm256_storeu_ps(f + j * nb + b, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + j * nb + b)));
         if (b == nb - 8) break;
     }
 }
 
-// y[j * out + r] for R weight rows from q / d (row stride in, nb) against J quantized input rows
-// qx / dx (stride in, nb); f: room for the R * J * nb block factors dw * dx (`q8i_factors`),
-// computed first, then broadcast from there.
-static inline __attribute__((always_inline)) void q8i_tile(int R, int J, const int8_t *q,
+// y[j * out] for one weight row q / d against J quantized input rows qx / dx (stride in, nb);
+// f: room for the J * nb block factors dw * dx (`q8i_factors`), computed first, then broadcast
+// from there.
+static inline __attribute__((always_inline)) void q8i_tile(int J, const int8_t *q,
                                                            const uint16_t *d, const int8_t *qx,
                                                            const float *dx, float *f,
                                                            int64_t in, float *y, int64_t out) {
     const int64_t nb = in / 32;
-    q8i_factors(R, J, d, dx, nb, f);
+    q8i_factors(J, d, dx, nb, f);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[Q8I_R][Q8I_J];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+    __m256 acc[Q8I_J];
+    for (int j = 0; j < J; j++) acc[j] = _mm256_setzero_ps();
     int64_t b = 0;
     do {  // nb >= 1 (a for loop here leaves the accumulators stored to the stack each block)
         const int64_t k = 32 * b;
-        __m256i w[Q8I_R], wa[Q8I_R];
-        for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)q + r * in + k + Q8I_AHEAD, _MM_HINT_T0);
-            w[r] = _mm256_loadu_si256((const __m256i *)(q + r * in + k));
-            wa[r] = _mm256_sign_epi8(w[r], w[r]);  // |q|: -128 becomes 128 unsigned
-        }
+        _mm_prefetch((const char *)q + k + Q8I_AHEAD, _MM_HINT_T0);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + k));
+        const __m256i wa = _mm256_sign_epi8(w, w);  // |q|: -128 becomes 128 unsigned
         for (int j = 0; j < J; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + j * in + k));
-            for (int r = 0; r < R; r++) {
-                const __m256i p = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(xv, w[r]));
-                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
-                                            _mm256_broadcast_ss(f + (r * J + j) * nb + b),
-                                            acc[r][j]);
-            }
+            const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                     _mm256_broadcast_ss(f + j * nb + b), acc[j]);
         }
     } while (++b < nb);
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) y[j * out + r] = hsum(acc[r][j]);
+    for (int j = 0; j < J; j++) y[j * out] = hsum(acc[j]);
 }
 
-#define Q8I_TILE_FN(RR, JJ)                                                                   \
-    __attribute__((noinline)) static void q8i_tile_##RR##_##JJ(                               \
-        const int8_t *q, const uint16_t *d, const int8_t *qx, const float *dx, float *f,      \
-        int64_t in, float *y, int64_t out) {                                                  \
-        q8i_tile(RR, JJ, q, d, qx, dx, f, in, y, out);                                        \
+#define Q8I_TILE_FN(JJ)                                                                       \
+    __attribute__((noinline)) static void q8i_tile_##JJ(const int8_t *q, const uint16_t *d,   \
+                                                        const int8_t *qx, const float *dx,    \
+                                                        float *f, int64_t in, float *y,       \
+                                                        int64_t out) {                        \
+        q8i_tile(JJ, q, d, qx, dx, f, in, y, out);                                            \
     }
-Q8I_TILE_FN(1, 1) Q8I_TILE_FN(1, 2) Q8I_TILE_FN(1, 3) Q8I_TILE_FN(1, 4) Q8I_TILE_FN(1, 5)
-Q8I_TILE_FN(2, 1) Q8I_TILE_FN(2, 2) Q8I_TILE_FN(2, 3) Q8I_TILE_FN(2, 4) Q8I_TILE_FN(2, 5)
+Q8I_TILE_FN(1) Q8I_TILE_FN(2) Q8I_TILE_FN(3) Q8I_TILE_FN(4)
+Q8I_TILE_FN(5) Q8I_TILE_FN(6) Q8I_TILE_FN(7) Q8I_TILE_FN(8)
 #undef Q8I_TILE_FN
 
 typedef void (*q8i_tile_fn)(const int8_t *, const uint16_t *, const int8_t *, const float *,
                             float *, int64_t, float *, int64_t);
-static const q8i_tile_fn q8i_tiles[Q8I_R][Q8I_J] = {
-    {q8i_tile_1_1, q8i_tile_1_2, q8i_tile_1_3, q8i_tile_1_4, q8i_tile_1_5},
-    {q8i_tile_2_1, q8i_tile_2_2, q8i_tile_2_3, q8i_tile_2_4, q8i_tile_2_5}};
+static const q8i_tile_fn q8i_tiles[Q8I_J] = {q8i_tile_1, q8i_tile_2, q8i_tile_3, q8i_tile_4,
+                                             q8i_tile_5, q8i_tile_6, q8i_tile_7, q8i_tile_8};
 
 void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
                     float *y, int64_t out, int threads) {
@@ -451,20 +441,17 @@ void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, cons
     float *dx;
     if (!q8i_buffers(n, in, &qx, &dx, y, out)) return;
     q8i_quantize(x, n, in, qx, dx);
-    // input rows in as few tiles as fit, of sizes as equal as can be (11: 4, 4, 3)
+    // input rows in as few tiles as fit, of sizes as equal as can be (11: 6, 5)
     const int64_t tiles = (n + Q8I_J - 1) / Q8I_J, per = (n + tiles - 1) / tiles;
-    const int step = n <= 2 ? 1 : Q8I_R;  // weight rows per tile
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b0 = 0; b0 < out; b0 += Q8_BLOCK) {
         const int64_t b1 = out - b0 < Q8_BLOCK ? out : b0 + Q8_BLOCK;
-        float f[Q8I_R * Q8I_J * nb];
+        float f[Q8I_J * nb];
         for (int64_t j = 0; j < n; j += per) {
             const int J = n - j < per ? (int)(n - j) : (int)per;
-            for (int64_t o0 = b0; o0 < b1; o0 += step) {
-                const int R = b1 - o0 >= step ? step : (int)(b1 - o0);
-                q8i_tiles[R - 1][J - 1](q + o0 * in, d + o0 * nb, qx + j * in, dx + j * nb, f, in,
-                                        y + j * out + o0, out);
-            }
+            for (int64_t o = b0; o < b1; o++)
+                q8i_tiles[J - 1](q + o * in, d + o * nb, qx + j * in, dx + j * nb, f, in,
+                                 y + j * out + o, out);
         }
     }
     free(qx);
@@ -609,7 +596,8 @@ static int q8i_prepare16(int64_t n, int64_t nb, int vnni, const int8_t *qx, cons
     return 1;
 }
 
-// The tiling of `q8_0_matmul_i8`, with the tiles of `tiles`.
+// Tiles of up to Q8I_R weight rows x Q8I_J16 input rows of `tiles`, a block of Q8_BLOCK weight
+// rows at a time.
 static void q8i_matmul16(const q8i16_tile_fn tiles[Q8I_R][Q8I_J16], int vnni, const float *x,
                          int64_t n, int64_t in, const int8_t *q, const uint16_t *d, float *y,
                          int64_t out, int threads) {
