@@ -249,6 +249,30 @@ def test_probes_back_off_while_drafts_keep_failing_and_return_when_they_pay():
     assert policy.choose(4) > 0
 
 
+def test_a_drafter_whose_tokens_cost_more_than_they_save_probes_rarely():
+    """Drafts that pass 60% of the time but cost 1.2 plain steps a token (a head catching up
+    over the steps it skipped): a probe is expected to lose 1.16 + 1.2 - 1.6 = 0.76 plain
+    steps, so probes come at least 0.76 / PROBE_BUDGET steps apart, whether their drafts pass
+    or not; a drafter that costs nothing is probed every 8 to 32 steps as before."""
+    from specchat.core.policy import DraftLengthPolicy
+
+    def gaps(draft_cost: float) -> list[int]:
+        policy, probes = DraftLengthPolicy(), []
+        for i in range(3000):
+            k = policy.choose(4)
+            passed = min(k, 1) if len(probes) % 5 < 3 else 0  # 3 probes in 5 pass
+            policy.update(k + 1, 0.01 * (1 + 0.16 * k), k, passed, draft_cost * k)
+            if k:
+                probes.append(i)
+        return [b - a for a, b in zip(probes[20:], probes[21:])]
+
+    needed = 0.76 / DraftLengthPolicy.PROBE_BUDGET  # at the true alpha; the estimate wanders
+    costly = gaps(0.012)
+    assert len(costly) > 10 and 0.85 * needed <= sum(costly) / len(costly) <= 1.15 * needed
+    assert min(costly) >= 0.6 * needed and max(costly) <= DraftLengthPolicy.MAX_COST_GAP
+    assert max(gaps(0.0)) <= 32
+
+
 def test_drafting_that_runs_without_proposing_counts_in_the_draft_cost():
     """A drafter that was asked and proposed nothing (a head under its confidence bar) still
     ran: its seconds count per drafted token, so drafts that pass 90% of the time but are

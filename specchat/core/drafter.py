@@ -95,6 +95,13 @@ class Drafter:
     def observe(self, start: int, token_ids: list[int], features: torch.Tensor) -> None:
         """The target's features [n, d] of accepted context positions start..start+n-1."""
 
+    @property
+    def observer(self) -> "Drafter":
+        """The drafter whose `observe` does the work: a drafter that passes the features on to
+        another (the combined drafter to its head) names that one, so that the engine sends
+        each forward's features once, however many drafters share it."""
+        return self
+
     def feedback(self, n_drafted: int, n_accepted: int) -> None:
         """Called after each verification."""
 

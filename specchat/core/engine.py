@@ -306,7 +306,8 @@ class Engine:
     def _feature_drafters(self) -> list:
         """Drafters that draft from the target's features (the EAGLE head). They get them for
         free: a hook on the target's final norm keeps the hidden states of each forward."""
-        wants = [d for d in self.drafters.values() if d.needs_features]
+        wants = list({id(d.observer): d.observer for d in self.drafters.values()
+                      if d.needs_features}.values())
         if wants:
             self.runner.watch_features()
         return wants

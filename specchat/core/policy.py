@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class DraftLengthPolicy:
     """Picks k for the next step to maximize expected tokens per second.
@@ -13,12 +15,19 @@ class DraftLengthPolicy:
     whose draft fails doubles the gap to the next (up to `max_probe_gap`); a draft that passes,
     or a step that drafts on its merits, brings it back to `probe_every`. A probe costs a wider
     verify and, for the head, its catch-up over the steps it skipped: where drafts keep failing
-    they would otherwise cost a few percent of every reply.
+    they would otherwise cost a few percent of every reply. And however its drafts fare, a
+    probe comes no more often than keeps its expected loss (its measured cost less the tokens
+    it is expected to gain) under PROBE_BUDGET of plain decoding's time: a drafter whose
+    tokens cost more than they save (a head that costs a target step a token) probes every
+    hundred steps or so, not every eight.
 
     Alpha is kept per draft class when the drafter tells one (`Drafter.draft_class`): an n-gram
     drafter's 3-token matches are far more reliable than its 1-token matches, so each earns its
     own k. The cost curve is shared.
     """
+
+    PROBE_BUDGET = 0.01  # the share of plain decoding's time that probes may lose, expected
+    MAX_COST_GAP = 256  # the most plain steps between probes that PROBE_BUDGET asks for
 
     def __init__(self, probe_every: int = 8, margin: float = 0.05, max_probe_gap: int = 32):
         self.probe_every = probe_every
@@ -74,13 +83,22 @@ class DraftLengthPolicy:
         tokens = (1 - a ** (k + 1)) / (1 - a)
         return tokens / (self._verify_cost(k + 1) + k * self.draft_token_s)
 
+    def probe_loss(self, cls=None) -> float:
+        """A probe's expected loss against a plain step, in plain steps: a one-draft verify and
+        a draft token's cost, less the 1 + alpha tokens it is expected to emit."""
+        step = self.step_s or 1.0
+        return (self._verify_cost(2) + self.draft_token_s) / step - (1 + self.alpha(cls))
+
     def choose(self, k_max: int, cls=None) -> int:
         best = max(range(k_max + 1), key=lambda k: self.expected_rate(k, cls))
         if best and self.expected_rate(best, cls) < (1 + self.margin) * self.expected_rate(0, cls):
             best = 0
         if best == 0 and k_max > 0:
             self.plain_streak += 1
-            if self.plain_streak >= self.probe_gap:
+            loss = self.probe_loss(cls)
+            gap = self.probe_gap if loss <= 0 else max(
+                self.probe_gap, min(math.ceil(loss / self.PROBE_BUDGET), self.MAX_COST_GAP))
+            if self.plain_streak >= gap:
                 self.plain_streak = 0
                 self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
                 return 1  # probe: keep alpha fresh

@@ -34,6 +34,10 @@ class CombinedDrafter(Drafter):
     def observe(self, start, token_ids, features):
         self.head.observe(start, token_ids, features)
 
+    @property
+    def observer(self):
+        return self.head
+
     def draft_class(self, context):
         """The n-gram match length when lookup will draft, else "head". A match in the owner's
         history ("history-<n>") needs one token more than one in the conversation: text from

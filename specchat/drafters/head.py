@@ -109,7 +109,13 @@ class HeadDrafter(Drafter):
                                 device=self.device)
             grown[:start] = self.feats[:start]
             self.feats = grown
-        self.feats[start:end] = features.to(self.device, torch.float32)
+        if self.feats.device.type == "cpu" and features.device.type == "cpu" \
+                and features.dtype == torch.float32:
+            # through numpy: at every step, right after a forward, a torch indexing call costs
+            # several times the copy of one row
+            self.feats.numpy()[start:end] = features.numpy()
+        else:
+            self.feats[start:end] = features.to(self.device, torch.float32)
 
     def _ensure_features(self, prefix: list[int]) -> None:
         """Make self.feats[:len(prefix)] the target's features of `prefix`."""

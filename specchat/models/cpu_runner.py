@@ -212,8 +212,8 @@ class CpuRunner:
         pass  # every forward keeps its final-norm output (`last_hidden`)
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
-        if rows is None:
-            return self.last_hidden[:n].clone()
+        if rows is None:  # a view: each forward writes a new tensor
+            return self.last_hidden[:n]
         return self.last_hidden[torch.tensor(rows)]
 
 
