@@ -194,6 +194,24 @@ def _call(function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
     return y
 
 
+@pytest.mark.parametrize("which", ["simd", "portable"])
+def test_i8_outputs_nobody_reads_come_out_minus_infinity_and_the_rest_unchanged(which):
+    """`upto`: an LM head's ids that are never sampled. One row computes only the outputs
+    before `upto` (the kernel takes them as a shorter weight), more rows compute all; either
+    way those outputs keep their bits and the rest are -inf."""
+    lib = _simd()[0] if which == "simd" else _portable()
+    g = torch.Generator().manual_seed(6)
+    q, d = _weights(131, 256, g)
+    x = _inputs(256, g, special=False)
+    for n in (1, 3):
+        full = kernels.q8_0_matmul_i8(lib, x[:n], q, d)
+        for upto in (0, 1, 64, 130, 131, 200):
+            got = kernels.q8_0_matmul_i8(lib, x[:n], q, d, upto)
+            assert got.shape == full.shape
+            assert _same_bits(got[:, :upto], full[:, :upto]), (n, upto)
+            assert bool((got[:, upto:] == -torch.inf).all()), (n, upto)
+
+
 @pytest.mark.parametrize("width", [8, 16])
 def test_i8_thread_count_changes_no_bits(width):
     lib, refs = _simd(width)

@@ -395,14 +395,22 @@ class Engine:
         (Gemma 3's 6,250 in three): on the CPU each run is one slice of a numpy view, cheaper
         than a gather of every id, above all right after a forward, with cold caches."""
         key = (logits.shape[-1], logits.device)
+        runs = self._mask_runs
         if self._mask_key != key:
             past = torch.arange(self.vocab_size, logits.shape[-1], dtype=torch.long)
             ids = torch.cat([self.non_text, past])
             self._mask_ids, self._mask_runs = ids.to(logits.device), _runs(ids.tolist())
+            runs = self._mask_runs  # all of them in these logits
+            # A run that ends the row (Gemma 3's image ids): the runner may hand those logits
+            # over as -inf from the next forward on, without computing them.
+            tail = self._mask_runs[-1] if self._mask_runs else None
+            skip = getattr(self.runner, "skip_logits_from", None)
+            if tail and tail[1] == logits.shape[-1] and skip is not None and skip(tail[0]):
+                self._mask_runs = self._mask_runs[:-1]
             self._mask_key = key
-        if logits.device.type == "cpu" and len(self._mask_runs) <= _FEW_RUNS:
+        if logits.device.type == "cpu" and len(runs) <= _FEW_RUNS:
             values = logits.numpy()
-            for start, end in self._mask_runs:
+            for start, end in runs:
                 values[..., start:end] = -np.inf
         else:
             logits.index_fill_(-1, self._mask_ids, -torch.inf)

@@ -143,6 +143,7 @@ class CpuRunner:
         # seconds by part of the decoder stack (CLOCK_ROWS), summed over forwards while set:
         # `bench --profile` sets it to (ctypes.c_double * len(CLOCK_ROWS))()
         self.clock = None
+        self._logits_upto: int | None = None  # ids from here on come out -inf (`skip_logits_from`)
 
     def _ptr(self, t: torch.Tensor) -> int:
         self._keep.append(t)
@@ -181,7 +182,10 @@ class CpuRunner:
             raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "
                               f"{n} rows after {start} tokens")
         self.last_hidden = out
-        logits = self.head(out[n - n_logits:])
+        if self._logits_upto is not None:
+            logits = vars(self.head)["forward"].leading(out[n - n_logits:], self._logits_upto)
+        else:
+            logits = self.head(out[n - n_logits:])
         return logits if logits.dtype == torch.float32 else logits.float()
 
     # -- the seam ---------------------------------------------------------------------------
@@ -201,6 +205,18 @@ class CpuRunner:
         positions = start + visible.sum(-1) - 1  # a node's position: the root's plus its depth
         return self._run(cache, ids, positions.to(torch.int64).contiguous(), start,
                          visible.to(torch.uint8).contiguous(), len(ids))
+
+    def skip_logits_from(self, start: int) -> bool:
+        """Ids `start`.. are never sampled (a vocabulary's last ids, which the engine masks):
+        with the GGUF's Q8_0 head, a one-token step no longer computes their logits (Gemma 3's
+        last 6,145 ids: 2% of the head) and every forward returns them as -inf. The other
+        logits keep their bits. Returns whether it does."""
+        from specchat.models.gguf_head import Q8Head
+
+        if not isinstance(vars(self.head).get("forward"), Q8Head):
+            return False
+        self._logits_upto = start
+        return True
 
     def crop(self, cache, cached: int, keep: int) -> bool:
         return True  # the slots past `keep` are rewritten before any row reads them

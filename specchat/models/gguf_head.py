@@ -72,6 +72,11 @@ class Q8Head:
             return torch.nn.functional.linear(x, self.head.weight.to(x.dtype))
         return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d)  # float32 logits
 
+    def leading(self, x: torch.Tensor, upto: int) -> torch.Tensor:
+        """`self(x)` with the logits of ids `upto`.. -inf (ids never sampled), not computed for
+        a single row: the same bits in the others."""
+        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d, upto)
+
     def dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """The float32 values of some rows of W (exact: q * d)."""
         q, d = self.q[rows].to(torch.float32), self.d[rows].to(torch.float32)

@@ -318,17 +318,23 @@ def q8_0_matmul(lib: Kernels, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
 
 
 def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
-                   d: torch.Tensor) -> torch.Tensor:
+                   d: torch.Tensor, upto: int | None = None) -> torch.Tensor:
     """x [..., in] @ W.T in float32 for W = q * d (GGUF's Q8_0, as `q8_0_matmul` takes it) by
     integer dot products: each row of x quantized to int8 per block of 32 (llama.cpp's Q8_0
     activations, the scale kept in float32), int32 sums of 4 products per lane, scaled per block
     into `lib.q8_width` float lanes (csrc/q8_0.c). Other bits than `q8_0_matmul`, row-exact as
-    it is."""
+    it is. `upto`: the outputs from `upto` on are -inf instead (outputs nobody reads: an LM
+    head's ids that are never sampled); for one row of x they are not computed at all, and the
+    others are the same bits either way."""
     rows = _rows(x)
-    y = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float32)
+    out = q.shape[0]
+    y = torch.empty(rows.shape[0], out, dtype=torch.float32)
+    computed = out if upto is None or rows.shape[0] != 1 else max(0, min(upto, out))
     lib.q8_0_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(),
-                       d.data_ptr(), y.data_ptr(), q.shape[0], torch.get_num_threads())
-    return y.reshape(*x.shape[:-1], q.shape[0])
+                       d.data_ptr(), y.data_ptr(), computed, torch.get_num_threads())
+    if upto is not None and upto < out:
+        y[:, max(0, upto):] = -torch.inf
+    return y.reshape(*x.shape[:-1], out)
 
 
 def attend(lib: Kernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
