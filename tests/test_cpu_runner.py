@@ -205,3 +205,44 @@ def test_a_model_wider_than_its_query_heads_computes_what_transformers_computes(
     got, _ = logits_in_pages(ours.runner, IDS[:100])
     want, _ = logits_in_pages(theirs.runner, IDS[:100])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _q8_head(model, lib) -> None:
+    """Give a tiny model's LM head a Q8_0 copy of its weight through `gguf_head.Q8Head`, as
+    the embedded target's comes from its GGUF (int8 values, one fp16 scale per 32)."""
+    from specchat.models.gguf_head import Q8Head
+
+    head = model.get_output_embeddings()
+    w = head.weight.detach().float().view(head.weight.shape[0], -1, 32)
+    d = (w.abs().amax(-1) / 127).clamp_min(1e-8).to(torch.float16)
+    q = (w / d.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+    head.forward = Q8Head(head, q.view(head.weight.shape).contiguous(), d.contiguous(), lib)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_ids_never_sampled_are_not_computed_and_the_others_keep_their_bits(checkpoint, path,
+                                                                          monkeypatch):
+    """`skip_logits_from`: with a Q8_0 head, steps of one token and verifies of several give
+    the other ids the same logits as before, and those ids -inf; the profile still times the
+    head; greedy speculation is still plain greedy."""
+    from specchat.bench.config import BenchSettings
+    from specchat.bench.profile import profile_plain
+
+    loaded = load(checkpoint, path, monkeypatch)
+    runner = loaded.runner
+    _q8_head(loaded.model, runner.lib)
+    before, _ = logits_in_pages(runner, IDS[:40], page=5)
+    assert runner.skip_logits_from(200)
+    for page in (1, 5):
+        after, _ = logits_in_pages(runner, IDS[:40], page=page)
+        assert torch.equal(after[:, :200], before[:, :200]), page
+        assert bool((after[:, 200:] == -torch.inf).all()), page
+    plain = Engine(loaded, {"ngram": NgramDrafter()})
+    cfg = dict(max_new_tokens=30, temperature=0.0)
+    replies = [[e.id for e in plain.stream(IDS[:40], GenerateConfig(
+        speculation=spec, drafter="ngram", **cfg)) if isinstance(e, TokenEvent)]
+        for spec in (False, True)]
+    assert replies[0] == replies[1] and max(replies[0]) < 200
+    found = profile_plain(plain, [(IDS[:70], ())], BenchSettings(
+        modes=("plain",), max_new_tokens=12, stop_strings=False))
+    assert found["ms_per_token"]["LM head"] > 0

@@ -163,3 +163,29 @@ def test_a_stop_during_prompt_encoding_ends_the_request_between_pages(checkpoint
     engine.reset_cache()
     engine.prefixes.clear()
     assert again == _reply(engine, ids, False)
+
+
+def test_prompts_that_share_their_first_pages_share_them_in_the_store(checkpoint, monkeypatch):
+    """Two prompts of four whole pages with the same two first pages: the store holds six
+    pages, not eight, and each prompt still takes its four pages and replies as a fresh engine
+    does. Over its budget, a prompt's last pages leave before the pages they continue."""
+    engine = _engine(checkpoint, PATHS[0], monkeypatch)
+    common = (STORY * 2)[:140]  # with BOS, two pages and 13 tokens
+    a = common + "Who kept the book? " + STORY + "It was late."
+    b = common + "What did he see??? " + STORY + "It was late."
+    ids_a, ids_b = engine.text_prompt(a)[0], engine.text_prompt(b)[0]
+    assert ids_a[:128] == ids_b[:128] and ids_a[128:192] != ids_b[128:192]
+    assert 256 < len(ids_a) < 320
+    first_a, first_b = _reply(engine, a, False), _reply(engine, b, False)
+    store = engine.prefixes
+    assert store.tokens == 6 * 64 and sorted(map(len, store.entries)) == [256, 256]
+    engine.reset_cache()
+    widths = _record_widths(engine)
+    assert _reply(engine, a, True) == first_a
+    assert store.hits == 1 and widths[0] == len(ids_a) - 256  # only the rest encoded
+    store.max_tokens = 4 * 64  # b's own last two pages go first (a was used last)
+    store.add(ids_a, engine._cache, 256)
+    assert store.tokens == 4 * 64 and store.longest(ids_b, 256)[1] == 128
+    del engine._forward
+    engine.reset_cache()
+    assert _reply(engine, b, True) == first_b

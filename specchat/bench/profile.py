@@ -149,7 +149,7 @@ def _c_clock(runner, clock: _Clock):
     forward = runner._run
 
     def timed(*args, **kwargs):
-        before = list(runner.clock)
+        before, head = list(runner.clock), runner.head_seconds
         try:
             return forward(*args, **kwargs)
         finally:
@@ -157,6 +157,7 @@ def _c_clock(runner, clock: _Clock):
                 for name, a, b in zip(CLOCK_ROWS, before, runner.clock):
                     if name in _C_ROWS:
                         clock.seconds[_C_ROWS[name]] += b - a
+                clock.seconds["LM head"] += runner.head_seconds - head
 
     runner._run = timed
     try:

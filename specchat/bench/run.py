@@ -336,6 +336,9 @@ def _check_modes(engine, modes, assistant, remotes: dict) -> None:
             raise ValueError("mode 'hf-assisted' needs a draft model (--draft-model)")
 
 
+SETTLE_S = 0.25  # seconds between two runs when servers race beside the engine
+
+
 class _ModeRunner:
     """Runs one mode on one prompt with the right runner; holds the forward hooks that time the
     target (and the assistant of hf-assisted) until `detach`."""
@@ -356,6 +359,11 @@ class _ModeRunner:
     def __call__(self, mode: str, ids: list[int], stops, fresh: bool,
                  max_new: int | None = None) -> dict:
         engine, s = self.engine, self.s
+        if self.remotes:
+            # Each run starts with the CPU quiet: a server's thread pool (and torch's OpenMP
+            # threads) spin-wait a while after a request, and in the rotating order the same
+            # mode always follows the same other one (plain follows llama.cpp's last spec type).
+            time.sleep(SETTLE_S)
         if mode in self.remotes:
             return run_remote_mode(self.remotes[mode], ids, stops, s, fresh, max_new,
                                    self.found.get(mode))

@@ -2,10 +2,16 @@
 
 The engine's own cache holds one conversation: a request reuses what it shares with the last
 one. This store keeps more: after each prompt, the keys and values of its whole pages (the
-tokens `Engine._prefill` encodes a page at a time, from position 0), least recently used out
-first, at most `max_tokens` tokens in all. A later prompt that starts with the same pages (the
-chat format's few-shot preamble, a system prompt, a shared document) takes them from here
-instead of encoding them, on the page, the API, `generate` and the bench alike.
+tokens `Engine._prefill` encodes a page at a time, from position 0), at most `max_tokens`
+tokens in all. A later prompt that starts with the same pages (the chat format's few-shot
+preamble, a system prompt, a shared document) takes them from here instead of encoding them,
+on the page, the API, `generate` and the bench alike.
+
+A page is kept once, under the tokens from position 0 to its end: prompts that share their
+first pages share those pages' tensors (every chat shares the preamble's), and each adds only
+the pages of its own. Least recently used pages go first, and a page is always used after the
+pages that continue it, so a page leaves before the page it continues: what remains of a
+prompt is always a run of pages from position 0.
 
 Reuse is exact: a whole page's keys and values depend only on the tokens up to its end, and
 every prompt encodes its whole pages the same way, so a page from here is the page a fresh
@@ -19,8 +25,6 @@ from collections import OrderedDict
 
 import torch
 
-from specchat.core.drafter import common_prefix_len
-
 # Tokens kept by default: 8,192 is 300 MB of float32 keys and values for the embedded Gemma 3
 # 270M (36 KB a token) and 460 MB of bf16 ones for an 8B Llama (56 KB a token).
 PREFIX_CACHE_TOKENS = 8192
@@ -29,56 +33,73 @@ PREFIX_CACHE_TOKENS = 8192
 class PrefixStore:
     def __init__(self, max_tokens: int = PREFIX_CACHE_TOKENS, page: int = 64):
         self.max_tokens, self.page = max_tokens, page
-        # prompt tokens of whole pages -> per layer (keys, values) [batch, heads, tokens, dim]
-        self.entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
+        # the tokens from position 0 to a page's end -> per layer that page's (keys, values)
+        # [batch, heads, page, dim]
+        self.pages: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
             OrderedDict()
         self.hits = 0  # prompts that took pages from here
 
     @property
     def tokens(self) -> int:
-        return sum(len(ids) for ids in self.entries)
+        return len(self.pages) * self.page
+
+    @property
+    def entries(self) -> list[tuple[int, ...]]:
+        """The prompts held whole: the pages no other page continues, least recently used
+        first (each one's earlier pages are held too)."""
+        ends = {len(ids) for ids in self.pages}
+        return [ids for ids in self.pages
+                if len(ids) + self.page not in ends
+                or not any(len(o) == len(ids) + self.page and o[:len(ids)] == ids
+                           for o in self.pages)]
 
     def longest(self, prompt_ids: list[int], limit: int) -> tuple[tuple[int, ...] | None, int]:
-        """The entry sharing the most whole pages with `prompt_ids`, and how many tokens of it
-        to take: at most `limit`, a multiple of the page."""
-        best, most, prompt = None, 0, tuple(prompt_ids)
-        for ids in self.entries:
-            n = min(common_prefix_len(ids, prompt), limit) // self.page * self.page
-            if n > most:
-                best, most = ids, n
-        return best, most
+        """The most whole pages of `prompt_ids` held, as (the tokens they cover, how many):
+        at most `limit` tokens, a multiple of the page."""
+        prompt, n = tuple(prompt_ids), 0
+        while n + self.page <= limit and prompt[:n + self.page] in self.pages:
+            n += self.page
+        return (prompt[:n], n) if n else (None, 0)
+
+    def _chain(self, ids: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+        return [ids[:end] for end in range(self.page, n + 1, self.page)]
+
+    def _touch(self, chain: list[tuple[int, ...]]) -> None:
+        for key in reversed(chain):  # the first page last: the most recently used
+            self.pages.move_to_end(key)
 
     def restore(self, ids: tuple[int, ...], n: int, cache) -> None:
-        """Write the first n tokens of entry `ids` into `cache`, an empty one."""
-        for layer, (keys, values) in enumerate(self.entries[ids]):
-            cache.update(keys[:, :, :n], values[:, :, :n], layer)
-        self.entries.move_to_end(ids)
+        """Write the first n tokens of `ids` (held, `longest`) into `cache`, an empty one."""
+        chain = self._chain(ids, n)
+        held = [self.pages[key] for key in chain]
+        for layer in range(len(held[0])):
+            cache.update(torch.cat([page[layer][0] for page in held], dim=2),
+                         torch.cat([page[layer][1] for page in held], dim=2), layer)
+        self._touch(chain)
         self.hits += 1
 
     def add(self, prompt_ids: list[int], cache, n: int) -> None:
-        """Keep the first n tokens of `cache` (whole pages of `prompt_ids`), unless an entry
-        holds them already; entries they extend are dropped."""
-        ids = tuple(prompt_ids[:n])
+        """Keep the first n tokens of `cache` (whole pages of `prompt_ids`): the pages not
+        held yet, each a copy of its own slots."""
         if n <= 0 or n > self.max_tokens:
             return
-        for held in self.entries:
-            if held[:n] == ids:
-                self.entries.move_to_end(held)
-                return
-        for held in [h for h in self.entries if ids[:len(h)] == h]:
-            del self.entries[held]
-        self.entries[ids] = [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone())
-                             for layer in cache.layers]
+        chain = self._chain(tuple(prompt_ids[:n]), n)
+        for key in chain:
+            if key not in self.pages:
+                a, b = len(key) - self.page, len(key)
+                self.pages[key] = [(layer.keys[:, :, a:b].clone(), layer.values[:, :, a:b].clone())
+                                   for layer in cache.layers]
+        self._touch(chain)
         while self.tokens > self.max_tokens:
-            self.entries.popitem(last=False)
+            self.pages.popitem(last=False)
 
     def snapshot(self) -> OrderedDict:
-        """The entries as they are now (the tensors shared, not copied), for `restore_snapshot`:
+        """The pages as they are now (the tensors shared, not copied), for `restore_snapshot`:
         the bench gives every mode the store one question found."""
-        return OrderedDict(self.entries)
+        return OrderedDict(self.pages)
 
-    def restore_snapshot(self, entries: OrderedDict) -> None:
-        self.entries = OrderedDict(entries)
+    def restore_snapshot(self, pages: OrderedDict) -> None:
+        self.pages = OrderedDict(pages)
 
     def clear(self) -> None:
-        self.entries.clear()
+        self.pages.clear()

@@ -49,6 +49,9 @@ class Runner(Protocol):
         """After a forward that fed `fed` tokens at start.., keep only the fed tokens at the
         indices `keep` (increasing), moved to start, start + 1, ...: a tree's accepted path."""
 
+    # Optional: `skip_logits_from(start) -> bool`: ids start.. to the vocabulary's end are
+    # never sampled; True where the runner then returns their logits as -inf (uncomputed).
+
     def watch_features(self) -> None:
         """From now on, keep each forward's features (the final norm's output)."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import torch
 
@@ -143,6 +144,9 @@ class CpuRunner:
         # seconds by part of the decoder stack (CLOCK_ROWS), summed over forwards while set:
         # `bench --profile` sets it to (ctypes.c_double * len(CLOCK_ROWS))()
         self.clock = None
+        # seconds in the LM head's product where the runner calls it past the module (with
+        # `skip_logits_from`; module hooks see the other calls), summed while `clock` is set
+        self.head_seconds = 0.0
         self._logits_upto: int | None = None  # ids from here on come out -inf (`skip_logits_from`)
 
     def _ptr(self, t: torch.Tensor) -> int:
@@ -183,7 +187,10 @@ class CpuRunner:
                               f"{n} rows after {start} tokens")
         self.last_hidden = out
         if self._logits_upto is not None:
+            started = time.perf_counter()
             logits = vars(self.head)["forward"].leading(out[n - n_logits:], self._logits_upto)
+            if self.clock is not None:
+                self.head_seconds += time.perf_counter() - started
         else:
             logits = self.head(out[n - n_logits:])
         return logits if logits.dtype == torch.float32 else logits.float()
