@@ -193,6 +193,24 @@ def test_speedup_uses_medians_over_repeats_and_shared_items():
     assert p["acceptance_rate"] is None and p["target_calls_per_token"] == pytest.approx(1.0)
 
 
+def test_the_noise_floor_is_plain_against_itself_repeat_over_repeat():
+    """Per category, the tokens/s of each repeat of plain over each other's; the report prints
+    the band, and none comes without repeats."""
+    from specchat.bench.metrics import noise_floor
+
+    runs = [run("plain", 1, s, 20, repeat=i) for i, s in enumerate([1.0, 1.25, 1.1])]
+    runs += [run("plain", 2, s, 20, repeat=i, cat="qa") for i, s in enumerate([1.0, 1.02, 1.0])]
+    floor = noise_floor(runs)
+    assert floor["widest"] == "writing"
+    assert floor["low"] == pytest.approx(1.0 / 1.25) and floor["high"] == pytest.approx(1.25)
+    assert floor["by_category"]["qa"] == pytest.approx((1.0 / 1.02, 1.02))
+    assert noise_floor([r for r in runs if r.repeat == 0]) is None
+    result = summarize_bench(runs + [run("ngram", 1, 1.0, 20, repeat=i) for i in range(3)],
+                             ["plain", "ngram"], {"temperature": 0.0})
+    assert "noise: plain against itself" in format_report(result)
+    assert "0.80x..1.25x (widest: writing" in format_report(result)
+
+
 def test_turn_two_is_reported_apart():
     runs = [run("plain", 1, ttft=0.5), run("plain", 1, turn=2, ttft=0.05)]
     runs[1].prompt_tokens, runs[1].prefill_tokens = 300, 40

@@ -211,6 +211,29 @@ def metrics(runs: list[Run], plain_runs: list[Run] | None = None) -> dict:
     return out
 
 
+def noise_floor(plain_runs: list[Run]) -> dict | None:
+    """Plain decoding against itself: per category, the tokens/s of one repeat over another's
+    (every ordered pair of repeats), the lowest and highest of those ratios, and the category
+    of the widest spread. A speedup within that band may be the machine, not the mode. None
+    with fewer than two repeats."""
+    sums: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for r in plain_runs:
+        total = sums[r.category][r.repeat]
+        total[0] += r.new_tokens
+        total[1] += r.seconds
+    per: dict[str, tuple[float, float]] = {}
+    for cat, reps in sums.items():
+        rates = [t / s for t, s in reps.values() if s > 0]
+        if len(rates) >= 2:
+            ratios = [a / b for i, a in enumerate(rates) for j, b in enumerate(rates) if i != j]
+            per[cat] = (min(ratios), max(ratios))
+    if not per:
+        return None
+    widest = min(per, key=lambda c: per[c][0])
+    return {"low": min(lo for lo, _ in per.values()), "high": max(hi for _, hi in per.values()),
+            "widest": widest, "by_category": per}
+
+
 def greedy_identical(runs: list[Run], modes: Iterable[str], base: str = "plain",
                      ) -> dict[str, float | None]:
     """Fraction of questions whose reply texts (every turn, first repeat) equal `base`'s."""
@@ -353,4 +376,7 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict,
            "identical_to_plain": identical}
     if remote_modes:
         out["versus_llama_cpp"] = versus(by_mode, local, remote_modes)
+    floor = noise_floor(plain or [])
+    if floor:
+        out["noise_floor"] = floor
     return out

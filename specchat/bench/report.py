@@ -43,6 +43,7 @@ def format_report(result: dict) -> str:
                       *_versus_lines(vs, result["config"].get("prompt_cache", "warm")),
                       *profile_lines(result.get("profile"), _llama_ms(vs)),
                       *_table_lines(result),
+                      *_noise_lines(result.get("noise_floor")),
                       *_turn2_lines(result),
                       *_cost_model_lines(result),
                       *_identical_lines(result, vs),
@@ -212,6 +213,17 @@ def _versus_lines(vs: dict | None, cache: str = "warm") -> list[str]:
                  f"{_x(vs['best_ratio'])} end to end (llama.cpp modes: speedup over its own "
                  "plain decoding, text compared with its replies)")
     return lines + [""]
+
+
+def _noise_lines(floor: dict | None) -> list[str]:
+    """How far plain decoding's repeats differ from each other: the band that is noise."""
+    if not floor:
+        return []
+    widest = floor["by_category"][floor["widest"]]
+    return ["", f"noise: plain against itself, repeat over repeat, per category "
+                f"{_x(floor['low'])}..{_x(floor['high'])} (widest: {floor['widest']}, "
+                f"{_x(widest[0])}..{_x(widest[1])}); a category's speedup within this band "
+                "may be the machine, not the mode"]
 
 
 def _identical_lines(result: dict, vs: dict | None) -> list[str]:
