@@ -211,6 +211,15 @@ def test_the_noise_floor_is_plain_against_itself_repeat_over_repeat():
     assert "0.80x..1.25x (widest: writing" in format_report(result)
 
 
+def test_modes_run_in_an_order_drawn_per_question_that_varies_who_goes_before_whom():
+    modes = ("plain", "ngram", "head", "combined", "llama.cpp", "llama.cpp-ngram-map-k")
+    orders = [bench_run.mode_order(modes, q, r) for q in range(39) for r in range(2)]
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    assert orders[0] == bench_run.mode_order(modes, 0, 0)  # the same every run
+    before_plain = {o[o.index("plain") - 1] for o in orders if o.index("plain")}
+    assert len(before_plain) >= 4 and {o[0] for o in orders} == set(modes)
+
+
 def test_turn_two_is_reported_apart():
     runs = [run("plain", 1, ttft=0.5), run("plain", 1, turn=2, ttft=0.05)]
     runs[1].prompt_tokens, runs[1].prefill_tokens = 300, 40

@@ -3,8 +3,8 @@
     python -m specchat bench --limit-per-category 5 --max-new-tokens 128 \
         --modes plain,ngram,hf-plain,hf-pld --json out/bench.json
 
-Every mode runs on the same loaded target, interleaved per question (the mode order rotates from
-one question to the next) so machine drift hits all modes alike:
+Every mode runs on the same loaded target, interleaved per question (in an order drawn anew for
+each question and repeat) so machine drift hits all modes alike:
   plain        our engine, speculation off (the very same decode loop with k = 0)
   ngram/model  our engine, speculation on with that drafter
   hf-plain     transformers `generate`, no assistance
@@ -45,6 +45,7 @@ Numbers (the pure functions below, tested on synthetic step records in tests/tes
 from __future__ import annotations
 
 import platform
+import random
 import resource
 import sys
 import time
@@ -361,8 +362,7 @@ class _ModeRunner:
         engine, s = self.engine, self.s
         if self.remotes:
             # Each run starts with the CPU quiet: a server's thread pool (and torch's OpenMP
-            # threads) spin-wait a while after a request, and in the rotating order the same
-            # mode always follows the same other one (plain follows llama.cpp's last spec type).
+            # threads) may spin-wait a while after a request.
             time.sleep(SETTLE_S)
         if mode in self.remotes:
             return run_remote_mode(self.remotes[mode], ids, stops, s, fresh, max_new,
@@ -404,10 +404,19 @@ def _warm_up(run_mode: _ModeRunner, engine, questions: list[dict], s: BenchSetti
             run_mode(mode, ids, stops, True, s.warmup_tokens)
 
 
+def mode_order(modes: tuple[str, ...], question: int, repeat: int) -> list[str]:
+    """The modes in the order drawn for one question's repeat."""
+    order = list(modes)
+    random.Random(question * 1009 + repeat).shuffle(order)
+    return order
+
+
 def _run_question(run_mode: _ModeRunner, engine, q: dict, qi: int, s: BenchSettings, bar,
                   log: Callable[[str], None]) -> list[Run]:
-    """Every repeat of every mode on one question; the mode order rotates with the question and
-    the repeat, so that drift over time hits every mode alike."""
+    """Every repeat of every mode on one question, in an order drawn for the question and the
+    repeat (seeded: the same every run), so that drift over time hits every mode alike and no
+    mode always runs right after the same other one (whatever one run leaves behind, a warm
+    or a cold cache, a server still busy, falls on every mode alike)."""
     q_runs: list[Run] = []
     # Every mode meets the prefix store as the question found it: pages an earlier mode encoded
     # for this very prompt would make the later modes' first turns cheaper than the first's.
@@ -415,8 +424,7 @@ def _run_question(run_mode: _ModeRunner, engine, q: dict, qi: int, s: BenchSetti
     before = prefixes.snapshot() if prefixes is not None else None
     run_mode.question_starts()  # and every server's prompt cache as the question found it
     for rep in range(s.repeats):
-        shift = (qi + rep) % len(s.modes)
-        for mode in s.modes[shift:] + s.modes[:shift]:
+        for mode in mode_order(s.modes, qi, rep):
             bar.set_postfix_str(f"{q['category']} {mode}", refresh=False)
             if prefixes is not None:
                 prefixes.restore_snapshot(before)
