@@ -69,8 +69,10 @@ def served():
                     {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(0), len(tok))})
     warm_up(engine)  # as the launcher does: its plain steps price the first reply's estimate
     store = StatsStore(":memory:")
+    # k fixed: on this pair a draft token costs a target step, so the adaptive policy may rightly
+    # decode plainly, and what this page checks is the colors, the toggle and the replay.
     demo = build_ui(engine, store, min_interval=0.02,
-                    defaults=Settings(max_new_tokens=48, seed=0))
+                    defaults=Settings(max_new_tokens=48, seed=0, adaptive=False))
     port = _free_port()
     launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:

@@ -64,10 +64,12 @@ def make_app(engine, store=None, **limits) -> ChatApp:
 
 
 def send(app, session, text, settings=None):
-    """user() then every yield of bot(): the list of (chat, session, notice) updates."""
+    """user() then every yield of bot(): the list of (chat, session, notice) updates. By default
+    k is fixed: on this pair a draft token costs a target step, so the adaptive policy may rightly
+    decode plainly, and these tests check what the page shows of drafted tokens."""
     box, chat, session, notice = app.user(text, session)
     assert box == "" and notice == "", notice
-    return list(app.bot(session, settings or Settings(max_new_tokens=24, seed=0)))
+    return list(app.bot(session, settings or Settings(max_new_tokens=24, seed=0, adaptive=False)))
 
 
 class Spans(HTMLParser):
