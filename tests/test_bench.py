@@ -596,8 +596,8 @@ def test_the_profile_accounts_for_every_millisecond_of_a_plain_token():
     assert forward + sum(rows[r] for r in HOST_ROWS) == pytest.approx(found["step_ms"],
                                                                       rel=1e-6)
     # the hooks and timers go: the engine is as it was, and writes the reply it wrote before
-    assert not {"forward", "_distribution", "_draft"} & (set(vars(engine))
-                                                         | set(vars(engine.runner)))
+    assert not {"forward", "_chain_distribution", "_draft"} & (set(vars(engine))
+                                                               | set(vars(engine.runner)))
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.model.modules())
     ids, stops = prompts[0]
     cfg = settings.generate_config("plain", stops, [])

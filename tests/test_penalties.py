@@ -49,10 +49,10 @@ def test_dry_matches_the_reference_on_random_and_looping_texts():
     texts.append([3, 4, 5, 6, 7, 8, 9] * 40 + [3, 4])  # matches longer than DRY measures
     texts.append(TOK("one two, three: one two, three: one two")["input_ids"] * 3)
     for text in texts:
-        breakers = {t for t in set(text) if shaper._is_breaker(int(t))}
+        breakers = {t for t in set(text) if shaper.is_breaker(int(t))}
         got = shaper.dry_matches(np.asarray(text, dtype=np.int64))
         assert got == reference_dry([int(t) for t in text], breakers)
-    assert shaper._is_breaker(newline)
+    assert shaper.is_breaker(newline)
     # The looping prompt: after "the cat sat on", " the" continues a 14-token repeat.
     loop = shaper.dry_matches(np.asarray(TOK(REPETITIVE)["input_ids"]))
     assert max(loop.values()) >= 14

@@ -5,6 +5,7 @@ import itertools
 import math
 
 import pytest
+import numpy as np
 import torch
 from tiny import dense_probs
 
@@ -234,13 +235,26 @@ def test_blockwise_argmax_and_top_candidates_are_torchs_answers():
 
 
 def whole_row_min_p(logits: torch.Tensor, params: SamplingParams):
-    """min-p the straightforward way: every logit scaled and exponentiated, then the floor."""
-    x = logits.float() / max(params.temperature, 1e-5)
-    top = float(x.max())
-    z = torch.exp(x - top)
-    ids = (x >= top + math.log(params.min_p)).nonzero()[:, 0]
-    probs, order = torch.sort(z[ids].double(), descending=True)
-    return ids[order], probs / probs.sum()
+    """min-p the straightforward way, as `min_p_draw` defines it: every logit scaled in float32,
+    the floor float32(top + log(min_p)), each kept token's weight exp(x - top) in double, the
+    probabilities over the weights' sum in increasing id order."""
+    t = np.float32(max(params.temperature, 1e-5))
+    x = logits.float().numpy() / t
+    top = x.max()
+    ids = np.flatnonzero(x >= np.float32(float(top) + math.log(params.min_p)))
+    weights = [math.exp(float(x[i] - top)) for i in ids]
+    total = 0.0
+    for w in weights:
+        total += w
+    return torch.from_numpy(ids), torch.tensor(weights, dtype=torch.float64) / total
+
+
+def whole_row_min_p_draw(logits: torch.Tensor, params: SamplingParams, noise: Noise,
+                         position: int) -> int:
+    """The race of every kept token, least -log(u) / p first, its uniforms keyed by id."""
+    ids, probs = whole_row_min_p(logits, params)
+    times = -torch.log(noise.uniforms(position, ids)) / probs
+    return int(ids[int(times.argmin())])
 
 
 def test_min_p_alone_keeps_and_draws_what_the_whole_row_pass_does_to_the_bit():
@@ -263,5 +277,7 @@ def test_min_p_alone_keeps_and_draws_what_the_whole_row_pass_does_to_the_bit():
             assert torch.equal(probs, want_probs)
             noise = Noise(int(t * 10))
             for position in range(2):
-                assert sample_row(row, params, noise, position) == draw(
-                    want_ids, want_probs, noise, position)
+                # the same winner: -log(u) / weight and -log(u) / p order the tokens alike (but
+                # for exact ties of times, which these draws do not meet)
+                assert sample_row(row, params, noise, position) == whole_row_min_p_draw(
+                    row, params, noise, position)

@@ -15,8 +15,11 @@ of a step lands in one row:
     embedding               the token embedding
     rest of the forward     what no module above accounts for: masks, residual adds, the loop
   host, per step          the engine between forwards:
-    masks and penalties     non-text mask, repetition penalty, DRY, ... (`Engine._distribution`)
-    sampling                min-p, top-p, temperature, the draw (`core.sampling.verify`)
+    masks and penalties     non-text mask, repetition penalty, DRY, ...
+                            (`Engine._chain_distribution`); with the runner's native sampler
+                            (specchat's CPU forward) the draw too, made in the same call
+    sampling                min-p, top-p, temperature, the draw where Python makes it
+                            (`core.sampling.verify`)
     drafting                the drafter's proposal (speculative modes only; 0 here)
     streaming and stats     everything else: stop strings, text, events, step records
 
@@ -179,7 +182,7 @@ def profile_plain(engine, prompts: list[tuple[list[int], tuple]], s: BenchSettin
     try:
         with _wrapped(engine.runner, "forward", clock, "forward"), \
                 _c_clock(engine.runner, clock), \
-                _wrapped(engine, "_distribution", clock, "masks and penalties"), \
+                _wrapped(engine, "_chain_distribution", clock, "masks and penalties"), \
                 _wrapped(engine_module, "verify", clock, "sampling"), \
                 _wrapped(engine, "_draft", clock, "drafting"):
             for ids, stops in prompts:

@@ -45,7 +45,7 @@ from specchat.core.history import History
 from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.policy import DraftLengthPolicy
 from specchat.core.prefix import PREFIX_CACHE_TOKENS, PrefixStore
-from specchat.core.sampling import Noise, SamplingParams, verify
+from specchat.core.sampling import DRAW, Noise, SamplingParams, blocked, verify
 from specchat.core.text import (
     ReplyText,
     chat_prompt,
@@ -162,23 +162,50 @@ class _Request:
     wants: list = field(default_factory=list)  # drafters that read the target's features
     generated: int = 0  # reply tokens decided so far (EOS aside)
     start: float = 0.0  # perf_counter at the request's start
-    # `context` as int64 (`context_ids`): the penalties read it every step
+    # `context` as int64 (`context_ids`): the penalties read it every step; past its end, room
+    # for a step's drafts (`sequence`)
     _ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     _converted: int = 0  # tokens of `context` already in _ids
+    # whether each token of _ids holds a DRY breaker (`sequence`); _flagged of them are known
+    _breaks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
+    _flagged: int = 0
 
     def context_ids(self) -> np.ndarray:
         """`context` as an int64 array. The context only grows (`Engine._emit` appends), so
         only the tokens added since the last call are converted, not the whole context at
         every step."""
         n = len(self.context)
-        if n > len(self._ids):
-            grown = np.zeros(max(2 * len(self._ids), n, 256), dtype=np.int64)
-            grown[:self._converted] = self._ids[:self._converted]
-            self._ids = grown
+        self._room(n)
         if n > self._converted:
             self._ids[self._converted:n] = self.context[self._converted:n]
             self._converted = n
         return self._ids[:n]
+
+    def sequence(self, drafted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The context and then `drafted`, as int64 tokens and uint8 flags (1: the token's text
+        holds one of DRY's sequence breakers; all 0 without DRY): views of the request's own
+        buffers, valid until the next call."""
+        n, k = len(self.context), len(drafted)
+        self.context_ids()
+        self._room(n + k)
+        self._ids[n:n + k] = drafted
+        if self.shaper is not None and self.shaper.penalties.dry:
+            breaker = self.shaper.is_breaker
+            for i in range(self._flagged, n):
+                self._breaks[i] = breaker(self.context[i])
+            self._flagged = n
+            for i, token in enumerate(drafted):
+                self._breaks[n + i] = breaker(token)
+        return self._ids[:n + k], self._breaks[:n + k]
+
+    def _room(self, size: int) -> None:
+        if size <= len(self._ids):
+            return
+        grown = max(2 * len(self._ids), size, 256)
+        ids, breaks = np.zeros(grown, dtype=np.int64), np.zeros(grown, dtype=np.uint8)
+        ids[:self._converted] = self._ids[:self._converted]
+        breaks[:self._flagged] = self._breaks[:self._flagged]
+        self._ids, self._breaks = ids, breaks
 
 
 class Engine:
@@ -199,6 +226,7 @@ class Engine:
         self._non_text_set = frozenset(self.non_text.tolist())
         self._mask_key, self._mask_ids, self._mask_runs = None, self.non_text, []
         self.lock = threading.Lock()  # one generation at a time on one model
+        self._breakers: dict = {}  # DRY's breakers -> {token: whether its text holds one}
         self._policies: dict[tuple[str, bool], DraftLengthPolicy] = {}
         self._cache = None
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
@@ -343,8 +371,8 @@ class Engine:
         drafted = draft.tokens.tolist()
         logits = self._forward([context[-1], *drafted], k + 1)
         # row i continues the context and drafts 0..i-1
-        logits = self._distribution(run, logits, context, [drafted[:i] for i in range(k + 1)])
-        v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context))
+        logits, picks = self._chain_distribution(run, logits, drafted, draft.probs is None)
+        v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context), picks)
         n = v.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
         self.runner.crop(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
@@ -389,31 +417,62 @@ class Engine:
                               extras)
         return out
 
+    def _chain_distribution(self, run: _Request, logits: torch.Tensor, drafted: list[int],
+                            pick: bool) -> tuple[torch.Tensor, list[int] | None]:
+        """`_distribution` for a chain's rows (row i continues the context and drafts
+        0..i-1; plain decoding's one row), and with `pick` each row's draw where the runner's
+        native sampler makes it: (logits, the draws or None). The native sampler does the mask,
+        the penalties and the draw in one call, to the bits of the Python definitions."""
+        sampler = getattr(self.runner, "shape_pick", None)
+        if sampler is None or not getattr(self.runner, "owned_logits", False) \
+                or not logits.is_contiguous() or logits.dtype != torch.float32:
+            extras = [drafted[:i] for i in range(len(drafted) + 1)]
+            return self._distribution(run, logits, run.context, extras), None
+        mode, params = None, run.params
+        if pick and params.greedy:
+            mode = "greedy"
+        elif pick and params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] \
+                and params.min_p > 0 and blocked(logits):
+            mode = "min_p"
+        n, rows = len(run.context), len(drafted) + 1
+        seq, breaks = run.sequence(drafted)
+        keys = [run.noise.keys(n + i, DRAW) for i in range(rows)] if mode == "min_p" else None
+        picks = sampler(logits, self._mask_runs_for(logits), seq, breaks,
+                        [n + i for i in range(rows)], run.shaper.penalties if run.shaper else None,
+                        mode, params.temperature, params.min_p, keys)
+        return logits, picks
+
     def _mask_(self, logits: torch.Tensor) -> None:
         """Mask, in place, what no reply holds: the non-text tokens, and the rows past the
         tokenizer's vocabulary (no tokens at all). They lie in a few runs of consecutive ids
         (Gemma 3's 6,250 in three): on the CPU each run is one slice of a numpy view, cheaper
         than a gather of every id, above all right after a forward, with cold caches."""
-        key = (logits.shape[-1], logits.device)
-        runs = self._mask_runs
-        if self._mask_key != key:
-            past = torch.arange(self.vocab_size, logits.shape[-1], dtype=torch.long)
-            ids = torch.cat([self.non_text, past])
-            self._mask_ids, self._mask_runs = ids.to(logits.device), _runs(ids.tolist())
-            runs = self._mask_runs  # all of them in these logits
-            # A run that ends the row (Gemma 3's image ids): the runner may hand those logits
-            # over as -inf from the next forward on, without computing them.
-            tail = self._mask_runs[-1] if self._mask_runs else None
-            skip = getattr(self.runner, "skip_logits_from", None)
-            if tail and tail[1] == logits.shape[-1] and skip is not None and skip(tail[0]):
-                self._mask_runs = self._mask_runs[:-1]
-            self._mask_key = key
+        runs = self._mask_runs_for(logits)
         if logits.device.type == "cpu" and len(runs) <= _FEW_RUNS:
             values = logits.numpy()
             for start, end in runs:
                 values[..., start:end] = -np.inf
         else:
             logits.index_fill_(-1, self._mask_ids, -torch.inf)
+
+    def _mask_runs_for(self, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """The [start, end) runs of ids to mask in these logits. Learned on the first logits
+        of a width: then a run that ends the row (Gemma 3's image ids) may be left to the
+        runner, which from the next forward on hands those logits over as -inf without
+        computing them (`skip_logits_from`); these first logits still need it."""
+        key = (logits.shape[-1], logits.device)
+        if self._mask_key == key:
+            return self._mask_runs
+        past = torch.arange(self.vocab_size, logits.shape[-1], dtype=torch.long)
+        ids = torch.cat([self.non_text, past])
+        self._mask_ids, self._mask_runs = ids.to(logits.device), _runs(ids.tolist())
+        runs = self._mask_runs  # all of them in these logits
+        tail = self._mask_runs[-1] if self._mask_runs else None
+        skip = getattr(self.runner, "skip_logits_from", None)
+        if tail and tail[1] == logits.shape[-1] and skip is not None and skip(tail[0]):
+            self._mask_runs = self._mask_runs[:-1]
+        self._mask_key = key
+        return runs
 
     def _draft(self, run: _Request) -> tuple[Draft, object, int]:
         """Ask the drafter for this step's proposal. -> (draft, its class, the k allowed)."""
@@ -519,7 +578,8 @@ class Engine:
         stats.tree_nodes = cfg.tree_nodes if trees else 0
         policy = self.policy(stats.drafter + "+tree" * trees, params.greedy) if drafter else None
         # Noise: the draw at reply position t depends on (seed, t) alone.
-        return _Request(cfg, drafter, params, Shaper.build(cfg.penalties, self.tokenizer),
+        shaper = Shaper.build(cfg.penalties, self.tokenizer, self._breakers)
+        return _Request(cfg, drafter, params, shaper,
                         Noise(seed), stats, policy, trees, max_new,
                         ReplyText(self.tokenizer, prompt_ids, cfg.stop), list(prompt_ids))
 
@@ -556,9 +616,9 @@ class Engine:
         logits, stats.prefill_tokens = self._prefill(prompt_ids, run.wants, stop_event)
         if logits is None:
             return None
-        logits = self._distribution(run, logits, run.context, [[]])  # the prompt, so far
+        logits, picks = self._chain_distribution(run, logits, [], True)  # the prompt, so far
         stats.target_calls = 1
-        first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids))
+        first = verify(NO_DRAFT, None, logits, run.params, run.noise, len(prompt_ids), picks)
         record = StepRecord(0, 0, 0, 1, 0.0, time.perf_counter() - run.start)
         if run.drafter:
             run.drafter.use_penalties(run.shaper)

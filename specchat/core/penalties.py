@@ -83,8 +83,13 @@ class Shaper:
     _breaks: dict[int, bool] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, penalties: Penalties, tokenizer) -> Shaper | None:
-        return cls(penalties, tokenizer) if penalties.active else None
+    def build(cls, penalties: Penalties, tokenizer, memo: dict | None = None) -> Shaper | None:
+        """None when every penalty is off. `memo` (a dict the caller keeps): which tokens break
+        sequences, remembered across requests with the same breakers."""
+        if not penalties.active:
+            return None
+        breaks = {} if memo is None else memo.setdefault(penalties.dry_sequence_breakers, {})
+        return cls(penalties, tokenizer, breaks)
 
     def shape(self, logits: torch.Tensor, context: list[int],
               extras: list[list[int]]) -> torch.Tensor:
@@ -161,11 +166,11 @@ class Shaper:
         prefix's own tail in one [occurrences, reach] pass, `reach` the tail's run of tokens
         without a breaker (no match reaches past it)."""
         n = len(prefix)
-        if n < 2 or self._is_breaker(int(prefix[-1])):
+        if n < 2 or self.is_breaker(int(prefix[-1])):
             return {}
         starts = np.flatnonzero(prefix[:-1] == prefix[-1])  # earlier places of the last token
         following = prefix[starts + 1].tolist()
-        ok = [not self._is_breaker(t) for t in following]
+        ok = [not self.is_breaker(t) for t in following]
         if not all(ok):
             starts = starts[ok]
             following = [t for t, keep in zip(following, ok) if keep]
@@ -175,7 +180,7 @@ class Shaper:
         tail = prefix[n - 1 - limit:n - 1][::-1]  # prefix[n - 2], prefix[n - 3], ...
         reach = 0
         for token in tail.tolist():
-            if self._is_breaker(token):
+            if self.is_breaker(token):
                 break
             reach += 1
         lengths = np.ones(len(starts), dtype=np.int64)
@@ -188,7 +193,8 @@ class Shaper:
             best[t] = max(best.get(t, 0), length)
         return best
 
-    def _is_breaker(self, token: int) -> bool:
+    def is_breaker(self, token: int) -> bool:
+        """Whether the token's text holds one of DRY's sequence breakers (remembered)."""
         hit = self._breaks.get(token)
         if hit is None:
             text = self.tokenizer.decode([token])

@@ -76,7 +76,7 @@ def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor 
     """
     vocab = logits.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
-    if not top_k and params.top_p >= 1.0 and params.min_p > 0 and _blocked(logits):
+    if not top_k and params.top_p >= 1.0 and params.min_p > 0 and blocked(logits):
         return _min_p_only(logits, params)
     x, z, top, total = _scaled(logits, params)
     floor = top + math.log(params.min_p) if params.min_p > 0 else None
@@ -107,14 +107,22 @@ def nucleus(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor 
 
 def _min_p_only(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
                                                                         torch.Tensor]:
-    """`nucleus` with min-p alone, on a CPU row whose width is whole blocks: only the blocks
-    whose largest logit clears the floor are scaled, and only the kept tokens exponentiated (a
-    few of Gemma's 262k: exp is slow far below the top logit), not the whole vocabulary. Each
-    kept token's scaled logit, exponential and probability are the numbers the whole row's
-    pass gives, so the draw is too (tests/test_sampling.py checks it against that pass): the
-    same IEEE float32 divisions and subtractions (numpy's, on the few numbers involved, like
-    torch's with the scalar rounded to float32 first), and torch's own exp, over a length of
-    whole vectors as in the whole row."""
+    """`nucleus` with min-p alone, on a CPU row whose width is whole blocks: the tokens
+    `min_p_draw` races and their probabilities, in increasing id order: each token's weight
+    exp(x - top) in double over the weights' sum in that order. Only the blocks whose largest
+    logit clears the floor are scaled, not the whole vocabulary."""
+    ids, weights = _min_p_candidates(logits, params)
+    total = 0.0
+    for w in weights:
+        total += w
+    return torch.from_numpy(ids), torch.tensor(weights, dtype=torch.float64) / total
+
+
+def _min_p_candidates(logits: torch.Tensor, params: SamplingParams
+                      ) -> tuple[np.ndarray, list[float]]:
+    """min-p's candidates of a blocked CPU row: (ids in increasing order, their weights
+    exp(x - top) as Python floats). x = logit / temperature in float32; a token is kept when
+    x >= floor = float32(top + log(min_p)), top the largest x."""
     temperature = np.float32(max(params.temperature, 1e-5))
     blocks = logits.float().numpy().reshape(-1, ARGMAX_BLOCK)  # [B, 512]
     # x / t rounds monotonically: a block's largest scaled logit is its largest logit's
@@ -123,16 +131,28 @@ def _min_p_only(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     floor = np.float32(float(top) + math.log(params.min_p))
     chosen = np.flatnonzero(peaks >= floor)  # the blocks holding a kept token
     x = blocks[chosen] / temperature  # [m, 512]
-    rows, cols = np.nonzero(x >= floor)  # in order: ids ascend, as the whole row's nonzero
-    ids = torch.from_numpy(chosen[rows] * ARGMAX_BLOCK + cols)
-    shifted = np.zeros(-(-len(ids) // 64) * 64, dtype=np.float32)  # whole vectors
-    shifted[:len(ids)] = x[rows, cols] - top
-    z = torch.exp(torch.from_numpy(shifted))[:len(ids)]
-    probs, order = torch.sort(z.double(), descending=True)
-    return ids[order], probs / probs.sum()
+    rows, cols = np.nonzero(x >= floor)  # in order: ids ascend
+    shifted = (x[rows, cols] - top).tolist()  # float32 differences, exact as Python floats
+    return chosen[rows] * ARGMAX_BLOCK + cols, [math.exp(d) for d in shifted]
 
 
-def _blocked(logits: torch.Tensor) -> bool:
+def min_p_draw(logits: torch.Tensor, params: SamplingParams, noise: Noise,
+               position: int) -> int:
+    """min-p's draw on a blocked CPU row: the candidates of `_min_p_candidates` race, each
+    taking -log(u) / weight from the position's keyed uniforms u; the least time wins (the
+    smallest id on a tie). One definition in double-precision scalars (Python's math, the C
+    library's exp and log), which the native sampler (csrc/sample.c) computes to the bit."""
+    ids, weights = _min_p_candidates(logits, params)
+    k1, k2 = noise.keys(position, DRAW)
+    best, best_time = -1, math.inf
+    for token, w in zip(ids.tolist(), weights):
+        time = -math.log(_uniform(token & _M32, k1, k2)) / w
+        if best < 0 or time < best_time:
+            best, best_time = token, time
+    return best
+
+
+def blocked(logits: torch.Tensor) -> bool:
     """A CPU row that `argmax` and `_min_p_only` take in blocks."""
     vocab = logits.shape[-1]
     return logits.device.type == "cpu" and vocab % ARGMAX_BLOCK == 0 and \
@@ -189,7 +209,8 @@ class Noise:
     def __init__(self, seed: int):
         self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
 
-    def _keys(self, position: int, stream: int) -> tuple[int, int]:
+    def keys(self, position: int, stream: int) -> tuple[int, int]:
+        """The two 32-bit keys of (position, stream): `uniforms` hashes each id with them."""
         k = _mix32(_mix32(self.seed & _M32) ^ (self.seed >> 32))
         k = _mix32(k ^ (position & _M32))
         k = _mix32(k ^ (((stream + 1) * 0x9E3779B9) & _M32))
@@ -198,10 +219,10 @@ class Noise:
     def uniforms(self, position: int, ids: torch.Tensor, stream: int = DRAW) -> torch.Tensor:
         """ids [m] (token ids, >= 0) -> [m] float64 uniforms in (0, 1), 53 random bits each."""
         if len(ids) <= _FEW:  # Python's integers beat numpy's calls on a handful of ids
-            k1, k2 = self._keys(position, stream)
+            k1, k2 = self.keys(position, stream)
             return torch.tensor([_uniform(x & _M32, k1, k2) for x in ids.tolist()],
                                 dtype=torch.float64)
-        k1, k2 = (np.uint32(k) for k in self._keys(position, stream))
+        k1, k2 = (np.uint32(k) for k in self.keys(position, stream))
         x = ids.cpu().numpy().astype(np.uint32)
         # Keyed twice: one xor-then-mix leaves pairs of keys' outputs slightly correlated.
         hi = _mix32(_mix32(x ^ k1) ^ k1) >> np.uint32(11)  # 21 bits
@@ -249,8 +270,11 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, noise: Noise,
                position: int) -> int:
     """One row of logits [vocab] -> the token plain decoding draws at reply position
     `position`, from the transformed distribution."""
-    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] and params.min_p <= 0:
-        return _sample_untruncated(logits, params, noise, position)
+    if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1]:
+        if params.min_p <= 0:
+            return _sample_untruncated(logits, params, noise, position)
+        if blocked(logits):
+            return min_p_draw(logits, params, noise, position)
     ids, probs = nucleus(logits, params)
     return draw(ids, probs, noise, position)
 
@@ -321,7 +345,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     longer than its max, so the row is taken in blocks: the first block holding the row's
     maximum (the blocks' maxima, then their argmax), then the first place in that block."""
     vocab = logits.shape[-1]
-    if not _blocked(logits):
+    if not blocked(logits):
         return logits.argmax(-1)
     rows = logits.reshape(-1, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)
     block = rows.amax(-1).argmax(-1)  # [n]
@@ -366,7 +390,7 @@ class Verdict:
 
 def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
            target_logits: torch.Tensor, params: SamplingParams, noise: Noise | None,
-           position: int = 0) -> Verdict:
+           position: int = 0, picks: list[int] | None = None) -> Verdict:
     """One speculative step over k draft positions (k = 0: plain decoding).
 
     draft_ids:     [k]            tokens the drafter proposed, for reply positions position..
@@ -374,8 +398,16 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                                   (n-gram lookup, the head: the target's own draw decides)
     target_logits: [k + 1, vocab] the target's logits at the k draft positions and the next one
     noise:         the request's keyed random numbers (unused when greedy)
+    picks:         [k + 1] plain decoding's draw at each row, where the caller made them already
+                   (the engine's native sampler: the same tokens), else None
     """
     k = draft_ids.shape[0]
+    if picks is not None and (params.greedy or draft_probs is None):
+        drafted = draft_ids.tolist()
+        n = next((i for i in range(k) if drafted[i] != picks[i]), k)
+        if n == k or params.greedy:
+            return Verdict(n, picks[n], bonus=n == k)
+        return Verdict(n, picks[n], False, prob_of(target_logits[n], params, drafted[n]), 1.0)
     if params.greedy and k == 0:  # plain decoding: the argmax
         return Verdict(0, argmax_row(target_logits), bonus=True)
     if params.greedy:  # argmax where the logits are (GPU or CPU); move k + 1 ids, not k+1 rows

@@ -26,6 +26,7 @@ import time
 import torch
 
 from specchat.core.tree import visibility
+from specchat.models import kernels
 from specchat.models.static import StaticCache, rope_tables
 
 ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run transformers' forward instead
@@ -224,6 +225,20 @@ class CpuRunner:
             return False
         self._logits_upto = start
         return True
+
+    def shape_pick(self, logits: torch.Tensor, runs: list[tuple[int, int]], seq, breaks,
+                   lengths: list[int], penalties, mode: str | None, temperature: float,
+                   min_p: float, keys: list[tuple[int, int]] | None) -> list[int] | None:
+        """The sampler's work on a forward's logits in one native call (csrc/sample.c): in
+        place, the ids in `runs` masked and the penalties applied for row r's prefix
+        seq[:lengths[r]]; then with `mode` each row's draw, "greedy" (the argmax) or "min_p"
+        (`core.sampling.min_p_draw` with the row's noise keys). The bits of the Python
+        definitions. -> the draws, or None without a mode."""
+        mode_id = {None: kernels.PICK_NONE, "greedy": kernels.PICK_GREEDY,
+                   "min_p": kernels.PICK_MIN_P}[mode]
+        picks = kernels.shape_pick(self.lib, logits, runs, seq, breaks, lengths, penalties,
+                                   mode_id, temperature, min_p, keys)
+        return picks if mode is not None else None
 
     def crop(self, cache, cached: int, keep: int) -> bool:
         return True  # the slots past `keep` are rewritten before any row reads them

@@ -57,8 +57,12 @@ _ARGTYPES = {
     "rms_norm": [_ptr, _i64, _i64, _int, _ptr, ctypes.c_float, _ptr],
     "decoder_forward": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
                         _int],
+    "shape_pick": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float,
+                   ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64, _int,
+                   ctypes.c_float, ctypes.c_double],
 }
-_RESTYPES = {"decoder_forward": _int}  # 0, or -1 out of memory; the others return nothing
+# 0, or -1 out of memory; the others return nothing
+_RESTYPES = {"decoder_forward": _int, "shape_pick": _int}
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +84,8 @@ class Kernels:
     rms_norm: Callable[..., None]
     # a Gemma 3 decoder stack for n rows in one call (csrc/decoder.c, `models.cpu_runner`)
     decoder_forward: Callable[..., int]
+    # the sampler's mask, penalties and pick over a forward's rows (csrc/sample.c, `shape_pick`)
+    shape_pick: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
 
 
@@ -373,3 +379,49 @@ def rms_norm(lib: Kernels, x: torch.Tensor, w1: torch.Tensor, eps: float) -> tor
     lib.rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1],
                  int(rows.dtype == torch.bfloat16), w1.data_ptr(), eps, y.data_ptr())
     return y.reshape(x.shape)
+
+
+PICK_NONE, PICK_GREEDY, PICK_MIN_P = 0, 1, 2  # shape_pick's modes
+
+
+def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], seq, breaks,
+               lengths: list[int], penalties=None, mode: int = PICK_NONE,
+               temperature: float = 1.0, min_p: float = 0.0,
+               keys: list[tuple[int, int]] | None = None) -> list[int]:
+    """In place on float32 CPU logits [rows, width]: each row's ids in `runs` ([start, end)
+    pairs) set to -inf, then the penalties (a `core.penalties.Penalties`, None: off) for row r's
+    prefix seq[:lengths[r]] (`seq` int64 and `breaks` uint8 numpy arrays: the tokens and whether
+    each one's text holds a DRY breaker), then each row's pick: its argmax (PICK_GREEDY) or
+    min-p's draw at `temperature` with the row's keys (PICK_MIN_P). The bits of `Shaper.shape_`,
+    `sampling.argmax` and `sampling.min_p_draw` (csrc/sample.c). -> the picks (none for
+    PICK_NONE)."""
+    import numpy as np
+
+    rows, width = logits.shape
+    if not logits.is_contiguous() or logits.dtype != torch.float32 or len(lengths) != rows:
+        raise ValueError("shape_pick takes contiguous float32 logits [rows, width] and a "
+                         "prefix length per row")
+    if seq.dtype != np.int64 or breaks.dtype != np.uint8 or not seq.flags.c_contiguous \
+            or not breaks.flags.c_contiguous:
+        raise ValueError("shape_pick takes contiguous int64 tokens and uint8 breaker flags")
+    if max(lengths) > len(seq) or len(breaks) < len(seq):
+        raise ValueError("a row's prefix is longer than the tokens given")
+    # One int64 buffer for the small arguments: runs, lengths, keys, then room for the picks
+    # (each array made costs tens of microseconds right after a forward).
+    flat = [x for run in runs for x in run]
+    args = np.array(flat + list(lengths) + ([x for pair in keys for x in pair] if keys
+                                            else [0] * (2 * rows)) + [0] * rows, dtype=np.int64)
+    pen = penalties
+    if pen is None:
+        repeat, frequency, presence, last_n, dry_m, dry_b, dry_a = 1.0, 0.0, 0.0, 0, 0.0, 1.0, 0
+    else:
+        repeat, frequency, presence = pen.repeat_penalty, pen.frequency_penalty, \
+            pen.presence_penalty
+        last_n, dry_m, dry_b, dry_a = pen.repeat_last_n, pen.dry_multiplier, pen.dry_base, \
+            pen.dry_allowed_length
+    done = lib.shape_pick(logits.data_ptr(), rows, width, args.ctypes.data, len(flat) // 2,
+                          seq.ctypes.data, breaks.ctypes.data, repeat, frequency, presence,
+                          last_n, dry_m, dry_b, dry_a, mode, max(temperature, 1e-5), min_p)
+    if done != 0:
+        raise MemoryError("out of memory in the sampler")
+    return args[len(args) - rows:].tolist() if mode != PICK_NONE else []

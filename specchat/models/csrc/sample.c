@@ -1,0 +1,284 @@
+// The sampler's work on a forward's logits, one call for all its rows: mask the ids no reply
+// holds, apply the request's penalties, and pick each row's token (the argmax, or min-p's draw).
+// The Python definitions are specchat/core/penalties.py (`Shaper`) and specchat/core/sampling.py
+// (`argmax`, `min_p_draw`); this computes the same bits (tests/test_native_sampler.py), in one
+// call instead of a few dozen array calls, each slow right after a forward with cold caches.
+//
+// Row r continues seq[0 .. lengths[r]): plain decoding's one row, or a chain verify's rows
+// (the context, then the drafts before the row). `breaks[i]` is 1 where seq[i]'s text holds one
+// of DRY's sequence breakers.
+//
+// Exactness: float32 arithmetic where the Python definition uses float32 scalars, with no fused
+// multiply-adds (-ffp-contract=off); exp, log and pow are the C library's, the functions
+// Python's math module and float powers call.
+#include "common.h"
+
+#define DRY_MAX_MATCH 64
+
+typedef struct {
+    float repeat, frequency, presence;  // 1, 0, 0: off
+    int64_t last_n;                     // the window of the three (0: off)
+    double dry_multiplier, dry_base;    // multiplier 0: DRY off
+    int64_t dry_allowed;
+} penalties_t;
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+// The repeat, frequency and presence penalties over the window's distinct tokens.
+static void windowed(float *v, int64_t width, const int64_t *seq, int64_t n,
+                     const penalties_t *p, int64_t *scratch) {
+    int64_t w = n < p->last_n ? n : p->last_n;
+    memcpy(scratch, seq + n - w, w * sizeof(int64_t));
+    qsort(scratch, w, sizeof(int64_t), cmp_i64);
+    for (int64_t i = 0; i < w;) {
+        int64_t t = scratch[i], j = i;
+        while (j < w && scratch[j] == t) j++;
+        float count = (float)(j - i);
+        i = j;
+        if (t < 0 || t >= width) continue;
+        float value = v[t];
+        if (p->repeat != 1.0f) value = value > 0 ? value / p->repeat : value * p->repeat;
+        if (p->frequency != 0.0f) value = value - count * p->frequency;
+        if (p->presence != 0.0f) value = value - p->presence;
+        v[t] = value;
+    }
+}
+
+// DRY: where seq[0..n) ends with a sequence that occurred earlier followed by token t, t's logit
+// drops by multiplier * base ** (length - allowed) (`Shaper.dry_matches`: the longest such
+// sequence per t, breakers ending sequences, at most DRY_MAX_MATCH tokens).
+static void dry(float *v, int64_t width, const int64_t *seq, const uint8_t *breaks, int64_t n,
+                const penalties_t *p, int64_t *tokens, int64_t *lengths) {
+    if (n < 2 || breaks[n - 1]) return;
+    int64_t last = seq[n - 1];
+    int64_t limit = (DRY_MAX_MATCH < n - 1 ? DRY_MAX_MATCH : n - 1) - 1;
+    int64_t reach = 0;  // the tail's run of tokens without a breaker: seq[n - 2], seq[n - 3], ...
+    while (reach < limit && !breaks[n - 2 - reach]) reach++;
+    int64_t m = 0;
+    for (int64_t s = 0; s < n - 1; s++) {
+        if (seq[s] != last || breaks[s + 1]) continue;
+        int64_t length = 1;
+        for (int64_t j = 1; j <= reach && s - j >= 0 && seq[s - j] == seq[n - 1 - j]; j++)
+            length++;
+        tokens[m] = seq[s + 1];
+        lengths[m++] = length;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        int64_t t = tokens[i], best = lengths[i], first = 1;
+        for (int64_t j = 0; j < m && first; j++)
+            if (j < i && tokens[j] == t) first = 0;
+        if (!first) continue;  // the token's first occurrence applies its longest match
+        for (int64_t j = i + 1; j < m; j++)
+            if (tokens[j] == t && lengths[j] > best) best = lengths[j];
+        if (best >= p->dry_allowed && t >= 0 && t < width)
+            v[t] -= (float)(p->dry_multiplier * pow(p->dry_base, (double)(best - p->dry_allowed)));
+    }
+}
+
+// The row's largest value; NaN if it holds one (then `first_at` finds the first NaN).
+static float row_max_ref(const float *v, int64_t width) {
+    float best = -INFINITY;
+    for (int64_t i = 0; i < width; i++) {
+        if (v[i] != v[i]) return v[i];
+        if (v[i] > best) best = v[i];
+    }
+    return best;
+}
+
+// The first index whose value is >= `at_least` (or NaN when `at_least` is NaN); -1 if none.
+static int64_t first_at_ref(const float *v, int64_t width, float at_least) {
+    int nan = at_least != at_least;
+    for (int64_t i = 0; i < width; i++)
+        if (nan ? v[i] != v[i] : v[i] >= at_least) return i;
+    return -1;
+}
+
+static int64_t argmax_ref(const float *v, int64_t width) {
+    return first_at_ref(v, width, row_max_ref(v, width));
+}
+
+#if SPECCHAT_SIMD
+// The SIMD scans keep 4 accumulators of 8 lanes (32 values a step), so that no step waits on
+// the one before.
+static float row_max_simd(const float *v, int64_t width) {
+    __m256 best[4], nan = _mm256_setzero_ps();
+    for (int a = 0; a < 4; a++) best[a] = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 32 <= width; i += 32)
+        for (int a = 0; a < 4; a++) {
+            __m256 x = _mm256_loadu_ps(v + i + 8 * a);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            best[a] = _mm256_max_ps(best[a], x);
+        }
+    if (_mm256_movemask_ps(nan)) return row_max_ref(v, width);
+    float lanes[32];
+    for (int a = 0; a < 4; a++) _mm256_storeu_ps(lanes + 8 * a, best[a]);
+    float m = row_max_ref(v + i, width - i);  // the last width % 32
+    if (m != m) return m;
+    for (int k = 0; k < 32; k++) m = lanes[k] > m ? lanes[k] : m;
+    return m;
+}
+
+// The first index of the row's largest value (of its first NaN, if any), in one pass: each lane
+// keeps its largest value and the first index holding it; then the largest of the lanes, and the
+// smallest index among the lanes holding it.
+static int64_t argmax_simd(const float *v, int64_t width) {
+    if (width < 32 || width > INT32_MAX) return argmax_ref(v, width);
+    __m256 best[4], nan = _mm256_setzero_ps();
+    __m256i at[4], here[4], step = _mm256_set1_epi32(32);
+    for (int a = 0; a < 4; a++) {
+        best[a] = _mm256_set1_ps(-INFINITY);
+        here[a] = _mm256_setr_epi32(8 * a, 8 * a + 1, 8 * a + 2, 8 * a + 3, 8 * a + 4, 8 * a + 5,
+                                    8 * a + 6, 8 * a + 7);
+        at[a] = here[a];
+    }
+    int64_t i = 0;
+    for (; i + 32 <= width; i += 32) {
+        for (int a = 0; a < 4; a++) {
+            __m256 x = _mm256_loadu_ps(v + i + 8 * a);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            __m256 more = _mm256_cmp_ps(x, best[a], _CMP_GT_OQ);
+            best[a] = _mm256_blendv_ps(best[a], x, more);
+            at[a] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at[a]),
+                                                         _mm256_castsi256_ps(here[a]), more));
+            here[a] = _mm256_add_epi32(here[a], step);
+        }
+    }
+    if (_mm256_movemask_ps(nan)) return argmax_ref(v, width);
+    float lanes[32];
+    int32_t index[32];
+    for (int a = 0; a < 4; a++) {
+        _mm256_storeu_ps(lanes + 8 * a, best[a]);
+        _mm256_storeu_si256((__m256i *)(index + 8 * a), at[a]);
+    }
+    // A lane still at -inf never passed its start: its index is its first, which holds -inf.
+    int64_t found = index[0];
+    float m = lanes[0];
+    for (int k = 1; k < 32; k++)
+        if (lanes[k] > m || (lanes[k] == m && index[k] < found)) m = lanes[k], found = index[k];
+    for (; i < width; i++) {  // the rest, past every index above
+        if (v[i] != v[i]) return argmax_ref(v, width);
+        if (v[i] > m) m = v[i], found = i;
+    }
+    return found;
+}
+
+static int64_t first_at_simd(const float *v, int64_t width, float at_least) {
+    if (at_least != at_least) return first_at_ref(v, width, at_least);
+    __m256 floor = _mm256_set1_ps(at_least);
+    int64_t i = 0;
+    for (; i + 8 <= width; i += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), floor, _CMP_GE_OQ));
+        if (mask) return i + __builtin_ctz(mask);
+    }
+    int64_t rest = first_at_ref(v + i, width - i, at_least);
+    return rest < 0 ? -1 : i + rest;
+}
+#endif
+
+// Keyed uniforms (`Noise.uniforms` in sampling.py): lowbias32, keyed twice per half.
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+static inline double keyed_uniform(uint32_t x, uint32_t k1, uint32_t k2) {
+    uint32_t hi = mix32(mix32(x ^ k1) ^ k1) >> 11, lo = mix32(mix32(x ^ k2) ^ k2);
+    return ((double)hi * 4294967296.0 + (double)lo + 0.5) * 0x1p-53;
+}
+
+// A build's scans of a row: the SIMD ones, or their plain-C references (the same answers).
+typedef struct {
+    float (*max)(const float *, int64_t);
+    int64_t (*first_at)(const float *, int64_t, float);
+    int64_t (*argmax)(const float *, int64_t);
+} scans_t;
+
+// min-p's draw (`sampling.min_p_draw`): x = v / t; the tokens whose x is within -log(min_p) of
+// the largest race with weights z = exp(x - top) in double, each time -log(u) / z from the
+// position's keyed uniforms; the least time wins, the smallest id on a tie.
+static int64_t min_p_draw(const float *v, int64_t width, float t, double log_min_p, uint32_t k1,
+                          uint32_t k2, const scans_t *scan) {
+    float top = scan->max(v, width) / t;
+    float floor = (float)((double)top + log_min_p);
+    // Candidates are x >= floor, and v / t rounds monotonically in v: find the least v that
+    // passes, then scan for v >= it (one compare per logit, not a division).
+    float low = floor * t;
+    while (low / t >= floor && low > -INFINITY) low = nextafterf(low, -INFINITY);
+    while (low / t < floor) low = nextafterf(low, INFINITY);
+    int64_t best = -1;
+    double best_time = INFINITY;
+    for (int64_t i = scan->first_at(v, width, low); i >= 0 && i < width;) {
+        float x = v[i] / t;
+        double z = exp((double)(x - top));
+        double time = -log(keyed_uniform((uint32_t)i, k1, k2)) / z;
+        if (best < 0 || time < best_time) best = i, best_time = time;
+        int64_t next = scan->first_at(v + i + 1, width - i - 1, low);
+        i = next < 0 ? -1 : i + 1 + next;
+    }
+    return best;
+}
+
+// The exported call. `args` holds, as int64: the runs' [start, end) pairs (n_runs of them),
+// each row's prefix length (rows), each row's two noise keys (2 * rows, for mode 2), and room
+// for each row's pick (rows), which it writes. mode: 0 shape only, 1 greedy (the argmax), 2
+// min-p's draw. Returns 0, or -1 out of memory.
+static int shape_pick_impl(float *logits, int64_t rows, int64_t width, int64_t *args,
+                           int64_t n_runs, const int64_t *seq, const uint8_t *breaks,
+                           const penalties_t *p, int mode, float t, double min_p,
+                           const scans_t *scan) {
+    const int64_t *runs = args, *lengths = args + 2 * n_runs, *keys = lengths + rows;
+    int64_t *picks = args + 2 * n_runs + 3 * rows;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    int64_t *scratch = malloc(3 * (longest + 1) * sizeof(int64_t));
+    if (!scratch) return -1;
+    double log_min_p = mode == 2 ? log(min_p) : 0.0;
+    for (int64_t r = 0; r < rows; r++) {
+        float *v = logits + r * width;
+        for (int64_t i = 0; i < n_runs; i++)
+            for (int64_t j = runs[2 * i]; j < runs[2 * i + 1] && j < width; j++) v[j] = -INFINITY;
+        int64_t n = lengths[r];
+        if (p->last_n > 0 && (p->repeat != 1.0f || p->frequency != 0.0f || p->presence != 0.0f))
+            windowed(v, width, seq, n, p, scratch);
+        if (p->dry_multiplier > 0)
+            dry(v, width, seq, breaks, n, p, scratch + longest + 1, scratch + 2 * (longest + 1));
+        if (mode == 1)
+            picks[r] = scan->argmax(v, width);
+        else if (mode == 2)
+            picks[r] = min_p_draw(v, width, t, log_min_p, (uint32_t)keys[2 * r],
+                                  (uint32_t)keys[2 * r + 1], scan);
+    }
+    free(scratch);
+    return 0;
+}
+
+#define SHAPE_PICK_ARGS                                                                        \
+    float *logits, int64_t rows, int64_t width, int64_t *args, int64_t n_runs,               \
+        const int64_t *seq, const uint8_t *breaks, float repeat, float frequency,             \
+        float presence, int64_t last_n, double dry_multiplier, double dry_base,               \
+        int64_t dry_allowed, int mode, float t, double min_p
+
+#define PENALTIES {repeat, frequency, presence, last_n, dry_multiplier, dry_base, dry_allowed}
+
+int shape_pick_ref(SHAPE_PICK_ARGS) {
+    static const scans_t scan = {row_max_ref, first_at_ref, argmax_ref};
+    penalties_t p = PENALTIES;
+    return shape_pick_impl(logits, rows, width, args, n_runs, seq, breaks, &p, mode, t, min_p,
+                           &scan);
+}
+
+#if SPECCHAT_SIMD
+int shape_pick(SHAPE_PICK_ARGS) {
+    static const scans_t scan = {row_max_simd, first_at_simd, argmax_simd};
+    penalties_t p = PENALTIES;
+    return shape_pick_impl(logits, rows, width, args, n_runs, seq, breaks, &p, mode, t, min_p,
+                           &scan);
+}
+#endif

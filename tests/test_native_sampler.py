@@ -1,0 +1,149 @@
+"""The native sampler (csrc/sample.c, `kernels.shape_pick`): the mask, the penalties and the
+draw over a forward's rows in one call compute the bits of the Python definitions
+(`Shaper`, `argmax`, `min_p_draw`), on every kernels build this machine runs; and the engine
+replies the same text with it as without it, plain and speculative."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.events import TokenEvent
+from specchat.core.penalties import Penalties, Shaper
+from specchat.core.sampling import DRAW, Noise, SamplingParams, argmax, min_p_draw
+from specchat.drafters.ngram import NgramDrafter
+from specchat.models import cpu_runner, kernels, runtime
+from specchat.models.load import load_model
+from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3
+
+# Every build this machine runs: the SIMD kernels of each width, the SIMD build's references,
+# and the portable build.
+BUILDS = {name: lib for name, lib in (
+    ("avx512", kernels.load("avx512")), ("avx2", kernels.load("avx2")), ("ref", kernels.load("ref")),
+    ("avx2 build's ref", kernels.reference("avx2", portable=False))) if lib is not None}
+
+
+class Breakers:
+    """A tokenizer stand-in for DRY: every 17th id's text is a newline (a breaker)."""
+
+    def decode(self, ids):
+        return "\n" if ids[0] % 17 == 0 else "x"
+
+
+PENALTIES = [
+    Penalties(repeat_penalty=1.1, repeat_last_n=64, dry_multiplier=0.8),  # the examples'
+    Penalties(repeat_penalty=0.9, repeat_last_n=7, frequency_penalty=0.3, presence_penalty=-0.2),
+    Penalties(dry_multiplier=2.0, dry_base=1.3, dry_allowed_length=1),
+    None,
+]
+
+
+def _rows(vocab: int, g: torch.Generator) -> torch.Tensor:
+    rows = torch.randn(4, vocab, generator=g) * 3
+    rows[0, 100] += 20  # peaked
+    rows[1] = (rows[1] * 2).round()  # ties everywhere
+    rows[2] *= 0.01  # flat
+    rows[3, :vocab // 2] = -torch.inf
+    return rows
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_the_native_sampler_computes_the_python_definitions_bits(build):
+    lib = BUILDS[build]
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    for vocab, pen, repetitive in itertools.product((262144, 4096, 2061), PENALTIES,
+                                                    (True, False)):
+        n = int(rng.integers(3, 400))
+        # a few distinct tokens make long repeats (DRY's matches); many make none
+        seq = rng.integers(0, 30 if repetitive else vocab, n).astype(np.int64)
+        seq[-5:] = seq[10:15] if repetitive and n > 20 else seq[-5:]
+        shaper = Shaper(pen, Breakers()) if pen else None
+        breaks = np.array([shaper.is_breaker(int(t)) if shaper else 0 for t in seq], np.uint8)
+        rows = _rows(vocab, g)
+        lengths = [n - 3, n - 2, n - 1, n]
+        runs = [(5, 9), (vocab - 300, vocab)]
+        want = rows.clone()
+        for start, end in runs:
+            want[:, start:end] = -torch.inf
+        if shaper:
+            for r, length in enumerate(lengths):
+                shaper.shape_row(want[r], seq[:length])
+        shaped = rows.clone()
+        assert kernels.shape_pick(lib, shaped, runs, seq, breaks, lengths, pen) == []
+        assert torch.equal(shaped, want)
+        greedy = kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                    kernels.PICK_GREEDY)
+        assert greedy == argmax(want).tolist()
+        for t, min_p in ((0.7, 0.05), (1.5, 1e-3), (0.2, 0.5)):
+            params, noise = SamplingParams(t, min_p=min_p), Noise(n)
+            keys = [noise.keys(40 + r, DRAW) for r in range(4)]
+            picks = kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                       kernels.PICK_MIN_P, t, min_p, keys)
+            if vocab % 512 == 0:  # rows `min_p_draw` takes (the engine asks only for those)
+                assert picks == [min_p_draw(want[r], params, noise, 40 + r) for r in range(4)]
+            assert all(want[r, p] > -torch.inf for r, p in enumerate(picks))
+
+
+def test_the_native_sampler_refuses_what_it_cannot_take():
+    lib = next(iter(BUILDS.values()), None)
+    if lib is None:
+        pytest.skip("no kernels build runs here")
+    seq, breaks = np.arange(10, dtype=np.int64), np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.shape_pick(lib, torch.zeros(2, 64, dtype=torch.float64), [], seq, breaks, [1, 2])
+    with pytest.raises(ValueError, match="longer"):
+        kernels.shape_pick(lib, torch.zeros(1, 64), [], seq, breaks, [11])
+    with pytest.raises(ValueError, match="int64"):
+        kernels.shape_pick(lib, torch.zeros(1, 64), [], seq.astype(np.int32), breaks, [1])
+
+
+KERNEL_PATHS = [p.name for p in runtime.candidates(forced="")
+                if p.kernels and not p.fused_nf4 and kernels.load(p.kernels) is not None]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Gemma 3 on specchat's C forward whose vocabulary (2,048) is whole blocks, so that
+    min-p's draws take the blocked path the embedded model's do."""
+    pytest.importorskip("bitsandbytes")
+    tok = byte_tokenizer([f"<w{i}>" for i in range(2048 - 259)])
+    model = tiny_gemma3(0, vocab=len(tok), hidden=128, head_dim=64)
+    for m in model.modules():
+        if type(m).__name__ == "Gemma3RMSNorm":
+            torch.nn.init.normal_(m.weight, std=0.5)
+    return save(model.to(torch.bfloat16), tok, tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_replies_are_the_same_with_the_native_sampler_and_without(checkpoint, path,
+                                                                   monkeypatch):
+    monkeypatch.setenv(runtime.ENV, path)
+    loaded = load_model(str(checkpoint), "nf4", "cpu", progress=lambda *a: None)
+    assert isinstance(loaded.runner, cpu_runner.CpuRunner)
+    engine = Engine(loaded, {"ngram": NgramDrafter()})
+    native = engine.runner.shape_pick
+    modes = []
+
+    def counted(*args):
+        modes.append(args[6])
+        return native(*args)
+
+    prompt = list(b"abcabcabcabd abcabcabcabd abcabc")
+    examples = dict(repeat_penalty=1.1, repeat_last_n=64, dry_multiplier=0.8)
+    for sampling, mode in ((dict(temperature=0.0), "greedy"),
+                           (dict(temperature=0.8, min_p=0.05), "min_p"),
+                           (dict(temperature=0.8, top_p=0.9), None)):  # it shapes, Python draws
+        cfg = dict(max_new_tokens=40, adaptive=False, draft_len=4, seed=3, **examples,
+                   **sampling)
+        replies = []
+        for with_native, spec in itertools.product((True, False), (False, True)):
+            monkeypatch.setattr(engine.runner, "shape_pick", counted if with_native else None)
+            modes.clear()
+            replies.append([e.id for e in engine.stream(prompt, GenerateConfig(
+                speculation=spec, drafter="ngram", **cfg)) if isinstance(e, TokenEvent)])
+            assert set(modes) == ({mode} if with_native else set())
+        assert len(replies[0]) == 40 and all(r == replies[0] for r in replies), sampling
