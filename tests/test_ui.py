@@ -615,6 +615,7 @@ def test_a_reply_past_its_owners_places_in_line_is_not_sent_nor_saved(engine, st
     app.retry(session)
     list(app.bot(session, Settings(max_new_tokens=4, seed=0)))
     assert session.turns[-1].stats.stop_reason != "refused" and session.turns[-1].tokens
+    assert app.writer.flush(10)  # saved before the store closes
 
 
 def test_page_replies_wait_in_the_fair_line_not_in_gradios_queue(engine):

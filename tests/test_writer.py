@@ -59,6 +59,17 @@ def test_a_turn_that_cannot_be_saved_is_reported_and_the_next_clears_it(tmp_path
     writer.close()
 
 
+def test_a_store_closed_while_its_writer_saves_gives_the_writer_a_database_error():
+    """The app closes its store when it stops. A turn the writer had begun to save then meets a
+    database error (the turn is lost, and the writer says so), not an exception on the writer's
+    thread: the store checks that it is open under the lock its writes take."""
+    store = StatsStore(":memory:")
+    writer = store._turn_writer("c1", "late prompt", "r", stats(), None, conversation())
+    store.close()
+    with pytest.raises(sqlite3.OperationalError, match="not open"):
+        store._transaction(writer)
+
+
 def test_turns_wait_for_a_locked_database_and_are_lost_only_after_keep_for(tmp_path):
     path = tmp_path / "s.db"
     store = StatsStore(path)

@@ -571,6 +571,8 @@ class StatsStore:
     def _transaction(self, fn: Callable[[Database], T]) -> T:
         """fn(db) in one transaction that holds the write lock from its first statement."""
         with self._lock:
+            if self.db is None:  # closed meanwhile (the app stopping): the writer reports it
+                raise sqlite3.OperationalError(self.error or "the stats database is not open")
             # BEGIN IMMEDIATE, not BEGIN: a deferred transaction that reads and then writes
             # gets SQLITE_BUSY at once (no busy wait) if another process wrote meanwhile.
             self.db.conn.execute("BEGIN IMMEDIATE")
