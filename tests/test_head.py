@@ -115,10 +115,29 @@ def test_observed_features_replace_the_extra_target_forward():
                logits_to_keep=1)
         fed.observe(30, ids[30:-1], tap.features(len(ids) - 31))
     tap.close()
+    a = fed.propose(ids, 4, SamplingParams(0.0), None)[0]  # stores what it observed
     assert torch.allclose(fed.feats[:len(ids) - 1], target_features(target, ids[:-1]), atol=1e-5)
-    a = fed.propose(ids, 4, SamplingParams(0.0), None)[0]
     b = computed.propose(ids, 4, SamplingParams(0.0), None)[0]
     assert torch.equal(a, b) and fed.computed == 0 and computed.computed > 0
+
+
+def test_features_observed_a_token_at_a_time_are_stored_in_batches_and_in_order():
+    """Plain decoding with the head loaded: every step's features are kept, stored a few dozen
+    at a time (never more than PENDING_FEATURES wait), and a rollback's overwrite lands last."""
+    from specchat.drafters.head import PENDING_FEATURES
+
+    target = tiny_gemma3(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    ids = ids_of(TEXT)[:PENDING_FEATURES + 12]
+    want = target_features(target, ids)
+    noise = torch.randn_like(want)
+    for t in range(len(ids)):
+        if t == 20:  # a verify's row that was refused: its features come again, right
+            drafter.observe(t, ids[t:t + 1], noise[t:t + 1])
+        drafter.observe(t, ids[t:t + 1], want[t:t + 1])
+        assert len(drafter._pending) < PENDING_FEATURES
+    drafter._ensure_features(ids)
+    assert drafter.computed == 0 and torch.equal(drafter.feats[:len(ids)], want)
 
 
 def tv(a, b):

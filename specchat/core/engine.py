@@ -375,8 +375,9 @@ class Engine:
         v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context), picks)
         n = v.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
-        self.runner.crop(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
-        self._cache_ids = self._cache_ids[:len(self._cache_ids) - (k - n)]
+        if n < k:
+            self.runner.crop(self._cache, len(self._cache_ids), len(self._cache_ids) - (k - n))
+            del self._cache_ids[len(self._cache_ids) - (k - n):]
         self._observe(run.wants, len(context) - 1, [context[-1], *drafted[:n]])
         refused = drafted[n] if n < k else None
         rows = logits if n == k else logits[:n + 1]

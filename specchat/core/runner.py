@@ -56,4 +56,5 @@ class Runner(Protocol):
         """From now on, keep each forward's features (the final norm's output)."""
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
-        """The latest forward's features: its first n rows, or the rows `rows`. [n, d]"""
+        """The latest forward's features: its first n rows, or the rows `rows`. [n, d], a
+        tensor no later forward overwrites (a drafter may keep it a while before storing it)."""

@@ -12,6 +12,9 @@ from specchat.core.tree import DraftTree
 from specchat.models.eagle import DraftHead, target_features
 from specchat.models.runtime import cpu_kind
 
+# Observed features kept before they are stored (`HeadDrafter.observe`)
+PENDING_FEATURES = 32
+
 # -- the drafter -------------------------------------------------------------------------------
 
 
@@ -58,6 +61,7 @@ class HeadDrafter(Drafter):
         self.device = head.vocab_ids.device
         self.tokens: list[int] = []  # context tokens whose features are in self.feats[:len]
         self.feats = torch.zeros(0, head.cfg.hidden_size, device=self.device)  # [capacity, d]
+        self._pending: list[tuple[int, torch.Tensor]] = []  # observed, not yet in self.feats
         self.cache = None  # head KV cache over positions 0..len(head_tokens)-2
         self.head_tokens: list[int] = []  # the tokens that cache was built from
         self.computed = 0  # features the drafter had to compute itself (no observe)
@@ -100,7 +104,18 @@ class HeadDrafter(Drafter):
             return  # a gap (features we never saw): propose() recomputes what it needs
         del self.tokens[start:]
         self.tokens.extend(token_ids)
-        self._store(start, features)
+        # Stored when next read, or a few dozen at a time: one copy at every step, right after
+        # a forward with cold caches, costs several times the same copies made in a row. (A
+        # runner's features are a tensor no later forward overwrites.)
+        self._pending.append((start, features))
+        if len(self._pending) >= PENDING_FEATURES:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Store the features observed since the last flush, in the order they came."""
+        pending, self._pending = self._pending, []
+        for start, features in pending:
+            self._store(start, features)
 
     def _store(self, start: int, features: torch.Tensor) -> None:
         end = start + features.shape[0]
@@ -119,6 +134,7 @@ class HeadDrafter(Drafter):
 
     def _ensure_features(self, prefix: list[int]) -> None:
         """Make self.feats[:len(prefix)] the target's features of `prefix`."""
+        self._flush()
         known = common_prefix_len(self.tokens, prefix)
         if known < len(prefix):
             self.computed += len(prefix)
