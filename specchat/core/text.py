@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from specchat.core.events import TokenEvent
@@ -23,8 +24,7 @@ class Detokenizer:
         self.read = len(self.ids)  # tokens before this are already emitted as text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        return _decoded(self.tokenizer, tuple(ids))
 
     @property
     def incomplete(self) -> bool:
@@ -46,6 +46,15 @@ class Detokenizer:
         after = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return after[len(before):]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _decoded(tokenizer, ids: tuple[int, ...]) -> str:
+    """The text of a short window of ids. The detokenizer's windows are mostly a token or two
+    that came before (a reply's common tokens and pairs): remembered, a decode costs a lookup,
+    not a tokenizer call of tens of microseconds at every step."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
 
 
 def tokens_until_stop(tokenizer, context: list[int], draft: list[int],
