@@ -49,12 +49,23 @@ def _rows(vocab: int, g: torch.Generator) -> torch.Tensor:
     return rows
 
 
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (the sampler scans a wide row in that many pieces)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
 @pytest.mark.parametrize("build", list(BUILDS))
-def test_the_native_sampler_computes_the_python_definitions_bits(build):
+def test_the_native_sampler_computes_the_python_definitions_bits(build, threads):
+    """Every build, scanning a row whole or in pieces on several threads."""
     lib = BUILDS[build]
     g = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
-    for vocab, pen, repetitive in itertools.product((262144, 4096, 2061), PENALTIES,
+    for vocab, pen, repetitive in itertools.product((65536, 4096, 2061), PENALTIES,
                                                     (True, False)):
         n = int(rng.integers(3, 400))
         # a few distinct tokens make long repeats (DRY's matches); many make none

@@ -269,6 +269,8 @@ def test_min_p_alone_keeps_and_draws_what_the_whole_row_pass_does_to_the_bit():
         rows[3, [5, vocab - 2]] = rows[3].max() + 0.01  # kept tokens in the first, last block
         rows[4] = rows[4] * 0.01  # flat: most blocks hold kept tokens
         rows[5, 1000] = 1e4  # one certain token
+        if vocab > 4096:  # a flat row keeps most tokens: the narrower vocabulary checks it,
+            rows = rows[[0, 1, 2, 3, 5]]  # since the reference's Python loop over 262k is slow
         for row, t, min_p in itertools.product(rows, (0.3, 1.0, 1.6), (0.05, 0.5, 1e-4)):
             params = SamplingParams(t, min_p=min_p)
             ids, probs = nucleus(row, params)

@@ -59,7 +59,7 @@ _ARGTYPES = {
                         _int],
     "shape_pick": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float,
                    ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64, _int,
-                   ctypes.c_float, ctypes.c_double],
+                   ctypes.c_float, ctypes.c_double, _int],
 }
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int}
@@ -421,7 +421,8 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], 
             pen.dry_allowed_length
     done = lib.shape_pick(logits.data_ptr(), rows, width, args.ctypes.data, len(flat) // 2,
                           seq.ctypes.data, breaks.ctypes.data, repeat, frequency, presence,
-                          last_n, dry_m, dry_b, dry_a, mode, max(temperature, 1e-5), min_p)
+                          last_n, dry_m, dry_b, dry_a, mode, max(temperature, 1e-5), min_p,
+                          torch.get_num_threads())
     if done != 0:
         raise MemoryError("out of memory in the sampler")
     return args[len(args) - rows:].tolist() if mode != PICK_NONE else []

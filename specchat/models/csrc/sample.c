@@ -200,28 +200,93 @@ typedef struct {
     int64_t (*argmax)(const float *, int64_t);
 } scans_t;
 
+// A row's scans run in `parts` pieces on as many threads, each piece the part of the row its
+// thread wrote in the LM head's product (both split the row evenly, in order), so each reads
+// from its own core's cache; the pieces' answers are combined as one pass in order gives them.
+#define MAX_PARTS 64
+#define MIN_PART 16384  // values: below this a piece is not worth a thread
+
+static int parts_for(int64_t width, int threads) {
+    int64_t parts = width / MIN_PART;
+    parts = parts < threads ? parts : threads;
+    parts = parts < MAX_PARTS ? parts : MAX_PARTS;
+    return parts < 1 ? 1 : (int)parts;
+}
+
+static inline int64_t part_start(int64_t width, int parts, int k) {
+    return width * k / parts;
+}
+
+static int64_t argmax_parts(const float *v, int64_t width, const scans_t *scan, int threads) {
+    int parts = parts_for(width, threads);
+    if (parts == 1) return scan->argmax(v, width);
+    int64_t at[MAX_PARTS];
+#pragma omp parallel for schedule(static) num_threads(parts)
+    for (int k = 0; k < parts; k++) {
+        int64_t lo = part_start(width, parts, k), hi = part_start(width, parts, k + 1);
+        at[k] = lo + scan->argmax(v + lo, hi - lo);
+    }
+    int64_t best = at[0];  // the first NaN, else the first place of the largest value
+    for (int k = 1; k < parts && v[best] == v[best]; k++)
+        if (v[at[k]] != v[at[k]] || v[at[k]] > v[best]) best = at[k];
+    return best;
+}
+
+static float max_parts(const float *v, int64_t width, const scans_t *scan, int threads) {
+    int parts = parts_for(width, threads);
+    if (parts == 1) return scan->max(v, width);
+    float m[MAX_PARTS];
+#pragma omp parallel for schedule(static) num_threads(parts)
+    for (int k = 0; k < parts; k++) {
+        int64_t lo = part_start(width, parts, k), hi = part_start(width, parts, k + 1);
+        m[k] = scan->max(v + lo, hi - lo);
+    }
+    float top = m[0];  // NaN if any piece holds one
+    for (int k = 1; k < parts && top == top; k++) top = m[k] != m[k] || m[k] > top ? m[k] : top;
+    return top;
+}
+
+// The race among v[lo, hi)'s candidates (v >= low): its winner, and its time in *time_out
+// (-1 and +inf when none).
+static int64_t race_range(const float *v, int64_t lo, int64_t hi, float low, float t, float top,
+                          uint32_t k1, uint32_t k2, const scans_t *scan, double *time_out) {
+    int64_t best = -1;
+    double best_time = INFINITY;
+    for (int64_t i = lo + scan->first_at(v + lo, hi - lo, low); i >= lo && i < hi;) {
+        float x = v[i] / t;
+        double z = exp((double)(x - top));
+        double time = -log(keyed_uniform((uint32_t)i, k1, k2)) / z;
+        if (best < 0 || time < best_time) best = i, best_time = time;
+        int64_t next = scan->first_at(v + i + 1, hi - i - 1, low);
+        i = next < 0 ? -1 : i + 1 + next;
+    }
+    *time_out = best_time;
+    return best;
+}
+
 // min-p's draw (`sampling.min_p_draw`): x = v / t; the tokens whose x is within -log(min_p) of
 // the largest race with weights z = exp(x - top) in double, each time -log(u) / z from the
 // position's keyed uniforms; the least time wins, the smallest id on a tie.
 static int64_t min_p_draw(const float *v, int64_t width, float t, double log_min_p, uint32_t k1,
-                          uint32_t k2, const scans_t *scan) {
-    float top = scan->max(v, width) / t;
+                          uint32_t k2, const scans_t *scan, int threads) {
+    float top = max_parts(v, width, scan, threads) / t;
     float floor = (float)((double)top + log_min_p);
     // Candidates are x >= floor, and v / t rounds monotonically in v: find the least v that
     // passes, then scan for v >= it (one compare per logit, not a division).
     float low = floor * t;
     while (low / t >= floor && low > -INFINITY) low = nextafterf(low, -INFINITY);
     while (low / t < floor) low = nextafterf(low, INFINITY);
-    int64_t best = -1;
-    double best_time = INFINITY;
-    for (int64_t i = scan->first_at(v, width, low); i >= 0 && i < width;) {
-        float x = v[i] / t;
-        double z = exp((double)(x - top));
-        double time = -log(keyed_uniform((uint32_t)i, k1, k2)) / z;
-        if (best < 0 || time < best_time) best = i, best_time = time;
-        int64_t next = scan->first_at(v + i + 1, width - i - 1, low);
-        i = next < 0 ? -1 : i + 1 + next;
-    }
+    int parts = parts_for(width, threads);
+    int64_t at[MAX_PARTS];
+    double times[MAX_PARTS];
+#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
+    for (int k = 0; k < parts; k++)
+        at[k] = race_range(v, part_start(width, parts, k), part_start(width, parts, k + 1), low,
+                           t, top, k1, k2, scan, &times[k]);
+    int64_t best = at[0];
+    double best_time = times[0];
+    for (int k = 1; k < parts; k++)  // in order: the smallest id wins a tie
+        if (at[k] >= 0 && (best < 0 || times[k] < best_time)) best = at[k], best_time = times[k];
     return best;
 }
 
@@ -232,7 +297,7 @@ static int64_t min_p_draw(const float *v, int64_t width, float t, double log_min
 static int shape_pick_impl(float *logits, int64_t rows, int64_t width, int64_t *args,
                            int64_t n_runs, const int64_t *seq, const uint8_t *breaks,
                            const penalties_t *p, int mode, float t, double min_p,
-                           const scans_t *scan) {
+                           const scans_t *scan, int threads) {
     const int64_t *runs = args, *lengths = args + 2 * n_runs, *keys = lengths + rows;
     int64_t *picks = args + 2 * n_runs + 3 * rows;
     int64_t longest = 0;
@@ -250,10 +315,10 @@ static int shape_pick_impl(float *logits, int64_t rows, int64_t width, int64_t *
         if (p->dry_multiplier > 0)
             dry(v, width, seq, breaks, n, p, scratch + longest + 1, scratch + 2 * (longest + 1));
         if (mode == 1)
-            picks[r] = scan->argmax(v, width);
+            picks[r] = argmax_parts(v, width, scan, threads);
         else if (mode == 2)
             picks[r] = min_p_draw(v, width, t, log_min_p, (uint32_t)keys[2 * r],
-                                  (uint32_t)keys[2 * r + 1], scan);
+                                  (uint32_t)keys[2 * r + 1], scan, threads);
     }
     free(scratch);
     return 0;
@@ -263,7 +328,7 @@ static int shape_pick_impl(float *logits, int64_t rows, int64_t width, int64_t *
     float *logits, int64_t rows, int64_t width, int64_t *args, int64_t n_runs,               \
         const int64_t *seq, const uint8_t *breaks, float repeat, float frequency,             \
         float presence, int64_t last_n, double dry_multiplier, double dry_base,               \
-        int64_t dry_allowed, int mode, float t, double min_p
+        int64_t dry_allowed, int mode, float t, double min_p, int threads
 
 #define PENALTIES {repeat, frequency, presence, last_n, dry_multiplier, dry_base, dry_allowed}
 
@@ -271,7 +336,7 @@ int shape_pick_ref(SHAPE_PICK_ARGS) {
     static const scans_t scan = {row_max_ref, first_at_ref, argmax_ref};
     penalties_t p = PENALTIES;
     return shape_pick_impl(logits, rows, width, args, n_runs, seq, breaks, &p, mode, t, min_p,
-                           &scan);
+                           &scan, threads);
 }
 
 #if SPECCHAT_SIMD
@@ -279,6 +344,6 @@ int shape_pick(SHAPE_PICK_ARGS) {
     static const scans_t scan = {row_max_simd, first_at_simd, argmax_simd};
     penalties_t p = PENALTIES;
     return shape_pick_impl(logits, rows, width, args, n_runs, seq, breaks, &p, mode, t, min_p,
-                           &scan);
+                           &scan, threads);
 }
 #endif
