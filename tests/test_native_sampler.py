@@ -3,6 +3,7 @@ draw over a forward's rows in one call compute the bits of the Python definition
 (`Shaper`, `argmax`, `min_p_draw`), on every kernels build this machine runs; and the engine
 replies the same text with it as without it, plain and speculative."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -96,6 +97,16 @@ def test_the_native_sampler_computes_the_python_definitions_bits(build, threads)
             if vocab % 512 == 0:  # rows `min_p_draw` takes (the engine asks only for those)
                 assert picks == [min_p_draw(want[r], params, noise, 40 + r) for r in range(4)]
             assert all(want[r, p] > -torch.inf for r, p in enumerate(picks))
+
+
+def test_the_native_sampler_knows_every_sampler_setting():
+    """A new penalty or truncation must reach csrc/sample.c (or stay on the Python side): the
+    native call reads these fields and no others."""
+    assert {f.name for f in dataclasses.fields(Penalties)} == {
+        "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
+        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_sequence_breakers"}
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == {
+        "temperature", "top_p", "top_k", "min_p"}
 
 
 def test_the_native_sampler_refuses_what_it_cannot_take():
