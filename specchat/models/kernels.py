@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
@@ -395,8 +396,6 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], 
     min-p's draw at `temperature` with the row's keys (PICK_MIN_P). The bits of `Shaper.shape_`,
     `sampling.argmax` and `sampling.min_p_draw` (csrc/sample.c). -> the picks (none for
     PICK_NONE)."""
-    import numpy as np
-
     rows, width = logits.shape
     if not logits.is_contiguous() or logits.dtype != torch.float32 or len(lengths) != rows:
         raise ValueError("shape_pick takes contiguous float32 logits [rows, width] and a "
