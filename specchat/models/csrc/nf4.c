@@ -14,33 +14,45 @@
 // the code (within its group of 8) that each of the 8 lanes takes
 static const int nf4_lane_code[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
-// The reference: the arithmetic above, one (o, j) at a time, no permuted copy of x.
+// The reference: the arithmetic above, written so that a compiler may run the 8 lanes side by
+// side (each lane's own sums in order, the same bits). x is permuted once per call as the SIMD
+// path does, and each weight row is decoded once into floats in the lanes' order.
 void nf4_matmul_ref(const float *x, int64_t n, int64_t in, const uint8_t *codes,
                     const float *absmax, int64_t blocksize, const float *table, float *y,
                     int64_t out, int threads) {
     if (blocksize <= 0 || blocksize % 32) blocksize = 0;  // no block size it takes: NaN
     if (!sizes_ok(n, in, out, blocksize, 0, y)) return;
     const int64_t nb = in / blocksize;
+    float *xp = malloc((size_t)(n * in) * sizeof(float));
+    if (!xp) {  // no memory: say so in the output rather than return stale values
+        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+        return;
+    }
+    for (int64_t k = 0; k < n * in; k += 8)
+        for (int l = 0; l < 8; l++) xp[k + l] = x[k + nf4_lane_code[l]];
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *c = codes + o * in / 2;
+        float w[in];  // the row's table values, lane l of each 8 holding code nf4_lane_code[l]
+        for (int64_t k = 0; k < in; k += 8)
+            for (int l = 0; l < 8; l++) {
+                const int64_t e = k + nf4_lane_code[l];
+                w[k + l] = table[e % 2 ? c[e / 2] & 15 : c[e / 2] >> 4];
+            }
         for (int64_t j = 0; j < n; j++) {
-            const float *xj = x + j * in;
+            const float *xj = xp + j * in;
             float acc[8] = {0};
             for (int64_t b = 0; b < nb; b++) {
                 float blk[8] = {0};
                 for (int64_t k = b * blocksize; k < (b + 1) * blocksize; k += 8)
-                    for (int l = 0; l < 8; l++) {
-                        const int64_t e = k + nf4_lane_code[l];
-                        const int code = e % 2 ? c[e / 2] & 15 : c[e / 2] >> 4;
-                        blk[l] = fmaf(table[code], xj[e], blk[l]);
-                    }
+                    for (int l = 0; l < 8; l++) blk[l] = fmaf(w[k + l], xj[k + l], blk[l]);
                 const float s = absmax[o * nb + b];
                 for (int l = 0; l < 8; l++) acc[l] = fmaf(blk[l], s, acc[l]);
             }
             y[j * out + o] = sum_lanes8(acc);
         }
     }
+    free(xp);
 }
 
 #if SPECCHAT_SIMD

@@ -280,31 +280,38 @@ static void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, 
 }
 
 // The references of both widths: `width` 8 (`q8_0_matmul_i8`), or 16 (`q8_0_matmul_i8_avx512`,
-// lanes 0-7 taking the even blocks and 8-15 the odd ones, then `sum_lanes16`).
+// lanes 0-7 taking the even blocks and 8-15 the odd ones, then `sum_lanes16`). Written so that a
+// compiler may run the lanes side by side (each lane's own sums in order, the same bits): the
+// block's int16 products first, then each lane's sum of four and its fma.
 static void q8i_ref(int width, const float *x, int64_t n, int64_t in, const int8_t *q,
                     const uint16_t *d, float *y, int64_t out, int threads) {
-    const int64_t nb = in / 32;
+    const int64_t nb = in / 32, odd = width == 16;  // odd: the odd blocks take lanes 8-15
     int8_t *qx;
     float *dx;
     if (!q8i_buffers(n, in, &qx, &dx, y, out)) return;
     q8i_quantize_ref(x, n, in, qx, dx);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t o = 0; o < out; o++)
+    for (int64_t o = 0; o < out; o++) {
+        const int8_t *qo = q + o * in;
+        float scale[nb];
+        for (int64_t b = 0; b < nb; b++) scale[b] = half_to_float(d[o * nb + b]);
         for (int64_t j = 0; j < n; j++) {
-            const int8_t *qo = q + o * in, *xj = qx + j * in;
+            const int8_t *xj = qx + j * in;
             float acc[16] = {0};
             for (int64_t b = 0; b < nb; b++) {
-                const float f = half_to_float(d[o * nb + b]) * dx[j * nb + b];
-                float *lanes = acc + (width == 16 ? 8 * (b & 1) : 0);
-                for (int l = 0; l < 8; l++) {
-                    int32_t s = 0;
-                    for (int t = 4 * l; t < 4 * l + 4; t++)
-                        s += (int32_t)qo[32 * b + t] * (int32_t)xj[32 * b + t];
-                    lanes[l] = fmaf((float)s, f, lanes[l]);
-                }
+                const float f = scale[b] * dx[j * nb + b];
+                float *lanes = acc + 8 * (b & odd);
+                int16_t p[32];  // |q * x| <= 127 * 128: an int16
+                int32_t s[8];
+                for (int t = 0; t < 32; t++)
+                    p[t] = (int16_t)((int16_t)qo[32 * b + t] * (int16_t)xj[32 * b + t]);
+                for (int l = 0; l < 8; l++)
+                    s[l] = ((int32_t)p[4 * l] + p[4 * l + 1]) + ((int32_t)p[4 * l + 2] + p[4 * l + 3]);
+                for (int l = 0; l < 8; l++) lanes[l] = fmaf((float)s[l], f, lanes[l]);
             }
             y[j * out + o] = width == 16 ? sum_lanes16(acc) : sum_lanes8(acc);
         }
+    }
     free(qx);
     free(dx);
 }
