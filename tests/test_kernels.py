@@ -318,7 +318,7 @@ def test_every_kernel_checks_its_sizes(variant):
         "q8_0": lambda lib, n, width, y: lib.q8_0_matmul(ptr(x), n, width, ptr(q), ptr(d),
                                                          ptr(y), 8, th),
         "q8_0_i8": lambda lib, n, width, y: lib.q8_0_matmul_i8(ptr(x), n, width, ptr(q), ptr(d),
-                                                               ptr(y), 8, th),
+                                                               ptr(y), 8, None, th),
     }
     for lib in libs:
         for name, call in products.items():

@@ -6,6 +6,7 @@ for any thread count, handles weight bytes of -128 exactly, and is the float64 p
 what the activations' quantization explains (bounded below, not fudged)."""
 
 import ctypes
+import itertools
 import os
 import shutil
 
@@ -190,7 +191,7 @@ def _call(function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
     x = x.contiguous()
     y = torch.empty(x.shape[0], q.shape[0])
     function(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), y.data_ptr(),
-             q.shape[0], threads)
+             q.shape[0], None, threads)
     return y
 
 
@@ -210,6 +211,30 @@ def test_i8_outputs_nobody_reads_come_out_minus_infinity_and_the_rest_unchanged(
             assert got.shape == full.shape
             assert _same_bits(got[:, :upto], full[:, :upto]), (n, upto)
             assert bool((got[:, upto:] == -torch.inf).all()), (n, upto)
+
+
+@pytest.mark.parametrize("width", [8, 16])
+def test_i8_block_maxima_are_each_blocks_largest_logit(width):
+    """The head's block maxima (`maxima`, for the sampler): the largest of each 64 outputs of
+    each row, NaN where a block holds one; with `upto`, the -inf past it counted. Every kernel
+    and reference of the width, 1 to 9 rows, and a last block of 5 outputs."""
+    lib, refs = _simd(width)
+    g = torch.Generator().manual_seed(7)
+    q, d = _weights(261, 256, g)
+    x = _inputs(256, g, special=False)
+    for k in (lib, *refs):
+        for n, upto in itertools.product((1, 2, 9), (None, 0, 64, 100, 261)):
+            maxima = torch.empty(n, kernels.head_blocks(261))
+            y = kernels.q8_0_matmul_i8(k, x[:n], q, d, upto, maxima)
+            padded = torch.full((n, 320), -torch.inf)
+            padded[:, :261] = y
+            want = padded.view(n, 5, 64).amax(-1)
+            assert _same_bits(maxima, want), (k.path.name, k.variant, n, upto)
+        poisoned = d.clone()
+        poisoned[70, 0] = torch.nan  # a NaN scale: output 70 is NaN, and block 1's maximum
+        maxima = torch.empty(2, kernels.head_blocks(261))
+        kernels.q8_0_matmul_i8(k, x[:2], q, poisoned, None, maxima)
+        assert bool(maxima[:, 1].isnan().all()) and not bool(maxima[:, [0, 2, 3, 4]].isnan().any())
 
 
 @pytest.mark.parametrize("width", [8, 16])

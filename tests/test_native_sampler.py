@@ -101,6 +101,63 @@ def test_the_native_sampler_computes_the_python_definitions_bits(build, threads)
             if vocab % 512 == 0:  # rows `min_p_draw` takes (the engine asks only for those)
                 assert picks == [min_p_draw(want[r], params, noise, 40 + r) for r in range(4)]
             assert all(want[r, p] > -torch.inf for r, p in enumerate(picks))
+            assert kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                      kernels.PICK_MIN_P, t, min_p, keys,
+                                      block_maxima(rows)) == picks
+        # From the head's block maxima (reading only the blocks that can hold the pick): the
+        # same picks and the same shaped rows.
+        shaped = rows.clone()
+        assert kernels.shape_pick(lib, shaped, runs, seq, breaks, lengths, pen,
+                                  kernels.PICK_GREEDY, maxima=block_maxima(rows)) == greedy
+        assert torch.equal(shaped, want)
+
+
+def block_maxima(rows: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """The rows' block maxima as the LM head writes them (`kernels.q8_0_matmul_i8`), with
+    `extra` more blocks than the rows need (a head wider than the logits the engine keeps)."""
+    width = kernels.head_blocks(rows.shape[1]) * kernels.HEAD_BLOCK
+    padded = torch.full((rows.shape[0], width + extra * kernels.HEAD_BLOCK), 1e30)
+    padded[:, :rows.shape[1]] = rows  # past the row: values the sampler must not read
+    return padded.view(rows.shape[0], -1, kernels.HEAD_BLOCK).amax(-1).contiguous()
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_picks_from_block_maxima_are_the_whole_rows_picks(build):
+    """Ties across blocks, rows all -inf, a NaN, masks covering whole blocks and parts, a head
+    wider than the logits: the picks from the block maxima are the whole-row scans' picks."""
+    lib = BUILDS[build]
+    g = torch.Generator().manual_seed(3)
+    seq, breaks = np.array([7, 64, 65, 300, 64], np.int64), np.zeros(5, np.uint8)
+    pen = PENALTIES[0]
+    for width in (4096, 2061, 64 * 5 + 1):
+        rows = (torch.randn(6, width, generator=g) * 2).round()  # ties, in many blocks
+        rows[1] = -torch.inf
+        rows[2, width // 2] = torch.nan
+        rows[3, 64:128] = 50.0  # the largest, a whole block of it, then masked below
+        rows[4, [3, 300, width - 1]] = 40.0  # one tie penalized (300: in the window)
+        rows[5] = 0.0
+        runs = [(64, 128), (130, 131), (width - 70, width)]
+        lengths = [5] * 6
+        for extra in (0, 2):
+            maxima = block_maxima(rows, extra)
+            greedy = kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                        kernels.PICK_GREEDY)
+            assert kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                      kernels.PICK_GREEDY, maxima=maxima) == greedy, width
+            keys = [Noise(width).keys(r, DRAW) for r in range(6)]
+            drawn = kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                       kernels.PICK_MIN_P, 0.8, 0.05, keys)
+            assert kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                      kernels.PICK_MIN_P, 0.8, 0.05, keys, maxima) == drawn
+        # Maxima that leave out row 0's largest value (100 at id 2000, block 31): the pick comes
+        # from the blocks they name, so the sampler did read them.
+        if width == 4096:
+            rows[0, 2000] = 100.0
+            lie = block_maxima(rows)
+            lie[0, 31] = -torch.inf
+            (pick, *_) = kernels.shape_pick(lib, rows.clone(), runs, seq, breaks, lengths, pen,
+                                            kernels.PICK_GREEDY, maxima=lie)
+            assert pick != 2000 and pick // 64 != 31
 
 
 def test_the_native_sampler_knows_every_sampler_setting():

@@ -27,6 +27,7 @@ import torch
 
 from specchat.core.tree import visibility
 from specchat.models import kernels
+from specchat.models.gguf_head import Q8Head
 from specchat.models.static import StaticCache, rope_tables
 
 ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run transformers' forward instead
@@ -149,6 +150,9 @@ class CpuRunner:
         # `skip_logits_from`; module hooks see the other calls), summed while `clock` is set
         self.head_seconds = 0.0
         self._logits_upto: int | None = None  # ids from here on come out -inf (`skip_logits_from`)
+        # (the latest logits, their block maxima) from the GGUF's Q8_0 head, until `shape_pick`
+        # takes them: it then reads only the blocks it needs (csrc/sample.c)
+        self._maxima: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _ptr(self, t: torch.Tensor) -> int:
         self._keep.append(t)
@@ -187,9 +191,12 @@ class CpuRunner:
             raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "
                               f"{n} rows after {start} tokens")
         self.last_hidden = out
-        if self._logits_upto is not None:
+        head = vars(self.head).get("forward")
+        if isinstance(head, Q8Head):  # with the block maxima, for `shape_pick`
             started = time.perf_counter()
-            logits = vars(self.head)["forward"].leading(out[n - n_logits:], self._logits_upto)
+            maxima = torch.empty(n_logits, kernels.head_blocks(head.q.shape[0]))
+            logits = head.leading(out[n - n_logits:], self._logits_upto, maxima)
+            self._maxima = (logits, maxima)
             if self.clock is not None:
                 self.head_seconds += time.perf_counter() - started
         else:
@@ -219,8 +226,6 @@ class CpuRunner:
         with the GGUF's Q8_0 head, a one-token step no longer computes their logits (Gemma 3's
         last 6,145 ids: 2% of the head) and every forward returns them as -inf. The other
         logits keep their bits. Returns whether it does."""
-        from specchat.models.gguf_head import Q8Head
-
         if not isinstance(vars(self.head).get("forward"), Q8Head):
             return False
         self._logits_upto = start
@@ -236,8 +241,13 @@ class CpuRunner:
         definitions. -> the draws, or None without a mode."""
         mode_id = {None: kernels.PICK_NONE, "greedy": kernels.PICK_GREEDY,
                    "min_p": kernels.PICK_MIN_P}[mode]
+        # the head's block maxima, where these are the latest forward's logits, untouched since
+        made, maxima = self._maxima or (None, None)
+        self._maxima = None
+        if made is None or made.data_ptr() != logits.data_ptr() or made.shape != logits.shape:
+            maxima = None
         picks = kernels.shape_pick(self.lib, logits, runs, seq, breaks, lengths, penalties,
-                                   mode_id, temperature, min_p, keys)
+                                   mode_id, temperature, min_p, keys, maxima)
         return picks if mode is not None else None
 
     def crop(self, cache, cached: int, keep: int) -> bool:

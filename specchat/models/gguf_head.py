@@ -72,10 +72,12 @@ class Q8Head:
             return torch.nn.functional.linear(x, self.head.weight.to(x.dtype))
         return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d)  # float32 logits
 
-    def leading(self, x: torch.Tensor, upto: int) -> torch.Tensor:
-        """`self(x)` with the logits of ids `upto`.. -inf (ids never sampled), not computed for
-        a single row: the same bits in the others."""
-        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d, upto)
+    def leading(self, x: torch.Tensor, upto: int | None,
+                maxima: torch.Tensor | None = None) -> torch.Tensor:
+        """`self(x)` with the logits of ids `upto`.. -inf (ids never sampled; None: none), not
+        computed for a single row: the same bits in the others. `maxima` [rows,
+        kernels.head_blocks(vocabulary)] receives the logits' block maxima."""
+        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d, upto, maxima)
 
     def dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """The float32 values of some rows of W (exact: q * d)."""

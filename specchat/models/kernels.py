@@ -52,7 +52,7 @@ _ARGTYPES = {
     "nf4_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int],
     "bf16_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _int],
     "q8_0_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
-    "q8_0_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
+    "q8_0_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
     "attend": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64,
                ctypes.c_float, _ptr, _ptr, _int],
     "rms_norm": [_ptr, _i64, _i64, _int, _ptr, ctypes.c_float, _ptr],
@@ -60,7 +60,7 @@ _ARGTYPES = {
                         _int],
     "shape_pick": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float,
                    ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64, _int,
-                   ctypes.c_float, ctypes.c_double, _int],
+                   ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
 }
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int}
@@ -324,23 +324,48 @@ def q8_0_matmul(lib: Kernels, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
     return y.reshape(*x.shape[:-1], q.shape[0])
 
 
+HEAD_BLOCK = 64  # outputs per block maximum (csrc/common.h, `block_maxima`)
+
+
+def head_blocks(out: int) -> int:
+    """How many block maxima a row of `out` logits has."""
+    return -(-out // HEAD_BLOCK)
+
+
 def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
-                   d: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+                   d: torch.Tensor, upto: int | None = None,
+                   maxima: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T in float32 for W = q * d (GGUF's Q8_0, as `q8_0_matmul` takes it) by
     integer dot products: each row of x quantized to int8 per block of 32 (llama.cpp's Q8_0
     activations, the scale kept in float32), int32 sums of 4 products per lane, scaled per block
     into `lib.q8_width` float lanes (csrc/q8_0.c). Other bits than `q8_0_matmul`, row-exact as
     it is. `upto`: the outputs from `upto` on are -inf instead (outputs nobody reads: an LM
     head's ids that are never sampled); for one row of x they are not computed at all, and the
-    others are the same bits either way."""
+    others are the same bits either way. `maxima`: a float32 tensor [rows, head_blocks(out)]
+    that receives each row's block maxima (the largest of each HEAD_BLOCK outputs, NaN where a
+    block holds one), for `shape_pick`."""
     rows = _rows(x)
     out = q.shape[0]
     y = torch.empty(rows.shape[0], out, dtype=torch.float32)
     computed = out if upto is None or rows.shape[0] != 1 else max(0, min(upto, out))
+    if maxima is not None:
+        if maxima.shape != (rows.shape[0], head_blocks(out)) or maxima.dtype != torch.float32 \
+                or not maxima.is_contiguous():
+            raise ValueError(f"maxima must be contiguous float32 [{rows.shape[0]}, "
+                             f"{head_blocks(out)}]")
+        # the blocks this call does not compute: NaN (unknown) until they are set below
+        maxima[:, head_blocks(computed):] = torch.nan
     lib.q8_0_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(),
-                       d.data_ptr(), y.data_ptr(), computed, torch.get_num_threads())
+                       d.data_ptr(), y.data_ptr(), computed,
+                       maxima.data_ptr() if maxima is not None else None,
+                       torch.get_num_threads())
     if upto is not None and upto < out:
         y[:, max(0, upto):] = -torch.inf
+        if maxima is not None:
+            maxima[:, head_blocks(max(0, upto)):] = -torch.inf
+            if upto % HEAD_BLOCK and upto < computed:  # a block the -inf cut in two
+                block = upto // HEAD_BLOCK
+                maxima[:, block] = y[:, block * HEAD_BLOCK:(block + 1) * HEAD_BLOCK].amax(-1)
     return y.reshape(*x.shape[:-1], out)
 
 
@@ -388,14 +413,16 @@ PICK_NONE, PICK_GREEDY, PICK_MIN_P = 0, 1, 2  # shape_pick's modes
 def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], seq, breaks,
                lengths: list[int], penalties=None, mode: int = PICK_NONE,
                temperature: float = 1.0, min_p: float = 0.0,
-               keys: list[tuple[int, int]] | None = None) -> list[int]:
+               keys: list[tuple[int, int]] | None = None,
+               maxima: torch.Tensor | None = None) -> list[int]:
     """In place on float32 CPU logits [rows, width]: each row's ids in `runs` ([start, end)
     pairs) set to -inf, then the penalties (a `core.penalties.Penalties`, None: off) for row r's
     prefix seq[:lengths[r]] (`seq` int64 and `breaks` uint8 numpy arrays: the tokens and whether
     each one's text holds a DRY breaker), then each row's pick: its argmax (PICK_GREEDY) or
     min-p's draw at `temperature` with the row's keys (PICK_MIN_P). The bits of `Shaper.shape_`,
-    `sampling.argmax` and `sampling.min_p_draw` (csrc/sample.c). -> the picks (none for
-    PICK_NONE)."""
+    `sampling.argmax` and `sampling.min_p_draw` (csrc/sample.c). `maxima`: the LM head's block
+    maxima of these very logits (`q8_0_matmul_i8`), from which the picks read only the blocks
+    they need; the same picks without them. -> the picks (none for PICK_NONE)."""
     rows, width = logits.shape
     if not logits.is_contiguous() or logits.dtype != torch.float32 or len(lengths) != rows:
         raise ValueError("shape_pick takes contiguous float32 logits [rows, width] and a "
@@ -405,6 +432,10 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], 
         raise ValueError("shape_pick takes contiguous int64 tokens and uint8 breaker flags")
     if max(lengths) > len(seq) or len(breaks) < len(seq):
         raise ValueError("a row's prefix is longer than the tokens given")
+    if maxima is not None and (maxima.dtype != torch.float32 or not maxima.is_contiguous()
+                               or maxima.shape[0] != rows
+                               or maxima.shape[1] < head_blocks(width)):
+        raise ValueError(f"maxima must be contiguous float32 [{rows}, >= {head_blocks(width)}]")
     # One int64 buffer for the small arguments: runs, lengths, keys, then room for the picks
     # (each array made costs tens of microseconds right after a forward).
     flat = [x for run in runs for x in run]
@@ -421,7 +452,8 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], 
     done = lib.shape_pick(logits.data_ptr(), rows, width, args.ctypes.data, len(flat) // 2,
                           seq.ctypes.data, breaks.ctypes.data, repeat, frequency, presence,
                           last_n, dry_m, dry_b, dry_a, mode, max(temperature, 1e-5), min_p,
-                          torch.get_num_threads())
+                          maxima.data_ptr() if maxima is not None else None,
+                          maxima.shape[1] if maxima is not None else 0, torch.get_num_threads())
     if done != 0:
         raise MemoryError("out of memory in the sampler")
     return args[len(args) - rows:].tolist() if mode != PICK_NONE else []

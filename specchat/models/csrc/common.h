@@ -186,4 +186,45 @@ static inline __m256 load8(const void *row, int64_t c, int bf16) {
 }
 
 #endif  // SPECCHAT_SIMD
+
+// An LM head's block maxima: the largest logit of each HEAD_BLOCK outputs of a row (NaN where
+// the block holds a NaN), written by the head's product as it finishes each block, while the
+// block is in its core's cache. The sampler finds the argmax and min-p's candidates from them
+// (sample.c) and reads only the blocks it needs, not the whole row again after the product.
+#define HEAD_BLOCK 64
+
+// maxima[j * stride + b0 / HEAD_BLOCK] = the largest of y[j * out + b0 .. b1), for the n rows
+// (b0 a multiple of HEAD_BLOCK, b1 - b0 at most HEAD_BLOCK). Max is exact: any order gives it.
+static inline void block_maxima(const float *y, int64_t n, int64_t out, int64_t b0, int64_t b1,
+                                float *maxima, int64_t stride) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = y + j * out;
+        float m = -INFINITY;
+        int64_t o = b0;
+#if SPECCHAT_SIMD
+        __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        for (; o + 8 <= b1; o += 8) {
+            __m256 x = _mm256_loadu_ps(v + o);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            best = _mm256_max_ps(best, x);
+        }
+        if (_mm256_movemask_ps(nan)) {
+            m = __builtin_nanf("");
+            o = b1;
+        } else {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, best);
+            for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+        }
+#endif
+        for (; o < b1; o++) {
+            if (v[o] != v[o]) {
+                m = v[o];
+                break;
+            }
+            m = v[o] > m ? v[o] : m;
+        }
+        maxima[j * stride + b0 / HEAD_BLOCK] = m;
+    }
+}
 #endif  // SPECCHAT_KERNELS_COMMON_H

@@ -139,7 +139,7 @@ static const q8_tile_fn q8_tiles16[4][Q8_TILE_X] = {
 // 4 weight rows (32 registers: up to 4 x 5 accumulators) against tiles of up to 5 input rows,
 // a block of Q8_BLOCK weight rows at a time: the block stays in cache for every tile after the
 // first, and each tile writes whole cache lines of y.
-#define Q8_BLOCK 64
+#define Q8_BLOCK HEAD_BLOCK  // (the block maxima's blocks: `block_maxima`)
 Q8_512 void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
                                const uint16_t *d, float *y, int64_t out, int threads) {
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
@@ -284,7 +284,7 @@ static void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, 
 // compiler may run the lanes side by side (each lane's own sums in order, the same bits): the
 // block's int16 products first, then each lane's sum of four and its fma.
 static void q8i_ref(int width, const float *x, int64_t n, int64_t in, const int8_t *q,
-                    const uint16_t *d, float *y, int64_t out, int threads) {
+                    const uint16_t *d, float *y, int64_t out, float *maxima, int threads) {
     const int64_t nb = in / 32, odd = width == 16;  // odd: the odd blocks take lanes 8-15
     int8_t *qx;
     float *dx;
@@ -312,20 +312,28 @@ static void q8i_ref(int width, const float *x, int64_t n, int64_t in, const int8
             y[j * out + o] = width == 16 ? sum_lanes16(acc) : sum_lanes8(acc);
         }
     }
+    if (maxima) {
+        const int64_t blocks = (out + HEAD_BLOCK - 1) / HEAD_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t b = 0; b < blocks; b++)
+            block_maxima(y, n, out, b * HEAD_BLOCK,
+                         out < (b + 1) * HEAD_BLOCK ? out : (b + 1) * HEAD_BLOCK, maxima, blocks);
+    }
     free(qx);
     free(dx);
 }
 
 void q8_0_matmul_i8_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
-                        const uint16_t *d, float *y, int64_t out, int threads) {
+                        const uint16_t *d, float *y, int64_t out, float *maxima, int threads) {
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
-    q8i_ref(8, x, n, in, q, d, y, out, threads);
+    q8i_ref(8, x, n, in, q, d, y, out, maxima, threads);
 }
 
 void q8_0_matmul_i8_16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
-                           const uint16_t *d, float *y, int64_t out, int threads) {
+                           const uint16_t *d, float *y, int64_t out, float *maxima,
+                           int threads) {
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
-    q8i_ref(16, x, n, in, q, d, y, out, threads);
+    q8i_ref(16, x, n, in, q, d, y, out, maxima, threads);
 }
 
 #if SPECCHAT_SIMD
@@ -437,10 +445,10 @@ static const q8i_tile_fn q8i_tiles[Q8I_J] = {q8i_tile_1, q8i_tile_2, q8i_tile_3,
                                              q8i_tile_5, q8i_tile_6, q8i_tile_7, q8i_tile_8};
 
 void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
-                    float *y, int64_t out, int threads) {
+                    float *y, int64_t out, float *maxima, int threads) {
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
     if (in > MAX_IN) {  // the factors' buffer is on the stack: the reference's bits
-        q8_0_matmul_i8_ref(x, n, in, q, d, y, out, threads);
+        q8_0_matmul_i8_ref(x, n, in, q, d, y, out, maxima, threads);
         return;
     }
     const int64_t nb = in / 32;
@@ -460,6 +468,7 @@ void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, cons
                 q8i_tiles[J - 1](q + o * in, d + o * nb, qx + j * in, dx + j * nb, f, in,
                                  y + j * out + o, out);
         }
+        if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + Q8_BLOCK - 1) / Q8_BLOCK);
     }
     free(qx);
     free(dx);
@@ -607,7 +616,7 @@ static int q8i_prepare16(int64_t n, int64_t nb, int vnni, const int8_t *qx, cons
 // rows at a time.
 static void q8i_matmul16(const q8i16_tile_fn tiles[Q8I_R][Q8I_J16], int vnni, const float *x,
                          int64_t n, int64_t in, const int8_t *q, const uint16_t *d, float *y,
-                         int64_t out, int threads) {
+                         int64_t out, float *maxima, int threads) {
     int8_t *xs = NULL;
     float *dxs = NULL;
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
@@ -638,6 +647,7 @@ static void q8i_matmul16(const q8i16_tile_fn tiles[Q8I_R][Q8I_J16], int vnni, co
                                     dxs + j * np * 16, in, y + j * out + o0, out);
             }
         }
+        if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + Q8_BLOCK - 1) / Q8_BLOCK);
     }
     free(qx);
     free(dx);
@@ -646,12 +656,14 @@ static void q8i_matmul16(const q8i16_tile_fn tiles[Q8I_R][Q8I_J16], int vnni, co
 }
 
 void q8_0_matmul_i8_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
-                           const uint16_t *d, float *y, int64_t out, int threads) {
-    q8i_matmul16(q8i_tiles16_bw, 0, x, n, in, q, d, y, out, threads);
+                           const uint16_t *d, float *y, int64_t out, float *maxima,
+                           int threads) {
+    q8i_matmul16(q8i_tiles16_bw, 0, x, n, in, q, d, y, out, maxima, threads);
 }
 
 void q8_0_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const int8_t *q,
-                         const uint16_t *d, float *y, int64_t out, int threads) {
-    q8i_matmul16(q8i_tiles16_vnni, 1, x, n, in, q, d, y, out, threads);
+                         const uint16_t *d, float *y, int64_t out, float *maxima,
+                         int threads) {
+    q8i_matmul16(q8i_tiles16_vnni, 1, x, n, in, q, d, y, out, maxima, threads);
 }
 #endif  // SPECCHAT_SIMD

@@ -29,7 +29,7 @@ static int cmp_i64(const void *a, const void *b) {
 
 // The repeat, frequency and presence penalties over the window's distinct tokens.
 static void windowed(float *v, int64_t width, const int64_t *seq, int64_t n,
-                     const penalties_t *p, int64_t *scratch) {
+                     const penalties_t *p, int64_t *scratch, uint8_t *dirty) {
     int64_t w = n < p->last_n ? n : p->last_n;
     memcpy(scratch, seq + n - w, w * sizeof(int64_t));
     qsort(scratch, w, sizeof(int64_t), cmp_i64);
@@ -44,6 +44,7 @@ static void windowed(float *v, int64_t width, const int64_t *seq, int64_t n,
         if (p->frequency != 0.0f) value = value - count * p->frequency;
         if (p->presence != 0.0f) value = value - p->presence;
         v[t] = value;
+        if (dirty) dirty[t / HEAD_BLOCK] = 1;
     }
 }
 
@@ -51,7 +52,7 @@ static void windowed(float *v, int64_t width, const int64_t *seq, int64_t n,
 // drops by multiplier * base ** (length - allowed) (`Shaper.dry_matches`: the longest such
 // sequence per t, breakers ending sequences, at most DRY_MAX_MATCH tokens).
 static void dry(float *v, int64_t width, const int64_t *seq, const uint8_t *breaks, int64_t n,
-                const penalties_t *p, int64_t *tokens, int64_t *lengths) {
+                const penalties_t *p, int64_t *tokens, int64_t *lengths, uint8_t *dirty) {
     if (n < 2 || breaks[n - 1]) return;
     int64_t last = seq[n - 1];
     int64_t limit = (DRY_MAX_MATCH < n - 1 ? DRY_MAX_MATCH : n - 1) - 1;
@@ -73,8 +74,10 @@ static void dry(float *v, int64_t width, const int64_t *seq, const uint8_t *brea
         if (!first) continue;  // the token's first occurrence applies its longest match
         for (int64_t j = i + 1; j < m; j++)
             if (tokens[j] == t && lengths[j] > best) best = lengths[j];
-        if (best >= p->dry_allowed && t >= 0 && t < width)
+        if (best >= p->dry_allowed && t >= 0 && t < width) {
             v[t] -= (float)(p->dry_multiplier * pow(p->dry_base, (double)(best - p->dry_allowed)));
+            if (dirty) dirty[t / HEAD_BLOCK] = 1;
+        }
     }
 }
 
@@ -264,18 +267,25 @@ static int64_t race_range(const float *v, int64_t lo, int64_t hi, float low, flo
     return best;
 }
 
+// min-p's floor: top = the row's largest value v_max / t; candidates are x = v / t >= top +
+// log(min_p). v / t rounds monotonically in v, so they are v >= the least v that passes (*low):
+// one compare per logit, not a division.
+static float min_p_floor(float v_max, float t, double log_min_p, float *low_out) {
+    float top = v_max / t;
+    float floor = (float)((double)top + log_min_p);
+    float low = floor * t;
+    while (low / t >= floor && low > -INFINITY) low = nextafterf(low, -INFINITY);
+    while (low / t < floor) low = nextafterf(low, INFINITY);
+    *low_out = low;
+    return top;
+}
+
 // min-p's draw (`sampling.min_p_draw`): x = v / t; the tokens whose x is within -log(min_p) of
 // the largest race with weights z = exp(x - top) in double, each time -log(u) / z from the
 // position's keyed uniforms; the least time wins, the smallest id on a tie.
 static int64_t min_p_draw(const float *v, int64_t width, float t, double log_min_p, uint32_t k1,
                           uint32_t k2, const scans_t *scan, int threads) {
-    float top = max_parts(v, width, scan, threads) / t;
-    float floor = (float)((double)top + log_min_p);
-    // Candidates are x >= floor, and v / t rounds monotonically in v: find the least v that
-    // passes, then scan for v >= it (one compare per logit, not a division).
-    float low = floor * t;
-    while (low / t >= floor && low > -INFINITY) low = nextafterf(low, -INFINITY);
-    while (low / t < floor) low = nextafterf(low, INFINITY);
+    float low, top = min_p_floor(max_parts(v, width, scan, threads), t, log_min_p, &low);
     int parts = parts_for(width, threads);
     int64_t at[MAX_PARTS];
     double times[MAX_PARTS];
@@ -290,37 +300,112 @@ static int64_t min_p_draw(const float *v, int64_t width, float t, double log_min
     return best;
 }
 
+// The scans again, from the row's block maxima (`block_maxima`, common.h: mx[b] the largest of
+// v[b * HEAD_BLOCK ..], nblk of them): the same answers, reading only the blocks that can hold
+// them. A NaN maximum means the row holds a NaN: then the whole-row scans decide.
+static int64_t argmax_blocks(const float *v, int64_t width, const float *mx, int64_t nblk,
+                             const scans_t *scan) {
+    int64_t best = 0;
+    for (int64_t b = 0; b < nblk; b++) {
+        if (mx[b] != mx[b]) return scan->argmax(v, width);
+        if (mx[b] > mx[best]) best = b;  // the first block holding the largest value
+    }
+    int64_t lo = best * HEAD_BLOCK, hi = lo + HEAD_BLOCK < width ? lo + HEAD_BLOCK : width;
+    return lo + scan->first_at(v + lo, hi - lo, mx[best]);  // its first place
+}
+
+// min-p's draw over the blocks whose maximum reaches the candidates' floor, in order (a block
+// below it holds no candidate); -2 where the row holds a NaN (the whole-row draw decides).
+static int64_t min_p_blocks(const float *v, int64_t width, const float *mx, int64_t nblk,
+                            float t, double log_min_p, uint32_t k1, uint32_t k2,
+                            const scans_t *scan) {
+    float v_max = -INFINITY;
+    for (int64_t b = 0; b < nblk; b++) {
+        if (mx[b] != mx[b]) return -2;
+        v_max = mx[b] > v_max ? mx[b] : v_max;
+    }
+    float low, top = min_p_floor(v_max, t, log_min_p, &low);
+    int64_t best = -1;
+    double best_time = INFINITY;
+    for (int64_t b = 0; b < nblk; b++) {
+        if (!(mx[b] >= low)) continue;
+        int64_t lo = b * HEAD_BLOCK, hi = lo + HEAD_BLOCK < width ? lo + HEAD_BLOCK : width;
+        double time;
+        int64_t at = race_range(v, lo, hi, low, t, top, k1, k2, scan, &time);
+        if (at >= 0 && (best < 0 || time < best_time)) best = at, best_time = time;
+    }
+    return best;
+}
+
 // The exported call. `args` holds, as int64: the runs' [start, end) pairs (n_runs of them),
 // each row's prefix length (rows), each row's two noise keys (2 * rows, for mode 2), and room
 // for each row's pick (rows), which it writes. mode: 0 shape only, 1 greedy (the argmax), 2
-// min-p's draw. Returns 0, or -1 out of memory.
+// min-p's draw. `maxima` (or NULL): the LM head's block maxima of these logits, `stride` a row
+// (`block_maxima`); the picks are the same with or without them. Returns 0, or -1 out of memory.
 static int shape_pick_impl(float *logits, int64_t rows, int64_t width, int64_t *args,
                            int64_t n_runs, const int64_t *seq, const uint8_t *breaks,
                            const penalties_t *p, int mode, float t, double min_p,
-                           const scans_t *scan, int threads) {
+                           const float *maxima, int64_t stride, const scans_t *scan,
+                           int threads) {
     const int64_t *runs = args, *lengths = args + 2 * n_runs, *keys = lengths + rows;
     int64_t *picks = args + 2 * n_runs + 3 * rows;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    const int64_t nblk = (width + HEAD_BLOCK - 1) / HEAD_BLOCK;
+    if (!mode || stride < nblk) maxima = NULL;  // nothing to pick, or not this row's maxima
     int64_t *scratch = malloc(3 * (longest + 1) * sizeof(int64_t));
-    if (!scratch) return -1;
+    float *mx = maxima ? malloc(nblk * sizeof(float)) : NULL;
+    uint8_t *dirty = maxima ? malloc(nblk) : NULL;
+    if (!scratch || (maxima && (!mx || !dirty))) {
+        free(scratch);
+        free(mx);
+        free(dirty);
+        return -1;
+    }
     double log_min_p = mode == 2 ? log(min_p) : 0.0;
     for (int64_t r = 0; r < rows; r++) {
         float *v = logits + r * width;
-        for (int64_t i = 0; i < n_runs; i++)
-            for (int64_t j = runs[2 * i]; j < runs[2 * i + 1] && j < width; j++) v[j] = -INFINITY;
+        if (maxima) {  // this row's maxima, and which blocks the mask and penalties change
+            memcpy(mx, maxima + r * stride, nblk * sizeof(float));
+            memset(dirty, 0, nblk);
+            if (width % HEAD_BLOCK) dirty[nblk - 1] = 1;  // the head's block runs past the row
+        }
+        for (int64_t i = 0; i < n_runs; i++) {
+            int64_t lo = runs[2 * i], hi = runs[2 * i + 1] < width ? runs[2 * i + 1] : width;
+            for (int64_t j = lo; j < hi; j++) v[j] = -INFINITY;
+            for (int64_t b = lo / HEAD_BLOCK; maxima && lo < hi && b <= (hi - 1) / HEAD_BLOCK;
+                 b++) {
+                if (b * HEAD_BLOCK >= lo && (b + 1) * HEAD_BLOCK <= hi)
+                    mx[b] = -INFINITY;  // all masked
+                else
+                    dirty[b] = 1;
+            }
+        }
         int64_t n = lengths[r];
         if (p->last_n > 0 && (p->repeat != 1.0f || p->frequency != 0.0f || p->presence != 0.0f))
-            windowed(v, width, seq, n, p, scratch);
+            windowed(v, width, seq, n, p, scratch, dirty);
         if (p->dry_multiplier > 0)
-            dry(v, width, seq, breaks, n, p, scratch + longest + 1, scratch + 2 * (longest + 1));
+            dry(v, width, seq, breaks, n, p, scratch + longest + 1, scratch + 2 * (longest + 1),
+                dirty);
+        if (maxima)
+            for (int64_t b = 0; b < nblk; b++)
+                if (dirty[b]) {
+                    int64_t lo = b * HEAD_BLOCK;
+                    mx[b] = scan->max(v + lo, lo + HEAD_BLOCK < width ? HEAD_BLOCK : width - lo);
+                }
         if (mode == 1)
-            picks[r] = argmax_parts(v, width, scan, threads);
-        else if (mode == 2)
-            picks[r] = min_p_draw(v, width, t, log_min_p, (uint32_t)keys[2 * r],
-                                  (uint32_t)keys[2 * r + 1], scan, threads);
+            picks[r] = maxima ? argmax_blocks(v, width, mx, nblk, scan)
+                              : argmax_parts(v, width, scan, threads);
+        else if (mode == 2) {
+            uint32_t k1 = (uint32_t)keys[2 * r], k2 = (uint32_t)keys[2 * r + 1];
+            picks[r] = maxima ? min_p_blocks(v, width, mx, nblk, t, log_min_p, k1, k2, scan) : -2;
+            if (picks[r] == -2)
+                picks[r] = min_p_draw(v, width, t, log_min_p, k1, k2, scan, threads);
+        }
     }
     free(scratch);
+    free(mx);
+    free(dirty);
     return 0;
 }
 
@@ -328,7 +413,8 @@ static int shape_pick_impl(float *logits, int64_t rows, int64_t width, int64_t *
     float *logits, int64_t rows, int64_t width, int64_t *args, int64_t n_runs,               \
         const int64_t *seq, const uint8_t *breaks, float repeat, float frequency,             \
         float presence, int64_t last_n, double dry_multiplier, double dry_base,               \
-        int64_t dry_allowed, int mode, float t, double min_p, int threads
+        int64_t dry_allowed, int mode, float t, double min_p, const float *maxima,            \
+        int64_t stride, int threads
 
 #define PENALTIES {repeat, frequency, presence, last_n, dry_multiplier, dry_base, dry_allowed}
 
@@ -336,7 +422,7 @@ int shape_pick_ref(SHAPE_PICK_ARGS) {
     static const scans_t scan = {row_max_ref, first_at_ref, argmax_ref};
     penalties_t p = PENALTIES;
     return shape_pick_impl(logits, rows, width, args, n_runs, seq, breaks, &p, mode, t, min_p,
-                           &scan, threads);
+                           maxima, stride, &scan, threads);
 }
 
 #if SPECCHAT_SIMD
@@ -344,6 +430,6 @@ int shape_pick(SHAPE_PICK_ARGS) {
     static const scans_t scan = {row_max_simd, first_at_simd, argmax_simd};
     penalties_t p = PENALTIES;
     return shape_pick_impl(logits, rows, width, args, n_runs, seq, breaks, &p, mode, t, min_p,
-                           &scan, threads);
+                           maxima, stride, &scan, threads);
 }
 #endif
