@@ -158,6 +158,33 @@ def test_a_reply_cut_by_its_limit_drops_the_start_of_a_stop_string():
     assert "".join(e.text for e in shown + reply.finish()) == full
 
 
+def test_reply_text_shows_exactly_the_text_before_the_first_stop_string():
+    """Random byte streams (multi-byte characters split across tokens included) against stop
+    strings that start with common and rare characters: what is shown, at every push and at
+    the end, is the reply's text up to its first stop string, and nothing past what is known."""
+    from specchat.core.text import ReplyText
+    rng = random.Random(0)
+    alphabet = ["a", "b", "\n", "U", "é", "€", " "]
+    for trial in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        ids = TOK(text, add_special_tokens=False)["input_ids"]  # a token a byte
+        assert len(ids) == len(text.encode())
+        stops = rng.choice([(), ("\nU",), ("ab", "\n\n"), ("€a",), ("b",)])
+        reply = ReplyText(TOK, TOK("x", add_special_tokens=False)["input_ids"], stops)
+        shown, hit = "", False
+        for i, token in enumerate(ids):
+            released, hit = reply.push(TokenEvent(token, "", "target", 1, 0, 0))
+            shown += "".join(e.text for e in released)
+            known = TOK.decode(ids[:i + 1]).rstrip("\ufffd")
+            assert known.startswith(shown), (text, stops)
+            if hit:
+                break
+        if not hit:
+            shown += "".join(e.text for e in reply.finish())
+        cut = [text.find(s) for s in stops if s in text]
+        assert shown == (text[:min(cut)] if cut else text), (text, stops)
+
+
 def test_tokens_until_stop_keeps_drafts_up_to_the_stop_string():
     ids = lambda text: TOK(text)["input_ids"]  # noqa: E731 (byte-level: a token a byte)
     context = ids("Answer: yes")

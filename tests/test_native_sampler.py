@@ -74,7 +74,8 @@ def test_the_native_sampler_computes_the_python_definitions_bits(build, threads)
         seq = rng.integers(0, 30 if repetitive else vocab, n).astype(np.int64)
         seq[-5:] = seq[10:15] if repetitive and n > 20 else seq[-5:]
         shaper = Shaper(pen, Breakers()) if pen else None
-        breaks = np.array([shaper.is_breaker(int(t)) if shaper else 0 for t in seq], np.uint8)
+        breaks = torch.tensor([shaper.is_breaker(int(t)) if shaper else 0 for t in seq],
+                              dtype=torch.uint8)
         rows = _rows(vocab, g)
         lengths = [n - 3, n - 2, n - 1, n]
         runs = [(5, 9), (vocab - 300, vocab)]
@@ -84,6 +85,7 @@ def test_the_native_sampler_computes_the_python_definitions_bits(build, threads)
         if shaper:
             for r, length in enumerate(lengths):
                 shaper.shape_row(want[r], seq[:length])
+        seq = torch.from_numpy(seq)
         shaped = rows.clone()
         assert kernels.shape_pick(lib, shaped, runs, seq, breaks, lengths, pen) == []
         assert torch.equal(shaped, want)
@@ -127,7 +129,7 @@ def test_picks_from_block_maxima_are_the_whole_rows_picks(build):
     wider than the logits: the picks from the block maxima are the whole-row scans' picks."""
     lib = BUILDS[build]
     g = torch.Generator().manual_seed(3)
-    seq, breaks = np.array([7, 64, 65, 300, 64], np.int64), np.zeros(5, np.uint8)
+    seq, breaks = torch.tensor([7, 64, 65, 300, 64]), torch.zeros(5, dtype=torch.uint8)
     pen = PENALTIES[0]
     for width in (4096, 2061, 64 * 5 + 1):
         rows = (torch.randn(6, width, generator=g) * 2).round()  # ties, in many blocks
@@ -174,13 +176,15 @@ def test_the_native_sampler_refuses_what_it_cannot_take():
     lib = next(iter(BUILDS.values()), None)
     if lib is None:
         pytest.skip("no kernels build runs here")
-    seq, breaks = np.arange(10, dtype=np.int64), np.zeros(10, np.uint8)
+    seq, breaks = torch.arange(10), torch.zeros(10, dtype=torch.uint8)
     with pytest.raises(ValueError, match="float32"):
         kernels.shape_pick(lib, torch.zeros(2, 64, dtype=torch.float64), [], seq, breaks, [1, 2])
     with pytest.raises(ValueError, match="longer"):
         kernels.shape_pick(lib, torch.zeros(1, 64), [], seq, breaks, [11])
     with pytest.raises(ValueError, match="int64"):
-        kernels.shape_pick(lib, torch.zeros(1, 64), [], seq.astype(np.int32), breaks, [1])
+        kernels.shape_pick(lib, torch.zeros(1, 64), [], seq.int(), breaks, [1])
+    with pytest.raises(ValueError, match="int64"):  # (numpy arrays: tensors are what it takes)
+        kernels.shape_pick(lib, torch.zeros(1, 64), [], seq.numpy(), breaks, [1])
 
 
 KERNEL_PATHS = [p.name for p in runtime.candidates(forced="")
@@ -224,7 +228,7 @@ def test_replies_are_the_same_with_the_native_sampler_and_without(checkpoint, pa
                    **sampling)
         replies = []
         for with_native, spec in itertools.product((True, False), (False, True)):
-            monkeypatch.setattr(engine.runner, "shape_pick", counted if with_native else None)
+            monkeypatch.setattr(engine, "_native_sampler", counted if with_native else None)
             modes.clear()
             replies.append([e.id for e in engine.stream(prompt, GenerateConfig(
                 speculation=spec, drafter="ngram", **cfg)) if isinstance(e, TokenEvent)])

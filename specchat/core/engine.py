@@ -163,49 +163,62 @@ class _Request:
     generated: int = 0  # reply tokens decided so far (EOS aside)
     start: float = 0.0  # perf_counter at the request's start
     # `context` as int64 (`context_ids`): the penalties read it every step; past its end, room
-    # for a step's drafts (`sequence`)
-    _ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # for a step's drafts (`sequence`). Torch tensors (a native call takes their data_ptr), with
+    # numpy views for the element writes.
+    _ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    _ids_np: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     _converted: int = 0  # tokens of `context` already in _ids
     # whether each token of _ids holds a DRY breaker (`sequence`); _flagged of them are known
-    _breaks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
+    _breaks: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
+    _breaks_np: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
     _flagged: int = 0
 
     def context_ids(self) -> np.ndarray:
         """`context` as an int64 array. The context only grows (`Engine._emit` appends), so
         only the tokens added since the last call are converted, not the whole context at
         every step."""
-        n = len(self.context)
-        self._room(n)
-        if n > self._converted:
-            self._ids[self._converted:n] = self.context[self._converted:n]
-            self._converted = n
-        return self._ids[:n]
+        self._convert()
+        return self._ids_np[:len(self.context)]
 
-    def sequence(self, drafted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _convert(self) -> None:
+        n, done = len(self.context), self._converted
+        if n > done:
+            self._room(n)
+            ids, context = self._ids_np, self.context
+            if n - done > 8:  # a prompt: one conversion of the slice
+                ids[done:n] = context[done:n]
+            else:  # a step's few tokens: element writes (no list-to-array conversion)
+                for i in range(done, n):
+                    ids[i] = context[i]
+            self._converted = n
+
+    def sequence(self, drafted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The context and then `drafted`, as int64 tokens and uint8 flags (1: the token's text
-        holds one of DRY's sequence breakers; all 0 without DRY): views of the request's own
-        buffers, valid until the next call."""
+        holds one of DRY's sequence breakers; all 0 without DRY), at the start of the request's
+        own buffers (which run on past them), valid until the next call."""
         n, k = len(self.context), len(drafted)
-        self.context_ids()
-        self._room(n + k)
-        self._ids[n:n + k] = drafted
-        if self.shaper is not None and self.shaper.penalties.dry:
-            breaker = self.shaper.is_breaker
+        self._convert()
+        if k:
+            self._room(n + k)
+            self._ids_np[n:n + k] = drafted
+        if self.shaper is not None and self.shaper.dry:
+            breaker, flags, context = self.shaper.is_breaker, self._breaks_np, self.context
             for i in range(self._flagged, n):
-                self._breaks[i] = breaker(self.context[i])
+                flags[i] = breaker(context[i])
             self._flagged = n
             for i, token in enumerate(drafted):
-                self._breaks[n + i] = breaker(token)
-        return self._ids[:n + k], self._breaks[:n + k]
+                flags[n + i] = breaker(token)
+        return self._ids, self._breaks
 
     def _room(self, size: int) -> None:
-        if size <= len(self._ids):
+        if size <= len(self._ids_np):
             return
-        grown = max(2 * len(self._ids), size, 256)
-        ids, breaks = np.zeros(grown, dtype=np.int64), np.zeros(grown, dtype=np.uint8)
+        grown = max(2 * len(self._ids_np), size, 256)
+        ids, breaks = torch.zeros(grown, dtype=torch.int64), torch.zeros(grown, dtype=torch.uint8)
         ids[:self._converted] = self._ids[:self._converted]
         breaks[:self._flagged] = self._breaks[:self._flagged]
-        self._ids, self._breaks = ids, breaks
+        self._ids, self._breaks, self._ids_np, self._breaks_np = ids, breaks, ids.numpy(), \
+            breaks.numpy()
 
 
 class Engine:
@@ -248,6 +261,10 @@ class Engine:
         self.row_exact = target.row_exact
         self.gives_logprobs = True  # GenerateConfig.logprobs is honoured
         self.trees_ok = self.runner.tree_masks
+        # The runner's native sampler (`shape_pick`), for the new float32 CPU logits it hands
+        # over each forward (`owned_logits`); None: the Python sampler.
+        self._native_sampler = getattr(self.runner, "shape_pick", None) \
+            if getattr(self.runner, "owned_logits", False) else None
 
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).
@@ -424,9 +441,8 @@ class Engine:
         0..i-1; plain decoding's one row), and with `pick` each row's draw where the runner's
         native sampler makes it: (logits, the draws or None). The native sampler does the mask,
         the penalties and the draw in one call, to the bits of the Python definitions."""
-        sampler = getattr(self.runner, "shape_pick", None)
-        if sampler is None or not getattr(self.runner, "owned_logits", False) \
-                or not logits.is_contiguous() or logits.dtype != torch.float32:
+        sampler = self._native_sampler
+        if sampler is None or logits.dtype != torch.float32 or not logits.is_contiguous():
             extras = [drafted[:i] for i in range(len(drafted) + 1)]
             return self._distribution(run, logits, run.context, extras), None
         mode, params = None, run.params

@@ -81,6 +81,10 @@ class Shaper:
     penalties: Penalties
     tokenizer: object
     _breaks: dict[int, bool] = field(default_factory=dict)
+    dry: bool = field(init=False)  # DRY is on (`Penalties.dry`, read at every step)
+
+    def __post_init__(self):
+        self.dry = self.penalties.dry
 
     @classmethod
     def build(cls, penalties: Penalties, tokenizer, memo: dict | None = None) -> Shaper | None:

@@ -110,10 +110,17 @@ class ReplyText:
     def __init__(self, tokenizer, prompt_ids: list[int], stops: tuple[str, ...] | list[str]):
         self.detok = Detokenizer(tokenizer, prompt_ids)
         self.stops = [s for s in stops if s]
+        self.starts = "".join(sorted({s[0] for s in self.stops}))  # a stop string starts so
         self.pending: list[TokenEvent] = []
 
     def push(self, event: TokenEvent) -> tuple[list[TokenEvent], bool]:
-        event.text = self.detok.add(event.id)
+        text = event.text = self.detok.add(event.id)
+        if not self.pending and not self.detok.incomplete:
+            for c in self.starts:
+                if c in text:
+                    break
+            else:  # nothing held, and no stop string can start in this text: shown as it is
+                return [event], False
         self.pending.append(event)
         if self.detok.incomplete:
             return [], False

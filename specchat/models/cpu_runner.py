@@ -239,8 +239,7 @@ class CpuRunner:
         seq[:lengths[r]]; then with `mode` each row's draw, "greedy" (the argmax) or "min_p"
         (`core.sampling.min_p_draw` with the row's noise keys). The bits of the Python
         definitions. -> the draws, or None without a mode."""
-        mode_id = {None: kernels.PICK_NONE, "greedy": kernels.PICK_GREEDY,
-                   "min_p": kernels.PICK_MIN_P}[mode]
+        mode_id = _PICKS[mode]
         # the head's block maxima, where these are the latest forward's logits, untouched since
         made, maxima = self._maxima or (None, None)
         self._maxima = None
@@ -260,9 +259,12 @@ class CpuRunner:
         pass  # every forward keeps its final-norm output (`last_hidden`)
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
-        if rows is None:  # a view: each forward writes a new tensor
-            return self.last_hidden[:n]
+        if rows is None:  # (a view: each forward writes a new tensor)
+            return self.last_hidden if n == len(self.last_hidden) else self.last_hidden[:n]
         return self.last_hidden[torch.tensor(rows)]
+
+
+_PICKS = {None: kernels.PICK_NONE, "greedy": kernels.PICK_GREEDY, "min_p": kernels.PICK_MIN_P}
 
 
 def wanted() -> bool:

@@ -20,6 +20,7 @@ variant cannot be built or run here, its `load` returns None and the caller keep
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
@@ -410,25 +410,30 @@ def rms_norm(lib: Kernels, x: torch.Tensor, w1: torch.Tensor, eps: float) -> tor
 PICK_NONE, PICK_GREEDY, PICK_MIN_P = 0, 1, 2  # shape_pick's modes
 
 
-def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], seq, breaks,
-               lengths: list[int], penalties=None, mode: int = PICK_NONE,
-               temperature: float = 1.0, min_p: float = 0.0,
+def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]],
+               seq: torch.Tensor, breaks: torch.Tensor, lengths: list[int], penalties=None,
+               mode: int = PICK_NONE, temperature: float = 1.0, min_p: float = 0.0,
                keys: list[tuple[int, int]] | None = None,
                maxima: torch.Tensor | None = None) -> list[int]:
     """In place on float32 CPU logits [rows, width]: each row's ids in `runs` ([start, end)
     pairs) set to -inf, then the penalties (a `core.penalties.Penalties`, None: off) for row r's
-    prefix seq[:lengths[r]] (`seq` int64 and `breaks` uint8 numpy arrays: the tokens and whether
-    each one's text holds a DRY breaker), then each row's pick: its argmax (PICK_GREEDY) or
-    min-p's draw at `temperature` with the row's keys (PICK_MIN_P). The bits of `Shaper.shape_`,
-    `sampling.argmax` and `sampling.min_p_draw` (csrc/sample.c). `maxima`: the LM head's block
-    maxima of these very logits (`q8_0_matmul_i8`), from which the picks read only the blocks
-    they need; the same picks without them. -> the picks (none for PICK_NONE)."""
+    prefix seq[:lengths[r]] (`seq` int64 and `breaks` uint8 contiguous tensors: the tokens and
+    whether each one's text holds a DRY breaker), then each row's pick: its argmax
+    (PICK_GREEDY) or min-p's draw at `temperature` with the row's keys (PICK_MIN_P). The bits
+    of `Shaper.shape_`, `sampling.argmax` and `sampling.min_p_draw` (csrc/sample.c).
+    `maxima`: the LM head's block maxima of these very logits (`q8_0_matmul_i8`), from which
+    the picks read only the blocks they need; the same picks without them. -> the picks (none
+    for PICK_NONE).
+
+    It runs right after a forward, when every object it touches is out of the CPU's caches:
+    hence torch tensors (data_ptr) rather than numpy arrays (.ctypes) and one `array` of the
+    small arguments."""
     rows, width = logits.shape
-    if not logits.is_contiguous() or logits.dtype != torch.float32 or len(lengths) != rows:
+    if logits.dtype != torch.float32 or not logits.is_contiguous() or len(lengths) != rows:
         raise ValueError("shape_pick takes contiguous float32 logits [rows, width] and a "
                          "prefix length per row")
-    if seq.dtype != np.int64 or breaks.dtype != np.uint8 or not seq.flags.c_contiguous \
-            or not breaks.flags.c_contiguous:
+    if seq.dtype != torch.int64 or breaks.dtype != torch.uint8 or not seq.is_contiguous() \
+            or not breaks.is_contiguous():
         raise ValueError("shape_pick takes contiguous int64 tokens and uint8 breaker flags")
     if max(lengths) > len(seq) or len(breaks) < len(seq):
         raise ValueError("a row's prefix is longer than the tokens given")
@@ -436,11 +441,11 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], 
                                or maxima.shape[0] != rows
                                or maxima.shape[1] < head_blocks(width)):
         raise ValueError(f"maxima must be contiguous float32 [{rows}, >= {head_blocks(width)}]")
-    # One int64 buffer for the small arguments: runs, lengths, keys, then room for the picks
-    # (each array made costs tens of microseconds right after a forward).
-    flat = [x for run in runs for x in run]
-    args = np.array(flat + list(lengths) + ([x for pair in keys for x in pair] if keys
-                                            else [0] * (2 * rows)) + [0] * rows, dtype=np.int64)
+    # One int64 buffer for the small arguments: runs, lengths, keys, then room for the picks.
+    args = array.array("q", [x for run in runs for x in run])
+    args.extend(lengths)
+    args.extend([x for pair in keys for x in pair] if keys else [0] * (2 * rows))
+    args.extend([0] * rows)
     pen = penalties
     if pen is None:
         repeat, frequency, presence, last_n, dry_m, dry_b, dry_a = 1.0, 0.0, 0.0, 0, 0.0, 1.0, 0
@@ -449,8 +454,8 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]], 
             pen.presence_penalty
         last_n, dry_m, dry_b, dry_a = pen.repeat_last_n, pen.dry_multiplier, pen.dry_base, \
             pen.dry_allowed_length
-    done = lib.shape_pick(logits.data_ptr(), rows, width, args.ctypes.data, len(flat) // 2,
-                          seq.ctypes.data, breaks.ctypes.data, repeat, frequency, presence,
+    done = lib.shape_pick(logits.data_ptr(), rows, width, args.buffer_info()[0], len(runs),
+                          seq.data_ptr(), breaks.data_ptr(), repeat, frequency, presence,
                           last_n, dry_m, dry_b, dry_a, mode, max(temperature, 1e-5), min_p,
                           maxima.data_ptr() if maxima is not None else None,
                           maxima.shape[1] if maxima is not None else 0, torch.get_num_threads())
