@@ -134,7 +134,8 @@ class Draft:
 
     @classmethod
     def empty(cls) -> Draft:
-        return cls((NO_DRAFT, None))
+        """No draft: plain decoding's step (one instance: a draft is never changed)."""
+        return _EMPTY
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -143,6 +144,9 @@ class Draft:
     def levels(self) -> int:
         """Draft positions one verify decides: a tree's depth, a chain's length."""
         return self.tree.depth if self.tree is not None else len(self.tokens)
+
+
+_EMPTY = Draft((NO_DRAFT, None))
 
 
 # -- the registry: every drafter specchat can load (specchat/drafters/, one file each) -----

@@ -385,7 +385,7 @@ class Engine:
     def _verify_chain(self, run: _Request, draft: Draft) -> Verified:
         """Verify a chain of drafts in one forward; crop the rejected ones from the cache."""
         context, k = run.context, len(draft)
-        drafted = draft.tokens.tolist()
+        drafted = draft.tokens.tolist() if k else []
         logits = self._forward([context[-1], *drafted], k + 1)
         # row i continues the context and drafts 0..i-1
         logits, picks = self._chain_distribution(run, logits, drafted, draft.probs is None)
