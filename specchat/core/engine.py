@@ -477,7 +477,7 @@ class Engine:
         of a width: then a run that ends the row (Gemma 3's image ids) may be left to the
         runner, which from the next forward on hands those logits over as -inf without
         computing them (`skip_logits_from`); these first logits still need it."""
-        key = (logits.shape[-1], logits.device)
+        key = (logits.shape[-1], logits.is_cpu)  # (one runner, one device besides the CPU)
         if self._mask_key == key:
             return self._mask_runs
         past = torch.arange(self.vocab_size, logits.shape[-1], dtype=torch.long)

@@ -175,11 +175,12 @@ class CpuRunner:
 
     @torch.inference_mode()
     def _run(self, cache: StaticCache, ids: list[int], positions: torch.Tensor, start: int,
-             visible: torch.Tensor | None, n_logits: int) -> torch.Tensor:
+             visible: torch.Tensor | None, n_logits: int, end: int) -> torch.Tensor:
+        """`end`: past the largest of `positions`."""
         n = len(ids)
         if start + n > cache.slots:  # whole steps of SLOTS, at least doubling
             cache.grow(-(-max(start + n, 2 * cache.slots) // SLOTS) * SLOTS)
-        self._ropes_for(int(positions.max()) + 1)
+        self._ropes_for(end)
         h = self.embed(torch.tensor(ids)).to(torch.float32).contiguous()
         out = torch.empty(n, self.hidden, dtype=torch.float32)
         done = self.lib.decoder_forward(
@@ -212,14 +213,15 @@ class CpuRunner:
     def forward(self, cache: StaticCache, ids: list[int], start: int,
                 n_logits: int) -> torch.Tensor:
         positions = torch.arange(start, start + len(ids), dtype=torch.int64)
-        return self._run(cache, ids, positions, start, None, n_logits)
+        return self._run(cache, ids, positions, start, None, n_logits, start + len(ids))
 
     def forward_tree(self, cache: StaticCache, ids: list[int], parents: list[int],
                      start: int) -> torch.Tensor:
         visible = visibility(parents)
         positions = start + visible.sum(-1) - 1  # a node's position: the root's plus its depth
         return self._run(cache, ids, positions.to(torch.int64).contiguous(), start,
-                         visible.to(torch.uint8).contiguous(), len(ids))
+                         visible.to(torch.uint8).contiguous(), len(ids),
+                         int(positions.max()) + 1)
 
     def skip_logits_from(self, start: int) -> bool:
         """Ids `start`.. are never sampled (a vocabulary's last ids, which the engine masks):

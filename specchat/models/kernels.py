@@ -353,8 +353,6 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
                 or not maxima.is_contiguous():
             raise ValueError(f"maxima must be contiguous float32 [{rows.shape[0]}, "
                              f"{head_blocks(out)}]")
-        # the blocks this call does not compute: NaN (unknown) until they are set below
-        maxima[:, head_blocks(computed):] = torch.nan
     lib.q8_0_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(),
                        d.data_ptr(), y.data_ptr(), computed,
                        maxima.data_ptr() if maxima is not None else None,
@@ -429,13 +427,14 @@ def shape_pick(lib: Kernels, logits: torch.Tensor, runs: list[tuple[int, int]],
     hence torch tensors (data_ptr) rather than numpy arrays (.ctypes) and one `array` of the
     small arguments."""
     rows, width = logits.shape
-    if logits.dtype != torch.float32 or not logits.is_contiguous() or len(lengths) != rows:
+    if logits.dtype is not torch.float32 or not logits.is_contiguous() or len(lengths) != rows:
         raise ValueError("shape_pick takes contiguous float32 logits [rows, width] and a "
                          "prefix length per row")
-    if seq.dtype != torch.int64 or breaks.dtype != torch.uint8 or not seq.is_contiguous() \
-            or not breaks.is_contiguous():
+    if not isinstance(seq, torch.Tensor) or seq.dtype is not torch.int64 \
+            or not isinstance(breaks, torch.Tensor) or breaks.dtype is not torch.uint8 \
+            or not seq.is_contiguous() or not breaks.is_contiguous():
         raise ValueError("shape_pick takes contiguous int64 tokens and uint8 breaker flags")
-    if max(lengths) > len(seq) or len(breaks) < len(seq):
+    if max(lengths) > seq.shape[0] or breaks.shape[0] < seq.shape[0]:
         raise ValueError("a row's prefix is longer than the tokens given")
     if maxima is not None and (maxima.dtype != torch.float32 or not maxima.is_contiguous()
                                or maxima.shape[0] != rows

@@ -193,6 +193,14 @@ static inline __m256 load8(const void *row, int64_t c, int bf16) {
 // (sample.c) and reads only the blocks it needs, not the whole row again after the product.
 #define HEAD_BLOCK 64
 
+// Every block maximum of n rows of `out` outputs NaN (unknown): what a product leaves where it
+// returns early (sizes it does not take, no memory), and what its blocks then overwrite.
+static inline void maxima_unknown(float *maxima, int64_t n, int64_t out) {
+    if (!maxima || n <= 0 || out <= 0) return;
+    for (int64_t i = 0; i < n * ((out + HEAD_BLOCK - 1) / HEAD_BLOCK); i++)
+        maxima[i] = __builtin_nanf("");
+}
+
 // maxima[j * stride + b0 / HEAD_BLOCK] = the largest of y[j * out + b0 .. b1), for the n rows
 // (b0 a multiple of HEAD_BLOCK, b1 - b0 at most HEAD_BLOCK). Max is exact: any order gives it.
 static inline void block_maxima(const float *y, int64_t n, int64_t out, int64_t b0, int64_t b1,

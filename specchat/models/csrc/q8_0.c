@@ -325,6 +325,7 @@ static void q8i_ref(int width, const float *x, int64_t n, int64_t in, const int8
 
 void q8_0_matmul_i8_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
                         const uint16_t *d, float *y, int64_t out, float *maxima, int threads) {
+    maxima_unknown(maxima, n, out);
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
     q8i_ref(8, x, n, in, q, d, y, out, maxima, threads);
 }
@@ -332,6 +333,7 @@ void q8_0_matmul_i8_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
 void q8_0_matmul_i8_16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
                            const uint16_t *d, float *y, int64_t out, float *maxima,
                            int threads) {
+    maxima_unknown(maxima, n, out);
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
     q8i_ref(16, x, n, in, q, d, y, out, maxima, threads);
 }
@@ -446,6 +448,7 @@ static const q8i_tile_fn q8i_tiles[Q8I_J] = {q8i_tile_1, q8i_tile_2, q8i_tile_3,
 
 void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
                     float *y, int64_t out, float *maxima, int threads) {
+    maxima_unknown(maxima, n, out);
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
     if (in > MAX_IN) {  // the factors' buffer is on the stack: the reference's bits
         q8_0_matmul_i8_ref(x, n, in, q, d, y, out, maxima, threads);
@@ -618,6 +621,7 @@ static void q8i_matmul16(const q8i16_tile_fn tiles[Q8I_R][Q8I_J16], int vnni, co
                          int64_t n, int64_t in, const int8_t *q, const uint16_t *d, float *y,
                          int64_t out, float *maxima, int threads) {
     int8_t *xs = NULL;
+    maxima_unknown(maxima, n, out);
     float *dxs = NULL;
     if (!sizes_ok(n, in, out, 32, 0, y)) return;
     const int64_t nb = in / 32;
