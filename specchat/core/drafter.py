@@ -131,6 +131,7 @@ class Draft:
             self.tree, self.tokens, self.probs = proposal, proposal.tokens, None
         else:
             self.tree, (self.tokens, self.probs) = None, proposal
+        self.size = len(self.tokens)  # (asked at every step: one tensor call, here)
 
     @classmethod
     def empty(cls) -> Draft:
@@ -138,12 +139,12 @@ class Draft:
         return _EMPTY
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.size
 
     @property
     def levels(self) -> int:
         """Draft positions one verify decides: a tree's depth, a chain's length."""
-        return self.tree.depth if self.tree is not None else len(self.tokens)
+        return self.tree.depth if self.tree is not None else self.size
 
 
 _EMPTY = Draft((NO_DRAFT, None))
