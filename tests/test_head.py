@@ -185,10 +185,13 @@ def test_reduced_vocab_drafts_keep_verification_lossless(params):
         emitted[int(draft) if v.n_accepted else v.next_token] += 1
     assert tv(emitted / draws, want) < 0.03
 
+    # Coupled: every emitted token is plain sampling's own draw at that seed, so the reply's
+    # distribution is plain's exactly (whose own is tested in test_sampling.py); the tokens the
+    # head cannot propose come out too.
     drafter.coupled = True
     kept = q0.nonzero()[:, 0]
-    emitted = torch.zeros(len(TOK))
-    for seed in range(draws):
+    emitted = set()
+    for seed in range(2000):
         if seed < 300:  # the head's draft is the race over q with the target's numbers
             ids, q = drafter.propose(ctx, 1, params, Noise(seed))
             assert q is None and int(ids[0]) == draw(kept, q0[kept], Noise(seed), at)
@@ -196,8 +199,8 @@ def test_reduced_vocab_drafts_keep_verification_lossless(params):
         v = verify(torch.tensor([draft]), None, rows, params, Noise(seed), at)
         token = draft if v.n_accepted else v.next_token
         assert token == sample_row(target_logits[0], params, Noise(seed), at)  # plain's draw
-        emitted[token] += 1
-    assert tv(emitted / draws, want) < 0.03
+        emitted.add(token)
+    assert emitted & set(support[6:].tolist())  # beyond the head's vocabulary
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
