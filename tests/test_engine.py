@@ -269,7 +269,7 @@ def test_probes_back_off_while_drafts_keep_failing_and_return_when_they_pay():
     while not policy.choose(4):  # the next probe's draft passes
         policy.update(1, 0.01, 0, 0, 0.0)
     policy.update(2, 0.013, 1, 1, 0.002)
-    assert policy.probe_gap == policy.probe_every
+    assert policy.probe_gap() == policy.probe_every
     for _ in range(80):  # and so do the drafts after it
         k = policy.choose(4)
         policy.update(k + 1, 0.01 * (1 + 0.3 * k), k, k, 0.002 * k)
@@ -316,8 +316,8 @@ def test_drafting_that_runs_without_proposing_counts_in_the_draft_cost():
                 policy.update(1, 0.10, 0, 0, 0.008, asked=True)  # ran, proposed nothing
         return policy
 
-    assert trained(False).draft_token_s == pytest.approx(0.008)
-    assert 0.06 < trained(True).draft_token_s < 0.2  # about 10 runs per draft, decayed
+    assert trained(False).draft_token_s() == pytest.approx(0.008)
+    assert 0.06 < trained(True).draft_token_s() < 0.2  # about 10 runs per draft, decayed
     assert trained(False).choose(1) == 1 and trained(True).choose(1) == 0
 
 
@@ -343,6 +343,31 @@ def test_draft_length_policy_sizes_k_per_draft_class():
     assert policy.choose(8, cls=1) == 0
     assert policy.choose(8, cls=2) > 0  # an unseen class starts from the prior
 
+
+def test_a_cheap_draft_class_does_not_make_another_class_probe_often():
+    """The combined drafter's lookups cost a tenth of a millisecond, its head's drafts two
+    plain steps (a probe's catch-up): each class's drafting cost is its own, so the head's
+    probes stay as rare as its own cost asks, however often the lookups draft."""
+    from specchat.core.policy import DraftLengthPolicy
+
+    def head_gaps(lookups: bool) -> list[int]:
+        policy, probes = DraftLengthPolicy(), []
+        for i in range(6000):
+            if lookups and i % 4 == 0:  # a reliable 3-token match, drafted cheaply
+                k = policy.choose(4, cls=3)
+                policy.update(k + 1, 0.01 * (1 + 0.16 * k), k, k, 0.0001 * k, cls=3)
+                continue
+            k = policy.choose(4, cls="head")
+            passed = min(k, 1) if len(probes) % 5 < 3 else 0  # 3 probes in 5 pass
+            policy.update(k + 1, 0.01 * (1 + 0.16 * k), k, passed, 0.02 * k, cls="head")
+            if k:
+                probes.append(i)
+        assert policy.draft_token_s("head") == pytest.approx(0.02)
+        return [b - a for a, b in zip(probes[10:], probes[11:])]
+
+    alone, beside = head_gaps(False), head_gaps(True)
+    assert len(beside) > 5 and min(beside) > 50
+    assert sum(beside) / len(beside) >= 0.7 * sum(alone) / len(alone)
 
 def test_ngram_draft_class_is_the_match_length():
     drafter = NgramDrafter(max_n=3)

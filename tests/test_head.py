@@ -224,6 +224,35 @@ def test_greedy_speculation_with_a_random_head_equals_plain_greedy(make, k):
     assert drafter.computed == 0
 
 
+def test_a_prompt_from_the_prefix_store_brings_the_heads_features():
+    """A prompt whose first pages come from the prefix store (the engine's cache held another
+    conversation in between) hands the head those pages' features as encoding them would: the
+    head never runs the target itself, and its features are a fresh engine's, bit for bit."""
+    target = tiny_llama(0)
+
+    def engine_with_head():
+        drafter = HeadDrafter(random_head(target), target, len(TOK))
+        return Engine(loaded(target, TOK), {"head": drafter}), drafter
+
+    def reply(engine, ids):
+        list(engine.stream(ids, GenerateConfig(max_new_tokens=6, drafter="head", draft_len=2,
+                                               adaptive=False)))
+
+    preamble = ids_of(TEXT * 3)  # two pages of 64 and 41 tokens
+    first, other, last = preamble + ids_of(" one"), ids_of("something else " * 5), \
+        preamble + ids_of(" two")
+    engine, drafter = engine_with_head()
+    for ids in (first, other, last):
+        reply(engine, ids)
+    assert engine.prefixes.hits == 1 and drafter.computed == 0
+    fresh_engine, fresh = engine_with_head()
+    reply(fresh_engine, last)
+    drafter._flush()
+    fresh._flush()
+    assert drafter.tokens[:len(last)] == fresh.tokens[:len(last)] == last
+    assert torch.equal(drafter.feats[:len(last)], fresh.feats[:len(last)])
+
+
 def test_sampled_speculation_with_a_random_head_replays_plain_sampling():
     # The head races its drafts with the target's keyed numbers and the target's own draw
     # decides: for a seed, chains and trees, head and combined, give plain sampling's reply.

@@ -322,9 +322,13 @@ class Engine:
         stored, n = self.prefixes.longest(prompt_ids, min(wide_end, len(prompt_ids) - 1))
         if n > keep:  # more whole pages in the prefix store than in the cache
             self._cache = self.runner.new_cache()
-            self.prefixes.restore(stored, n, self._cache)
+            features = self.prefixes.restore(stored, n, self._cache)
             self._cache_ids, self._wide_end, keep = list(prompt_ids[:n]), n, n
+            if features is not None:  # the drafters' features as a fresh encoding gives them
+                for d in wants:
+                    d.observe(0, prompt_ids[:n], features)
         logits, at = None, keep
+        pages = {}  # page start -> the features of a whole page encoded here
         while at < len(prompt_ids):
             if stop_event is not None and stop_event.is_set():
                 logits = None
@@ -332,9 +336,11 @@ class Engine:
             end = at + self.page if at < wide_end else min(len(prompt_ids), at + self.page - 1)
             logits = self._forward(prompt_ids[at:end], 1)
             self._observe(wants, at, prompt_ids[at:end])
+            if wants and end - at == self.page:
+                pages[at] = self.runner.features(self.page)
             at = end
             self._wide_end = min(at, wide_end)
-        self.prefixes.add(prompt_ids, self._cache, self._wide_end)
+        self.prefixes.add(prompt_ids, self._cache, self._wide_end, pages)
         return logits, at - keep
 
     def _reusable(self, prompt_ids: list[int], wide_end: int) -> int:

@@ -21,9 +21,13 @@ class DraftLengthPolicy:
     tokens cost more than they save (a head that costs a target step a token) probes every
     hundred steps or so, not every eight.
 
-    Alpha is kept per draft class when the drafter tells one (`Drafter.draft_class`): an n-gram
-    drafter's 3-token matches are far more reliable than its 1-token matches, so each earns its
-    own k. The cost curve is shared.
+    Alpha, the drafting cost and the probes are kept per draft class when the drafter tells one
+    (`Drafter.draft_class`): an n-gram drafter's 3-token matches are far more reliable than its
+    1-token matches, so each earns its own k; and where the combined drafter gives a step to the
+    head, a draft costs a head forward (on a probe, with its catch-up), not a lookup. The
+    lookups' cheap drafts must neither make the head's probes look cheap nor, by drafting,
+    put them off for good: a class probes after its own plain steps. The verify cost curve is
+    shared.
     """
 
     PROBE_BUDGET = 0.01  # the share of plain decoding's time that probes may lose, expected
@@ -32,7 +36,6 @@ class DraftLengthPolicy:
     def __init__(self, probe_every: int = 8, margin: float = 0.05, max_probe_gap: int = 32):
         self.probe_every = probe_every
         self.max_probe_gap = max(max_probe_gap, probe_every)
-        self.probe_gap = probe_every  # plain steps before the next probe
         # Draft only when that is expected to beat plain decoding by this fraction: estimates are
         # noisy, and a draft that merely breaks even costs more than the model sees (the lookup,
         # a wider sampling step), so a marginal gain is not worth the risk of a loss.
@@ -48,9 +51,9 @@ class DraftLengthPolicy:
         # The same y per width m, where measured often enough: costs need not lie on a line
         # (a BLAS may price 2-4 rows like one and jump at 5, which a line misprices).
         self._width: dict[int, list[float]] = {}  # m -> decayed [weight, sum of y]
-        self.draft_token_s = 0.0
-        self._draft_sums = [0.0, 0.0]  # decayed drafting seconds and drafted tokens
-        self.plain_streak = 0
+        self._draft_sums: dict[object, list[float]] = {}  # class -> decayed [seconds, drafts]
+        # class -> [plain steps since its last draft, plain steps its next probe waits for]
+        self._probes: dict[object, list[int]] = {}
 
     @property
     def verify_line(self) -> tuple[float, float]:
@@ -69,6 +72,12 @@ class DraftLengthPolicy:
         successes, failures = self._tests.get(cls, (2.0, 1.0))  # prior 2/3, weight of 3 tests
         return successes / (successes + failures)
 
+    def draft_token_s(self, cls=None) -> float:
+        """Seconds of drafting per drafted token in this class (0 until it is measured; all
+        the seconds where it ran and has not drafted yet)."""
+        seconds, tokens = self._draft_sums.get(cls, (0.0, 0.0))
+        return seconds / tokens if tokens > 0 else seconds
+
     WIDTH_WEIGHT = 3.0  # decayed measurements of a width before its own mean replaces the line
 
     def _verify_cost(self, m: int) -> float:
@@ -81,31 +90,35 @@ class DraftLengthPolicy:
     def expected_rate(self, k: int, cls=None) -> float:
         a = min(self.alpha(cls), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self._verify_cost(k + 1) + k * self.draft_token_s)
+        return tokens / (self._verify_cost(k + 1) + k * self.draft_token_s(cls))
 
     def probe_loss(self, cls=None) -> float:
         """A probe's expected loss against a plain step, in plain steps: a one-draft verify and
         a draft token's cost, less the 1 + alpha tokens it is expected to emit."""
         step = self.step_s or 1.0
-        return (self._verify_cost(2) + self.draft_token_s) / step - (1 + self.alpha(cls))
+        return (self._verify_cost(2) + self.draft_token_s(cls)) / step - (1 + self.alpha(cls))
+
+    def probe_gap(self, cls=None) -> int:
+        """The plain steps of this class before its next probe (before PROBE_BUDGET's say)."""
+        return self._probes.get(cls, (0, self.probe_every))[1]
 
     def choose(self, k_max: int, cls=None) -> int:
         best = max(range(k_max + 1), key=lambda k: self.expected_rate(k, cls))
         if best and self.expected_rate(best, cls) < (1 + self.margin) * self.expected_rate(0, cls):
             best = 0
+        probe = self._probes.setdefault(cls, [0, self.probe_every])
         if best == 0 and k_max > 0:
-            self.plain_streak += 1
+            probe[0] += 1
             loss = self.probe_loss(cls)
-            gap = self.probe_gap if loss <= 0 else max(
-                self.probe_gap, min(math.ceil(loss / self.PROBE_BUDGET), self.MAX_COST_GAP))
-            if self.plain_streak >= gap:
-                self.plain_streak = 0
-                self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+            gap = probe[1] if loss <= 0 else max(
+                probe[1], min(math.ceil(loss / self.PROBE_BUDGET), self.MAX_COST_GAP))
+            if probe[0] >= gap:
+                probe[0], probe[1] = 0, min(2 * probe[1], self.max_probe_gap)
                 return 1  # probe: keep alpha fresh
         else:
-            self.plain_streak = 0
+            probe[0] = 0
             if best:  # drafting pays again: probe promptly when it stops paying
-                self.probe_gap = self.probe_every
+                probe[1] = self.probe_every
         return best
 
     def update(self, fed: int, verify_s: float, drafted: int, accepted: int, draft_s: float,
@@ -122,7 +135,7 @@ class DraftLengthPolicy:
             seen = self._width.setdefault(fed, [0.0, 0.0])
             seen[0], seen[1] = 0.9 * seen[0] + 1.0, 0.9 * seen[1] + y
         if drafted and accepted == drafted:  # all passed: probe promptly again
-            self.probe_gap = self.probe_every
+            self._probes.setdefault(cls, [0, self.probe_every])[1] = self.probe_every
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
             tests = self._tests.setdefault(cls, [2.0, 1.0])
@@ -132,7 +145,5 @@ class DraftLengthPolicy:
             # Seconds per drafted token, counting the steps where the drafter was asked and
             # proposed nothing (a head below its confidence bar has run all the same): drafting
             # pays only if the drafts that are made also pay for those.
-            seconds, tokens = self._draft_sums
-            self._draft_sums = [decay * seconds + draft_s, decay * tokens + drafted]
-            if self._draft_sums[1] > 0:
-                self.draft_token_s = self._draft_sums[0] / self._draft_sums[1]
+            sums = self._draft_sums.setdefault(cls, [0.0, 0.0])
+            sums[0], sums[1] = decay * sums[0] + draft_s, decay * sums[1] + drafted

@@ -13,6 +13,11 @@ the pages of its own. Least recently used pages go first, and a page is always u
 pages that continue it, so a page leaves before the page it continues: what remains of a
 prompt is always a run of pages from position 0.
 
+With the keys and values a page keeps the target's features of its tokens (the final norm's
+output) where a drafter reads them (the EAGLE head): a prompt that takes its pages from here
+hands them to the drafter as a fresh encoding would, instead of leaving it to compute them
+with a forward of its own.
+
 Reuse is exact: a whole page's keys and values depend only on the tokens up to its end, and
 every prompt encodes its whole pages the same way, so a page from here is the page a fresh
 encoding would compute, bit for bit. The same request gives the same text with the store full
@@ -26,7 +31,8 @@ from collections import OrderedDict
 import torch
 
 # Tokens kept by default: 8,192 is 300 MB of float32 keys and values for the embedded Gemma 3
-# 270M (36 KB a token) and 460 MB of bf16 ones for an 8B Llama (56 KB a token).
+# 270M (36 KB a token, and 2.5 KB of features where the head reads them) and 460 MB of bf16
+# ones for an 8B Llama (56 KB a token).
 PREFIX_CACHE_TOKENS = 8192
 
 
@@ -37,6 +43,7 @@ class PrefixStore:
         # [batch, heads, page, dim]
         self.pages: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
             OrderedDict()
+        self.features: dict[tuple[int, ...], torch.Tensor] = {}  # page -> features [page, d]
         self.hits = 0  # prompts that took pages from here
 
     @property
@@ -68,8 +75,9 @@ class PrefixStore:
         for key in reversed(chain):  # the first page last: the most recently used
             self.pages.move_to_end(key)
 
-    def restore(self, ids: tuple[int, ...], n: int, cache) -> None:
-        """Write the first n tokens of `ids` (held, `longest`) into `cache`, an empty one."""
+    def restore(self, ids: tuple[int, ...], n: int, cache) -> torch.Tensor | None:
+        """Write the first n tokens of `ids` (held, `longest`) into `cache`, an empty one.
+        Returns their features [n, d] where every page kept them, else None."""
         chain = self._chain(ids, n)
         held = [self.pages[key] for key in chain]
         for layer in range(len(held[0])):
@@ -77,29 +85,37 @@ class PrefixStore:
                          torch.cat([page[layer][1] for page in held], dim=2), layer)
         self._touch(chain)
         self.hits += 1
+        features = [self.features.get(key) for key in chain]
+        return None if any(f is None for f in features) else torch.cat(features)
 
-    def add(self, prompt_ids: list[int], cache, n: int) -> None:
+    def add(self, prompt_ids: list[int], cache, n: int,
+            features: dict[int, torch.Tensor] | None = None) -> None:
         """Keep the first n tokens of `cache` (whole pages of `prompt_ids`): the pages not
-        held yet, each a copy of its own slots."""
+        held yet, each a copy of its own slots, and with each the features `features` has for
+        it (page start -> [page, d], the pages this prompt encoded)."""
         if n <= 0 or n > self.max_tokens:
             return
         chain = self._chain(tuple(prompt_ids[:n]), n)
         for key in chain:
+            a, b = len(key) - self.page, len(key)
             if key not in self.pages:
-                a, b = len(key) - self.page, len(key)
                 self.pages[key] = [(layer.keys[:, :, a:b].clone(), layer.values[:, :, a:b].clone())
                                    for layer in cache.layers]
+            if features and a in features and key not in self.features:
+                self.features[key] = features[a].clone()
         self._touch(chain)
         while self.tokens > self.max_tokens:
-            self.pages.popitem(last=False)
+            key, _ = self.pages.popitem(last=False)
+            self.features.pop(key, None)
 
-    def snapshot(self) -> OrderedDict:
+    def snapshot(self) -> tuple[OrderedDict, dict]:
         """The pages as they are now (the tensors shared, not copied), for `restore_snapshot`:
         the bench gives every mode the store one question found."""
-        return OrderedDict(self.pages)
+        return OrderedDict(self.pages), dict(self.features)
 
-    def restore_snapshot(self, pages: OrderedDict) -> None:
-        self.pages = OrderedDict(pages)
+    def restore_snapshot(self, held: tuple[OrderedDict, dict]) -> None:
+        self.pages, self.features = OrderedDict(held[0]), dict(held[1])
 
     def clear(self) -> None:
         self.pages.clear()
+        self.features.clear()
