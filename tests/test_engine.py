@@ -369,6 +369,27 @@ def test_a_cheap_draft_class_does_not_make_another_class_probe_often():
     assert len(beside) > 5 and min(beside) > 50
     assert sum(beside) / len(beside) >= 0.7 * sum(alone) / len(alone)
 
+def test_a_probes_catch_up_prices_the_probes_not_the_drafts():
+    """A head that sat out many steps catches up when it probes: two plain steps' worth, where
+    a draft on the step after a draft costs a twentieth of one. While its drafts fail, the
+    probes' own cost spaces them as PROBE_BUDGET asks; when the text turns and they pass (nine
+    in ten), a probe that passes turns drafting back on."""
+    from specchat.core.policy import DraftLengthPolicy
+    policy, last, probes, drafting = DraftLengthPolicy(), 0, [], 0
+    for i in range(4000):
+        k = policy.choose(4)
+        draft_s = (0.02 if last == 0 else 0.0005 * k) if k else 0.0
+        passed = (k if i % 10 else 0) if i >= 2000 else 0
+        policy.update(k + 1, 0.01 * (1 + 0.16 * k), k, passed, draft_s, asked=k > 0)
+        if k and last == 0 and i < 2000:
+            probes.append(i)
+        drafting += i >= 2000 and k > 0
+        last = k
+    gaps = [b - a for a, b in zip(probes[3:], probes[4:])]
+    assert len(gaps) > 5 and min(gaps) > 100
+    assert drafting > 500  # (plain with probes only: a dozen)
+
+
 def test_ngram_draft_class_is_the_match_length():
     drafter = NgramDrafter(max_n=3)
     ids = TOK(REPETITIVE)["input_ids"]

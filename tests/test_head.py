@@ -8,6 +8,7 @@ import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import byte_tokenizer, dense_probs, loaded, tiny_gemma3, tiny_llama
 
 from specchat.bench.config import BenchSettings
@@ -610,6 +611,45 @@ def test_int8_drafting_linear_is_close_and_wide_or_training_calls_stay_float():
     x = torch.randn(1, 2, 64, requires_grad=True)  # training
     assert torch.equal(fast(x), linear(x))
     assert torch.equal(Int8Drafting(linear, wide_bf16=True)(x), linear(x))
+
+
+@pytest.mark.parametrize("variant", ["ref", "avx2", "avx512"])
+def test_q8_0_drafting_reads_the_blocks_through_specchats_kernel(variant):
+    """With specchat's kernels, every drafting call (one row to a wide catch-up) and the reduced
+    LM head read Q8_0 copies through the integer product: the kernel's own result on those
+    blocks, close to the float one; with native bf16, wide calls keep the bf16 copy."""
+    from specchat.models import kernels
+    from specchat.models.eagle import INT8_ROWS, Int8Drafting, _q8_0
+    lib = kernels.load(variant)
+    if lib is None:
+        pytest.skip(f"no {variant} kernels on this CPU")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    q, d = _q8_0(linear.weight)
+    assert q.dtype == torch.int8 and d.shape == (48, 2)
+    blocks = (q.view(48, 2, 32).float() * d.float()[..., None]).view(48, 64)
+    assert float((blocks - linear.weight).abs().max()) <= float(d.float().max()) / 2 + 1e-7
+    fast = Int8Drafting(linear, lib=lib)
+    with torch.no_grad():
+        for rows in (1, 3, INT8_ROWS, INT8_ROWS + 30):
+            x = torch.randn(1, rows, 64)
+            exact = linear(x)
+            want = kernels.q8_0_matmul_i8(lib, x, q, d) + linear.bias
+            assert torch.equal(fast(x), want)
+            assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
+        wide = torch.randn(1, INT8_ROWS + 1, 64)
+        native = Int8Drafting(linear, wide_bf16=True, lib=lib)
+        assert torch.equal(native(wide), F.linear(wide.bfloat16(), linear.weight.bfloat16()).float()
+                           + linear.bias)
+        assert torch.equal(native(x := torch.randn(1, 3, 64)), fast(x))
+    target = tiny_llama(0)
+    head = random_head(target)
+    feats = torch.randn(1, 4, target.config.hidden_size)
+    exact = head.logits(feats)
+    head.quantize_for_drafting(lib=lib)
+    q8 = head.logits(feats)
+    assert torch.equal(q8, kernels.q8_0_matmul_i8(lib, feats, *_q8_0(head.lm_rows)))
+    assert float((q8 - exact).abs().max()) < 0.02 * float(exact.abs().max())
 
 
 def test_head_cache_appends_in_place_and_equals_concatenation():

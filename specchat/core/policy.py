@@ -19,7 +19,9 @@ class DraftLengthPolicy:
     probe comes no more often than keeps its expected loss (its measured cost less the tokens
     it is expected to gain) under PROBE_BUDGET of plain decoding's time: a drafter whose
     tokens cost more than they save (a head that costs a target step a token) probes every
-    hundred steps or so, not every eight.
+    hundred steps or so, not every eight. A probe's drafting cost is kept apart from the
+    drafts' on the steps after it: the head's catch-up prices the probes, not every draft, so
+    a probe that passes can turn drafting back on where the drafts pay.
 
     Alpha, the drafting cost and the probes are kept per draft class when the drafter tells one
     (`Drafter.draft_class`): an n-gram drafter's 3-token matches are far more reliable than its
@@ -52,6 +54,12 @@ class DraftLengthPolicy:
         # (a BLAS may price 2-4 rows like one and jump at 5, which a line misprices).
         self._width: dict[int, list[float]] = {}  # m -> decayed [weight, sum of y]
         self._draft_sums: dict[object, list[float]] = {}  # class -> decayed [seconds, drafts]
+        # A probe's drafting seconds are kept apart (class -> decayed [seconds, probes]): the
+        # head's probe catches up over every step it sat out, tens of milliseconds, where a
+        # draft on the step after a draft costs a few. Priced per token, the catch-up would
+        # make drafting look dear for good, even where its drafts pass; it prices the probes.
+        self._probe_sums: dict[object, list[float]] = {}
+        self._probing = False  # the latest choose() was a probe
         # class -> [plain steps since its last draft, plain steps its next probe waits for]
         self._probes: dict[object, list[int]] = {}
 
@@ -73,10 +81,16 @@ class DraftLengthPolicy:
         return successes / (successes + failures)
 
     def draft_token_s(self, cls=None) -> float:
-        """Seconds of drafting per drafted token in this class (0 until it is measured; all
-        the seconds where it ran and has not drafted yet)."""
+        """Seconds of drafting per drafted token in this class, probes aside (0 until it is
+        measured; all the seconds where it ran and has not drafted yet)."""
         seconds, tokens = self._draft_sums.get(cls, (0.0, 0.0))
         return seconds / tokens if tokens > 0 else seconds
+
+    def probe_draft_s(self, cls=None) -> float:
+        """Seconds of drafting in a probe of this class (before its first probe: a draft
+        token's)."""
+        seconds, probes = self._probe_sums.get(cls, (0.0, 0.0))
+        return seconds / probes if probes > 0 else self.draft_token_s(cls)
 
     WIDTH_WEIGHT = 3.0  # decayed measurements of a width before its own mean replaces the line
 
@@ -94,9 +108,9 @@ class DraftLengthPolicy:
 
     def probe_loss(self, cls=None) -> float:
         """A probe's expected loss against a plain step, in plain steps: a one-draft verify and
-        a draft token's cost, less the 1 + alpha tokens it is expected to emit."""
+        a probe's drafting, less the 1 + alpha tokens it is expected to emit."""
         step = self.step_s or 1.0
-        return (self._verify_cost(2) + self.draft_token_s(cls)) / step - (1 + self.alpha(cls))
+        return (self._verify_cost(2) + self.probe_draft_s(cls)) / step - (1 + self.alpha(cls))
 
     def probe_gap(self, cls=None) -> int:
         """The plain steps of this class before its next probe (before PROBE_BUDGET's say)."""
@@ -107,6 +121,7 @@ class DraftLengthPolicy:
         if best and self.expected_rate(best, cls) < (1 + self.margin) * self.expected_rate(0, cls):
             best = 0
         probe = self._probes.setdefault(cls, [0, self.probe_every])
+        self._probing = False
         if best == 0 and k_max > 0:
             probe[0] += 1
             loss = self.probe_loss(cls)
@@ -114,6 +129,7 @@ class DraftLengthPolicy:
                 probe[1], min(math.ceil(loss / self.PROBE_BUDGET), self.MAX_COST_GAP))
             if probe[0] >= gap:
                 probe[0], probe[1] = 0, min(2 * probe[1], self.max_probe_gap)
+                self._probing = True
                 return 1  # probe: keep alpha fresh
         else:
             probe[0] = 0
@@ -127,6 +143,7 @@ class DraftLengthPolicy:
         (a tree: its depth) of which `accepted` passed, `draft_s` spent drafting; `asked`: the
         drafter was asked for drafts (k > 0), whether or not it proposed any."""
         decay = 0.9
+        probing, self._probing = self._probing, False
         if fed == 1 or not self.step_s:
             self.step_s = verify_s if not self.step_s else decay * self.step_s + (1 - decay) * verify_s
         else:
@@ -141,7 +158,10 @@ class DraftLengthPolicy:
             tests = self._tests.setdefault(cls, [2.0, 1.0])
             tests[0] = decay * tests[0] + accepted
             tests[1] = decay * tests[1] + (1 if accepted < drafted else 0)
-        if drafted or (asked and draft_s > 0):
+        if probing and (drafted or draft_s > 0):
+            sums = self._probe_sums.setdefault(cls, [0.0, 0.0])
+            sums[0], sums[1] = decay * sums[0] + draft_s, decay * sums[1] + 1
+        elif drafted or (asked and draft_s > 0):
             # Seconds per drafted token, counting the steps where the drafter was asked and
             # proposed nothing (a head below its confidence bar has run all the same): drafting
             # pays only if the drafts that are made also pay for those.

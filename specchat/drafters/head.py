@@ -9,6 +9,7 @@ from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
 from specchat.core.events import TOP
 from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
 from specchat.core.tree import DraftTree
+from specchat.models import kernels
 from specchat.models.eagle import DraftHead, target_features
 from specchat.models.runtime import cpu_kind
 
@@ -38,7 +39,7 @@ class HeadDrafter(Drafter):
         self.head = head.eval()
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
         if head.vocab_ids.device.type == "cpu":
-            head.quantize_for_drafting(wide_bf16=cpu_kind().native_bf16)
+            head.quantize_for_drafting(wide_bf16=cpu_kind().native_bf16, lib=kernels.load())
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.core.features import FeatureTap, final_norm
+from specchat.models import kernels
 
 
 @dataclass
@@ -172,7 +173,21 @@ def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
 
 
-INT8_ROWS = 16  # the most rows a drafting call reads int8 weights for (wider: float)
+Q8_BLOCK = 32  # values per scale in a Q8_0 copy (GGUF's Q8_0, what csrc/q8_0.c reads)
+
+
+def _q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] weight (k a multiple of 32) -> (int8 [n, k], float16 scales [n, k / 32]): one
+    scale per 32 values, as `kernels.q8_0_matmul_i8` reads them."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
+    d = (blocks.abs().amax(-1) / 127).to(torch.float16)
+    scale = d.float()[..., None]
+    q = torch.where(scale > 0, torch.round(blocks / scale.clamp(min=1e-30)), 0.0)
+    return q.clamp(-127, 127).to(torch.int8).reshape(n, k), d
+
+
+INT8_ROWS = 16  # the most rows a drafting call reads torch's int8 weights for (wider: float)
 
 
 def _int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -182,30 +197,48 @@ def _int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> to
 
 
 class Int8Drafting(nn.Module):
-    """A Linear whose drafting calls (up to INT8_ROWS rows: a draft token, the catch-up over
-    the tokens a verify accepted, a tree level) read an int8 copy of its weight
-    (DraftHead.quantize_for_drafting): a quarter of the bytes, and for a few rows torch's int8
-    product is also 2-3x faster than its float32 one (docs/cpu.md). Wider drafting calls (the
-    catch-up over a new prompt, or over the steps the head sat out) read a bf16 copy where
-    `wide_bf16` (CPUs with native bf16 products: 2-3x faster than float32 there, measured in
-    docs/cpu.md), else the float weight; training always the float weight."""
+    """A Linear whose drafting calls read an integer copy of its weight
+    (DraftHead.quantize_for_drafting), a quarter of the float bytes:
+    - with specchat's kernels (`lib`, a `kernels.load` build): Q8_0 blocks, one scale per 32
+      values, through the integer product the target's LM head uses (csrc/q8_0.c), at every
+      row count: about half the time of torch's int8 product, and faster than float32 from one
+      row to a 48-row catch-up (docs/cpu.md);
+    - else torch's int8 product with a scale per output row for calls of up to INT8_ROWS rows
+      (a draft token, the catch-up over the tokens a verify accepted, a tree level): for a few
+      rows 2-3x faster than float32 (docs/cpu.md).
+    Wider calls without Q8_0 blocks (the catch-up over a new prompt, or over the steps the head
+    sat out), and Q8_0 ones on CPUs with native bf16 products (`wide_bf16`: 2-3x faster than
+    float32 there), read a bf16 copy where `wide_bf16`, else the float weight; training always
+    the float weight."""
 
-    def __init__(self, linear: nn.Linear, wide_bf16: bool = False):
+    def __init__(self, linear: nn.Linear, wide_bf16: bool = False, lib=None):
         super().__init__()
         self.linear = linear
-        self.qweight, self.scales = _int8(linear.weight.detach())
-        self.wide = linear.weight.detach().to(torch.bfloat16) if wide_bf16 else None
+        weight = linear.weight.detach()
+        self.lib = lib if lib is not None and _q8_0_fits(lib, weight.shape[1]) else None
+        if self.lib is not None:
+            self.q8 = _q8_0(weight)
+        else:
+            self.qweight, self.scales = _int8(weight)
+        self.wide = weight.to(torch.bfloat16) if wide_bf16 else None
 
     def forward(self, x):
         if torch.is_grad_enabled() and x.requires_grad:
             return self.linear(x)
-        if x.numel() > INT8_ROWS * x.shape[-1]:
+        narrow = x.numel() <= INT8_ROWS * x.shape[-1]
+        if self.lib is not None and (narrow or self.wide is None):
+            y = kernels.q8_0_matmul_i8(self.lib, x, *self.q8)
+        elif not narrow:
             if self.wide is None:
                 return self.linear(x)
             y = F.linear(x.to(torch.bfloat16), self.wide).float()
         else:
             y = _int8_mm(x, self.qweight, self.scales)
         return y + self.linear.bias if self.linear.bias is not None else y
+
+
+def _q8_0_fits(lib, in_features: int) -> bool:
+    return in_features % Q8_BLOCK == 0 and in_features <= lib.max_in()
 
 
 class DraftHead(nn.Module):
@@ -246,25 +279,32 @@ class DraftHead(nn.Module):
         h, cache = self.block(x, pos, cache, mask)
         return rms_normalize(h, self.cfg.rms_eps) * self.norm_scale, cache  # [B, T, d]
 
-    def quantize_for_drafting(self, wide_bf16: bool = False) -> None:
+    def quantize_for_drafting(self, wide_bf16: bool = False, lib=None) -> None:
         """Drafting on a CPU: forwards of a few rows (a draft token, a catch-up, a tree level)
-        read int8 copies of the weights, with a scale per output row: the reduced LM head and
-        every linear layer. Right after the target's forward has evicted them from the caches,
-        int8 rows are read faster than fp32 ones (a quarter of the bytes), while bf16 is
-        slower than fp32 on CPUs without native bf16. `wide_bf16` (CPUs with native bf16):
-        wider forwards through bf16 copies of the layers (`Int8Drafting`). Drafts move a
-        little; verification stays exact."""
+        read integer copies of the weights: the reduced LM head and every linear layer, as Q8_0
+        blocks through specchat's kernels where `lib` is given and fits, else int8 with a scale
+        per output row through torch's product (`Int8Drafting`). Right after the target's
+        forward has evicted them from the caches, int8 rows are read faster than fp32 ones (a
+        quarter of the bytes), while bf16 is slower than fp32 on CPUs without native bf16.
+        `wide_bf16` (CPUs with native bf16): wider forwards through bf16 copies of the layers.
+        Drafts move a little; verification stays exact."""
         if getattr(self, "_int8_rows", None) is not None:
             return
-        self._int8_rows = _int8(self.lm_rows)
-        self.fc = Int8Drafting(self.fc, wide_bf16)
+        d = self.lm_rows.shape[1]
+        self._q8_lib = lib if lib is not None and _q8_0_fits(lib, d) else None
+        self._int8_rows = _q8_0(self.lm_rows) if self._q8_lib is not None else _int8(self.lm_rows)
+        self._wide_logits = wide_bf16
+        self.fc = Int8Drafting(self.fc, wide_bf16, lib)
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(self.block, name, Int8Drafting(getattr(self.block, name), wide_bf16))
+            setattr(self.block, name, Int8Drafting(getattr(self.block, name), wide_bf16, lib))
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""
         int8 = getattr(self, "_int8_rows", None)
-        if int8 is not None and feats.numel() <= INT8_ROWS * feats.shape[-1]:
+        narrow = feats.numel() <= INT8_ROWS * feats.shape[-1]
+        if int8 is not None and self._q8_lib is not None and (narrow or not self._wide_logits):
+            logits = kernels.q8_0_matmul_i8(self._q8_lib, feats, *int8)
+        elif int8 is not None and narrow:
             logits = _int8_mm(feats, *int8)
         else:
             logits = feats @ self.lm_rows.T
