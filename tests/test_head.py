@@ -254,6 +254,25 @@ def test_a_prompt_from_the_prefix_store_brings_the_heads_features():
     assert torch.equal(drafter.feats[:len(last)], fresh.feats[:len(last)])
 
 
+def test_the_inspector_shows_the_heads_top_tokens_at_the_refused_draft():
+    """The head's most likely tokens at a draft position, computed when the inspector reads
+    them (the first refused draft of a step): led by the token it drafted there (greedy), all
+    in its reduced vocabulary, probabilities descending."""
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK))
+    engine = Engine(loaded(target, TOK), {"head": drafter})
+    events = list(engine.stream(ids_of(TEXT), GenerateConfig(
+        max_new_tokens=30, drafter="head", draft_len=3, adaptive=False)))
+    refused = [e.evidence for e in events if isinstance(e, StepRecord) and e.evidence
+               and e.evidence.rejected is not None]
+    assert refused
+    for evidence in refused:
+        assert evidence.draft_top[0].id == evidence.rejected
+        assert all(c.id in drafter.vocabulary for c in evidence.draft_top)
+        probs = [c.prob for c in evidence.draft_top]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+
+
 def test_sampled_speculation_with_a_random_head_replays_plain_sampling():
     # The head races its drafts with the target's keyed numbers and the target's own draw
     # decides: for a seed, chains and trees, head and combined, give plain sampling's reply.

@@ -41,6 +41,7 @@ default that does nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +61,9 @@ class Drafter:
     needs_features: bool = False
     # The drafter implements `propose_tree`.
     supports_trees: bool = False
-    # Set by `propose` where the drafter has a distribution: [(id, prob)] per draft position.
-    last_top: list[list[tuple[int, float]]] = []
+    # Set by `propose` where the drafter has a distribution: per draft position, its
+    # [(id, prob)] (or an iterable of them computed when read).
+    last_top: list[Iterable[tuple[int, float]]] = []
 
     vocabulary: frozenset[int] | None = None  # the tokens it can draft (None: any)
 
