@@ -31,8 +31,8 @@ from collections import OrderedDict
 import torch
 
 # Tokens kept by default: 8,192 is 300 MB of float32 keys and values for the embedded Gemma 3
-# 270M (36 KB a token, and 2.5 KB of features where the head reads them) and 460 MB of bf16
-# ones for an 8B Llama (56 KB a token).
+# 270M (36 KB a token; 2.5 KB more of float32 features where the head reads them) and 460 MB
+# of bf16 ones for an 8B Llama (56 KB a token; 8 KB more of bf16 features).
 PREFIX_CACHE_TOKENS = 8192
 
 
