@@ -335,9 +335,9 @@ class Engine:
                 break
             end = at + self.page if at < wide_end else min(len(prompt_ids), at + self.page - 1)
             logits = self._forward(prompt_ids[at:end], 1)
-            self._observe(wants, at, prompt_ids[at:end])
-            if wants and end - at == self.page:
-                pages[at] = self.runner.features(self.page)
+            features = self._observe(wants, at, prompt_ids[at:end])
+            if features is not None and end - at == self.page:
+                pages[at] = features
             at = end
             self._wide_end = min(at, wide_end)
         self.prefixes.add(prompt_ids, self._cache, self._wide_end, pages)
@@ -364,14 +364,16 @@ class Engine:
         return wants
 
     def _observe(self, wants: list, start: int, ids: list[int],
-                 rows: list[int] | None = None) -> None:
+                 rows: list[int] | None = None) -> torch.Tensor | None:
         """Positions `rows` of the latest forward (default: its first len(ids)) were accepted,
         tokens `ids` at context positions start.. . Sent whichever drafter is active, so
-        switching drafters costs nothing."""
-        if wants:
-            features = self.runner.features(len(ids), rows)  # [len(ids), d]
-            for d in wants:
-                d.observe(start, ids, features)
+        switching drafters costs nothing. -> their features, None where no drafter reads them."""
+        if not wants:
+            return None
+        features = self.runner.features(len(ids), rows)  # [len(ids), d]
+        for d in wants:
+            d.observe(start, ids, features)
+        return features
 
     @property
     def context_window(self) -> int | None:

@@ -35,6 +35,7 @@ from torch import nn
 
 from specchat.core.features import FeatureTap, final_norm
 from specchat.models import kernels
+from specchat.models.gguf_head import BLOCK as Q8_BLOCK  # values per Q8_0 scale
 
 
 @dataclass
@@ -171,9 +172,6 @@ def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, k] weight -> (int8 [n, k], bf16 scales [n]) for torch._weight_int8pack_mm."""
     scales = (weight.abs().amax(1) / 127).clamp(min=1e-12)
     return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
-
-
-Q8_BLOCK = 32  # values per scale in a Q8_0 copy (GGUF's Q8_0, what csrc/q8_0.c reads)
 
 
 def _q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
