@@ -246,3 +246,34 @@ def test_ids_never_sampled_are_not_computed_and_the_others_keep_their_bits(check
     found = profile_plain(plain, [(IDS[:70], ())], BenchSettings(
         modes=("plain",), max_new_tokens=12, stop_strings=False))
     assert found["ms_per_token"]["LM head"] > 0
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_the_embedding_lookup_in_c_gives_the_modules_logits(checkpoint, path, monkeypatch):
+    """The runner looks a forward's ids up in one C call (`embed_rows`), checked against the
+    model's embedding module at load: the logits are the bits the module's lookup gives, and an
+    id past the table is refused as the module refuses it."""
+    runner = load(checkpoint, path, monkeypatch).runner
+    assert runner._embedding is not None
+    got, _ = logits_in_pages(runner, IDS)
+    runner._embedding = None  # the module's lookup
+    want, _ = logits_in_pages(runner, IDS)
+    assert torch.equal(got, want)
+    runner._embedding = runner._c_embedding()
+    for bad in ([runner.embed.weight.shape[0]], [-1]):
+        with pytest.raises(IndexError):
+            runner.forward(runner.new_cache(), bad, 0, 1)
+
+
+def test_an_embedding_the_c_lookup_does_not_match_keeps_the_modules(checkpoint, monkeypatch):
+    """An embedding module that computes something else than Gemma 3's scaled lookup (here one
+    more multiplication) is not replaced: the runner keeps calling it."""
+    runner = load(checkpoint, KERNEL_PATHS[0], monkeypatch).runner
+    embed, plain = runner.embed, type(runner.embed).forward
+    monkeypatch.setattr(embed, "forward", lambda ids: plain(embed, ids) * 2)
+    assert runner._c_embedding() is None
+    runner._embedding = None
+    doubled, _ = logits_in_pages(runner, IDS[:40])
+    monkeypatch.setattr(embed, "forward", lambda ids: plain(embed, ids))
+    same, _ = logits_in_pages(runner, IDS[:40])
+    assert not torch.equal(doubled, same)

@@ -2,6 +2,7 @@
 give the same bits as the references of both builds for 1 to 16 rows, and the portable build
 (no instruction-set flags) loads, is row-exact and computes the products it documents."""
 
+import copy
 import ctypes
 import os
 import shutil
@@ -342,3 +343,64 @@ def test_every_kernel_checks_its_sizes(variant):
         assert bool((norm == 7.0).all())
         lib.rms_norm(ptr(x), 2, 12, 0, ptr(w1), 1e-6, ptr(norm))
         assert bool(norm.view(-1)[:24].isnan().all()) and bool((norm.view(-1)[24:] == 7.0).all())
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "ref"])
+def test_embed_rows_gives_the_bits_of_each_kind_of_scaled_embedding(variant):
+    """`embed_rows`: the rows of a table for some ids times a scale, in float32, as each kind
+    of Gemma 3 embedding computes it: a float32 module, a bf16 table widened to float32 (the
+    CPU paths' `_WideEmbedding`) and a bf16 module (its product rounded to bf16). Its bits,
+    for ids anywhere in the table, repeated, in any order."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from specchat.models.cpu import _WideEmbedding
+
+    libs = [_portable()[0]] if variant == "ref" else [_simd(variant)[0], *_simd(variant)[1]]
+    embed = Gemma3TextScaledWordEmbedding(300, 72, 0, embed_scale=72 ** 0.5)
+    torch.nn.init.normal_(embed.weight, std=3.0)
+    ids = torch.tensor([0, 299, 5, 5, 123, 0, 77], dtype=torch.int64)
+    wide = copy.deepcopy(embed).to(torch.bfloat16)  # (Module.to changes the module itself)
+    with torch.no_grad():
+        cases = [  # (kind, table, scale, the module's output)
+            (0, embed.weight, float(embed.embed_scale), embed(ids)),
+            (1, wide.weight, float(wide.embed_scale.float()),
+             _WideEmbedding(wide, wide.weight)(ids)),
+            (2, wide.weight, float(wide.embed_scale.to(torch.bfloat16)), wide(ids).float())]
+    for lib in libs:
+        for kind, table, scale, want in cases:
+            got = torch.full((len(ids), 72), 7.0)
+            lib.embed_rows(table.data_ptr(), kind, 72, ids.data_ptr(), len(ids), scale,
+                           got.data_ptr())
+            assert torch.equal(got.view(torch.int32), want.float().view(torch.int32)), \
+                (lib.path.name, kind)
+
+
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "ref"])
+def test_logits_cut_sets_the_unsampled_logits_and_mends_the_cut_blocks_maximum(variant):
+    """`logits_cut`: logits from `upto` on -inf, the block maxima past it -inf, and the block
+    `upto` cuts in two (where the product computed past it) the largest of its logits before
+    `upto`: NaN where one of them is NaN."""
+    libs = [_portable()[0]] if variant == "ref" else [_simd(variant)[0]]
+    g = torch.Generator().manual_seed(1)
+    out = 300
+    blocks = kernels.head_blocks(out)
+    for lib in libs:
+        for upto, computed in ((130, 300), (128, 300), (130, 130), (0, 300), (299, 300)):
+            y = torch.randn(3, out, generator=g)
+            y[2, 129] = float("nan")
+            want = y.clone()
+            want[:, upto:] = -torch.inf
+            want_max = torch.stack([want[:, b * 64:(b + 1) * 64].amax(-1)
+                                    for b in range(blocks)], 1)
+            maxima = torch.full((3, blocks), 7.0)
+            if computed < out:  # what the product left: the cut block's maximum, its own
+                maxima[:, upto // 64] = want_max[:, upto // 64]
+            lib.logits_cut(y.data_ptr(), 3, out, upto, computed, maxima.data_ptr())
+            assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (upto, computed)
+            tail = -(-upto // 64)
+            assert bool((maxima[:, tail:] == -torch.inf).all()), (upto, computed)
+            if upto % 64:
+                got, exp = maxima[:, upto // 64], want_max[:, upto // 64]
+                assert torch.equal(got.isnan(), exp.isnan()), (upto, computed)
+                assert torch.equal(got.nan_to_num(0.0), exp.nan_to_num(0.0)), (upto, computed)
+            assert bool((maxima[:, :upto // 64] == 7.0).all())  # blocks before: untouched

@@ -164,13 +164,15 @@ class _Request:
     start: float = 0.0  # perf_counter at the request's start
     # `context` as int64 (`context_ids`): the penalties read it every step; past its end, room
     # for a step's drafts (`sequence`). Torch tensors (a native call takes their data_ptr), with
-    # numpy views for the element writes.
+    # numpy views for slices and memoryviews for the element writes (a numpy element write
+    # costs several times more right after a forward, with the CPU's caches cold).
     _ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     _ids_np: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _ids_mv: memoryview = field(default_factory=lambda: memoryview(b""))
     _converted: int = 0  # tokens of `context` already in _ids
     # whether each token of _ids holds a DRY breaker (`sequence`); _flagged of them are known
     _breaks: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
-    _breaks_np: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
+    _breaks_mv: memoryview = field(default_factory=lambda: memoryview(b""))
     _flagged: int = 0
 
     def context_ids(self) -> np.ndarray:
@@ -184,10 +186,11 @@ class _Request:
         n, done = len(self.context), self._converted
         if n > done:
             self._room(n)
-            ids, context = self._ids_np, self.context
+            context = self.context
             if n - done > 8:  # a prompt: one conversion of the slice
-                ids[done:n] = context[done:n]
+                self._ids_np[done:n] = context[done:n]
             else:  # a step's few tokens: element writes (no list-to-array conversion)
+                ids = self._ids_mv
                 for i in range(done, n):
                     ids[i] = context[i]
             self._converted = n
@@ -200,9 +203,12 @@ class _Request:
         self._convert()
         if k:
             self._room(n + k)
-            self._ids_np[n:n + k] = drafted
-        if self.shaper is not None and self.shaper.dry:
-            breaker, flags, context = self.shaper.is_breaker, self._breaks_np, self.context
+            ids = self._ids_mv
+            for i, token in enumerate(drafted):
+                ids[n + i] = token
+        shaper = self.shaper
+        if shaper is not None and shaper.dry:
+            breaker, flags, context = shaper.is_breaker, self._breaks_mv, self.context
             for i in range(self._flagged, n):
                 flags[i] = breaker(context[i])
             self._flagged = n
@@ -217,8 +223,8 @@ class _Request:
         ids, breaks = torch.zeros(grown, dtype=torch.int64), torch.zeros(grown, dtype=torch.uint8)
         ids[:self._converted] = self._ids[:self._converted]
         breaks[:self._flagged] = self._breaks[:self._flagged]
-        self._ids, self._breaks, self._ids_np, self._breaks_np = ids, breaks, ids.numpy(), \
-            breaks.numpy()
+        self._ids, self._breaks, self._ids_np = ids, breaks, ids.numpy()
+        self._ids_mv, self._breaks_mv = memoryview(self._ids_np), memoryview(breaks.numpy())
 
 
 class Engine:
@@ -284,16 +290,16 @@ class Engine:
 
     # -- target forward -------------------------------------------------------------------
 
-    @torch.inference_mode()
     def _forward(self, ids: list[int], n_logits: int) -> torch.Tensor:
         """Feed `ids` after the cached tokens; return the last n_logits rows [n, vocab]
-        (on the model's device and dtype: sampling moves them to CPU only when it needs them)."""
+        (on the model's device and dtype: sampling moves them to CPU only when it needs them).
+        The runner enters autograd's inference mode where it needs it: a decorator here would
+        cost a step tens of microseconds, with the CPU's caches cold after a forward."""
         logits = self.runner.forward(self._cache, ids, len(self._cache_ids), n_logits)
         self._cache_ids.extend(ids)
         # (no slice where there is nothing to cut: each torch call counts, with cold caches)
         return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size]
 
-    @torch.inference_mode()
     def _forward_tree(self, ids: list[int], parents: list[int]) -> torch.Tensor:
         """Feed the root ids[0] and a draft tree ids[1:] (node i a child of parents[i], -1 the
         root) after the cached tokens, with a tree attention mask. Returns logits [len(ids),

@@ -33,7 +33,9 @@ class Runner(Protocol):
 
     def forward(self, cache: Any, ids: list[int], start: int, n_logits: int) -> torch.Tensor:
         """Feed `ids` at positions start.. after the `start` tokens the cache holds; the logits
-        of the last n_logits rows [n_logits, vocab or wider], on the target's device."""
+        of the last n_logits rows [n_logits, vocab or wider], on the target's device. The
+        engine calls it outside autograd's inference mode: a runner whose forward would
+        otherwise record autograd's graph (a module's parameters) enters the mode itself."""
 
     def forward_tree(self, cache: Any, ids: list[int], parents: list[int],
                      start: int) -> torch.Tensor:

@@ -401,6 +401,8 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     picks:         [k + 1] plain decoding's draw at each row, where the caller made them already
                    (the engine's native sampler: the same tokens), else None
     """
+    if picks is not None and len(picks) == 1 and (params.greedy or draft_probs is None):
+        return Verdict(0, picks[0], bonus=True)  # plain decoding (no torch call: a step's cost)
     k = draft_ids.shape[0]
     if picks is not None and (params.greedy or draft_probs is None):
         drafted = draft_ids.tolist()

@@ -33,6 +33,7 @@ from specchat.models.static import StaticCache, rope_tables
 ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run transformers' forward instead
 SLOTS = 256  # a cache's first slots, and the step it grows by (at least doubling)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_EMBED_F32, _EMBED_BF16_WIDE, _EMBED_BF16 = 0, 1, 2  # `embed_rows`' kinds (csrc/decoder.c)
 
 
 class _NF4Weight(ctypes.Structure):
@@ -143,6 +144,7 @@ class CpuRunner:
         self._rope_ptrs = (_ptr * 4)()
         self._rope_slots = 0
         self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
+        self._last_rows = 0  # its rows (a Python int: no torch call to read it)
         # seconds by part of the decoder stack (CLOCK_ROWS), summed over forwards while set:
         # `bench --profile` sets it to (ctypes.c_double * len(CLOCK_ROWS))()
         self.clock = None
@@ -153,6 +155,14 @@ class CpuRunner:
         # (the latest logits, their block maxima) from the GGUF's Q8_0 head, until `shape_pick`
         # takes them: it then reads only the blocks it needs (csrc/sample.c)
         self._maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a forward's token ids and positions (`_ints`)
+        self._int_buffers: list[torch.Tensor | None] = [None, None]
+        self._int_views: list[memoryview] = [memoryview(b""), memoryview(b"")]
+        self._ints_at = [0, 0]
+        # the embedding lookup in C (`_c_embedding`), or None: the module's. (It reads the
+        # table where it lies now: the CPU paths are done with the model when a runner is made.)
+        self._embedding = self._c_embedding()
+        self._embedded = torch.empty(0, self.hidden)  # a forward's embedding rows
 
     def _ptr(self, t: torch.Tensor) -> int:
         self._keep.append(t)
@@ -173,36 +183,95 @@ class CpuRunner:
             self._rope_ptrs[i] = t.data_ptr()
         self._rope_slots = slots
 
-    @torch.inference_mode()
-    def _run(self, cache: StaticCache, ids: list[int], positions: torch.Tensor, start: int,
+    def _run(self, cache: StaticCache, ids: list[int], positions: int, start: int,
              visible: torch.Tensor | None, n_logits: int, end: int) -> torch.Tensor:
-        """`end`: past the largest of `positions`."""
+        """`positions`: the address of the rows' int64 positions; `end`: past the largest.
+
+        A step's Python makes few torch calls: right after a forward every one of them runs
+        with the CPU's caches cold, tens of microseconds each. The ids and the embedding rows
+        go through the runner's own buffers and one C call (`embed_rows`, checked against the
+        embedding module at load), the LM head is one product; nothing here needs autograd's
+        inference mode but the module paths, which enter it."""
         n = len(ids)
         if start + n > cache.slots:  # whole steps of SLOTS, at least doubling
             cache.grow(-(-max(start + n, 2 * cache.slots) // SLOTS) * SLOTS)
         self._ropes_for(end)
-        h = self.embed(torch.tensor(ids)).to(torch.float32).contiguous()
+        if n > len(self._embedded):  # the embedding rows' buffer (the C forward copies them)
+            self._embedded = torch.empty(max(n, 2 * len(self._embedded)), self.hidden)
+        if self._embedding is not None:
+            table, kind, vocabulary, scale = self._embedding
+            if min(ids) < 0 or max(ids) >= vocabulary:
+                raise IndexError(f"token ids must lie in [0, {vocabulary}): {ids}")
+            tokens = self._ints(n, 0)
+            for i, t in enumerate(ids):
+                tokens[i] = t
+            self.lib.embed_rows(table, kind, self.hidden, self._ints_at[0], n, scale,
+                                self._embedded.data_ptr())
+        else:
+            with torch.inference_mode():
+                self._embedded[:n] = self.embed(torch.tensor(ids))
         out = torch.empty(n, self.hidden, dtype=torch.float32)
         done = self.lib.decoder_forward(
-            ctypes.byref(self._model), h.data_ptr(), n, positions.data_ptr(), start,
+            ctypes.byref(self._model), self._embedded.data_ptr(), n, positions, start,
             visible.data_ptr() if visible is not None else None, cache.k.data_ptr(),
             cache.v.data_ptr(), cache.slots, self._rope_ptrs, out.data_ptr(), self.clock,
             torch.get_num_threads())
         if done != 0:
             raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "
                               f"{n} rows after {start} tokens")
-        self.last_hidden = out
+        self.last_hidden, self._last_rows = out, n
         head = vars(self.head).get("forward")
         if isinstance(head, Q8Head):  # with the block maxima, for `shape_pick`
             started = time.perf_counter()
             maxima = torch.empty(n_logits, kernels.head_blocks(head.q.shape[0]))
-            logits = head.leading(out[n - n_logits:], self._logits_upto, maxima)
+            logits = head.leading(out[n - n_logits:] if n_logits < n else out,
+                                  self._logits_upto, maxima)
             self._maxima = (logits, maxima)
             if self.clock is not None:
                 self.head_seconds += time.perf_counter() - started
-        else:
+            return logits
+        with torch.inference_mode():
             logits = self.head(out[n - n_logits:])
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _ints(self, n: int, which: int) -> memoryview:
+        """Room for n int64 values in the runner's own buffer `which` (0: a forward's token ids,
+        1: its positions), as a memoryview for element writes; `_ints_at[which]` is its
+        address. Grown, never shrunk."""
+        if n > len(self._int_views[which]):
+            buffer = torch.zeros(max(n, 2 * len(self._int_views[which]), 64), dtype=torch.int64)
+            self._int_buffers[which] = buffer
+            self._int_views[which] = memoryview(buffer.numpy())
+            self._ints_at[which] = buffer.data_ptr()
+        return self._int_views[which]
+
+    def _c_embedding(self) -> tuple[int, int, int, float] | None:
+        """(the table's address, its `embed_rows` kind, its rows, the scale) where `embed_rows`
+        gives the bits of the model's embedding (Gemma 3's scaled lookup, as the module or the
+        CPU path's float32 widening computes it), checked on ids across the vocabulary; else
+        None: the module runs."""
+        embed = self.embed
+        weight, scale = getattr(embed, "weight", None), getattr(embed, "embed_scale", None)
+        if type(embed).__name__ != "Gemma3TextScaledWordEmbedding" \
+                or not isinstance(weight, torch.Tensor) or not isinstance(scale, torch.Tensor) \
+                or weight.dtype not in (torch.float32, torch.bfloat16) \
+                or weight.device.type != "cpu" or not weight.is_contiguous() \
+                or weight.dim() != 2 or weight.shape[1] != self.hidden:
+            return None
+        rows = weight.shape[0]
+        ids = torch.cat([torch.linspace(0, rows - 1, 61).long(),
+                         torch.randint(0, rows, (67,), generator=torch.Generator().manual_seed(0))])
+        with torch.inference_mode():
+            expected = embed(ids).to(torch.float32).view(torch.int32)
+        got = torch.empty(len(ids), self.hidden, dtype=torch.float32)
+        kinds = [(_EMBED_F32, scale.float())] if weight.dtype == torch.float32 else \
+            [(_EMBED_BF16_WIDE, scale.float()), (_EMBED_BF16, scale.to(torch.bfloat16))]
+        for kind, factor in kinds:
+            self.lib.embed_rows(weight.data_ptr(), kind, self.hidden, ids.data_ptr(), len(ids),
+                                float(factor), got.data_ptr())
+            if torch.equal(got.view(torch.int32), expected):
+                return self._ptr(weight.detach()), kind, rows, float(factor)
+        return None
 
     # -- the seam ---------------------------------------------------------------------------
 
@@ -212,14 +281,17 @@ class CpuRunner:
 
     def forward(self, cache: StaticCache, ids: list[int], start: int,
                 n_logits: int) -> torch.Tensor:
-        positions = torch.arange(start, start + len(ids), dtype=torch.int64)
-        return self._run(cache, ids, positions, start, None, n_logits, start + len(ids))
+        positions = self._ints(len(ids), 1)
+        for i in range(len(ids)):
+            positions[i] = start + i
+        return self._run(cache, ids, self._ints_at[1], start, None, n_logits, start + len(ids))
 
     def forward_tree(self, cache: StaticCache, ids: list[int], parents: list[int],
                      start: int) -> torch.Tensor:
         visible = visibility(parents)
         positions = start + visible.sum(-1) - 1  # a node's position: the root's plus its depth
-        return self._run(cache, ids, positions.to(torch.int64).contiguous(), start,
+        positions = positions.to(torch.int64).contiguous()
+        return self._run(cache, ids, positions.data_ptr(), start,
                          visible.to(torch.uint8).contiguous(), len(ids),
                          int(positions.max()) + 1)
 
@@ -245,7 +317,8 @@ class CpuRunner:
         # the head's block maxima, where these are the latest forward's logits, untouched since
         made, maxima = self._maxima or (None, None)
         self._maxima = None
-        if made is None or made.data_ptr() != logits.data_ptr() or made.shape != logits.shape:
+        if made is not logits and (made is None or made.data_ptr() != logits.data_ptr()
+                                   or made.shape != logits.shape):
             maxima = None
         picks = kernels.shape_pick(self.lib, logits, runs, seq, breaks, lengths, penalties,
                                    mode_id, temperature, min_p, keys, maxima)
@@ -262,7 +335,7 @@ class CpuRunner:
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
         if rows is None:  # (a view: each forward writes a new tensor)
-            return self.last_hidden if n == len(self.last_hidden) else self.last_hidden[:n]
+            return self.last_hidden if n == self._last_rows else self.last_hidden[:n]
         return self.last_hidden[torch.tensor(rows)]
 
 

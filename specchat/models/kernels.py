@@ -61,6 +61,8 @@ _ARGTYPES = {
     "shape_pick": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_float, ctypes.c_float,
                    ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64, _int,
                    ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
+    "embed_rows": [_ptr, _int, _i64, _ptr, _i64, ctypes.c_float, _ptr],
+    "logits_cut": [_ptr, _i64, _i64, _i64, _i64, _ptr],
 }
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int}
@@ -87,6 +89,10 @@ class Kernels:
     decoder_forward: Callable[..., int]
     # the sampler's mask, penalties and pick over a forward's rows (csrc/sample.c, `shape_pick`)
     shape_pick: Callable[..., int]
+    # an embedding table's rows for some ids, scaled (csrc/decoder.c, `embed_rows`)
+    embed_rows: Callable[..., None]
+    # an LM head's logits past the sampled ids set to -inf, their block maxima mended
+    logits_cut: Callable[..., None]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
 
 
@@ -344,7 +350,8 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
     others are the same bits either way. `maxima`: a float32 tensor [rows, head_blocks(out)]
     that receives each row's block maxima (the largest of each HEAD_BLOCK outputs, NaN where a
     block holds one), for `shape_pick`."""
-    rows = _rows(x)
+    # (an LM head's rows come contiguous float32: no reshape or copy, each a torch call)
+    rows = x if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous() else _rows(x)
     out = q.shape[0]
     y = torch.empty(rows.shape[0], out, dtype=torch.float32)
     computed = out if upto is None or rows.shape[0] != 1 else max(0, min(upto, out))
@@ -357,13 +364,9 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
                        d.data_ptr(), y.data_ptr(), computed,
                        maxima.data_ptr() if maxima is not None else None,
                        torch.get_num_threads())
-    if upto is not None and upto < out:
-        y[:, max(0, upto):] = -torch.inf
-        if maxima is not None:
-            maxima[:, head_blocks(max(0, upto)):] = -torch.inf
-            if upto % HEAD_BLOCK and upto < computed:  # a block the -inf cut in two
-                block = upto // HEAD_BLOCK
-                maxima[:, block] = y[:, block * HEAD_BLOCK:(block + 1) * HEAD_BLOCK].amax(-1)
+    if upto is not None and upto < out:  # (one call, not a few torch calls a step)
+        lib.logits_cut(y.data_ptr(), rows.shape[0], out, upto, computed,
+                       maxima.data_ptr() if maxima is not None else None)
     return y.reshape(*x.shape[:-1], out)
 
 

@@ -329,3 +329,38 @@ int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
                    rope_tables, out, clock, threads);
 }
 #endif
+
+// The rows of an embedding table for n token ids, each value times `scale`, in float32: the
+// decoder's input without a torch call (a one-token step's Python around its forward costs more
+// than this copy). `kind` says how the model's embedding computes it:
+//   EMBED_F32         a float32 table, one float32 product;
+//   EMBED_BF16_WIDE   a bf16 table widened to float32 (exact), one float32 product (a float32
+//                     model keeping its table in bf16: `models.cpu._WideEmbedding`);
+//   EMBED_BF16        a bf16 table scaled as torch scales bf16 values: the product of two bf16
+//                     values (exact in float32) rounded to bf16, to nearest even.
+// `models.cpu_runner` takes the kind that gives the model's embedding module's bits on ids
+// across the table, at load. Ids are the caller's to check (0 <= id < the table's rows).
+enum { EMBED_F32, EMBED_BF16_WIDE, EMBED_BF16 };
+
+void embed_rows_ref(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
+                    float scale, float *out) {
+    for (int64_t j = 0; j < n; j++) {
+        float *o = out + j * dim;
+        const uint16_t *half = (const uint16_t *)table + ids[j] * dim;
+        const float *row = (const float *)table + ids[j] * dim;
+        if (kind == EMBED_BF16)
+            for (int64_t c = 0; c < dim; c++)
+                o[c] = bf16_to_float(to_bf16(bf16_to_float(half[c]) * scale));
+        else if (kind == EMBED_BF16_WIDE)
+            for (int64_t c = 0; c < dim; c++) o[c] = bf16_to_float(half[c]) * scale;
+        else
+            for (int64_t c = 0; c < dim; c++) o[c] = row[c] * scale;
+    }
+}
+
+#if SPECCHAT_SIMD
+void embed_rows(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
+                float scale, float *out) {
+    embed_rows_ref(table, kind, dim, ids, n, scale, out);  // a copy: the compiler's loop is it
+}
+#endif

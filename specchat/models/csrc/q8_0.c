@@ -671,3 +671,33 @@ void q8_0_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const int8_t *q,
     q8i_matmul16(q8i_tiles16_vnni, 1, x, n, in, q, d, y, out, maxima, threads);
 }
 #endif  // SPECCHAT_SIMD
+
+// ---- an LM head's logits past `upto` --------------------------------------------------------
+// After a head product of n rows that computed the first `computed` of `out` logits a row:
+// logits upto.. set to -inf (ids never sampled), and the block maxima (stride: out's blocks)
+// made those of the cut rows: -inf for the blocks wholly past `upto`, and the block `upto`
+// falls in taken again over its logits before `upto`, where the product computed past it. What
+// `kernels.q8_0_matmul_i8` did in torch calls, in one call.
+void logits_cut_ref(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
+                    float *maxima) {
+    if (upto < 0) upto = 0;
+    if (upto >= out) return;
+    const int64_t stride = (out + HEAD_BLOCK - 1) / HEAD_BLOCK;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t o = upto; o < out; o++) y[j * out + o] = -INFINITY;
+    if (!maxima) return;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t b = (upto + HEAD_BLOCK - 1) / HEAD_BLOCK; b < stride; b++)
+            maxima[j * stride + b] = -INFINITY;
+    if (upto % HEAD_BLOCK && upto < computed) {
+        const int64_t b0 = upto / HEAD_BLOCK * HEAD_BLOCK;
+        block_maxima(y, n, out, b0, upto, maxima, stride);
+    }
+}
+
+#if SPECCHAT_SIMD
+void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
+                float *maxima) {
+    logits_cut_ref(y, n, out, upto, computed, maxima);
+}
+#endif
