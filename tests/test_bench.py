@@ -211,6 +211,27 @@ def test_the_noise_floor_is_plain_against_itself_repeat_over_repeat():
     assert "0.80x..1.25x (widest: writing" in format_report(result)
 
 
+def test_each_mode_is_paired_with_plain_in_the_same_repeat_per_category():
+    """Per category and repeat, a mode's tokens/s over plain's in that repeat: the range over
+    the repeats, and the report names a category where the mode was slower in every repeat."""
+    from specchat.bench.metrics import paired_ratios
+
+    plain = [run("plain", 1, s, 20, repeat=i) for i, s in enumerate([1.0, 1.3])]
+    plain += [run("plain", 2, 1.0, 20, repeat=i, cat="qa") for i in range(2)]
+    ngram = [run("ngram", 1, s, 20, repeat=i) for i, s in enumerate([1.05, 1.2])]  # noise
+    ngram += [run("ngram", 2, s, 20, repeat=i, cat="qa") for i, s in enumerate([1.1, 1.05])]
+    got = paired_ratios(ngram, plain)
+    assert got["writing"] == pytest.approx((1.0 / 1.05, 1.3 / 1.2))
+    assert got["qa"] == pytest.approx((1.0 / 1.1, 1.0 / 1.05))
+    text = format_report(summarize_bench(plain + ngram, ["plain", "ngram"],
+                                         {"temperature": 0.0}))
+    assert "paired with plain in the same repeat" in text
+    assert "below 0.98x in every repeat: qa 0.91x..0.95x" in text
+    once = summarize_bench([r for r in plain + ngram if r.repeat == 0], ["plain", "ngram"],
+                           {"temperature": 0.0})
+    assert "paired" not in once  # one repeat: nothing to pair over
+
+
 def test_modes_run_in_an_order_drawn_per_question_that_varies_who_goes_before_whom():
     modes = ("plain", "ngram", "head", "combined", "llama.cpp", "llama.cpp-ngram-map-k")
     orders = [bench_run.mode_order(modes, q, r) for q in range(39) for r in range(2)]
@@ -605,3 +626,99 @@ def test_the_profile_accounts_for_every_millisecond_of_a_plain_token():
     lines = "\n".join(profile_lines(found, llama_ms=12.5))
     assert "where a plain decoding token goes" in lines and "llama.cpp, a plain token" in lines
     assert f"{found['step_ms']:.2f}" in lines
+
+
+# Nodes of llama.cpp's forward on the embedded GGUF, as its profile program names them.
+LLAMA_NODES = [  # (op, name, weight) -> row
+    (("MUL_MAT", "result_output", "token_embd.weight"), "LM head"),
+    (("MUL_MAT", "ffn_up", "blk.ffn_up.weight"), "NF4 layers"),
+    (("MUL_MAT", "Qcur", "blk.attn_q.weight"), "NF4 layers"),
+    (("MUL_MAT", "node", "blk.attn_output.weight"), "NF4 layers"),
+    (("GET_ROWS", "inp_embd", "token_embd.weight"), "embedding"),
+    (("DUP", "node", "inp_mixed_embd"), "embedding"),
+    (("MUL", "inp_scaled", "node"), "embedding"),
+    (("RMS_NORM", "norm", "l_out"), "norms"),
+    (("MUL", "attn_norm", "norm"), "norms"),
+    (("MUL", "Kcur_normed", "norm"), "norms"),
+    (("ROPE", "Kcur", "Kcur_normed"), "attention"),
+    (("FLASH_ATTN_EXT", "node", "node (view) (permuted)"), "attention"),
+    (("MUL_MAT", "kq", "k"), "attention"),
+    (("SOFT_MAX", "kq_soft_max", "kq"), "attention"),
+    (("GEGLU", "ffn_geglu", "ffn_gate"), "MLP activation"),
+    (("ADD", "l_out", "ffn_post_norm"), "rest of the forward"),
+]
+
+
+def test_llama_cpps_nodes_land_in_the_rows_of_specchats_profile():
+    from specchat.bench.profile import llama_row
+
+    for (op, name, weight), row in LLAMA_NODES:
+        assert llama_row(op, name, weight) == row, (op, name, weight)
+
+
+def test_llama_cpps_side_splits_its_measured_forward_by_the_nodes_shares():
+    """The forward's rows: its time per token (the unsplit pass) in the nodes' shares; the
+    sampler chain's own time; what the race's decode-only time per token holds beyond both is
+    the server's loop; the rows add up to the token."""
+    from specchat.bench.profile import FORWARD_ROWS, HOST_ROWS, llama_rows, profile_lines
+
+    found = {"tokens": 100, "forward_s": 2.0, "sample_s": 0.1, "split_tokens": 100,
+             "split_forward_s": 2.6,
+             "nodes": [{"op": "MUL_MAT", "name": "result_output", "weight": "token_embd.weight",
+                        "seconds": 1.2, "count": 100},
+                       {"op": "MUL_MAT", "name": "ffn_up", "weight": "blk.ffn_up.weight",
+                        "seconds": 0.6, "count": 1800},
+                       {"op": "ADD", "name": "l_out", "weight": "x", "seconds": 0.2,
+                        "count": 1800}]}
+    got = llama_rows(found, race_ms=22.0)
+    rows = got["ms_per_token"]
+    assert rows["LM head"] == pytest.approx(12.0) and rows["NF4 layers"] == pytest.approx(6.0)
+    assert rows["rest of the forward"] == pytest.approx(2.0) and rows["attention"] == 0
+    assert rows["sampling"] == pytest.approx(1.0) and rows["masks and penalties"] == 0
+    assert rows["streaming and stats"] == pytest.approx(1.0)  # 22 - 20 - 1
+    assert sum(rows[r] for r in FORWARD_ROWS + HOST_ROWS) == pytest.approx(got["step_ms"])
+    assert got["split_ms"] == pytest.approx(26.0)
+    # no race figure: the token is the forward and the chain
+    assert llama_rows(found, None)["step_ms"] == pytest.approx(21.0)
+    ours = {"ms_per_token": {r: 1.0 for r in FORWARD_ROWS + HOST_ROWS}, "tokens": 50,
+            "step_ms": len(FORWARD_ROWS + HOST_ROWS) * 1.0, "forward_ms": 8.0, "host_ms": 4.0,
+            "llama": got}
+    text = "\n".join(profile_lines(ours, llama_ms=22.0))
+    assert "specchat" in text and "llama.cpp" in text and "12.00" in text and "22.00" in text
+    assert "llama.cpp, a plain token" not in text  # its token is in the table's column
+
+
+def test_llama_cpps_side_says_why_it_is_missing(tmp_path):
+    """A llama-server built without the profile program: the profile says how to get it, and
+    the report prints it beside specchat's rows."""
+    from specchat.bench.profile import FORWARD_ROWS, HOST_ROWS, profile_lines, profile_llama
+
+    server = tmp_path / "llama-server"
+    server.write_text("")
+    found = profile_llama(server, [([1, 2, 3], ())], BenchSettings(modes=("plain",)), [], 2,
+                          None)
+    assert "llama-specchat-profile" in found["missing"] and "build" in found["missing"]
+    ours = {"ms_per_token": {r: 1.0 for r in FORWARD_ROWS + HOST_ROWS}, "tokens": 5,
+            "step_ms": 12.0, "llama": found}
+    assert found["missing"] in "\n".join(profile_lines(ours))
+
+
+@pytest.mark.slow
+def test_llama_cpps_profile_program_times_the_embedded_gguf():
+    """The program built beside the cached llama-server decodes a prompt with llama.cpp's code
+    and times its forward by node: the LM head and the layers' products are the largest rows."""
+    from specchat.backends import llama_cpp, llama_profile
+    from specchat.bench.profile import llama_rows
+
+    server = llama_cpp.cached_server()
+    tool = llama_profile.beside(server) if server else None
+    if tool is None:
+        pytest.skip("no llama.cpp profile program built (python -m specchat.backends.llama_cpp "
+                    "build)")
+    found = llama_profile.run(tool, llama_cpp.embedded_gguf(), [[2, 818, 5279, 529, 7001]],
+                              threads=2, max_new_tokens=12,
+                              sampling={"temperature": 0.0, "repeat_penalty": 1.1},
+                              stop=["\nUser:"])
+    assert found["tokens"] == found["split_tokens"] > 0
+    rows = llama_rows(found, None)["ms_per_token"]
+    assert rows["LM head"] > rows["norms"] and rows["NF4 layers"] > rows["norms"] > 0

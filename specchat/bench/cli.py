@@ -183,6 +183,8 @@ def cmd_bench(args) -> int:
         prompts = [prompt_of(engine.tokenizer, [{"role": "user", "content": q["turns"][0]}],
                              settings) for q in questions]
         result["profile"] = profile_plain(engine, prompts, settings)
+        if args.llama_server_bin:  # llama.cpp's side, by its profile program
+            result["profile"]["llama"] = _profile_llama(args, engine, prompts, settings, result)
     print(format_report(result))
     if args.json:
         out = Path(args.json)
@@ -190,6 +192,19 @@ def cmd_bench(args) -> int:
         out.write_text(json.dumps(result, indent=1))
         print(f"report written to {out}", file=sys.stderr)
     return 130 if result["config"]["interrupted"] else 0
+
+
+def _profile_llama(args, engine, prompts, settings: BenchSettings, result: dict) -> dict:
+    import torch
+
+    from specchat.backends import llama_cpp
+    from specchat.bench.profile import profile_llama
+    from specchat.bench.report import llama_decode_ms
+
+    server = llama_cpp.cached_server() if args.llama_server_bin == "auto" \
+        else Path(args.llama_server_bin)
+    return profile_llama(server, prompts, settings, list(engine.drafters),
+                         args.threads or torch.get_num_threads(), llama_decode_ms(result))
 
 
 def _fail(message: str, code: int) -> int:

@@ -234,6 +234,26 @@ def noise_floor(plain_runs: list[Run]) -> dict | None:
             "widest": widest, "by_category": per}
 
 
+def paired_ratios(runs: list[Run], plain_runs: list[Run]) -> dict[str, tuple[float, float]]:
+    """Per category, a mode's tokens/s over plain decoding's in the same repeat (a question's
+    repeat runs every mode in turn before the next, so a pair shares the machine's moment): the lowest and highest of those ratios over the repeats. Where even the highest
+    is below 1, the mode was slower in every repeat: beyond what the repeats' spread shows."""
+    def rates(rs: list[Run]) -> dict[tuple[str, int], float]:
+        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0])
+        for r in rs:
+            total = sums[(r.category, r.repeat)]
+            total[0] += r.new_tokens
+            total[1] += r.seconds
+        return {key: t / sec for key, (t, sec) in sums.items() if sec > 0}
+
+    ours, base = rates(runs), rates(plain_runs)
+    per: dict[str, list[float]] = defaultdict(list)
+    for (cat, repeat), rate in ours.items():
+        if base.get((cat, repeat)):
+            per[cat].append(rate / base[(cat, repeat)])
+    return {cat: (min(v), max(v)) for cat, v in per.items()}
+
+
 def greedy_identical(runs: list[Run], modes: Iterable[str], base: str = "plain",
                      ) -> dict[str, float | None]:
     """Fraction of questions whose reply texts (every turn, first repeat) equal `base`'s."""
@@ -379,4 +399,7 @@ def summarize_bench(runs: list[Run], modes: Iterable[str], config: dict,
     floor = noise_floor(plain or [])
     if floor:
         out["noise_floor"] = floor
+    if plain and max((r.repeat for r in plain), default=0) >= 1:
+        out["paired"] = {m: paired_ratios(by_mode.get(m, []), plain)
+                         for m in local if m != "plain"}
     return out

@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 from specchat.bench.config import BenchSettings
 
@@ -213,19 +214,111 @@ def profile_plain(engine, prompts: list[tuple[list[int], tuple]], s: BenchSettin
 
 
 def profile_lines(profile: dict | None, llama_ms: float | None = None) -> list[str]:
-    """The profile as a table, beside llama.cpp's decode time per token when it raced."""
+    """The profile as a table; beside it llama.cpp's, where `bench --profile` raced it with
+    its profile program (`profile["llama"]`), else its decode-only time per token in the race
+    (`llama_ms`)."""
     if not profile or not profile.get("tokens"):
         return []
     rows, total = profile["ms_per_token"], profile["step_ms"]
+    llama = profile.get("llama") or {}
+    theirs = llama.get("ms_per_token")
     lines = [f"where a plain decoding token goes (--profile: {profile['tokens']} tokens, "
-             "hooks on; ms per token)"]
-    for title, names in (("target forward", FORWARD_ROWS), ("host", HOST_ROWS)):
-        part = sum(rows[r] for r in names)
-        lines.append(f"  {title:<24} {part:>7.2f}  {part / total:>5.0%}" if total else "")
-        lines += [f"    {r:<22} {rows[r]:>7.2f}  {rows[r] / total:>5.0%}" for r in names
-                  if total]
-    lines.append(f"  {'a plain token':<24} {total:>7.2f}")
-    if llama_ms:
+             "hooks on; ms per token)" + (f"{'specchat':>17}{'llama.cpp':>19}" if theirs
+                                          else "")]
+
+    def line(label: str, name_rows: tuple[str, ...], indent: str) -> str:
+        ours = sum(rows[r] for r in name_rows)
+        text = f"{indent}{label:<{26 - len(indent)}} {ours:>7.2f}  {ours / total:>5.0%}"
+        if theirs:
+            value = sum(theirs[r] for r in name_rows)
+            text += f"{'':>9}{value:>7.2f}  {value / llama['step_ms']:>5.0%}"
+        return text
+
+    if total:
+        for title, names in (("target forward", FORWARD_ROWS), ("host", HOST_ROWS)):
+            lines.append(line(title, names, "  "))
+            lines += [line(r, (r,), "    ") for r in names]
+    lines.append(f"  {'a plain token':<24} {total:>7.2f}"
+                 + (f"{'':>16}{llama['step_ms']:>7.2f}" if theirs else ""))
+    if theirs:
+        lines += [
+            "  llama.cpp's side: its own code on the race's prompts, samplers and stop strings "
+            f"({llama['tokens']} tokens; backends/llama_profile.py): its forward and sampler "
+            "chain timed each step, the forward split by each node's share timed alone "
+            f"(split, a forward took {llama['split_ms']:.2f} ms); NF4 layers: its Q4_K, Q5_0 "
+            "and Q6_K products; streaming and stats: the rest of its decode-only time per "
+            "token in the race, the server's loop and HTTP streaming"]
+    elif llama.get("missing"):
+        lines.append(f"  llama.cpp's side: {llama['missing']}")
+    if llama_ms and not theirs:
         lines.append(f"  {'llama.cpp, a plain token':<24} {llama_ms:>7.2f}  (its decode-only "
                      "time per token in the race above)")
     return lines + [""]
+
+
+# llama.cpp's side (`backends.llama_profile`): each node of its forward, by its op and name and
+# the name of its first source (a weight's, for the products), into the rows above
+_LLAMA_NORM_OPS = ("RMS_NORM", "NORM")
+_LLAMA_ATTENTION_OPS = ("FLASH_ATTN_EXT", "SOFT_MAX", "ROPE", "SET_ROWS", "CPY")
+_LLAMA_ACTIVATION_OPS = ("GEGLU", "GELU", "SWIGLU", "GLU", "UNARY")
+
+
+def llama_row(op: str, name: str, weight: str) -> str:
+    """The profile row of one node of llama.cpp's forward graph."""
+    if op == "MUL_MAT" and weight in ("token_embd.weight", "output.weight"):
+        return "LM head"
+    if op == "MUL_MAT" and weight.startswith("blk."):
+        return "NF4 layers"  # (the layers' products: Q4_K, Q5_0, Q6_K on the embedded GGUF)
+    if op in ("GET_ROWS", "DUP") or name.startswith("inp_"):
+        return "embedding"
+    if op in _LLAMA_NORM_OPS or (op == "MUL" and name.endswith(("norm", "_normed"))):
+        return "norms"
+    if op in _LLAMA_ATTENTION_OPS or op == "MUL_MAT":  # (kq, kqv: products with the cache)
+        return "attention"
+    if op in _LLAMA_ACTIVATION_OPS or (op == "MUL" and name.startswith("ffn")):
+        return "MLP activation"
+    return "rest of the forward"
+
+
+def llama_rows(found: dict, race_ms: float | None) -> dict:
+    """`backends.llama_profile.run`'s findings -> milliseconds per decoded token by row, as
+    `profile_plain` gives specchat's: the forward's rows its measured time per token split by
+    the nodes' shares, the sampler chain's time, and the rest of the race's decode-only time
+    per token (`race_ms`) as the server's own loop, streaming included."""
+    tokens = found["tokens"]
+    forward_ms, sample_ms = 1000 * found["forward_s"] / tokens, 1000 * found["sample_s"] / tokens
+    seconds: dict[str, float] = defaultdict(float)
+    for node in found["nodes"]:
+        seconds[llama_row(node["op"], node["name"], node["weight"])] += node["seconds"]
+    total = sum(seconds.values()) or 1.0
+    rows = {r: forward_ms * seconds.get(r, 0.0) / total for r in FORWARD_ROWS}
+    rows.update({"masks and penalties": 0.0, "sampling": sample_ms, "drafting": 0.0})
+    step_ms = race_ms if race_ms else forward_ms + sample_ms
+    rows["streaming and stats"] = max(0.0, step_ms - forward_ms - sample_ms)
+    return {"ms_per_token": rows, "forward_ms": forward_ms, "step_ms": step_ms,
+            "host_ms": step_ms - forward_ms, "tokens": tokens,
+            "split_ms": 1000 * found["split_forward_s"] / found["split_tokens"],
+            "race_ms": race_ms}
+
+
+def profile_llama(server: str | Path, prompts: list[tuple[list[int], tuple]],
+                  s: BenchSettings, drafters: list[str], threads: int,
+                  race_ms: float | None) -> dict:
+    """llama.cpp's plain decoding of `prompts` with the race's samplers and stop strings, by
+    the profile program built beside the llama-server at `server`: `llama_rows`, or
+    {"missing": why} where it cannot run."""
+    from specchat.backends import llama_cpp, llama_profile
+    from specchat.backends.remote import sampling_fields
+
+    tool = llama_profile.beside(Path(server))
+    if tool is None:
+        return {"missing": f"no {llama_profile.TOOL} beside {server}: build llama.cpp again "
+                           "(python -m specchat.backends.llama_cpp build) for its side"}
+    stops = prompts[0][1] if prompts else ()
+    fields, extra = sampling_fields(s.generate_config("plain", stops, drafters), "llama.cpp")
+    try:
+        found = llama_profile.run(tool, llama_cpp.embedded_gguf(), [ids for ids, _ in prompts],
+                                  threads, s.max_new_tokens, {**fields, **extra}, stops)
+    except llama_profile.ProfileError as e:
+        return {"missing": str(e)}
+    return llama_rows(found, race_ms)

@@ -44,6 +44,7 @@ def format_report(result: dict) -> str:
                       *profile_lines(result.get("profile"), _llama_ms(vs)),
                       *_table_lines(result),
                       *_noise_lines(result.get("noise_floor")),
+                      *_paired_lines(result.get("paired")),
                       *_turn2_lines(result),
                       *_cost_model_lines(result),
                       *_identical_lines(result, vs),
@@ -176,6 +177,11 @@ def _verify_costs_line(mode: str, a: dict) -> str:
     return f"  {'':<12} (no costs: run {base} too for a baseline step)"
 
 
+def llama_decode_ms(result: dict) -> float | None:
+    """llama.cpp's plain decode-only milliseconds per token in a bench's race, if it ran."""
+    return _llama_ms(result.get("versus_llama_cpp"))
+
+
 def _llama_ms(vs: dict | None) -> float | None:
     """llama.cpp's plain decode-only milliseconds per token in the race, if it ran."""
     rate = ((vs or {}).get("per_mode") or {}).get(REMOTE_PLAIN, {}).get("decode_tokens_per_s")
@@ -224,6 +230,27 @@ def _noise_lines(floor: dict | None) -> list[str]:
                 f"{_x(floor['low'])}..{_x(floor['high'])} (widest: {floor['widest']}, "
                 f"{_x(widest[0])}..{_x(widest[1])}); a category's speedup within this band "
                 "may be the machine, not the mode"]
+
+
+SLOWER = 0.98  # a mode this far below plain in every repeat of a category costs there
+
+
+def _paired_lines(paired: dict | None) -> list[str]:
+    """Each mode against plain in the same repeat, per category: where it was slower in every
+    repeat, and the range of the others."""
+    if not paired:
+        return []
+    lines = ["paired with plain in the same repeat, per category (lowest..highest over the "
+             "repeats):"]
+    for mode, cats in paired.items():
+        if not cats:
+            continue
+        slower = [f"{c} {_x(lo)}..{_x(hi)}" for c, (lo, hi) in cats.items() if hi < SLOWER]
+        low = min(lo for lo, _ in cats.values())
+        high = max(hi for _, hi in cats.values())
+        lines.append(f"  {mode}: {_x(low)}..{_x(high)}; below {SLOWER:.2f}x in every repeat: "
+                     + (", ".join(slower) if slower else "no category"))
+    return lines
 
 
 def _identical_lines(result: dict, vs: dict | None) -> list[str]:
