@@ -246,8 +246,9 @@ def profile_lines(profile: dict | None, llama_ms: float | None = None) -> list[s
             f"({llama['tokens']} tokens; backends/llama_profile.py): its forward and sampler "
             "chain timed each step, the forward split by each node's share timed alone "
             f"(split, a forward took {llama['split_ms']:.2f} ms); NF4 layers: its Q4_K, Q5_0 "
-            "and Q6_K products; streaming and stats: the rest of its decode-only time per "
-            "token in the race, the server's loop and HTTP streaming"]
+            "and Q6_K products; sampling: its whole sampler chain (penalties and DRY "
+            "included); streaming and stats: the rest of its decode-only time per token in "
+            "the race, the server's loop and HTTP streaming"]
     elif llama.get("missing"):
         lines.append(f"  llama.cpp's side: {llama['missing']}")
     if llama_ms and not theirs:
