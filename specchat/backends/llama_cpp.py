@@ -6,7 +6,8 @@ started on the embedded model's own GGUF: the engine the bench races and a backe
 
 The build takes about 8 minutes on 2 cores and is cached in specchat's cache directory
 (`llama.cpp/<version>/`), so it happens once per machine. It needs cmake (Debian's, or
-`pip install cmake`) and a C++ compiler.
+`pip install cmake`) and a C++ compiler. Beside llama-server and llama-bench it builds
+`bench --profile`'s program for llama.cpp's side on the same libraries (`llama_profile`).
 """
 
 from __future__ import annotations
