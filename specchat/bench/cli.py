@@ -197,13 +197,10 @@ def cmd_bench(args) -> int:
 def _profile_llama(args, engine, prompts, settings: BenchSettings, result: dict) -> dict:
     import torch
 
-    from specchat.backends import llama_cpp
     from specchat.bench.profile import profile_llama
     from specchat.bench.report import llama_decode_ms
 
-    server = llama_cpp.cached_server() if args.llama_server_bin == "auto" \
-        else Path(args.llama_server_bin)
-    return profile_llama(server, prompts, settings, list(engine.drafters),
+    return profile_llama(_llama_binary(args), prompts, settings, list(engine.drafters),
                          args.threads or torch.get_num_threads(), llama_decode_ms(result))
 
 
@@ -326,8 +323,7 @@ def _llama_servers(args, stack: contextlib.ExitStack) -> dict:
     import torch
 
     from specchat.backends import llama_cpp
-    binary = llama_cpp.cached_server() if args.llama_server_bin == "auto" \
-        else Path(args.llama_server_bin)
+    binary = _llama_binary(args)
     if binary is None:
         raise llama_cpp.LlamaCppError("no llama-server in specchat's cache; build it once with "
                                       "python -m specchat.backends.llama_cpp build")
@@ -343,6 +339,14 @@ def _llama_servers(args, stack: contextlib.ExitStack) -> dict:
                                                         spec, extra=extra))
         remotes[f"llama.cpp-{spec}" if spec else "llama.cpp"] = RemoteEngine(url)
     return remotes
+
+
+def _llama_binary(args) -> Path | None:
+    """The llama-server --llama-server-bin names ('auto': the one in specchat's cache, None
+    where none was built)."""
+    from specchat.backends import llama_cpp
+    return llama_cpp.cached_server() if args.llama_server_bin == "auto" \
+        else Path(args.llama_server_bin)
 
 
 def _free_port() -> int:

@@ -216,14 +216,11 @@ def noise_floor(plain_runs: list[Run]) -> dict | None:
     (every ordered pair of repeats), the lowest and highest of those ratios, and the category
     of the widest spread. A speedup within that band may be the machine, not the mode. None
     with fewer than two repeats."""
-    sums: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
-    for r in plain_runs:
-        total = sums[r.category][r.repeat]
-        total[0] += r.new_tokens
-        total[1] += r.seconds
+    by_category: dict[str, list[float]] = defaultdict(list)
+    for (cat, _), rate in _category_repeat_rates(plain_runs).items():
+        by_category[cat].append(rate)
     per: dict[str, tuple[float, float]] = {}
-    for cat, reps in sums.items():
-        rates = [t / s for t, s in reps.values() if s > 0]
+    for cat, rates in by_category.items():
         if len(rates) >= 2:
             ratios = [a / b for i, a in enumerate(rates) for j, b in enumerate(rates) if i != j]
             per[cat] = (min(ratios), max(ratios))
@@ -234,19 +231,22 @@ def noise_floor(plain_runs: list[Run]) -> dict | None:
             "widest": widest, "by_category": per}
 
 
+def _category_repeat_rates(runs: list[Run]) -> dict[tuple[str, int], float]:
+    """Tokens/s of each (category, repeat): its runs' tokens over their seconds."""
+    sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in runs:
+        total = sums[(r.category, r.repeat)]
+        total[0] += r.new_tokens
+        total[1] += r.seconds
+    return {key: t / sec for key, (t, sec) in sums.items() if sec > 0}
+
+
 def paired_ratios(runs: list[Run], plain_runs: list[Run]) -> dict[str, tuple[float, float]]:
     """Per category, a mode's tokens/s over plain decoding's in the same repeat (a question's
-    repeat runs every mode in turn before the next, so a pair shares the machine's moment): the lowest and highest of those ratios over the repeats. Where even the highest
-    is below 1, the mode was slower in every repeat: beyond what the repeats' spread shows."""
-    def rates(rs: list[Run]) -> dict[tuple[str, int], float]:
-        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0])
-        for r in rs:
-            total = sums[(r.category, r.repeat)]
-            total[0] += r.new_tokens
-            total[1] += r.seconds
-        return {key: t / sec for key, (t, sec) in sums.items() if sec > 0}
-
-    ours, base = rates(runs), rates(plain_runs)
+    repeat runs every mode in turn before the next, so a pair shares the machine's moment):
+    the lowest and highest of those ratios over the repeats. Where even the highest is below
+    plain's, the mode was slower in every repeat: beyond what the repeats' spread shows."""
+    ours, base = _category_repeat_rates(runs), _category_repeat_rates(plain_runs)
     per: dict[str, list[float]] = defaultdict(list)
     for (cat, repeat), rate in ours.items():
         if base.get((cat, repeat)):
