@@ -17,8 +17,9 @@ never get one to continue (the whole server hung). A ticket serves both: the lin
 one lock, its first ticket holds the engine, and every change wakes the waiting tickets (a
 condition for threads, a future set through `call_soon_threadsafe` for coroutines), so each
 knows its place at once. `join(limit, per_owner=n)` raises QueueFull when `n` of this owner's
-tickets wait already, or when `limit` tickets wait and this owner has one of them: how every
-route bounds one owner's share of the line and the line itself. An owner with nothing waiting
+tickets wait already while another owner's wait too, or when `limit` tickets wait and this owner
+has one of them: how every route bounds one owner's share of the line and the line itself. A
+lone owner's batch (a client's eight parallel requests, nobody else there) waits its turn. An owner with nothing waiting
 always gets a place, so no number of other owners' replies shuts a visitor out; the line holds
 at most `limit` tickets plus one for each other owner.
 
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 
 # The limits every route joins the line with (the page's replies, the page's `generate`
 # endpoint and the HTTP API): past MAX_WAITING waiting, an owner with a reply waiting already
-# is refused; no owner may have more than MAX_PER_OWNER waiting.
+# is refused; while other owners wait, no owner may have more than MAX_PER_OWNER waiting.
 MAX_WAITING = 8
 MAX_PER_OWNER = 2
 
@@ -187,8 +188,9 @@ class EngineQueue:
     def join(self, limit: int | None = None, owner: str = "",
              per_owner: int | None = None) -> Ticket:
         """A ticket in the line for `owner` (the engine at once when no one holds it). Raises
-        QueueFull when `per_owner` of this owner's tickets wait already, or `limit` tickets
-        wait and one of them is this owner's (an owner with none waiting always joins)."""
+        QueueFull when `per_owner` of this owner's tickets wait already and another owner's
+        wait too, or `limit` tickets wait and one of them is this owner's (an owner with none
+        waiting always joins)."""
         ticket = Ticket(self, owner)
         with self._changed:
             if self._holder is None:
@@ -198,7 +200,8 @@ class EngineQueue:
             mine = self._owners.get(owner)
             if limit is not None and waiting >= limit and mine:
                 raise QueueFull(waiting)
-            if per_owner is not None and mine and len(mine) >= per_owner:
+            crowded = len(self._owners) > (1 if mine else 0)  # another owner waits
+            if per_owner is not None and mine and len(mine) >= per_owner and crowded:
                 raise QueueFull(len(mine), mine=True)
             self._owners.setdefault(owner, deque()).append(ticket)
         return ticket

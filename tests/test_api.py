@@ -224,12 +224,12 @@ def _post(url: str, **body):
 
 
 def test_concurrent_streams_are_served_in_turn_and_a_full_queue_gets_429(server):
-    """Eight clients streaming at once (more than the loop's worker threads) each get their
-    whole reply, and the server serves after them; past the queue's capacity a request gets
-    429 with Retry-After, and the queue drains once the engine is free."""
+    """Eight clients of one key streaming at once (more than the loop's worker threads, more
+    than the per-key cap, which binds only while another key waits) each get their whole reply,
+    and the server serves after them; past the queue's capacity a request gets 429 with
+    Retry-After, and the queue drains once the engine is free."""
     url, api, store = server
     replies: list = [None] * 8
-    per_owner, api.max_per_owner = api.max_per_owner, None  # eight of one key's at once
 
     def stream(i: int) -> None:
         with httpx.stream("POST", f"{url}/completions", timeout=120,
@@ -243,7 +243,6 @@ def test_concurrent_streams_are_served_in_turn_and_a_full_queue_gets_429(server)
         t.start()
     for t in threads:
         t.join(120)
-    api.max_per_owner = per_owner
     assert all(r is not None and r[0] == 200 and r[1][-1] == "data: [DONE]" for r in replies)
     assert _post(url, prompt="hi", max_tokens=3).status_code == 200
 
@@ -264,7 +263,11 @@ def test_concurrent_streams_are_served_in_turn_and_a_full_queue_gets_429(server)
         assert refused.json()["error"]["type"] == "rate_limit_error"  # as the login limit's
         assert httpx.get(url.removesuffix("/v1") + "/health").json()["waiting"] == 2
         api.max_waiting = limit  # room in the line, but this key has its 2 places already
-        mine = _post(url, prompt="z", max_tokens=3)
+        other = api.queue.join(owner="another key")  # and another owner waits: the cap binds
+        try:
+            mine = _post(url, prompt="z", max_tokens=3)
+        finally:
+            other.leave()
         assert mine.status_code == 429 and mine.headers["Retry-After"].isdigit()
         assert "2 replies waiting already" in mine.json()["error"]["message"]
     finally:

@@ -211,6 +211,24 @@ def test_the_noise_floor_is_plain_against_itself_repeat_over_repeat():
     assert "0.80x..1.25x (widest: writing" in format_report(result)
 
 
+def test_an_empty_plain_reply_is_named_and_the_report_goes_on():
+    """A category whose plain replies were empty in one repeat (a rate of 0) has no ratio
+    there: the band is made of the others, the report names the category, nothing divides by 0."""
+    from specchat.bench.metrics import noise_floor
+
+    runs = [run("plain", 1, s, 20, repeat=i) for i, s in enumerate([1.0, 1.25, 1.1])]
+    runs += [run("plain", 2, 1.0, n, repeat=i, cat="qa") for i, n in enumerate([20, 0, 20])]
+    floor = noise_floor(runs)
+    assert floor["empty"] == ["qa"] and floor["by_category"]["qa"] == pytest.approx((1.0, 1.0))
+    alone = noise_floor([r for r in runs if r.category == "qa" and r.repeat < 2])
+    assert alone == {"empty": ["qa"]}
+    ngram = [run("ngram", 2, 0.5, 20, repeat=i, cat="qa") for i in range(3)]
+    result = summarize_bench(runs + ngram, ["plain", "ngram"], {"temperature": 0.0})
+    report = format_report(result)
+    assert "all empty in a repeat of qa" in report and "0.80x..1.25x" in report
+    assert result["paired"]["ngram"]["qa"] == pytest.approx((2.0, 2.0))  # repeat 1 unpaired
+
+
 def test_each_mode_is_paired_with_plain_in_the_same_repeat_per_category():
     """Per category and repeat, a mode's tokens/s over plain's in that repeat: the range over
     the repeats, and the report names a category where the mode was slower in every repeat."""

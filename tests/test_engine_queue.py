@@ -50,16 +50,34 @@ def test_owners_are_served_round_robin_each_in_the_order_it_asked():
                       ("flood", 3)]
 
 
-def test_one_owner_may_hold_only_so_many_places_and_is_told_which_limit():
+def test_one_owner_may_hold_only_so_many_places_while_others_wait_and_is_told_which_limit():
     queue = EngineQueue()
     queue.join(owner="a")  # holds the engine: not a waiting place
+    queue.join(owner="b", per_owner=2)  # another owner waits: the cap binds
     queue.join(owner="a", per_owner=2)
     queue.join(owner="a", per_owner=2)
     with pytest.raises(QueueFull) as full:
         queue.join(owner="a", per_owner=2)
     assert full.value.mine and full.value.waiting == 2
     assert "of your replies" in str(full.value)
-    assert queue.join(owner="b", per_owner=2).ahead == 2  # another owner's turn comes first
+    assert queue.join(owner="c", per_owner=2).ahead == 3  # its turn comes in the first round
+
+
+def test_a_lone_owners_batch_waits_its_turn_up_to_the_lines_limit():
+    """With nobody else waiting, one client's parallel requests all join (llama-server and vLLM
+    queue such a batch); the line's own limit still holds, and once another owner waits, the
+    per-owner cap binds that owner's next request again."""
+    queue = EngineQueue()
+    batch = [queue.join(limit=8, owner="a", per_owner=2) for _ in range(9)]  # 1 holds, 8 wait
+    assert [t.ahead for t in batch] == list(range(9))
+    with pytest.raises(QueueFull) as full:
+        queue.join(limit=8, owner="a", per_owner=2)
+    assert not full.value.mine and full.value.waiting == 8
+    bob = queue.join(limit=8, owner="b", per_owner=2)  # nothing waiting: always a place
+    assert bob.ahead == 2  # served in the first round, after a's first waiting reply
+    with pytest.raises(QueueFull) as full:
+        queue.join(owner="a", per_owner=2)  # b waits: a's 8 places are over its 2
+    assert full.value.mine and full.value.waiting == 8
 
 
 def test_a_waiting_reply_is_told_its_expected_wait_from_recent_replies():

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import re
 import threading
@@ -53,8 +54,9 @@ from specchat.stats.writer import StatsWriter
 from specchat.auth import LoginGuard, TooManyAttempts
 
 # The line's limits (engine_queue.MAX_WAITING, MAX_PER_OWNER) are the page's too: past 8
-# waiting, a request whose key or login has one waiting already gets 429; a key or login with
-# 2 waiting gets 429 (one owner cannot fill the line).
+# waiting, a request whose key or login has one waiting already gets 429; while another key or
+# login waits too, one with 2 waiting gets 429 (one owner cannot crowd the others out). A lone
+# client's batch waits its turn, as llama-server and vLLM queue one.
 RETRY_AFTER_S = 5
 # How often a request that is not streaming checks whether its client is still there, while it
 # waits for the engine and while its reply is made: a client that left frees its place.
@@ -74,6 +76,8 @@ UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suf
                "n_probs": (None, 0), "grammar": (None, ""), "json_schema": (None, {}),
                "typical_p": (None, 1), "mirostat": (None, 0), "xtc_probability": (None, 0),
                "ignore_eos": (None, False)}
+
+log = logging.getLogger("specchat.api")
 
 
 class ApiError(Exception):
@@ -432,7 +436,7 @@ class Api:
         if isinstance(first, ValueError):  # the engine checks the request before any work
             raise ApiError(400, str(first))
         if isinstance(first, Exception):
-            raise ApiError(500, f"The reply failed: {first}", "server_error") from first
+            raise _failed(first) from first
         items = reply_items(first, queue, stop)
         if body.get("stream"):
             options = body.get("stream_options") or {}
@@ -616,19 +620,23 @@ class Reply:
 
     async def events(self, items, with_usage: bool):
         """The stream: the role (chat), a chunk per step, the finish with timings and stats,
-        the usage when asked for, [DONE]."""
+        the usage when asked for, [DONE]; a reply that fails on the way sends its OpenAI
+        error object as the last data before [DONE]."""
         if self.chat:  # OpenAI's first chunk: the role, no content yet
             yield self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                               "finish_reason": None})
-        async for item in items:
-            if not isinstance(item, GenerationStats):
-                yield self.chunk(self.piece(*item))
-                continue
-            end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
-            end.update({"delta": {}} if self.chat else {"text": ""})
-            yield self.chunk(end, **self.extra(item))
-            if with_usage:  # its own chunk, with no choices, as OpenAI sends it
-                yield self.chunk(None, usage=usage(item))
+        try:
+            async for item in items:
+                if not isinstance(item, GenerationStats):
+                    yield self.chunk(self.piece(*item))
+                    continue
+                end = {"index": 0, "finish_reason": FINISH.get(item.stop_reason, "stop")}
+                end.update({"delta": {}} if self.chat else {"text": ""})
+                yield self.chunk(end, **self.extra(item))
+                if with_usage:  # its own chunk, with no choices, as OpenAI sends it
+                    yield self.chunk(None, usage=usage(item))
+        except ApiError as error:  # the headers are sent: the error rides the stream (as
+            yield f"data: {json.dumps(error.response_body())}\n\n"  # vLLM sends it)
         yield "data: [DONE]\n\n"
 
     async def whole(self, items) -> dict:
@@ -668,22 +676,34 @@ async def reply_items(first, queue: asyncio.Queue, stop: threading.Event):
     item = first
     try:
         while not isinstance(item, _Finished):
-            if isinstance(item, Exception):
+            if isinstance(item, ApiError):
                 raise item
+            if isinstance(item, Exception):
+                raise _failed(item) from item
             yield item
             item = await queue.get()
     finally:
         stop.set()  # a no-op once the reply ended; else the client went away
 
 
+def _failed(error: Exception) -> ApiError:
+    """A reply that failed in the engine -> the 500 its client is answered with (the server
+    goes on serving: the engine starts the next request from a clean cache)."""
+    log.error("a reply failed", exc_info=error)
+    return ApiError(500, f"The reply failed: {type(error).__name__}: {error}", "server_error")
+
+
 def answered(route):
-    """ApiError -> its OpenAI error object (handled here, not by an app-wide handler, so the
-    routes can join an app that is already serving)."""
+    """ApiError -> its OpenAI error object, and any other exception -> a 500 in the same shape
+    (handled here, not by an app-wide handler, so the routes can join an app that is already
+    serving)."""
     async def handler(request: Request):
         try:
             return await route(request)
         except ApiError as error:
             return error.response()
+        except Exception as error:  # noqa: BLE001 - a client always gets an OpenAI error object
+            return _failed(error).response()
     handler.__name__ = route.__name__
     return handler
 

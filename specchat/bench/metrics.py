@@ -214,21 +214,26 @@ def metrics(runs: list[Run], plain_runs: list[Run] | None = None) -> dict:
 def noise_floor(plain_runs: list[Run]) -> dict | None:
     """Plain decoding against itself: per category, the tokens/s of one repeat over another's
     (every ordered pair of repeats), the lowest and highest of those ratios, and the category
-    of the widest spread. A speedup within that band may be the machine, not the mode. None
-    with fewer than two repeats."""
+    of the widest spread. A speedup within that band may be the machine, not the mode. A
+    repeat whose plain replies in a category were all empty has no rate: it is left out, and
+    the category named under "empty". None with fewer than two repeats."""
     by_category: dict[str, list[float]] = defaultdict(list)
+    empty = set()
     for (cat, _), rate in _category_repeat_rates(plain_runs).items():
-        by_category[cat].append(rate)
+        if rate > 0:
+            by_category[cat].append(rate)
+        else:
+            empty.add(cat)
     per: dict[str, tuple[float, float]] = {}
     for cat, rates in by_category.items():
         if len(rates) >= 2:
             ratios = [a / b for i, a in enumerate(rates) for j, b in enumerate(rates) if i != j]
             per[cat] = (min(ratios), max(ratios))
     if not per:
-        return None
+        return {"empty": sorted(empty)} if empty else None
     widest = min(per, key=lambda c: per[c][0])
     return {"low": min(lo for lo, _ in per.values()), "high": max(hi for _, hi in per.values()),
-            "widest": widest, "by_category": per}
+            "widest": widest, "by_category": per, "empty": sorted(empty)}
 
 
 def _category_repeat_rates(runs: list[Run]) -> dict[tuple[str, int], float]:
@@ -249,7 +254,7 @@ def paired_ratios(runs: list[Run], plain_runs: list[Run]) -> dict[str, tuple[flo
     ours, base = _category_repeat_rates(runs), _category_repeat_rates(plain_runs)
     per: dict[str, list[float]] = defaultdict(list)
     for (cat, repeat), rate in ours.items():
-        if base.get((cat, repeat)):
+        if base.get((cat, repeat)):  # (a repeat whose plain replies were all empty: no pair)
             per[cat].append(rate / base[(cat, repeat)])
     return {cat: (min(v), max(v)) for cat, v in per.items()}
 

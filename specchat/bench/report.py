@@ -225,11 +225,17 @@ def _noise_lines(floor: dict | None) -> list[str]:
     """How far plain decoding's repeats differ from each other: the band that is noise."""
     if not floor:
         return []
-    widest = floor["by_category"][floor["widest"]]
-    return ["", f"noise: plain against itself, repeat over repeat, per category "
-                f"{_x(floor['low'])}..{_x(floor['high'])} (widest: {floor['widest']}, "
-                f"{_x(widest[0])}..{_x(widest[1])}); a category's speedup within this band "
-                "may be the machine, not the mode"]
+    lines = [""]
+    if "widest" in floor:
+        widest = floor["by_category"][floor["widest"]]
+        lines.append(f"noise: plain against itself, repeat over repeat, per category "
+                     f"{_x(floor['low'])}..{_x(floor['high'])} (widest: {floor['widest']}, "
+                     f"{_x(widest[0])}..{_x(widest[1])}); a category's speedup within this "
+                     "band may be the machine, not the mode")
+    if floor.get("empty"):
+        lines.append(f"noise: plain's replies were all empty in a repeat of "
+                     f"{', '.join(floor['empty'])}: no rate there (left out of the band)")
+    return lines
 
 
 SLOWER = 0.98  # a mode this far below plain in every repeat of a category costs there

@@ -37,6 +37,11 @@ default that does nothing.
                                            the inspector, never used by the test
 
 `context` is the full token list so far (prompt + emitted reply); it only grows within a request.
+
+Inference mode: the engine calls a drafter outside autograd's inference mode, as it calls the
+runner. A drafter enters the mode itself in every method that makes or writes the tensors it
+keeps (`propose`, `propose_tree`, the head's storing of observed features), so a tensor it made
+under the mode is never written outside it, whatever the runner (`tests/test_every_runner.py`).
 """
 
 from __future__ import annotations

@@ -131,8 +131,11 @@ class HeadDrafter(Drafter):
         if len(self._pending) >= PENDING_FEATURES:
             self._flush()
 
+    @torch.inference_mode()
     def _flush(self) -> None:
-        """Store the features observed since the last flush, in the order they came."""
+        """Store the features observed since the last flush, in the order they came. Under
+        inference mode, as `propose` is: `self.feats` is made there (an inference tensor) and
+        written here, and an inference tensor takes in-place writes only under the mode."""
         pending, self._pending = self._pending, []
         for start, features in pending:
             self._store(start, features)
