@@ -470,6 +470,9 @@ STATS_LAYOUT = """(title) => {
   };
   const cell = [...container.querySelectorAll(':is(td, [role=gridcell]) .cell-wrap')]
     .find((c) => c.textContent.trim() === title && c.getClientRects().length > 0);
+  // Its centre in the viewport, whatever the page above it holds on this machine (a table
+  // row below the fold has no element under its point).
+  cell.scrollIntoView({block: 'center', inline: 'nearest'});
   const box = cell.getBoundingClientRect();
   const text = cell.querySelector(':scope > span') || cell;  // the box that holds the text
   const input = document.querySelector('#sc-stats-picker input');

@@ -304,19 +304,28 @@ def test_sampled_speculation_with_a_random_head_replays_plain_sampling():
     assert accepted > 0
 
 
+@pytest.mark.parametrize("wide_bf16", [False, True], ids=["fp32-wide", "bf16-wide"])
 @pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)])
-def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_gain(params):
+def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_gain(params,
+                                                                                 wide_bf16):
+    """Each drafter below starts fresh and drafts from the same catch-up as `full`: a drafter
+    that caught up once catches up the next time over fewer rows, through other products (int8
+    or Q8_0 against bf16 or float32), and its drafts may move a little (verification stays
+    exact), so no comparison here rests on two such paths agreeing."""
     target = tiny_llama(0)
     head = random_head(target, vocab_ids=torch.arange(40, 44))  # 4 tokens: confident enough
     context, k = ids_of(TEXT), 8
-    full, _ = HeadDrafter(head, target, len(TOK)).propose(
-        context, k, params, Noise(1))
+
+    def drafter(min_gain=0.0):
+        return HeadDrafter(head, target, len(TOK), min_gain, wide_bf16=wide_bf16)
+
+    full, _ = drafter().propose(context, k, params, Noise(1))
     assert len(full) == k  # min_gain 0: every draft asked for
 
     # Replay the drafts with the head's probabilities: the gated drafter keeps exactly the
     # prefix whose running product stays at or above min_gain, and does not run the head for
     # the draft after one whose product fell under lookahead x min_gain.
-    ungated = HeadDrafter(head, target, len(TOK))
+    ungated = drafter()
     chances = []
     spy = ungated._sample
     ungated._sample = lambda *a: (lambda r: (chances.append(r[2]), r)[1])(spy(*a))
@@ -324,7 +333,7 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
     running = list(itertools.accumulate(chances, operator.mul))
     for min_gain, lookahead in ((running[2], 1.0), (running[0] + 1e-6, 1.0),
                                 (running[4], running[1] / running[4] * 1.001)):
-        gated = HeadDrafter(head, target, len(TOK), min_gain)
+        gated = drafter(min_gain)
         gated.lookahead = lookahead
         forwards = []
         hook = gated.head.register_forward_hook(lambda *_: forwards.append(1))
@@ -335,8 +344,9 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
         keep = min(keep, ahead)
         assert 0 <= keep < k and drafts.tolist() == full[:keep].tolist() and q is None
         assert len(forwards) == min(sum(r >= min_gain for r in running) + 1, ahead)
-        gated.stop_early(False)  # a fixed-k request: every draft asked for
-        assert gated.propose(context, k, params, Noise(1))[0].tolist() == full.tolist()
+        fixed = drafter(min_gain)
+        fixed.stop_early(False)  # a fixed-k request: every draft asked for
+        assert fixed.propose(context, k, params, Noise(1))[0].tolist() == full.tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -54,11 +54,14 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0,
                  tree_width: int = 4, tree_beam: int = 4,
-                 tree_min_score: float = 0.2):
+                 tree_min_score: float = 0.2, wide_bf16: bool | None = None):
         self.head = head.eval()
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
         if head.vocab_ids.device.type == "cpu":
-            head.quantize_for_drafting(wide_bf16=cpu_kind().native_bf16, lib=kernels.load())
+            # Wide drafting forwards through bf16 copies (`Int8Drafting`): by the CPU's own
+            # flags unless forced (tests run both on any CPU).
+            wide = cpu_kind().native_bf16 if wide_bf16 is None else wide_bf16
+            head.quantize_for_drafting(wide_bf16=wide, lib=kernels.load())
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam

@@ -5,8 +5,8 @@ A path is a compute dtype and the code that runs the products, attention and nor
 
 | path              | compute  | runs                                                  | needs          |
 | ----------------- | -------- | ----------------------------------------------------- | -------------- |
-| `cpu-bf16-native` | bfloat16 | bitsandbytes' fused NF4 kernel, specchat's AVX-512 kernels | native bf16 |
 | `cpu-fp32-avx512` | float32  | specchat's kernels, the Q8_0 head 16 wide             | AVX-512        |
+| `cpu-bf16-native` | bfloat16 | bitsandbytes' fused NF4 kernel, specchat's AVX-512 kernels | native bf16 |
 | `cpu-fp32-avx2`   | float32  | specchat's AVX2 kernels                               | AVX2, FMA, F16C |
 | `cpu-fp32-ref`    | float32  | specchat's plain C kernels (the references)           | a C compiler   |
 | `cpu-fp32-dense`  | float32  | NF4 dequantized once, torch's and oneDNN's products   | nothing        |
@@ -119,11 +119,14 @@ class Path:
         return f"{self.name} needs {self.needs}; this CPU is {cpu.describe()}"
 
 
+# Best first, by measured figures (docs/cpu.md, "Which path runs"): on a CPU with native bf16
+# the float32 AVX-512 path runs specchat's own decoder forward and decodes 1.6x faster than
+# `cpu-bf16-native` (transformers' forward, bitsandbytes' fused kernel), which stays forcible.
 PATHS = (
-    Path("cpu-bf16-native", torch.bfloat16, "avx512", fused_nf4=True, requires="native_bf16",
-         needs="native bf16 (avx512_bf16 or amx_bf16)"),
     Path("cpu-fp32-avx512", torch.float32, "avx512", requires="avx512",
          needs="AVX-512 (avx512f/bw/vl/dq)"),
+    Path("cpu-bf16-native", torch.bfloat16, "avx512", fused_nf4=True, requires="native_bf16",
+         needs="native bf16 (avx512_bf16 or amx_bf16)"),
     Path("cpu-fp32-avx2", torch.float32, "avx2", requires="avx2", needs="AVX2, FMA and F16C"),
     Path("cpu-fp32-ref", torch.float32, "ref", needs="a C compiler"),
     Path("cpu-fp32-dense", torch.float32, None),
