@@ -100,9 +100,12 @@ def _attention_inputs(dtype, dim: int, g: torch.Generator):
 
 # ---- the SIMD kernels give their references' bits ---------------------------------------------
 
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
 @pytest.mark.parametrize("out,inp,blocksize", [(43, 640, 64), (20, 256, 128), (7, 96, 32)])
-def test_nf4_kernel_is_its_reference(out, inp, blocksize):
-    lib, refs = _simd()
+def test_nf4_kernel_is_its_reference(out, inp, blocksize, variant):
+    """8 wide (a block's sum scaled) and 16 wide (the scaled table looked up): each its own
+    reference's bits at every row count, every tile shape and weight-row tail."""
+    lib, refs = _simd(variant)
     g = torch.Generator().manual_seed(inp)
     codes, absmax = _nf4(out, inp, blocksize, g)
     x = torch.randn(16, inp, generator=g)
@@ -192,11 +195,13 @@ def test_the_portable_build_has_no_instruction_set_flags_and_only_the_references
     assert "-mavx2" in kernels.build_flags("avx2") and "-mf16c" in kernels.build_flags("avx512")
     lib, _ = _portable()
     raw = ctypes.CDLL(str(lib.path))
-    for name in ("nf4_matmul", "bf16_matmul", "q8_0_matmul", "q8_0_matmul_avx512", "attend",
-                 "rms_norm"):
+    for name in ("nf4_matmul", "nf4_matmul_avx512", "bf16_matmul", "q8_0_matmul",
+                 "q8_0_matmul_avx512", "attend", "rms_norm", "decoder_forward_avx512"):
         assert not hasattr(raw, name), name
-        assert hasattr(raw, f"{name}_ref") or name == "q8_0_matmul_avx512"
-    assert hasattr(raw, "q8_0_matmul16_ref") and lib.max_in() == 16384
+        assert hasattr(raw, f"{name}_ref") or name.endswith("_avx512")
+    for name in ("q8_0_matmul16_ref", "nf4_matmul16_ref", "decoder_forward16_ref"):
+        assert hasattr(raw, name), name
+    assert lib.max_in() == 16384
 
 
 def _row_exact(product, x: torch.Tensor) -> torch.Tensor:
@@ -213,13 +218,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
 
 @pytest.mark.parametrize("out,inp,blocksize", [(43, 640, 64), (9, 256, 128)])
 def test_portable_nf4_is_row_exact_and_the_dequantized_product(out, inp, blocksize):
-    lib, _ = _portable()
+    lib, wide = _portable()
     g = torch.Generator().manual_seed(5)
     codes, absmax = _nf4(out, inp, blocksize, g)
     x = torch.randn(16, inp, generator=g)
-    got = _row_exact(lambda r: kernels.nf4_matmul(lib, r, codes, absmax, blocksize, NF4_TABLE,
-                                                  out), x)
-    _close(got, x.double() @ _nf4_weight(codes, absmax, out, inp, blocksize).T)
+    for ref in (lib, wide):  # 8 and 16 lanes
+        got = _row_exact(lambda r: kernels.nf4_matmul(ref, r, codes, absmax, blocksize,
+                                                      NF4_TABLE, out), x)
+        _close(got, x.double() @ _nf4_weight(codes, absmax, out, inp, blocksize).T)
 
 
 def test_portable_bf16_and_q8_0_are_row_exact_and_their_products():

@@ -13,7 +13,8 @@ whose library is already loaded. Two builds of the same files (`build_flags`):
 - the portable build, for any CPU: only the references.
 
 `load(variant)` gives one variant's functions under the plain names: "avx512" (the SIMD build,
-its Q8_0 products 16 lanes wide, the integer one by AVX-512 VNNI where the CPU has it), "avx2"
+its NF4 and Q8_0 products 16 lanes wide, the decoder stack on them, the integer Q8_0 product by
+AVX-512 VNNI where the CPU has it), "avx2"
 (the SIMD build, 8 wide) or "ref" (the portable build, computing the bits "avx2" computes). `reference(variant)` gives the references of "avx2" or "avx512". Where a
 variant cannot be built or run here, its `load` returns None and the caller keeps its other path.
 """
@@ -168,7 +169,9 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
         _say(f"could not load specchat's {_what(portable)} ({path}): {e}", fallback=not portable)
         return None
     names = {name: name if simd else f"{name}_ref" for name in _ARGTYPES}
-    if wide:  # 16 lanes: the float and the integer Q8_0 products
+    if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
+        names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
+        names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
         names["q8_0_matmul"] = "q8_0_matmul_avx512" if simd else "q8_0_matmul16_ref"
         names["q8_0_matmul_i8"] = i8_avx512() if simd else "q8_0_matmul_i8_16_ref"
     functions = {}

@@ -60,12 +60,16 @@ typedef void (*norm_fn)(const void *, int64_t, int64_t, int, const float *, floa
 
 void nf4_matmul_ref(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
                     const float *, float *, int64_t, int);
+void nf4_matmul16_ref(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
+                      const float *, float *, int64_t, int);
 void attend_ref(const float *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
                 int64_t, int, const uint8_t *, int64_t, int64_t, float, float *, float *, int);
 void rms_norm_ref(const void *, int64_t, int64_t, int, const float *, float, void *);
 #if SPECCHAT_SIMD
 void nf4_matmul(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
                 const float *, float *, int64_t, int);
+void nf4_matmul_avx512(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
+                       const float *, float *, int64_t, int);
 void attend(const float *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
             int64_t, int, const uint8_t *, int64_t, int64_t, float, float *, float *, int);
 void rms_norm(const void *, int64_t, int64_t, int, const float *, float, void *);
@@ -319,12 +323,33 @@ int decoder_forward_ref(const decoder_model *m, const float *embeddings, int64_t
                    rope_tables, out, clock, threads);
 }
 
+// The same stack on the 16-wide NF4 product (nf4.c), the "avx512" variant's, and its reference
+int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64_t n,
+                          const int64_t *pos, int64_t start, const uint8_t *visible,
+                          float *k_cache, float *v_cache, int64_t slots,
+                          const float *const *rope_tables, float *out, double *clock,
+                          int threads) {
+    const kernels f = {nf4_matmul16_ref, attend_ref, rms_norm_ref, gelu_mul_ref};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, clock, threads);
+}
+
 #if SPECCHAT_SIMD
 int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
                     const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
                     float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
                     double *clock, int threads) {
     const kernels f = {nf4_matmul, attend, rms_norm, gelu_mul};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, clock, threads);
+}
+
+int decoder_forward_avx512(const decoder_model *m, const float *embeddings, int64_t n,
+                           const int64_t *pos, int64_t start, const uint8_t *visible,
+                           float *k_cache, float *v_cache, int64_t slots,
+                           const float *const *rope_tables, float *out, double *clock,
+                           int threads) {
+    const kernels f = {nf4_matmul_avx512, attend, rms_norm, gelu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }

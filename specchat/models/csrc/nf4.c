@@ -251,3 +251,151 @@ void nf4_matmul(const float *x, int64_t n, int64_t in, const uint8_t *codes,
     free(xp);
 }
 #endif  // SPECCHAT_SIMD
+
+// ---- `nf4_matmul` 16 lanes wide, for CPUs with AVX-512 ------------------------------------------
+// AVX-512 holds the 16 NF4 values in one register, and `vpermps` looks 16 codes up at once: 32
+// codes (16 bytes) cost two nibble extractions, two widenings and two lookups, against 13
+// shuffles 8 wide. The lookup is into the table already multiplied by the block's scale (one
+// multiply per block and weight row): table[code] * absmax_b is the same float whichever is
+// done first. Other arithmetic than the 8-wide kernel's, so other bits; a process takes one
+// of the two for every row count (the "avx512" variant this one, kernels.py), so a row's result
+// is the same bits alone or among others:
+//
+// y[j, o] = `sum_lanes16`(acc), acc = fma(w, xp, acc) over the row in order, 16 lanes wide, with
+// w = table[code] * absmax_b (one float32 multiply per weight: the block's scale applied to each
+// dequantized weight, as bitsandbytes' dequantization does), and the codes of each group of 32
+// taken even ones first: lane l takes code 32g + 2l, then code 32g + 2l + 1. So x is permuted
+// once per call the same way (the 16 even inputs of each 32, then the 16 odd ones).
+//
+// The reference: that arithmetic for one (o, j) at a time.
+void nf4_matmul16_ref(const float *x, int64_t n, int64_t in, const uint8_t *codes,
+                      const float *absmax, int64_t blocksize, const float *table, float *y,
+                      int64_t out, int threads) {
+    if (blocksize <= 0 || blocksize % 32) blocksize = 0;  // no block size it takes: NaN
+    if (!sizes_ok(n, in, out, blocksize, 0, y)) return;
+    const int64_t nb = in / blocksize;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *c = codes + o * in / 2;
+        for (int64_t j = 0; j < n; j++) {
+            const float *xj = x + j * in;
+            float acc[16] = {0};
+            for (int64_t k = 0; k < in; k += 32) {
+                const float s = absmax[o * nb + k / blocksize];
+                for (int half = 0; half < 2; half++)  // the even codes, then the odd ones
+                    for (int l = 0; l < 16; l++) {
+                        const int64_t e = k + 2 * l + half;
+                        const float w = table[half ? c[e / 2] & 15 : c[e / 2] >> 4] * s;
+                        acc[l] = fmaf(w, xj[e], acc[l]);
+                    }
+            }
+            y[j * out + o] = sum_lanes16(acc);
+        }
+    }
+}
+
+#if SPECCHAT_SIMD
+#define NF4_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define NF4_R16 4  // most weight rows of a tile (for one or two input rows)
+#define NF4_J16 8  // most input rows of a tile
+
+NF4_512 static inline float nf4_hsum16(__m512 v) {  // `sum_lanes16`'s order
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return hsum(h);
+}
+
+// R weight rows (codes, absmax from the first) against J permuted input rows xp (stride in):
+// each group of 32 codes decoded once in registers, for every input row.
+NF4_512 static inline __attribute__((always_inline)) void nf4_tile16(
+    int R, int J, const uint8_t *codes, const float *absmax, int64_t in, int64_t bs,
+    __m512 table, const float *xp, float *y, int64_t out) {
+    __m512 acc[NF4_R16][NF4_J16];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+    const int64_t nb = in / bs;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t i = 0, b = 0; i < nb; i++, b += bs) {
+        __m512 ts[NF4_R16];  // the table times the block's scale: table[code] * absmax_b
+        for (int r = 0; r < R; r++) {          // looked up, the same bits as multiplied after
+            ts[r] = _mm512_mul_ps(table, _mm512_set1_ps(absmax[r * nb + i]));
+            _mm_prefetch((const char *)codes + ((r * in + b) >> 1) + NF4_AHEAD, _MM_HINT_T0);
+        }
+        for (int64_t k = b; k < b + bs; k += 32)
+            for (int r = 0; r < R; r++) {  // rows interleaved: independent chains
+                const __m128i c = _mm_loadu_si128((const __m128i *)(codes + ((r * in + k) >> 1)));
+                const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), low));
+                const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(c, low));
+                const __m512 even = _mm512_permutexvar_ps(hi, ts[r]);
+                const __m512 odd = _mm512_permutexvar_ps(lo, ts[r]);
+                for (int j = 0; j < J; j++) {
+                    const float *xj = xp + j * in + k;
+                    acc[r][j] = _mm512_fmadd_ps(even, _mm512_load_ps(xj), acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(odd, _mm512_load_ps(xj + 16), acc[r][j]);
+                }
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[j * out + r] = nf4_hsum16(acc[r][j]);
+}
+
+typedef void (*nf4_tile16_fn)(const uint8_t *, const float *, int64_t, int64_t, __m512,
+                              const float *, float *, int64_t);
+// one function per tile shape: each keeps its accumulators in registers
+#define NF4_TILE16_FN(RR, JJ)                                                                 \
+    NF4_512 __attribute__((noinline)) static void nf4_tile16_##RR##_##JJ(                     \
+        const uint8_t *codes, const float *absmax, int64_t in, int64_t bs, __m512 table,      \
+        const float *xp, float *y, int64_t out) {                                             \
+        nf4_tile16(RR, JJ, codes, absmax, in, bs, table, xp, y, out);                         \
+    }
+#define NF4_TILES16_J(JJ) \
+    NF4_TILE16_FN(1, JJ) NF4_TILE16_FN(2, JJ) NF4_TILE16_FN(3, JJ) NF4_TILE16_FN(4, JJ)
+NF4_TILES16_J(1) NF4_TILES16_J(2) NF4_TILES16_J(3) NF4_TILES16_J(4)
+NF4_TILES16_J(5) NF4_TILES16_J(6) NF4_TILES16_J(7) NF4_TILES16_J(8)
+#undef NF4_TILES16_J
+#undef NF4_TILE16_FN
+#define NF4_ROW16(JJ) \
+    {nf4_tile16_1_##JJ, nf4_tile16_2_##JJ, nf4_tile16_3_##JJ, nf4_tile16_4_##JJ}
+static const nf4_tile16_fn nf4_tiles16[NF4_J16][NF4_R16] = {
+    NF4_ROW16(1), NF4_ROW16(2), NF4_ROW16(3), NF4_ROW16(4),
+    NF4_ROW16(5), NF4_ROW16(6), NF4_ROW16(7), NF4_ROW16(8)};
+#undef NF4_ROW16
+
+// weight rows per tile for J input rows: accumulators and the decoded rows within 32 registers
+static inline int nf4_rows16(int J) { return J <= 2 ? 4 : J <= 4 ? 3 : 2; }
+
+NF4_512 void nf4_matmul_avx512(const float *x, int64_t n, int64_t in, const uint8_t *codes,
+                               const float *absmax, int64_t blocksize, const float *table,
+                               float *y, int64_t out, int threads) {
+    if (blocksize <= 0 || blocksize % 32) blocksize = 0;  // no block size it takes: NaN
+    if (!sizes_ok(n, in, out, blocksize, 0, y)) return;
+    const __m512 t = _mm512_loadu_ps(table);
+    float *xp = aligned_alloc(64, (size_t)(n * in) * sizeof(float));
+    if (!xp) {  // no memory: say so in the output rather than return stale values
+        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+        return;
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t k = 0; k < n * in; k += 32) {
+        const __m512 a = _mm512_loadu_ps(x + k), b = _mm512_loadu_ps(x + k + 16);
+        _mm512_store_ps(xp + k, _mm512_permutex2var_ps(a, even, b));
+        _mm512_store_ps(xp + k + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+    // input rows in as few tiles as fit, of sizes as equal as can be (11: 6, 5)
+    const int64_t tiles = (n + NF4_J16 - 1) / NF4_J16, per = (n + tiles - 1) / tiles;
+    const int R = nf4_rows16((int)per);
+    const int64_t nb = in / blocksize;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o0 = 0; o0 < out; o0 += R) {
+        const int no = out - o0 < R ? (int)(out - o0) : R;
+        for (int64_t j = 0; j < n; j += per) {
+            const int J = n - j < per ? (int)(n - j) : (int)per;
+            nf4_tiles16[J - 1][no - 1](codes + o0 * in / 2, absmax + o0 * nb, in, blocksize, t,
+                                       xp + j * in, y + j * out + o0, out);
+        }
+    }
+    free(xp);
+}
+#undef NF4_512
+#endif  // SPECCHAT_SIMD
