@@ -469,10 +469,12 @@ class _NarrowHead:
         flat = x.reshape(rows, -1)
         both = flat.repeat(2, 1) if rows == 1 else flat  # one column takes a slow path
         out = torch.matmul(weight, both.T).T[:rows].contiguous().reshape(*x.shape[:-1], -1)
-        if self.checks_left:
-            same = torch.equal(out, torch.nn.functional.linear(x, weight))
+        if self.checks_left:  # linear's logits while checking: a call that differs is not seen
+            reference = torch.nn.functional.linear(x, weight)
+            same = torch.equal(out, reference)
             self.checks_left = self.checks_left - 1 if same else 0
             self.fast = same and self.checks_left == 0
+            return reference
         return out
 
 
