@@ -9,7 +9,7 @@ from tiny import loaded, tiny_gemma3, tiny_llama
 
 from specchat.models.attention import is_row_exact, padded, row_exact_sdpa, use_row_exact_attention
 from specchat.core.engine import Engine
-from specchat.core.kvcache import PagedLayer, new_cache
+from specchat.models.kvcache import PagedLayer, new_cache
 from specchat.drafters.ngram import NgramDrafter
 
 

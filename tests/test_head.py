@@ -16,8 +16,8 @@ from specchat.bench.run import available_modes
 from specchat.bench.run import bench as run_bench
 from specchat.core.engine import Engine, GenerateConfig
 from specchat.core.events import StepRecord, TokenEvent
-from specchat.core.features import FeatureTap
-from specchat.core.kvcache import new_cache
+from specchat.models.features import FeatureTap
+from specchat.models.kvcache import new_cache
 from specchat.core.sampling import Noise, SamplingParams, draw, sample_row, verify
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import HeadDrafter

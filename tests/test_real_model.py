@@ -7,7 +7,7 @@ import torch
 
 from specchat.core.engine import GenerateConfig
 from specchat.core.events import KINDS, GenerationStats, TokenEvent
-from specchat.core.kvcache import new_cache
+from specchat.models.kvcache import new_cache
 from specchat.core.text import chat_prompt
 from specchat.loader import load_engine
 from specchat.models import runtime

@@ -593,17 +593,18 @@ def test_one_reply_at_a_time_in_a_tab(engine, store):
 
 def test_a_reply_past_its_owners_places_in_line_is_not_sent_nor_saved(engine, store):
     """The page joins the engine's line with the API's limits: a visitor with 2 replies
-    waiting already (other tabs, the API) is told so in the chat; nothing is saved, and Retry
-    sends it once there is room."""
+    waiting already (other tabs, the API) while another visitor waits too is told so in the
+    chat; nothing is saved, and Retry sends it once there is room."""
     app = make_app(engine, store)
     queue = EngineQueue.of(engine)
     holder = queue.join(owner="someone else")
     mine = [queue.join(owner="local") for _ in range(2)]  # this page's owner (no login)
+    other = queue.join(owner="another visitor")  # waits too: the per-owner cap binds
     try:
         session = Session()
         chat, _, notice = send(app, session, "<b>hi</b>")[-1]
     finally:
-        for ticket in (holder, *mine):
+        for ticket in (holder, *mine, other):
             ticket.leave()
     turn = session.turns[-1]
     assert turn.stats.stop_reason == "refused" and not turn.tokens

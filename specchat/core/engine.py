@@ -60,10 +60,6 @@ from specchat.core.tree import DraftTree, verify_tree
 # about 10 s on the embedded target, so one request cannot hold the engine for minutes.
 MAX_PROMPT_TOKENS = 4096
 
-# Tokens a prompt's whole pages hold (`Engine._prefill`), for a target that says nothing else
-# (`LoadedModel.narrow_rows`); verifies and trees feed fewer rows.
-PAGE = 64
-
 # Draft-tree size for the head in the app and the CLI (`GenerateConfig.tree_nodes`).
 TREE_NODES = 10
 
@@ -237,7 +233,7 @@ class Engine:
         self.device = target.device
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.vocab_size = len(self.tokenizer)
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_ids = target.eos_ids
         # Tokens a reply never holds (control and media tokens, and logits rows past the
         # tokenizer's vocabulary): masked in every target distribution, plain and speculative
         # alike, so the mask changes what is sampled but never whether speculation is lossless.
@@ -251,7 +247,7 @@ class Engine:
         self._cache_ids: list[int] = []  # tokens whose keys/values are in self._cache
         # Prompts are encoded in whole pages of `page` tokens, then in narrower forwards
         # (`_prefill`); the cache's first _wide_end tokens were encoded as whole pages.
-        self.page = getattr(target, "narrow_rows", PAGE - 1) + 1
+        self.page = target.narrow_rows + 1
         self._wide_end = 0
         # Whole pages of earlier prompts, for prompts that start the same way (core/prefix.py).
         self.prefixes = PrefixStore(prefix_tokens, self.page)
@@ -269,8 +265,7 @@ class Engine:
         self.trees_ok = self.runner.tree_masks
         # The runner's native sampler (`shape_pick`), for the new float32 CPU logits it hands
         # over each forward (`owned_logits`); None: the Python sampler.
-        self._native_sampler = getattr(self.runner, "shape_pick", None) \
-            if getattr(self.runner, "owned_logits", False) else None
+        self._native_sampler = self.runner.shape_pick if self.runner.owned_logits else None
 
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).
@@ -384,8 +379,7 @@ class Engine:
     @property
     def context_window(self) -> int | None:
         """The most tokens (prompt + reply) the target reads: its position embeddings."""
-        window = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        held = getattr(self.runner, "context", None)  # a static cache's slots
+        window, held = self.target.positions, self.runner.context  # (a static cache's slots)
         return min(w for w in (window, held) if w) if window or held else None
 
     def reset_cache(self) -> None:
@@ -438,7 +432,7 @@ class Engine:
         # in place: a pass over 262k logits costs as much as the penalties themselves, and more
         # right after a forward, with cold caches. A runner that hands over new float32 CPU
         # logits each call (`owned_logits`) needs no copy at all.
-        if getattr(self.runner, "owned_logits", False):
+        if self.runner.owned_logits:
             out = logits
         else:
             out = logits.to(device="cpu" if run.shaper else logits.device, dtype=torch.float32,
@@ -499,8 +493,7 @@ class Engine:
         self._mask_ids, self._mask_runs = ids.to(logits.device), _runs(ids.tolist())
         runs = self._mask_runs  # all of them in these logits
         tail = self._mask_runs[-1] if self._mask_runs else None
-        skip = getattr(self.runner, "skip_logits_from", None)
-        if tail and tail[1] == logits.shape[-1] and skip is not None and skip(tail[0]):
+        if tail and tail[1] == logits.shape[-1] and self.runner.skip_logits_from(tail[0]):
             self._mask_runs = self._mask_runs[:-1]
         self._mask_key = key
         return runs
@@ -755,15 +748,3 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i + 1))
     return runs
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specchat.core.kvcache import has_spare_slots
+from specchat.models.kvcache import has_spare_slots
 from specchat.models import kernels
 
 NAME = "specchat_sdpa"  # without kernels; with them f"{NAME}_{variant}" (`register`)

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from specchat.core.runner import Runner
 from specchat.core.tree import visibility
 from specchat.models import kernels
 from specchat.models.gguf_head import Q8Head
@@ -102,7 +103,7 @@ def _w1(norm) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).contiguous()
 
 
-class CpuRunner:
+class CpuRunner(Runner):
     """The runner seam (`core.runner`) for a Gemma 3 target on a CPU path with specchat's
     kernels (`lib`, a `kernels.load` build): see the module's docstring."""
 

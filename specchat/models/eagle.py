@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.core.features import FeatureTap, final_norm
+from specchat.models.features import FeatureTap, final_norm
 from specchat.models import kernels
 from specchat.models.gguf_head import BLOCK as Q8_BLOCK  # values per Q8_0 scale
 

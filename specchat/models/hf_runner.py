@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from specchat.core.features import FeatureTap
-from specchat.core.kvcache import crop_to, keep_fed, new_cache, tree_attention_mask
+from specchat.core.runner import Runner
 from specchat.core.tree import visibility
 from specchat.models.attention import tree_masks_supported
+from specchat.models.features import FeatureTap
+from specchat.models.kvcache import crop_to, keep_fed, new_cache, tree_attention_mask
 
 
-class HFRunner:
+class HFRunner(Runner):
     def __init__(self, model, paged: bool = False):
         self.model = model
         self.paged = paged

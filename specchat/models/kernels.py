@@ -168,12 +168,7 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
     except OSError as e:
         _say(f"could not load specchat's {_what(portable)} ({path}): {e}", fallback=not portable)
         return None
-    names = {name: name if simd else f"{name}_ref" for name in _ARGTYPES}
-    if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
-        names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
-        names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
-        names["q8_0_matmul"] = "q8_0_matmul_avx512" if simd else "q8_0_matmul16_ref"
-        names["q8_0_matmul_i8"] = i8_avx512() if simd else "q8_0_matmul_i8_16_ref"
+    names = symbols(wide, simd)
     functions = {}
     for name, argtypes in _ARGTYPES.items():
         function = lib[names[name]]
@@ -184,6 +179,18 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
     variant = ("avx512" if wide else "avx2") if simd else "ref"
     return Kernels(variant=variant, q8_width=16 if wide else 8, path=path, max_in=max_in,
                    **functions)
+
+
+def symbols(wide: bool, simd: bool) -> dict[str, str]:
+    """The C function (csrc/specchat.h) behind each of `Kernels`' names: the SIMD kernel or
+    its reference (`simd`), 16 lanes wide where there is such a twin (`wide`)."""
+    names = {name: name if simd else f"{name}_ref" for name in _ARGTYPES}
+    if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
+        names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
+        names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
+        names["q8_0_matmul"] = "q8_0_matmul_avx512" if simd else "q8_0_matmul16_ref"
+        names["q8_0_matmul_i8"] = i8_avx512() if simd else "q8_0_matmul_i8_16_ref"
+    return names
 
 
 def i8_avx512() -> str:

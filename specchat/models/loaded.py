@@ -65,6 +65,24 @@ class LoadedModel:
         return WIDE - 1
 
     @property
+    def eos_ids(self) -> set[int]:
+        """The tokens that end a reply: the model's generation config's and the tokenizer's."""
+        ids = set()
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def positions(self) -> int | None:
+        """The most positions the model reads (its position embeddings), None where unsaid."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    @property
     def tree_masks(self) -> bool:
         """Its runner verifies a draft tree in one forward."""
         return self.runner.tree_masks

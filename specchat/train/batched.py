@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from specchat.core.features import FeatureTap
-from specchat.core.kvcache import PagedLayer
+from specchat.models.features import FeatureTap
+from specchat.models.kvcache import PagedLayer
 from specchat.models.attention import tree_masks_supported
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.core.features import FeatureTap
+from specchat.models.features import FeatureTap
 from specchat.models.eagle import lm_head_weight
 from specchat.train.config import TrainConfig, _bar
 

@@ -24,6 +24,8 @@
 
 #include <math.h>
 #include <stdint.h>
+
+#include "specchat.h"  // the exported functions and shared structs, declared once
 #include <stdlib.h>
 #include <string.h>
 

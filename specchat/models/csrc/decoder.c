@@ -58,23 +58,6 @@ typedef void (*attend_fn)(const float *, int64_t, int64_t, const void *, const v
                           float *, float *, int);
 typedef void (*norm_fn)(const void *, int64_t, int64_t, int, const float *, float, void *);
 
-void nf4_matmul_ref(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
-                    const float *, float *, int64_t, int);
-void nf4_matmul16_ref(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
-                      const float *, float *, int64_t, int);
-void attend_ref(const float *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
-                int64_t, int, const uint8_t *, int64_t, int64_t, float, float *, float *, int);
-void rms_norm_ref(const void *, int64_t, int64_t, int, const float *, float, void *);
-#if SPECCHAT_SIMD
-void nf4_matmul(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
-                const float *, float *, int64_t, int);
-void nf4_matmul_avx512(const float *, int64_t, int64_t, const uint8_t *, const float *, int64_t,
-                       const float *, float *, int64_t, int);
-void attend(const float *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
-            int64_t, int, const uint8_t *, int64_t, int64_t, float, float *, float *, int);
-void rms_norm(const void *, int64_t, int64_t, int, const float *, float, void *);
-#endif
-
 typedef struct {
     nf4_fn nf4;
     attend_fn attend;
@@ -82,28 +65,7 @@ typedef struct {
     void (*gelu_mul)(float *, const float *, int64_t);
 } kernels;
 
-// One NF4 weight [out, in]: bitsandbytes' packed codes and one float32 scale per block.
-typedef struct {
-    const uint8_t *codes;
-    const float *absmax;
-    int64_t out, in;
-} nf4_weight;
-
-// One layer. The norms' weights are 1 + the module's weight, in float32 (as norms.c takes them).
-typedef struct {
-    nf4_weight q, k, v, o, gate, up, down;
-    const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
-    int64_t window;  // a sliding-window layer's window; 0: full attention
-    int64_t rope;    // which of the forward's RoPE tables the layer takes (0 or 1)
-} decoder_layer;
-
-typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, inter, blocksize;
-    float eps, scale;    // the norms' epsilon; the attention scores' scale
-    const float *table;  // the NF4 codebook, 16 values
-    const decoder_layer *layer;
-    const float *final_norm;
-} decoder_model;
+// nf4_weight, decoder_layer and decoder_model: specchat.h (the ABI shared with Python)
 
 // x [n, d] in place: RoPE of each head of `heads` at its row's position, transformers' way
 // (rotate_half): with c, s the tables' values, the first half x1 c - x2 s, the second x2 c + x1 s.

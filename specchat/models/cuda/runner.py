@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.core.runner import Runner
 from specchat.models.cuda import kernels
 from specchat.models.static import StaticCache, rope_tables
 
@@ -129,7 +130,7 @@ class Layer:
     post_mlp_norm: torch.Tensor | None = None  # on the MLP's output (Gemma)
 
 
-class CudaRunner:
+class CudaRunner(Runner):
     """The runner seam (`core.runner`) for a Llama-family or Gemma 3 model on CUDA. One cache
     per model: `new_cache` returns it, since the engine keeps one conversation at a time and
     a forward at `start` overwrites whatever the slots from there held."""

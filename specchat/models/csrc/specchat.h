@@ -1,0 +1,145 @@
+// specchat's C ABI: every function the kernels library exports and every struct it shares with
+// Python, declared once. Each source includes it (through common.h), so the compiler checks each
+// definition against its declaration; `models/kernels.py` binds these names with ctypes
+// (`_ARGTYPES`), `models/cpu_runner.py` mirrors the structs, and tests/test_kernels.py checks
+// both against this file.
+//
+// A kernel `name` has its plain-C reference `name_ref` (the same bits); a 16-lane twin
+// `name_avx512` has its reference `name16_ref` (`name_i8_16_ref` for the integer Q8_0 product).
+// The SIMD names are defined in the SIMD build only, the references in both builds.
+#ifndef SPECCHAT_ABI_H
+#define SPECCHAT_ABI_H
+
+#include <stdint.h>
+
+// ---- the decoder stack's model (csrc/decoder.c, `models.cpu_runner._Model`) -------------------
+
+// One NF4 weight [out, in]: bitsandbytes' packed codes and one float32 scale per block.
+typedef struct {
+    const uint8_t *codes;
+    const float *absmax;
+    int64_t out, in;
+} nf4_weight;
+
+// One layer. The norms' weights are 1 + the module's weight, in float32 (as norms.c takes them).
+typedef struct {
+    nf4_weight q, k, v, o, gate, up, down;
+    const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
+    int64_t window;  // a sliding-window layer's window; 0: full attention
+    int64_t rope;    // which of the forward's RoPE tables the layer takes (0 or 1)
+} decoder_layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, blocksize;
+    float eps, scale;    // the norms' epsilon; the attention scores' scale
+    const float *table;  // the NF4 codebook, 16 values
+    const decoder_layer *layer;
+    const float *final_norm;
+} decoder_model;
+
+// ---- products: y [n, out] = x [n, in] @ W.T --------------------------------------------------
+
+// NF4 (nf4.c): 8 lanes, 16 lanes
+void nf4_matmul(const float *x, int64_t n, int64_t in, const uint8_t *codes, const float *absmax,
+                int64_t blocksize, const float *table, float *y, int64_t out, int threads);
+void nf4_matmul_ref(const float *x, int64_t n, int64_t in, const uint8_t *codes,
+                    const float *absmax, int64_t blocksize, const float *table, float *y,
+                    int64_t out, int threads);
+void nf4_matmul_avx512(const float *x, int64_t n, int64_t in, const uint8_t *codes,
+                       const float *absmax, int64_t blocksize, const float *table, float *y,
+                       int64_t out, int threads);
+void nf4_matmul16_ref(const float *x, int64_t n, int64_t in, const uint8_t *codes,
+                      const float *absmax, int64_t blocksize, const float *table, float *y,
+                      int64_t out, int threads);
+
+// bf16 weights (bf16.c); the longest weight row the products take
+void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
+                 int64_t out, int threads);
+void bf16_matmul_ref(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
+                     int64_t out, int threads);
+int max_in(void);
+
+// Q8_0 (q8_0.c): float products 8 and 16 lanes wide; integer products (x quantized per block,
+// `maxima` the block maxima of the logits or NULL) 8 and 16 lanes wide, by AVX512BW or VNNI
+void q8_0_matmul(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
+                 float *y, int64_t out, int threads);
+void q8_0_matmul_ref(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
+                     float *y, int64_t out, int threads);
+void q8_0_matmul_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
+                        const uint16_t *d, float *y, int64_t out, int threads);
+void q8_0_matmul16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
+                       const uint16_t *d, float *y, int64_t out, int threads);
+void q8_0_matmul_i8(const float *x, int64_t n, int64_t in, const int8_t *q, const uint16_t *d,
+                    float *y, int64_t out, float *maxima, int threads);
+void q8_0_matmul_i8_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
+                        const uint16_t *d, float *y, int64_t out, float *maxima, int threads);
+void q8_0_matmul_i8_avx512(const float *x, int64_t n, int64_t in, const int8_t *q,
+                           const uint16_t *d, float *y, int64_t out, float *maxima,
+                           int threads);
+void q8_0_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const int8_t *q,
+                         const uint16_t *d, float *y, int64_t out, float *maxima, int threads);
+void q8_0_matmul_i8_16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
+                           const uint16_t *d, float *y, int64_t out, float *maxima,
+                           int threads);
+// an LM head's logits past the sampled ids set to -inf, their block maxima mended
+void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
+                float *maxima);
+void logits_cut_ref(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
+                    float *maxima);
+
+// ---- attention and norms (attention.c, norms.c) -----------------------------------------------
+
+void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
+            int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
+            int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
+            int threads);
+void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
+                int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
+                int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
+                int threads);
+void rms_norm(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,
+              void *y);
+void rms_norm_ref(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,
+                  void *y);
+
+// ---- the decoder stack (decoder.c): 0, or -1 out of memory ------------------------------------
+
+int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
+                    const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
+                    float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
+                    double *clock, int threads);
+int decoder_forward_ref(const decoder_model *m, const float *embeddings, int64_t n,
+                        const int64_t *pos, int64_t start, const uint8_t *visible,
+                        float *k_cache, float *v_cache, int64_t slots,
+                        const float *const *rope_tables, float *out, double *clock,
+                        int threads);
+int decoder_forward_avx512(const decoder_model *m, const float *embeddings, int64_t n,
+                           const int64_t *pos, int64_t start, const uint8_t *visible,
+                           float *k_cache, float *v_cache, int64_t slots,
+                           const float *const *rope_tables, float *out, double *clock,
+                           int threads);
+int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64_t n,
+                          const int64_t *pos, int64_t start, const uint8_t *visible,
+                          float *k_cache, float *v_cache, int64_t slots,
+                          const float *const *rope_tables, float *out, double *clock,
+                          int threads);
+// an embedding table's rows for n ids, each value times `scale` (`kind`: EMBED_* in decoder.c)
+void embed_rows(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
+                float scale, float *out);
+void embed_rows_ref(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
+                    float scale, float *out);
+
+// ---- the sampler (sample.c): the mask, penalties and pick over a forward's rows; 0, or -1 ----
+
+int shape_pick(float *logits, int64_t rows, int64_t width, int64_t *args, int64_t n_runs,
+               const int64_t *seq, const uint8_t *breaks, float repeat, float frequency,
+               float presence, int64_t last_n, double dry_multiplier, double dry_base,
+               int64_t dry_allowed, int mode, float t, double min_p, const float *maxima,
+               int64_t stride, int threads);
+int shape_pick_ref(float *logits, int64_t rows, int64_t width, int64_t *args, int64_t n_runs,
+                   const int64_t *seq, const uint8_t *breaks, float repeat, float frequency,
+                   float presence, int64_t last_n, double dry_multiplier, double dry_base,
+                   int64_t dry_allowed, int mode, float t, double min_p, const float *maxima,
+                   int64_t stride, int threads);
+
+#endif  // SPECCHAT_ABI_H
