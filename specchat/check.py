@@ -19,11 +19,10 @@ runs, what it costs, and whether speculation keeps plain decoding's text.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -210,17 +209,16 @@ def check_drafters_llama(ctx: Context) -> dict:
 
 
 def check_generate_json(ctx: Context) -> dict:
-    """`python -m specchat generate --json` (in-process): token lines, then one stats line; the
-    token texts make the reply."""
-    from specchat.cli import main
+    """`python -m specchat generate --json`, run as a user runs it (its own process): token
+    lines, then one stats line; the token texts make the reply."""
     from specchat.core.events import KINDS
     path = ctx.targets["llama-small"][1]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        code = main(["generate", "--target", str(path), "--device", ctx.device,
-                     "--quantization", ctx.quantization, "--drafter", "ngram", "--json",
-                     "--raw", "--max-new-tokens", "24", "--prompt", PROMPTS[0]])
-    lines = [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+    done = subprocess.run([sys.executable, "-m", "specchat", "generate", "--target", str(path),
+                           "--device", ctx.device, "--quantization", ctx.quantization,
+                           "--drafter", "ngram", "--json", "--raw", "--max-new-tokens", "24",
+                           "--prompt", PROMPTS[0]], capture_output=True, text=True)
+    code = done.returncode
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     tokens = [x for x in lines if x.get("type") == "token"]
     result = {"exit_code": code, "token_lines": len(tokens),
               "kinds": sorted({t["kind"] for t in tokens})}
