@@ -1,5 +1,5 @@
 """The C ABI is declared once (csrc/specchat.h): the ctypes bindings (`kernels._ARGTYPES`, the
-names each variant binds) and the structs `models.cpu_runner` mirrors are checked against it,
+names each variant binds) and the structs `runners.cpu.runner` mirrors are checked against it,
 and each build defines what it declares."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from specchat.models import cpu_runner, kernels
+from specchat.runners.cpu import kernels
+from specchat.runners.cpu import runner as cpu_runner
 
 HEADER = kernels.CSRC / "specchat.h"
 C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float,

@@ -7,10 +7,15 @@ import torch
 from test_engine import REPETITIVE, TOK, TopKTreeDrafter, run
 from tiny import loaded, tiny_gemma3, tiny_llama
 
-from specchat.models.attention import is_row_exact, padded, row_exact_sdpa, use_row_exact_attention
 from specchat.core.engine import Engine
-from specchat.models.kvcache import PagedLayer, new_cache
 from specchat.drafters.ngram import NgramDrafter
+from specchat.runners.hf.attention import (
+    is_row_exact,
+    padded,
+    row_exact_sdpa,
+    use_row_exact_attention,
+)
+from specchat.runners.hf.kvcache import PagedLayer, new_cache
 
 
 class RowByRowHead(torch.nn.Module):
@@ -121,7 +126,7 @@ def test_attention_kernel_is_attention_and_row_exact(dtype):
     """`kernels.attend` against float64 attention (grouped heads, a sliding-window mask, keys
     and values read from a wider cache buffer), and each query row the same bits alone or
     among up to 11 rows."""
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     lib = kernels.load()
     if lib is None:
         pytest.skip("specchat's kernels cannot be built here")
@@ -150,7 +155,7 @@ def test_attention_kernel_is_attention_and_row_exact(dtype):
 def test_narrow_forwards_attend_through_the_kernel(monkeypatch):
     """Where the kernels build, a decoding step and a verify go through `kernels.attend` (and
     give the one-token logits, as above); a prompt of 64 rows or more takes sdpa."""
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     if kernels.load() is None:
         pytest.skip("specchat's kernels cannot be built here")
     calls = []
@@ -169,7 +174,7 @@ def test_narrow_forwards_attend_through_the_kernel(monkeypatch):
 def test_wide_forwards_skip_keys_outside_every_rows_window():
     """`attended_keys` drops the leading whole pages of keys no row of a wide forward attends to
     (a sliding layer's keys older than its window) and nothing a row does attend to."""
-    from specchat.models.attention import PAGE, attended_keys
+    from specchat.runners.hf.attention import PAGE, attended_keys
 
     slots, rows, window = 5 * PAGE, PAGE, 40
     key = torch.randn(1, 2, slots, 8)
@@ -191,7 +196,7 @@ def test_a_long_prompt_attends_to_its_window_in_sliding_layers(monkeypatch):
     """A prompt of several pages on a model with a 16-token window: the wide pages' sliding
     layers get the cut keys, and the logits stay those of attention over every key (within
     float32 rounding: fewer masked keys change the kernel's blocking, not what it computes)."""
-    import specchat.models.attention as attention
+    import specchat.runners.hf.attention as attention
 
     model = tiny_gemma3(0)
     model.config._attn_implementation = "sdpa"

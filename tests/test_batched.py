@@ -100,7 +100,11 @@ def test_sampled_rows_draw_from_the_tempered_top_k():
 
 
 def test_stock_attention_is_restored_to_row_exact_afterwards():
-    from specchat.models.attention import is_row_exact, stock_attention, use_row_exact_attention
+    from specchat.runners.hf.attention import (
+        is_row_exact,
+        stock_attention,
+        use_row_exact_attention,
+    )
     model = tiny_gemma3(3).eval()
     assert use_row_exact_attention(model) and is_row_exact(model)
     with stock_attention(model):

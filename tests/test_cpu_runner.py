@@ -1,4 +1,4 @@
-"""specchat's own CPU forward (`models.cpu_runner`, csrc/decoder.c): it computes what
+"""specchat's own CPU forward (`runners.cpu.runner`, csrc/decoder.c): it computes what
 transformers' forward computes, every row alone (chains, trees, pages), the same bits on the
 SIMD kernels and their plain-C references, with a cache that grows and keeps a tree's path.
 Forced on every kernels path this machine runs."""
@@ -6,13 +6,16 @@ Forced on every kernels path this machine runs."""
 import pytest
 import torch
 
+from specchat import runners
 from specchat.core.engine import Engine, GenerateConfig
 from specchat.core.events import TokenEvent
 from specchat.drafters.ngram import NgramDrafter
-from specchat.models import cpu_runner, kernels, runtime
-from specchat.models.hf_runner import HFRunner
+from specchat.models import runtime
 from specchat.models.load import load_model
 from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3, tiny_llama
+from specchat.runners.cpu import kernels
+from specchat.runners.cpu import runner as cpu_runner
+from specchat.runners.hf.runner import HFRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,7 +37,7 @@ def checkpoint(tmp_path_factory):
 
 def load(checkpoint, path, monkeypatch, runner=""):
     monkeypatch.setenv(runtime.ENV, path)
-    monkeypatch.setenv(cpu_runner.ENV, runner)
+    monkeypatch.setenv(runners.CPU_RUNNER_ENV, runner)
     return load_model(str(checkpoint), "nf4", "cpu", progress=lambda *a: None)
 
 
@@ -208,9 +211,9 @@ def test_a_model_wider_than_its_query_heads_computes_what_transformers_computes(
 
 
 def _q8_head(model, lib) -> None:
-    """Give a tiny model's LM head a Q8_0 copy of its weight through `gguf_head.Q8Head`, as
+    """Give a tiny model's LM head a Q8_0 copy of its weight through `runners.cpu.q8_head.Q8Head`, as
     the embedded target's comes from its GGUF (int8 values, one fp16 scale per 32)."""
-    from specchat.models.gguf_head import Q8Head
+    from specchat.runners.cpu.q8_head import Q8Head
 
     head = model.get_output_embeddings()
     w = head.weight.detach().float().view(head.weight.shape[0], -1, 32)

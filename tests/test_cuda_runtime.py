@@ -10,7 +10,7 @@ import torch
 
 triton = pytest.importorskip("triton")  # TRITON_INTERPRET=1 without a GPU: conftest.py
 
-from specchat.models.cuda import kernels  # noqa: E402
+from specchat.runners.cuda import kernels  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,9 +137,8 @@ def test_rope_store_rotates_q_and_k_and_writes_keys_and_values_at_their_position
 def nf4_llama(tmp_path_factory):
     """A tiny one-layer Llama (dimensions multiples of 64, as NF4 blocks need) in NF4 through
     transformers and bitsandbytes, bf16 compute, on the CPU (the Gemma test chains three)."""
-    from transformers import LlamaConfig
-
     from tiny import byte_tokenizer
+    from transformers import LlamaConfig
 
     torch.manual_seed(5)
     config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128,
@@ -168,7 +167,7 @@ def _load_nf4(path):
 
 @pytest.fixture(scope="module")
 def runner(nf4_llama):
-    from specchat.models.cuda.runner import CudaRunner
+    from specchat.runners.cuda.runner import CudaRunner
     return CudaRunner(nf4_llama[0], graphs=False, context=192)
 
 
@@ -239,13 +238,14 @@ def test_the_load_time_proof_passes_on_the_runner(runner, monkeypatch):
 def test_speculative_replies_are_plain_replies_on_the_runner(nf4_llama, runner):
     """Greedy and seeded, with n-gram drafts and a draft model (the same tiny model on its own
     runner): the engine's text equals plain decoding's."""
+    from tiny import byte_tokenizer
+
     from specchat.core.engine import Engine, GenerateConfig
     from specchat.core.events import TokenEvent
     from specchat.drafters.model import ModelDrafter
     from specchat.drafters.ngram import NgramDrafter
-    from specchat.models.cuda.runner import CudaRunner
     from specchat.models.loaded import LoadedModel
-    from tiny import byte_tokenizer
+    from specchat.runners.cuda.runner import CudaRunner
 
     model, _ = nf4_llama
     tokenizer = byte_tokenizer()
@@ -274,7 +274,7 @@ def test_a_gemma3_model_runs_as_transformers_runs_it_row_exact(tmp_path):
     window."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from specchat.models.cuda.runner import CudaRunner, unsupported
+    from specchat.runners.cuda.runner import CudaRunner, unsupported
 
     torch.manual_seed(7)
     config = Gemma3TextConfig(vocab_size=259, hidden_size=64, intermediate_size=128,
@@ -302,7 +302,7 @@ def test_a_gemma3_model_runs_as_transformers_runs_it_row_exact(tmp_path):
 def test_models_it_cannot_run_say_why():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specchat.models.cuda.runner import unsupported
+    from specchat.runners.cuda.runner import unsupported
 
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
                                         num_hidden_layers=1, num_attention_heads=4,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny import byte_tokenizer, loaded, served_on_loopback, tiny_llama
 
+from specchat import runners
 from specchat.api.server import create_app
 from specchat.bench.config import BenchSettings
 from specchat.bench.run import bench as run_bench
@@ -23,11 +24,13 @@ from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import PENDING_FEATURES, HeadDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import LoadReport
-from specchat.models import cpu_runner, kernels, runtime
+from specchat.models import runtime
 from specchat.models.eagle import DraftHead, HeadConfig
-from specchat.models.hf_runner import HFRunner
 from specchat.models.load import load_model
 from specchat.models.synthetic import save, tiny_gemma3
+from specchat.runners.cpu import kernels
+from specchat.runners.cpu import runner as cpu_runner
+from specchat.runners.hf.runner import HFRunner
 from specchat.stats.store import StatsStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,7 +84,7 @@ def model(request, gemma_checkpoint, monkeypatch):
         return loaded(tiny_llama(0).to(dtype), TOK)
     how, path = kind.split(":")
     monkeypatch.setenv(runtime.ENV, path)
-    monkeypatch.setenv(cpu_runner.ENV, "transformers" if how == "hf-nf4" else "")
+    monkeypatch.setenv(runners.CPU_RUNNER_ENV, "transformers" if how == "hf-nf4" else "")
     model = load_model(str(gemma_checkpoint), "nf4", "cpu", progress=lambda *a: None)
     wanted = HFRunner if how == "hf-nf4" else cpu_runner.CpuRunner
     assert isinstance(model.runner, wanted), model.label

@@ -16,16 +16,21 @@ from specchat.bench.run import available_modes
 from specchat.bench.run import bench as run_bench
 from specchat.core.engine import Engine, GenerateConfig
 from specchat.core.events import StepRecord, TokenEvent
-from specchat.models.features import FeatureTap
-from specchat.models.kvcache import new_cache
 from specchat.core.sampling import Noise, SamplingParams, draw, sample_row, verify
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import HeadDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import head_drafters
 from specchat.models.eagle import DraftHead, HeadConfig, target_features
-from specchat.models.eagle_files import (HeadMismatchError, load_head, read_header, save_head,
-                                         target_identity)
+from specchat.models.eagle_files import (
+    HeadMismatchError,
+    load_head,
+    read_header,
+    save_head,
+    target_identity,
+)
+from specchat.runners.hf.features import FeatureTap
+from specchat.runners.hf.kvcache import new_cache
 from specchat.train import cli as train_cli
 from specchat.train import config as train_config
 from specchat.train import data as train_data
@@ -647,8 +652,8 @@ def test_q8_0_drafting_reads_the_blocks_through_specchats_kernel(variant):
     """With specchat's kernels, every drafting call (one row to a wide catch-up) and the reduced
     LM head read Q8_0 copies through the integer product: the kernel's own result on those
     blocks, close to the float one; with native bf16, wide calls keep the bf16 copy."""
-    from specchat.models import kernels
     from specchat.models.eagle import INT8_ROWS, Int8Drafting, _q8_0
+    from specchat.runners.cpu import kernels
     lib = kernels.load(variant)
     if lib is None:
         pytest.skip(f"no {variant} kernels on this CPU")

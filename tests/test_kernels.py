@@ -1,4 +1,4 @@
-"""specchat's C kernels (`models/csrc`) against their plain-C references: the SIMD build's kernels
+"""specchat's C kernels (`runners/cpu/csrc`) against their plain-C references: the SIMD build's kernels
 give the same bits as the references of both builds for 1 to 16 rows, and the portable build
 (no instruction-set flags) loads, is row-exact and computes the products it documents."""
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from specchat.models import kernels
+from specchat.runners.cpu import kernels
 
 ROWS = range(1, 17)
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -359,7 +359,7 @@ def test_embed_rows_gives_the_bits_of_each_kind_of_scaled_embedding(variant):
     for ids anywhere in the table, repeated, in any order."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
-    from specchat.models.cpu import _WideEmbedding
+    from specchat.runners.hf.cpu import _WideEmbedding
 
     libs = [_portable()[0]] if variant == "ref" else [_simd(variant)[0], *_simd(variant)[1]]
     embed = Gemma3TextScaledWordEmbedding(300, 72, 0, embed_scale=72 ** 0.5)

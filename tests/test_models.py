@@ -4,10 +4,10 @@ import sys
 
 import pytest
 import torch
+from tiny import tiny_gemma3
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
-from specchat.models.memory import _copy_out_of_file_mapping, _file_mappings
-from tiny import tiny_gemma3
+from specchat.runners.memory import _copy_out_of_file_mapping, _file_mappings
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc/self/maps")
@@ -35,11 +35,11 @@ def test_unquantized_weights_leave_the_file_mapping_unchanged(tmp_path):
 
 def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
+    from tiny import byte_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specchat.models.cpu import WIDE_ROWS, _CpuNF4Forward
     from specchat.models.load import load_model
-    from tiny import byte_tokenizer
+    from specchat.runners.hf.cpu import WIDE_ROWS, _CpuNF4Forward
 
     torch.manual_seed(0)  # NF4 blocks of 64 and bitsandbytes' CPU packing want multiples of 64
     cfg = LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -83,7 +83,7 @@ def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_pat
 def test_narrow_logits_through_weight_times_x_are_bit_identical():
     from transformers import Gemma3TextConfig
 
-    from specchat.models.cpu import _NarrowHead, fast_lm_head
+    from specchat.runners.hf.cpu import _NarrowHead, fast_lm_head
 
     # The embedded target's width, 640: at widths like 32, the two can round differently
     # (then the head keeps linear, which the checks are there to catch).
@@ -133,7 +133,7 @@ def test_nf4_layers_dequantized_once_compute_what_bitsandbytes_computes(tmp_path
     pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
-    from specchat.models.cpu import _DenseForward, dense_cpu_nf4
+    from specchat.runners.hf.cpu import _DenseForward, dense_cpu_nf4
     model = _tiny_nf4(tmp_path, torch.float32)
     ids = torch.randint(3, 259, (1, 12))
     with torch.inference_mode():
@@ -163,7 +163,7 @@ def test_float32_logits_are_the_same_bits_alone_or_among_drafts():
     with it (so greedy speculation is plain greedy), and equal linear's up to rounding."""
     from transformers import Gemma3TextConfig
 
-    from specchat.models.cpu import MAX_COLUMNS, _PackedHead, fast_lm_head
+    from specchat.runners.hf.cpu import MAX_COLUMNS, _PackedHead, fast_lm_head
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -188,7 +188,7 @@ def test_float32_logits_are_the_same_bits_alone_or_among_drafts():
 def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch):
     """Where a row's bits would depend on how many rows come with it, `_pack` keeps `linear`
     (checked once per weight shape), so a verify never silently computes other logits."""
-    import specchat.models.cpu as models
+    import specchat.runners.hf.cpu as models
     weight = torch.randn(256, 64)
     if models._pack(weight, {}) is None:
         pytest.skip("no row-exact packed product on this CPU to break")
@@ -203,7 +203,7 @@ def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch)
 
 
 def _kernels():
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     lib = kernels.load()
     if lib is None:
         pytest.skip("specchat's CPU kernels cannot be built here (no gcc, or no AVX2/FMA)")
@@ -217,7 +217,7 @@ def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tm
     pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
-    from specchat.models.cpu import _NF4KernelForward, kernel_cpu_nf4
+    from specchat.runners.hf.cpu import _NF4KernelForward, kernel_cpu_nf4
     lib = _kernels()
     model = _tiny_nf4(tmp_path, torch.float32)
     ids = torch.randint(3, 259, (1, 12))
@@ -244,7 +244,7 @@ def test_nf4_kernel_refuses_a_layer_it_would_compute_wrongly(tmp_path):
     """Checked at load against bitsandbytes' dequantized weight: a layout the kernel misreads
     (here, the NF4 table reversed) keeps bitsandbytes' path."""
     pytest.importorskip("bitsandbytes")
-    from specchat.models.cpu import _NF4KernelForward
+    from specchat.runners.hf.cpu import _NF4KernelForward
     lib = _kernels()
     model = _tiny_nf4(tmp_path, torch.float32)
     layer = model.model.layers[0].mlp.up_proj
@@ -262,7 +262,7 @@ def test_nf4_kernel_is_the_dequantized_product_and_row_exact_for_1_to_16_rows():
     pytest.importorskip("bitsandbytes")
     from bitsandbytes import functional as F
 
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     lib = _kernels()
     torch.manual_seed(0)
     for out_features, in_features, blocksize in [(43, 640, 64), (20, 256, 128), (7, 96, 32)]:
@@ -298,7 +298,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
     A head with other values keeps its float32 weights."""
     from transformers import Gemma3TextConfig
 
-    from specchat.models.cpu import MAX_COLUMNS, _Bf16KernelLinear, fast_lm_head
+    from specchat.runners.hf.cpu import MAX_COLUMNS, _Bf16KernelLinear, fast_lm_head
     lib = _kernels()
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=640, intermediate_size=64,
@@ -325,7 +325,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
 
 def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch,
                                                                          capsys):
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     _kernels()
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
     lib = kernels.load.__wrapped__()  # compiles the C file afresh
@@ -355,7 +355,7 @@ def test_a_build_started_early_is_the_one_load_waits_for(tmp_path, monkeypatch):
     """`build_soon` compiles in the background (a first launch does it while the model
     converts); a `load` meanwhile waits for that compile rather than starting a second one, and
     a build already in the cache is not compiled again."""
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     _kernels()
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
     compiles = []
@@ -374,12 +374,12 @@ def test_float32_linears_holding_bf16_values_go_through_the_bf16_kernel(tmp_path
     """`--quantization none` on a CPU without native bf16 (and draft models): a bf16 checkpoint
     loaded in float32 computes every linear layer from bf16 copies, as before up to rounding,
     each row the same bits alone or among others; layers with other values keep `linear`."""
+    from tiny import byte_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specchat.models.cpu import _Bf16KernelLinear, kernel_cpu_linears
     from specchat.models.load import load_model
     from specchat.models.runtime import cpu_kind
-    from tiny import byte_tokenizer
+    from specchat.runners.hf.cpu import _Bf16KernelLinear, kernel_cpu_linears
     lib = _kernels()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -443,7 +443,12 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
     from gguf import quants
     from transformers import Gemma3TextConfig
 
-    from specchat.models.gguf_head import Q8Head, activation_error, gguf_q8_head, read_q8_0
+    from specchat.models.gguf_head import (
+        Q8Head,
+        activation_error,
+        gguf_q8_head,
+        read_q8_0,
+    )
     lib = _kernels()
     torch.manual_seed(0)
     weight = torch.randn(999, 128) * 0.05
@@ -478,7 +483,7 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
         bound = activation_error(x.double(), values.double()) + 1e-5 * want.abs().max()
         assert bool((error <= bound).all()) and error.max() > 1e-4  # int8 activations, not float
 
-    from specchat.models import kernels  # both kernels, whichever this CPU runs by default
+    from specchat.runners.cpu import kernels  # both kernels, whichever this CPU runs by default
     x = torch.randn(11, 128)
     for wide in [False, True] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} \
             <= kernels._cpu_flags() else [False]:
@@ -498,7 +503,7 @@ def test_gemma_norms_run_on_the_kernel_and_give_the_models_logits():
     """`kernel_cpu_norms` routes every Gemma RMSNorm through `kernels.rms_norm`; the model's
     logits stay its own (float32 and bf16), and a norm's rows are the same bits among 1 to 11."""
     lib = _kernels()
-    from specchat.models.cpu import _GemmaNormKernel, kernel_cpu_norms
+    from specchat.runners.hf.cpu import _GemmaNormKernel, kernel_cpu_norms
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_gemma3(0).to(dtype)
         for m in model.modules():

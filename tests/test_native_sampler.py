@@ -15,9 +15,11 @@ from specchat.core.events import TokenEvent
 from specchat.core.penalties import Penalties, Shaper
 from specchat.core.sampling import DRAW, Noise, SamplingParams, argmax, min_p_draw
 from specchat.drafters.ngram import NgramDrafter
-from specchat.models import cpu_runner, kernels, runtime
+from specchat.models import runtime
 from specchat.models.load import load_model
 from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3
+from specchat.runners.cpu import kernels
+from specchat.runners.cpu import runner as cpu_runner
 
 # Every build this machine runs: the SIMD kernels of each width, the SIMD build's references,
 # and the portable build.

@@ -7,12 +7,12 @@ import torch
 
 from specchat.core.engine import GenerateConfig
 from specchat.core.events import KINDS, GenerationStats, TokenEvent
-from specchat.models.kvcache import new_cache
 from specchat.core.text import chat_prompt
 from specchat.loader import load_engine
 from specchat.models import runtime
-from specchat.models.attention import is_row_exact
-from specchat.models.cpu_runner import CpuRunner
+from specchat.runners.cpu.runner import CpuRunner
+from specchat.runners.hf.attention import is_row_exact
+from specchat.runners.hf.kvcache import new_cache
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_embedded_nf4_ngram_speculation_and_fp32_greedy_equivalence():
 
 
 def _runnable() -> list[str]:
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     return [p.name for p in runtime.candidates(forced="")
             if p.kernels is None or kernels.load(p.kernels) is not None]
 

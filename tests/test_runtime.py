@@ -3,10 +3,10 @@ row-exactness each loaded model proves (a path that fails it is never taken sile
 
 import pytest
 import torch
+from tiny import byte_tokenizer
 
 from specchat.models import runtime
 from specchat.models.runtime import PATHS, PathError, candidates, cpu_kind
-from tiny import byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,7 +86,7 @@ def _tiny_checkpoint(path) -> str:
 
 def _runnable() -> list[str]:
     """Every path this machine can run: those its CPU runs whose kernels build here."""
-    from specchat.models import kernels
+    from specchat.runners.cpu import kernels
     return [p.name for p in candidates(forced="")
             if p.kernels is None or kernels.load(p.kernels) is not None]
 

@@ -23,7 +23,7 @@ of a step lands in one row:
     drafting                the drafter's proposal (speculative modes only; 0 here)
     streaming and stats     everything else: stop strings, text, events, step records
 
-On specchat's own CPU forward (`models.cpu_runner`), the decoder stack is one C call that
+On specchat's own CPU forward (`runners.cpu.runner`), the decoder stack is one C call that
 times its own parts (`CpuRunner.clock`): its products are the NF4 layers' row, its attention
 (RoPE, cache writes and masks included), norms and activation their rows, the rest (residual
 adds, buffers, the Python around the call) the rest of the forward's.
@@ -147,7 +147,7 @@ def _c_clock(runner, clock: _Clock):
         return
     import ctypes
 
-    from specchat.models.cpu_runner import CLOCK_ROWS
+    from specchat.runners.cpu.runner import CLOCK_ROWS
 
     runner.clock = (ctypes.c_double * len(CLOCK_ROWS))()
     forward = runner._run

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from specchat.core.drafter import NO_DRAFT, Draft, Drafter, common_prefix_len
-from specchat.core.evidence import StepResult, explain
 from specchat.core.events import (
     ACCEPTED,
     BONUS,
@@ -41,6 +40,7 @@ from specchat.core.events import (
     TokenEvent,
     summarize,
 )
+from specchat.core.evidence import StepResult, explain
 from specchat.core.history import History
 from specchat.core.penalties import DRY_BREAKERS, Penalties, Shaper
 from specchat.core.policy import DraftLengthPolicy
@@ -50,8 +50,8 @@ from specchat.core.text import (
     ReplyText,
     chat_prompt,
     has_chat_template,
-    raw_prompt,
     non_text_ids,
+    raw_prompt,
     tokens_until_stop,
 )
 from specchat.core.tree import DraftTree, verify_tree

@@ -2,15 +2,16 @@
 
 The engine never calls a model directly: it asks its runner for a cache, feeds tokens at
 positions, rolls back, keeps a draft tree's path, and reads the features the EAGLE head drafts
-from. Three rooms implement it under `models/`, as ggml-cpu and ggml-cuda sit behind ggml-backend:
+from. Three rooms implement it under `runners/`, as ggml-cpu and ggml-cuda sit behind ggml-backend:
 
 | runner                        | runs                                                           |
 | ----------------------------- | -------------------------------------------------------------- |
-| `models.hf_runner.HFRunner`   | transformers' forward with a `DynamicCache` (any model on any device) |
-| `models.cpu_runner.CpuRunner` | a Gemma 3 target's decoder stack in one C call on the CPU kernel paths |
-| `models.cuda.runner.CudaRunner` | specchat's own forward on CUDA: a static cache, one padded decode width, CUDA graphs, Triton kernels |
+| `runners.hf.runner.HFRunner`   | transformers' forward with a `DynamicCache` (any model on any device) |
+| `runners.cpu.runner.CpuRunner` | a Gemma 3 target's decoder stack in one C call on the CPU kernel paths |
+| `runners.cuda.runner.CudaRunner` | specchat's own forward on CUDA: a static cache, one padded decode width, CUDA graphs, Triton kernels |
 
-`models.load.load_model` picks one (`LoadedModel.runner`).
+`models.load.load_model` loads the weights and `runners.use_cpu_runner` / `use_cuda_runtime` pick
+one (`LoadedModel.runner`).
 
 Every runner subclasses `Runner`. What a runner may or may not do is declared here with the
 value that means "not supported", as ggml-backend declares its optional entries NULL: a runner

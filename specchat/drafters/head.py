@@ -9,9 +9,9 @@ from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
 from specchat.core.events import TOP
 from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
 from specchat.core.tree import DraftTree
-from specchat.models import kernels
 from specchat.models.eagle import DraftHead, target_features
 from specchat.models.runtime import cpu_kind
+from specchat.runners.cpu import kernels
 
 # Observed features kept before they are stored (`HeadDrafter.observe`)
 PENDING_FEATURES = 32

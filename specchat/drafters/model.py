@@ -19,7 +19,7 @@ class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(self, model, vocab_size: int, paged: bool = False, runner=None):
-        from specchat.models.hf_runner import HFRunner
+        from specchat.runners.hf.runner import HFRunner
         self.model = model
         # What runs its forwards (core/runner.py): the draft's LoadedModel.runner, or
         # transformers' own (paged where the draft's attention needs it).

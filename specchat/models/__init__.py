@@ -1,2 +1,3 @@
 """Loading models: targets (NF4 through bitsandbytes), draft models, the embedded default, the
-presets, vocabulary checks, the CPU paths and kernels, and specchat's trained draft head."""
+presets, vocabulary checks, the CPU's compute paths and their proof, and specchat's trained draft
+head. What runs a loaded model's forwards lives in `specchat.runners`."""

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.models.features import FeatureTap, final_norm
-from specchat.models import kernels
 from specchat.models.gguf_head import BLOCK as Q8_BLOCK  # values per Q8_0 scale
+from specchat.runners.cpu import kernels
+from specchat.runners.hf.features import FeatureTap, final_norm
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The embedded target's LM head from its GGUF's own Q8_0 blocks (specchat's AVX2 kernel).
+"""The embedded target's LM head from its GGUF's own Q8_0 blocks (read here; run by
+`runners.cpu.q8_head.Q8Head` on specchat's kernel).
 
 The embedded Gemma 3 270M ships as a GGUF whose token embedding, tied to the LM head, is Q8_0:
 int8 values with one fp16 scale per 32. Those are the model's true values; the converted
@@ -16,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specchat.models import kernels
 from specchat.models.loaded import ModelLoadError
-from specchat.models.memory import _release_freed_memory
+from specchat.runners.cpu.q8_head import BLOCK, Q8Head, activation_error
+from specchat.runners.memory import _release_freed_memory
 
-BLOCK = 32  # values per Q8_0 block
 BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 
 
@@ -56,50 +56,12 @@ def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight", chunk_rows
 Q8_0 = 8  # ggml's type number of Q8_0
 
 
-class Q8Head:
-    """An LM head's forward through `kernels.q8_0_matmul_i8`: float32 logits from the GGUF's
-    Q8_0 values by integer dot products, as llama.cpp computes them: each input row quantized
-    to int8 per block of 32 once, int32 sums of products, then one float scale per block
-    (csrc/q8_0.c). About half the time of widening every weight to float (docs/cpu.md), at the
-    cost of the activations' int8 rounding (`activation_error`). Gradients and other dtypes go
-    through the module's own weight."""
-
-    def __init__(self, head: torch.nn.Linear, q: torch.Tensor, d: torch.Tensor, lib):
-        self.head, self.q, self.d, self.lib = head, q, d, lib
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad:
-            return torch.nn.functional.linear(x, self.head.weight.to(x.dtype))
-        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d)  # float32 logits
-
-    def leading(self, x: torch.Tensor, upto: int | None,
-                maxima: torch.Tensor | None = None) -> torch.Tensor:
-        """`self(x)` with the logits of ids `upto`.. -inf (ids never sampled; None: none), not
-        computed for a single row: the same bits in the others. `maxima` [rows,
-        kernels.head_blocks(vocabulary)] receives the logits' block maxima."""
-        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d, upto, maxima)
-
-    def dequantized(self, rows: torch.Tensor) -> torch.Tensor:
-        """The float32 values of some rows of W (exact: q * d)."""
-        q, d = self.q[rows].to(torch.float32), self.d[rows].to(torch.float32)
-        return (q.view(len(rows), -1, BLOCK) * d[..., None]).view(len(rows), -1)
-
-
-def activation_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The most that quantizing x [n, in] to int8 per block of 32 (scale max|x| / 127, values
-    rounded to nearest) moves x @ w.T [n, out]: half a step per value, summed with |w|."""
-    n, cols = x.shape
-    step = x.abs().view(n, cols // BLOCK, BLOCK).amax(-1) / 127  # [n, blocks]
-    weight = w.abs().view(w.shape[0], cols // BLOCK, BLOCK).sum(-1)  # [out, blocks]
-    return step @ weight.T / 2 * 1.001
-
-
 def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
     """Give a CPU model (float32 or bf16) the LM head of its GGUF's Q8_0 token embedding, where
     the checkpoint's head is that embedding rounded to bf16 (checked on a sample of rows) and
     `lib`'s kernel (a `kernels.load` build, or None) is row-exact and agrees with the
     dequantized values. Returns whether it did."""
-    from specchat.models.cpu import MAX_COLUMNS, _rows_independent
+    from specchat.runners.hf.cpu import MAX_COLUMNS, _rows_independent
 
     head = model.get_output_embeddings()
     if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \

@@ -12,23 +12,30 @@ from pathlib import Path
 
 import torch
 
-from specchat.models import kernels, runtime
-from specchat.models.attention import use_row_exact_attention
-from specchat.models.cpu import (
+from specchat import runners
+from specchat.models import runtime
+from specchat.models.embedded import (
+    EMBEDDED,
+    EMBEDDED_NAME,
+    embedded_checkpoint,
+    gguf_path,
+)
+from specchat.models.gguf_head import gguf_q8_head
+from specchat.models.loaded import LoadedModel, ModelLoadError
+from specchat.models.runtime import Runtime
+from specchat.runners.cpu import kernels
+from specchat.runners.hf.attention import use_row_exact_attention
+from specchat.runners.hf.cpu import (
     compact_embeddings,
     dense_cpu_nf4,
     fast_cpu_nf4,
     fast_lm_head,
     kernel_cpu_linears,
-    kernel_cpu_norms,
     kernel_cpu_nf4,
+    kernel_cpu_norms,
     widen_to_float32,
 )
-from specchat.models.embedded import EMBEDDED, EMBEDDED_NAME, embedded_checkpoint, gguf_path
-from specchat.models.gguf_head import gguf_q8_head
-from specchat.models.loaded import LoadedModel, ModelLoadError
-from specchat.models.runtime import Runtime
-from specchat.models.memory import (
+from specchat.runners.memory import (
     _copy_out_of_file_mapping,
     _keep_step_buffers,
     _release_freed_memory,
@@ -82,7 +89,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         loaded = _load(name_or_path, path, quantization, dev, compute, local)
         name, skipped = dev.type, ()
         if dev.type == "cuda":
-            name, skipped = _use_cuda_runtime(loaded, progress)
+            name, skipped = runners.use_cuda_runtime(loaded, progress)
         # The same proof as the CPU paths': on CUDA it covers the widths the runtime pads to.
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
@@ -106,7 +113,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             continue
         loaded = _load(name_or_path, path, quantization, dev, cpu_path.compute, local,
                        cpu_path, lib)
-        _use_cpu_runner(loaded, lib)
+        runners.use_cpu_runner(loaded, lib)
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
         _release_freed_memory()  # the proof's logits, kept by the heap for decoding's steps
@@ -122,46 +129,6 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         del loaded
         _release_freed_memory()
     raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
-
-
-def _use_cpu_runner(loaded: LoadedModel, lib) -> None:
-    """Give a CPU model specchat's own forward (`cpu_runner.CpuRunner`, one C call a forward)
-    where its path left every layer on specchat's kernels and the runner takes the model; it
-    keeps transformers' forward otherwise, and `SPECCHAT_CPU_RUNNER=transformers` asks for it."""
-    from specchat.models import cpu_runner
-
-    if lib is None or not cpu_runner.wanted() or cpu_runner.unsupported(loaded.model):
-        return
-    loaded.runner_ = cpu_runner.CpuRunner(loaded.model, lib)
-    loaded.compute = ", ".join(filter(None, [loaded.compute, "specchat's decoder forward"]))
-
-
-CUDA_RUNTIME_ENV = "SPECCHAT_CUDA_RUNTIME"  # "transformers": transformers' forward on CUDA
-
-
-def _use_cuda_runtime(loaded: LoadedModel, progress) -> tuple[str, tuple[str, ...]]:
-    """Give a model loaded on CUDA specchat's CUDA runtime where it can run it (a Llama-family
-    model, Triton importable); else it runs on transformers' forward, and says why.
-    -> (the runtime's name, why the CUDA runtime was not taken)."""
-    import os
-
-    if os.environ.get(CUDA_RUNTIME_ENV) == "transformers":
-        return "cuda-transformers", (f"cuda-graphs: {CUDA_RUNTIME_ENV}=transformers",)
-    try:
-        from specchat.models.cuda.runner import CudaRunner, unsupported
-    except ImportError as e:  # no Triton
-        why = f"cuda-graphs: Triton does not import ({e})"
-    else:
-        why = unsupported(loaded.model)
-        if why is None:
-            try:
-                loaded.runner_ = CudaRunner(loaded.model)
-                return "cuda-graphs", ()
-            except Exception as e:  # a kernel that does not build on this GPU, say
-                why = f"it failed to start ({type(e).__name__}: {str(e).splitlines()[0]})"
-        why = f"cuda-graphs: {why}"
-    progress(f"specchat: {why}; running on transformers' forward")
-    return "cuda-transformers", (why,)
 
 
 def _build_kernels_soon() -> None:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.models.attention import WIDE, is_row_exact
 from specchat.models.runtime import Runtime
+from specchat.runners.hf.attention import WIDE, is_row_exact
 
 
 class ModelLoadError(RuntimeError):
@@ -31,7 +31,7 @@ class LoadedModel:
     @property
     def runner(self):
         if self.runner_ is None:
-            from specchat.models.hf_runner import HFRunner
+            from specchat.runners.hf.runner import HFRunner
             self.runner_ = HFRunner(self.model, self.paged_cache)
         return self.runner_
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from specchat.models.features import FeatureTap
-from specchat.models.kvcache import PagedLayer
-from specchat.models.attention import tree_masks_supported
+from specchat.runners.hf.attention import tree_masks_supported
+from specchat.runners.hf.features import FeatureTap
+from specchat.runners.hf.kvcache import PagedLayer
 
 
 @dataclass

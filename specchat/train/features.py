@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from specchat.models.features import FeatureTap
 from specchat.models.eagle import lm_head_weight
+from specchat.runners.hf.features import FeatureTap
 from specchat.train.config import TrainConfig, _bar
 
 

@@ -41,9 +41,9 @@ def _is_sampled(p: dict) -> bool:
 
 def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline: float,
                             path: Path, bar) -> int:
-    from specchat.models.attention import stock_attention
     from specchat.core.text import stop_check
-    from specchat.models.cpu import dense_nf4
+    from specchat.runners.hf.attention import stock_attention
+    from specchat.runners.hf.cpu import dense_nf4
     from specchat.train.batched import sample_with_features
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

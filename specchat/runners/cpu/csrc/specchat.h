@@ -1,7 +1,7 @@
 // specchat's C ABI: every function the kernels library exports and every struct it shares with
 // Python, declared once. Each source includes it (through common.h), so the compiler checks each
-// definition against its declaration; `models/kernels.py` binds these names with ctypes
-// (`_ARGTYPES`), `models/cpu_runner.py` mirrors the structs, and tests/test_kernels.py checks
+// definition against its declaration; `runners/cpu/kernels.py` binds these names with ctypes
+// (`_ARGTYPES`), `runners/cpu/runner.py` mirrors the structs, and tests/test_kernels.py checks
 // both against this file.
 //
 // A kernel `name` has its plain-C reference `name_ref` (the same bits); a 16-lane twin
@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-// ---- the decoder stack's model (csrc/decoder.c, `models.cpu_runner._Model`) -------------------
+// ---- the decoder stack's model (csrc/decoder.c, `runners.cpu.runner._Model`) -------------------
 
 // One NF4 weight [out, in]: bitsandbytes' packed codes and one float32 scale per block.
 typedef struct {

@@ -20,18 +20,16 @@ verify, in a tree or in a prompt page: `runtime.prove_row_exact` checks it at lo
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 import torch
 
 from specchat.core.runner import Runner
 from specchat.core.tree import visibility
-from specchat.models import kernels
-from specchat.models.gguf_head import Q8Head
-from specchat.models.static import StaticCache, rope_tables
+from specchat.runners.cpu import kernels
+from specchat.runners.cpu.q8_head import Q8Head
+from specchat.runners.static import StaticCache, rope_tables
 
-ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run transformers' forward instead
 SLOTS = 256  # a cache's first slots, and the step it grows by (at least doubling)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _EMBED_F32, _EMBED_BF16_WIDE, _EMBED_BF16 = 0, 1, 2  # `embed_rows`' kinds (csrc/decoder.c)
@@ -61,7 +59,7 @@ CLOCK_ROWS = ("products", "attention", "norms", "activation", "rest")
 
 def unsupported(model) -> str | None:
     """Why this runner cannot run `model` (as its CPU path left it), or None."""
-    from specchat.models.cpu import _NF4KernelForward
+    from specchat.runners.hf.cpu import _NF4KernelForward
 
     config = model.config.get_text_config()
     if getattr(config, "model_type", "") != "gemma3_text":
@@ -341,8 +339,3 @@ class CpuRunner(Runner):
 
 
 _PICKS = {None: kernels.PICK_NONE, "greedy": kernels.PICK_GREEDY, "min_p": kernels.PICK_MIN_P}
-
-
-def wanted() -> bool:
-    """Whether the CPU paths may take this runner (SPECCHAT_CPU_RUNNER is not 'transformers')."""
-    return os.environ.get(ENV, "") != "transformers"

@@ -1,5 +1,5 @@
 """Time the matmul kernels' tile configurations on this GPU at a decode step's width, for the
-weight shapes of Llama 3.1 8B: `python -m specchat.models.cuda.sweep`. Prints the read
+weight shapes of Llama 3.1 8B: `python -m specchat.runners.cuda.sweep`. Prints the read
 bandwidth each achieves (weights, absmax and activations once), best first per shape, beside
 the configuration the runtime takes. The runtime's rules (`kernels.nf4_config`, the default of
 `kernels.matmul`) come from such tables, never from timings at run time: a row's bits must not
@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from specchat.models.cuda import kernels
+from specchat.runners.cuda import kernels
 
 NF4_SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
               "down": (4096, 14336)}  # (out features, in features)

@@ -322,10 +322,10 @@ int decoder_forward_avx512(const decoder_model *m, const float *embeddings, int6
 // than this copy). `kind` says how the model's embedding computes it:
 //   EMBED_F32         a float32 table, one float32 product;
 //   EMBED_BF16_WIDE   a bf16 table widened to float32 (exact), one float32 product (a float32
-//                     model keeping its table in bf16: `models.cpu._WideEmbedding`);
+//                     model keeping its table in bf16: `runners.hf.cpu._WideEmbedding`);
 //   EMBED_BF16        a bf16 table scaled as torch scales bf16 values: the product of two bf16
 //                     values (exact in float32) rounded to bf16, to nearest even.
-// `models.cpu_runner` takes the kind that gives the model's embedding module's bits on ids
+// `runners.cpu.runner` takes the kind that gives the model's embedding module's bits on ids
 // across the table, at load. Ids are the caller's to check (0 <= id < the table's rows).
 enum { EMBED_F32, EMBED_BF16_WIDE, EMBED_BF16 };
 

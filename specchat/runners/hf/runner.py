@@ -1,6 +1,6 @@
 """`HFRunner`: the runner seam (`core.runner`) over transformers' own forward.
 
-The CPU paths for models `cpu_runner.CpuRunner` does not take (`models.cpu`, `models.attention`
+The CPU paths for models `cpu_runner.CpuRunner` does not take (`runners.hf.cpu`, `runners.hf.attention`
 swap in specchat's kernels and row-exact attention under the same modules) and any model the
 CUDA runtime does not take run here:
 a `DynamicCache` (paged where the row-exact attention reads keys in place), rolled back by
@@ -13,9 +13,14 @@ import torch
 
 from specchat.core.runner import Runner
 from specchat.core.tree import visibility
-from specchat.models.attention import tree_masks_supported
-from specchat.models.features import FeatureTap
-from specchat.models.kvcache import crop_to, keep_fed, new_cache, tree_attention_mask
+from specchat.runners.hf.attention import tree_masks_supported
+from specchat.runners.hf.features import FeatureTap
+from specchat.runners.hf.kvcache import (
+    crop_to,
+    keep_fed,
+    new_cache,
+    tree_attention_mask,
+)
 
 
 class HFRunner(Runner):

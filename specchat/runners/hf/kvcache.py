@@ -16,12 +16,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
-
 def new_cache(model, paged: bool = False) -> DynamicCache:
     """A cache for `model`'s forwards: every token from slot 0 in every layer, sliding ones
     too, whose mask applies the window (a sliding layer that drops old keys rolls back only
     within its last forward, and its masks disagree with its keys in some transformers
-    versions). `paged`: in `PagedLayer`s, what the row-exact attention of `models.attention`
+    versions). `paged`: in `PagedLayer`s, what the row-exact attention of `runners.hf.attention`
     needs (each key at the same slot in every call). The model runtime says which a model
     takes (`LoadedModel.paged_cache`)."""
     cache = DynamicCache()
@@ -35,7 +34,7 @@ class PagedLayer(DynamicLayer):
     `GROW` slots at a time. New states are written in place, where DynamicLayer concatenates
     (a copy of the whole layer per forward). `keys` / `values` stay views of the cached tokens,
     so everything that reads, crops or rewrites them works unchanged; the buffer's spare slots
-    let the row-exact attention (`models.attention`) pad the keys to a page without copying
+    let the row-exact attention (`runners.hf.attention`) pad the keys to a page without copying
     them: `has_spare_slots` tells it which key tensors are such views."""
 
     GROW = 256  # slots; a multiple of attention.PAGE

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from specchat.core.runner import Runner
-from specchat.models.cuda import kernels
-from specchat.models.static import StaticCache, rope_tables
+from specchat.runners.cuda import kernels
+from specchat.runners.static import StaticCache, rope_tables
 
 WIDTH = 16  # the decode width: plain steps, verifies of up to 15 drafts, short prompt tails
 PAGE = 64  # the prompt-page width (the engine's whole pages and their tails)

@@ -1,7 +1,7 @@
 """specchat's own CPU kernels (the C files in `csrc/`): products with weights kept compact (NF4
 where bitsandbytes has no fused kernel, bf16, GGUF's Q8_0), the attention of a few query rows
 over the KV cache, Gemma's RMSNorm, and a whole Gemma 3 decoder stack built from them (one call
-a forward: `models.cpu_runner`). Every kernel is row-exact: a row's result is the same
+a forward: `runners.cpu.runner`). Every kernel is row-exact: a row's result is the same
 bits whatever the number of rows in the call.
 
 The C files are compiled with the system's C compiler (`$CC`, else `gcc`) into specchat's cache,
@@ -86,7 +86,7 @@ class Kernels:
     q8_0_matmul_i8: Callable[..., None]
     attend: Callable[..., None]
     rms_norm: Callable[..., None]
-    # a Gemma 3 decoder stack for n rows in one call (csrc/decoder.c, `models.cpu_runner`)
+    # a Gemma 3 decoder stack for n rows in one call (csrc/decoder.c, `runners.cpu.runner`)
     decoder_forward: Callable[..., int]
     # the sampler's mask, penalties and pick over a forward's rows (csrc/sample.c, `shape_pick`)
     shape_pick: Callable[..., int]

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from specchat.models import kernels
-from specchat.models.memory import _release_freed_memory
+from specchat.runners.cpu import kernels
+from specchat.runners.memory import _release_freed_memory
 
 # Rows (tokens) from which dequantize-then-matmul beats bitsandbytes' fused CPU kernel:
 # dequantizing costs the same whatever the rows, while the fused kernel pays per row

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specchat.models.kvcache import has_spare_slots
-from specchat.models import kernels
+from specchat.runners.cpu import kernels
+from specchat.runners.hf.kvcache import has_spare_slots
 
 NAME = "specchat_sdpa"  # without kernels; with them f"{NAME}_{variant}" (`register`)
 PAGE = 64  # keys are padded to a multiple of this many slots
