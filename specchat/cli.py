@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import sys
+from dataclasses import replace
 
 from specchat.args import (
     add_model_arguments,
@@ -48,7 +49,8 @@ def cmd_generate(args) -> int:
         cfg = config_from_args(args, report)
     except InputError as e:
         return _refuse(e)
-    ids, cfg.stop = _prompt_ids(report.engine, prompt, args)
+    ids, stop = _prompt_ids(report.engine, prompt, args)
+    cfg = replace(cfg, stop=stop)
     events = report.engine.stream(ids, cfg)
     try:
         first = next(events)  # the engine checks the request before any work: say what's wrong

@@ -1,6 +1,7 @@
 """The embedded Gemma 3 270M, for real (slow: ~1-2 min; the first run converts the GGUF)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,8 +37,7 @@ def logit_mismatches(model) -> int:
 
 def collect(engine, cfg):
     ids, stops = chat_prompt(engine.tokenizer, PROMPT)
-    cfg.stop = stops
-    events = list(engine.stream(ids, cfg))
+    events = list(engine.stream(ids, replace(cfg, stop=stops)))
     return [e for e in events if isinstance(e, TokenEvent)], events[-1]
 
 
@@ -184,7 +184,7 @@ def test_each_example_reads_without_loops_and_stays_on_topic(embedded, index):
     else:
         ids, stops = embedded.text_prompt(example.text)
     cfg, _ = build_config(settings, list(embedded.drafters))
-    cfg.stop = stops
+    cfg = replace(cfg, stop=stops)
     tokens, text = _reply(embedded, ids, cfg)
     assert len(tokens) >= 20, text
     assert most_repeats(tokens, 6) <= 2, text

@@ -5,6 +5,7 @@ server-side, errors stay readable, A/B replay compares and records both runs."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import threading
 from html.parser import HTMLParser
@@ -679,3 +680,21 @@ def test_a_replys_one_tab_stop_is_on_a_token_that_shows_something():
     assert re.search(r'tabindex="0">Hi<', html), html
     blank = render_tokens(tokens[:1], steps=steps)  # nothing visible: the first drafted token
     assert blank.count('tabindex="0"') == 1
+
+
+def test_a_message_builds_its_request_once_and_its_reply_runs_with_it(engine):
+    """`user` builds the message's request (a random seed drawn there) and `bot` runs the reply
+    with that very request: no second build, no seed drawn and thrown away."""
+    app = make_app(engine)
+    built = []
+    config = app.config
+    app.config = lambda s: (lambda r: (built.append(r[0]), r)[1])(config(s))
+    settings = Settings(max_new_tokens=6, seed=None, adaptive=False)
+    session = Session()
+    box, _, session, notice = app.user("hello there", session, settings=settings)
+    assert box == "" and notice == "" and len(built) == 1
+    list(app.bot(session, settings))
+    assert len(built) == 1 and session.pending_request is None
+    assert session.turns[-1].stats.seed == built[0].seed  # the seed the message was sent with
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built[0].seed = 1  # a request is never edited after it is built

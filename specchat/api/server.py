@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -424,9 +425,9 @@ class Api:
             raise ApiError(400, "'model' must be a string.", param="model")
         ids, stops, prompt = self.prompt(body, chat)
         cfg = self.config(body)
-        cfg.owner = owner  # drafts may copy this owner's earlier requests, no one else's
-        cfg.stop = tuple(dict.fromkeys((*stops, *cfg.stop)))
-        cfg.logprobs = self.logprobs(body, chat)
+        cfg = replace(cfg, owner=owner,  # drafts may copy this owner's requests, no one else's
+                      stop=tuple(dict.fromkeys((*stops, *cfg.stop))),
+                      logprobs=self.logprobs(body, chat))
         tokenizer = self.engine.tokenizer  # None for a serving backend: no alternatives
         reply = Reply(chat, self.model_id,
                       (lambda i: tokenizer.decode([i])) if tokenizer is not None else None)

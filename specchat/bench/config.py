@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specchat.core.engine import TREE_NODES, GenerateConfig
 from specchat.core.events import StepRecord
@@ -70,9 +70,7 @@ class BenchSettings:
         cfg, notes = build_config(values, drafters)
         if notes:  # a capped or changed setting: the bench measures what it was asked
             raise ValueError(" ".join(notes))
-        if self.history:
-            cfg.owner, cfg.remember = HISTORY_OWNER, False
-        return cfg
+        return replace(cfg, owner=HISTORY_OWNER, remember=False) if self.history else cfg
 
 
 @dataclass

@@ -71,7 +71,7 @@ def default_tree_nodes(temperature: float, drafter: str = "head") -> int:
     return TREE_NODES if temperature <= 0 and drafter == "head" else 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy

@@ -143,7 +143,7 @@ class ChatApp:
             notes.insert(0, f"Drafter {DRAFTER_LABELS.get(s.drafter, s.drafter)!r} is not "
                             f"loaded: using {DRAFTER_LABELS.get(cfg.drafter, cfg.drafter)}.")
         if cfg.seed is None:
-            cfg.seed = random.randrange(2**31 - 1)
+            cfg = replace(cfg, seed=random.randrange(2**31 - 1))
         return cfg, notes
 
     def system_prompt(self, s: Settings, notes: list[str]) -> str:
@@ -305,7 +305,7 @@ class ChatApp:
         """Echo a message into the chat (instant), or say why not and keep it in the box.
         -> (box, chat, session, notice)"""
         text = text or ""
-        refused = None
+        refused = built = None
         if not text.strip():
             refused = "Type a message first: an empty message was not sent."
         elif len(text) > self.limits.max_input_chars:
@@ -317,13 +317,14 @@ class ChatApp:
         elif self.busy(request):
             refused = ONE_AT_A_TIME
         elif settings is not None:
-            try:
-                self.config(settings)
+            try:  # the message's request, built once: its reply runs with it
+                built = self.config(settings)
             except InputError as e:
                 refused = f"{e} Your message is still in the box."
         if refused:
             return text, render_history(session), session, _notice(refused, request)
         session.pending = clean_text(text)
+        session.pending_request = built
         return "", render_history(session), session, ""
 
     def bot(self, session: Session, settings: Settings, request: gr.Request | None = None,
@@ -332,9 +333,10 @@ class ChatApp:
         if session.pending is None or self.slot.engine is None:
             yield render_history(session), session, gr.skip()
             return
-        try:
-            self.config(settings)
-        except InputError as e:  # `user` checks first; this guards direct calls
+        built, session.pending_request = session.pending_request, None
+        try:  # the request `user` built with the message, else built here once
+            cfg, notes = built or self.config(settings)
+        except InputError as e:
             yield render_history(session), session, _notice(str(e), request)
             return
         if not self._claim(request):  # `user` refuses first; this guards direct calls
@@ -344,15 +346,17 @@ class ChatApp:
             turn = Turn(session.pending)
             session.pending = None
             session.turns.append(turn)
+            turn.notes = list(notes)
             owner = self.access.viewer(request, browser_id).owner
-            yield from self._reply(session, turn, settings, request, owner)
+            yield from self._reply(session, turn, cfg, settings, request, owner)
         finally:
             self._unclaim(request)
 
-    def _reply(self, session: Session, turn: Turn, settings: Settings, request, owner: str):
-        cfg, turn.notes = self.config(settings)
-        cfg.owner = owner  # drafts may copy this visitor's earlier turns, no one else's
-        ids, cfg.stop = self.prompt_ids(session, len(session.turns) - 1, settings, turn.notes)
+    def _reply(self, session: Session, turn: Turn, cfg: GenerateConfig, settings: Settings,
+               request, owner: str):
+        ids, stop = self.prompt_ids(session, len(session.turns) - 1, settings, turn.notes)
+        # drafts may copy this visitor's earlier turns, no one else's
+        cfg = replace(cfg, owner=owner, stop=stop)
         notice = " ".join(turn.notes)
         stop = self._stop_event(request)
         drive = self._drive(ids, cfg, stop, turn.tokens, turn.steps)
@@ -415,7 +419,8 @@ class ChatApp:
         except InputError as e:
             raise gr.Error(str(e)) from None
         session = Session(turns=[Turn(text)])
-        ids, cfg.stop = self.prompt_ids(session, 0, settings, notes)
+        ids, stop = self.prompt_ids(session, 0, settings, notes)
+        cfg = replace(cfg, stop=stop)
         turn = session.turns[0]
         owner = self.access.viewer(request, None).owner
         for result in self._drive(ids, cfg, threading.Event(), turn.tokens, turn.steps,
@@ -477,7 +482,8 @@ class ChatApp:
             return
         last = len(session.turns) - 1
         prompt = session.turns[last].user
-        ids, cfg.stop = self.prompt_ids(session, last, settings, notes)
+        ids, stop = self.prompt_ids(session, last, settings, notes)
+        cfg = replace(cfg, stop=stop)
         if not self._claim(request):
             yield *ab_placeholders(), gr.skip(), session, _notice(BUSY, request)
             return

@@ -88,6 +88,8 @@ class Session:
     """One browser's conversation (a gr.State: visitors never see each other's)."""
     turns: list[Turn] = field(default_factory=list)
     pending: str | None = None  # a user message echoed in the chat, waiting for its reply
+    # its request (GenerateConfig, notes), built once when it was sent (`ChatApp.user`)
+    pending_request: tuple | None = None
     conversation_id: str | None = None  # in the stats store, created with the first turn
     conversation: dict | None = None  # its row's fields, sent with every turn
 
