@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specchat.core.drafter import preferred
 from specchat.core.engine import GenerateConfig, default_tree_nodes
@@ -76,42 +76,46 @@ class Setting:
             return f"{kind} {'>' if self.low_open else '>='} {low}"
         return f"a finite {kind.split()[-1]}"
 
+# The defaults are GenerateConfig's own (one place), but for the seed (-1 here: a new random one
+# each reply, where a GenerateConfig built in code keeps 0) and tree_nodes (None here: chosen by
+# the drafter and temperature, `default_tree_nodes`).
+_D = {f.name: f.default for f in fields(GenerateConfig)}
 
 _ROWS = (
-    Setting("max_new_tokens", "Max new tokens", 256, "longest reply, in tokens", True, 1,
+    Setting("max_new_tokens", "Max new tokens", _D["max_new_tokens"], "longest reply, in tokens", True, 1,
             api=("max_tokens", "max_completion_tokens", "n_predict"), group="length"),
-    Setting("temperature", "Temperature", 0.0,
+    Setting("temperature", "Temperature", _D["temperature"],
             f"0 = greedy; above {MAX_TEMPERATURE:g} is capped", low=0,
             api=("temperature",)),
-    Setting("top_p", "Top-p", 1.0, "nucleus sampling: keep the likeliest tokens holding this "
+    Setting("top_p", "Top-p", _D["top_p"], "nucleus sampling: keep the likeliest tokens holding this "
             "much of the probability (1 = off)", low=0, high=1, low_open=True, api=("top_p",)),
-    Setting("top_k", "Top-k", 0, "sample among the k likeliest tokens (0 = off)", True, 0,
+    Setting("top_k", "Top-k", _D["top_k"], "sample among the k likeliest tokens (0 = off)", True, 0,
             MAX_TOP_K, api=("top_k",)),
-    Setting("min_p", "Min-p", 0.0, "drop tokens less than min_p times as likely as the "
+    Setting("min_p", "Min-p", _D["min_p"], "drop tokens less than min_p times as likely as the "
             "likeliest (0 = off)", low=0, high=1, api=("min_p",)),
-    Setting("repeat_penalty", "Repeat penalty", 1.0, "divide the logits of tokens seen in the "
+    Setting("repeat_penalty", "Repeat penalty", _D["repeat_penalty"], "divide the logits of tokens seen in the "
             "last repeat_last_n tokens by this (1 = off; 1.1-1.3 is typical)", low=0,
             low_open=True, api=("repeat_penalty", "repetition_penalty"), group="penalties"),
-    Setting("repeat_last_n", "Penalty window", 64, "the last tokens the repeat, frequency and "
+    Setting("repeat_last_n", "Penalty window", _D["repeat_last_n"], "the last tokens the repeat, frequency and "
             "presence penalties look at (0 = off)", True, 0, 65536, api=("repeat_last_n",),
             group="penalties"),
-    Setting("frequency_penalty", "Frequency penalty", 0.0, "lower a token's logit by this much "
+    Setting("frequency_penalty", "Frequency penalty", _D["frequency_penalty"], "lower a token's logit by this much "
             "per time it occurs in the window", low=-2, high=2, api=("frequency_penalty",),
             group="penalties"),
-    Setting("presence_penalty", "Presence penalty", 0.0, "lower the logit of every token in the "
+    Setting("presence_penalty", "Presence penalty", _D["presence_penalty"], "lower the logit of every token in the "
             "window by this much", low=-2, high=2, api=("presence_penalty",), group="penalties"),
-    Setting("dry_multiplier", "DRY multiplier", 0.0, "DRY: penalize a token that would extend "
+    Setting("dry_multiplier", "DRY multiplier", _D["dry_multiplier"], "DRY: penalize a token that would extend "
             "a repeated sequence (0 = off; 0.8 is typical)", low=0, high=100,
             api=("dry_multiplier",), group="penalties"),
-    Setting("dry_base", "DRY base", 1.75, "DRY: the penalty grows by this factor per repeated "
+    Setting("dry_base", "DRY base", _D["dry_base"], "DRY: the penalty grows by this factor per repeated "
             "token", low=1, high=10, api=("dry_base",), group="penalties"),
-    Setting("dry_allowed_length", "DRY allowed length", 2, "DRY: repeats this long go "
+    Setting("dry_allowed_length", "DRY allowed length", _D["dry_allowed_length"], "DRY: repeats this long go "
             "unpenalized", True, 1, 64, api=("dry_allowed_length",), group="penalties"),
     Setting("seed", "Seed", -1, f"0..{SEED_MAX} gives the same sampled reply each time; -1 a "
             "new random one each reply (recorded in its stats)", True, -1, SEED_MAX,
             api=("seed",), rule=f"a whole number between 0 and {SEED_MAX}, or -1 for a random "
                                 "seed"),
-    Setting("draft_len", "Draft length k", 4, "k: the most draft tokens per step", True, 1,
+    Setting("draft_len", "Draft length k", _D["draft_len"], "k: the most draft tokens per step", True, 1,
             MAX_DRAFT_LEN, api=("draft_len",), group="speculation"),
     Setting("tree_nodes", "Tree nodes", None, "the head drafts a tree of up to this many tokens, "
             "verified in one forward; 0: a chain (default: 10 for the head alone when greedy, "

@@ -44,13 +44,13 @@ class Settings:
     system: str = ""  # system prompt
     speculation: bool = True
     drafter: str = ""  # "model" | "combined" | "ngram" | "head"; "" = the engine's default
-    draft_len: int = 4  # k
+    draft_len: int = SETTINGS["draft_len"].default  # k
     adaptive: bool = True  # let k follow measured acceptance
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    seed: int = -1  # -1: a fresh random seed per reply (shown in the stats line)
+    temperature: float = SETTINGS["temperature"].default
+    top_p: float = SETTINGS["top_p"].default
+    top_k: int = SETTINGS["top_k"].default
+    max_new_tokens: int = SETTINGS["max_new_tokens"].default
+    seed: int = SETTINGS["seed"].default  # -1: a fresh random seed per reply (in its stats)
     mode: str = "chat"  # "chat" | "completion" (the model continues the message as text)
     # Samplers against repetition (core/penalties.py), off here: the settings table's defaults,
     # the one set every front end uses. The page starts a base model at the examples' samplers
