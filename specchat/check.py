@@ -149,10 +149,11 @@ def _engine(ctx: Context, name: str):
 
 def _reply(engine, prompt: str, **cfg) -> tuple[list[int], list, object]:
     """(token ids, token events, final stats) of one reply to `prompt` continued as text."""
-    from specchat.core.engine import GenerateConfig
     from specchat.core.events import GenerationStats, TokenEvent
+    from specchat.core.settings import request
     ids, _ = engine.text_prompt(prompt)
-    events = list(engine.stream(ids, GenerateConfig(max_new_tokens=MAX_NEW, **cfg)))
+    events = list(engine.stream(ids, request(list(engine.drafters), max_new_tokens=MAX_NEW,
+                                             **cfg)))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     stats = events[-1]
     assert isinstance(stats, GenerationStats), "the stream's last event is its stats"
@@ -380,8 +381,9 @@ def check_speed(ctx: Context) -> dict:
     tokens/s plain and speculative, transformers' `generate` on the same loaded model, the
     first token, the step time, verify cost by tokens fed, the copy bandwidth and the decode
     rate it allows, peak GPU memory."""
-    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.engine import Engine
     from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+    from specchat.core.settings import request
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.load import load_model
     from specchat.models.loaded import LoadedModel
@@ -422,7 +424,8 @@ def check_speed(ctx: Context) -> dict:
         for _ in range(2):  # the first run warms up kernels and allocations
             engine.reset_cache()
             engine.prefixes.clear()  # a cold prompt: the first token's time is the prompt's
-            events = list(engine.stream(prompt, GenerateConfig(max_new_tokens=max_new, **cfg)))
+            events = list(engine.stream(prompt, request(list(engine.drafters),
+                                                        max_new_tokens=max_new, **cfg)))
             stats = events[-1]
             assert isinstance(stats, GenerationStats)
             steps = [e for e in events if isinstance(e, StepRecord)]

@@ -17,7 +17,6 @@ from fastapi.responses import StreamingResponse
 from tiny import byte_tokenizer, free_port, served_on_loopback, tiny_llama
 
 from specchat.backends.remote import RemoteEngine, RemotePrompt, RemoteStats, _Reader
-from specchat.core.engine import GenerateConfig
 from specchat.core.events import (
     ACCEPTED,
     BONUS,
@@ -29,6 +28,7 @@ from specchat.core.events import (
     TokenEvent,
     summarize,
 )
+from specchat.core.request import GenerateConfig
 from specchat.loader import connect_backend, load_engine
 from specchat.models.loaded import ModelLoadError
 from specchat.stats.store import StatsStore

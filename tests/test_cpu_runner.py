@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from specchat import runners
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import TokenEvent
+from specchat.core.request import GenerateConfig
 from specchat.drafters.ngram import NgramDrafter
 from specchat.models import runtime
 from specchat.models.load import load_model

@@ -240,8 +240,9 @@ def test_speculative_replies_are_plain_replies_on_the_runner(nf4_llama, runner):
     runner): the engine's text equals plain decoding's."""
     from tiny import byte_tokenizer
 
-    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.engine import Engine
     from specchat.core.events import TokenEvent
+    from specchat.core.request import GenerateConfig
     from specchat.drafters.model import ModelDrafter
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.loaded import LoadedModel

@@ -9,8 +9,9 @@ import torch
 from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 
 from specchat.core.drafter import Drafter
-from specchat.core.engine import TREE_NODES, Engine, GenerateConfig, default_tree_nodes
+from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.request import TREE_NODES, GenerateConfig, default_tree_nodes
 from specchat.core.sampling import SamplingParams
 from specchat.core.text import tokens_until_stop
 from specchat.core.tree import DraftTree

@@ -18,8 +18,9 @@ from specchat import runners
 from specchat.api.server import create_app
 from specchat.bench.config import BenchSettings
 from specchat.bench.run import bench as run_bench
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, TokenEvent
+from specchat.core.request import GenerateConfig
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import PENDING_FEATURES, HeadDrafter
 from specchat.drafters.ngram import NgramDrafter

@@ -14,8 +14,9 @@ from tiny import byte_tokenizer, dense_probs, loaded, tiny_gemma3, tiny_llama
 from specchat.bench.config import BenchSettings
 from specchat.bench.run import available_modes
 from specchat.bench.run import bench as run_bench
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import StepRecord, TokenEvent
+from specchat.core.request import GenerateConfig
 from specchat.core.sampling import Noise, SamplingParams, draw, sample_row, verify
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import HeadDrafter

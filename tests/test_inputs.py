@@ -7,8 +7,8 @@ import pytest
 
 from specchat.core.inputs import InputError, clean_text
 from specchat.core.penalties import Penalties
-from specchat.drafters import preferred
 from specchat.core.settings import SEED_MAX, build_config, check, flag_names, values_from_body
+from specchat.drafters import preferred
 
 GOOD = dict(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=1, draft_len=4)
 
@@ -97,7 +97,7 @@ def test_the_engines_defaults_are_the_settings_tables():
     """GenerateConfig (core) cannot import the table above it, so its field defaults are
     written twice: they must agree. The seed is the one exception: code gets a fixed seed 0,
     the front ends a fresh random one (-1)."""
-    from specchat.core.engine import GenerateConfig
+    from specchat.core.request import GenerateConfig
     from specchat.core.settings import SETTINGS
     from specchat.ui.state import Settings
     cfg, page = GenerateConfig(), Settings()

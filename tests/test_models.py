@@ -217,7 +217,7 @@ def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tm
     pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
-    from specchat.runners.hf.cpu import _NF4KernelForward, kernel_cpu_nf4
+    from specchat.runners.hf.cpu import NF4KernelForward, kernel_cpu_nf4
     lib = _kernels()
     model = _tiny_nf4(tmp_path, torch.float32)
     ids = torch.randint(3, 259, (1, 12))
@@ -225,7 +225,7 @@ def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tm
         reference = model(ids).logits
         assert kernel_cpu_nf4(model, lib) == 14  # 7 per layer
         layer = model.model.layers[1].self_attn.o_proj
-        assert isinstance(layer.forward, _NF4KernelForward)
+        assert isinstance(layer.forward, NF4KernelForward)
         logits = model(ids).logits
         x = torch.randn(11, layer.in_features)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
@@ -244,11 +244,11 @@ def test_nf4_kernel_refuses_a_layer_it_would_compute_wrongly(tmp_path):
     """Checked at load against bitsandbytes' dequantized weight: a layout the kernel misreads
     (here, the NF4 table reversed) keeps bitsandbytes' path."""
     pytest.importorskip("bitsandbytes")
-    from specchat.runners.hf.cpu import _NF4KernelForward
+    from specchat.runners.hf.cpu import NF4KernelForward
     lib = _kernels()
     model = _tiny_nf4(tmp_path, torch.float32)
     layer = model.model.layers[0].mlp.up_proj
-    forward = _NF4KernelForward(layer, lib)
+    forward = NF4KernelForward(layer, lib)
     assert forward.usable({})
     forward.table = forward.table.flip(0).contiguous()
     assert not forward.usable({})

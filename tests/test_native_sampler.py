@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import TokenEvent
 from specchat.core.penalties import Penalties, Shaper
+from specchat.core.request import GenerateConfig
 from specchat.core.sampling import DRAW, Noise, SamplingParams, argmax, min_p_draw
 from specchat.drafters.ngram import NgramDrafter
 from specchat.models import runtime

@@ -5,8 +5,9 @@ this machine runs whose verifies are row-exact, with prompts longer than a page.
 
 import pytest
 
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import TokenEvent
+from specchat.core.request import GenerateConfig
 from specchat.drafters.ngram import NgramDrafter
 from specchat.models import runtime
 from specchat.models.load import load_model

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specchat.core.engine import GenerateConfig
 from specchat.core.events import KINDS, GenerationStats, TokenEvent
+from specchat.core.request import GenerateConfig
 from specchat.core.text import chat_prompt
 from specchat.loader import load_engine
 from specchat.models import runtime

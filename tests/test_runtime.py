@@ -102,8 +102,9 @@ def test_every_path_this_machine_runs_loads_and_proves_itself_row_exact(checkpoi
                                                                         monkeypatch):
     """Forced, each path loads an NF4 model, says which path it took, and proves a verify's
     logits equal one-token steps' bit for bit; greedy speculation is then plain greedy."""
-    from specchat.core.engine import Engine, GenerateConfig
+    from specchat.core.engine import Engine
     from specchat.core.events import TokenEvent
+    from specchat.core.request import GenerateConfig
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.load import load_model
 

@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from specchat.core.engine import GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord
+from specchat.core.request import GenerateConfig
 from specchat.stats import speedup as speedups
 from specchat.stats.cli import add_cli
 from specchat.stats.format import fmt_figure, fmt_mean, fmt_speedup

@@ -15,14 +15,15 @@ import pytest
 from tiny import byte_tokenizer, loaded, tiny_llama
 
 from specchat import app as launcher
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, TokenEvent
+from specchat.core.request import GenerateConfig
 from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
+from specchat.engine_queue import EngineQueue
 from specchat.loader import LoadReport
 from specchat.stats.speedup import ESTIMATE, Speedup
 from specchat.stats.store import StatsStore
-from specchat.engine_queue import EngineQueue
 from specchat.ui.handlers import BUSY, ONE_AT_A_TIME, ChatApp, ab_verdict, first_difference
 from specchat.ui.render import markup_ranges, render_history, render_tokens, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
@@ -465,9 +466,9 @@ def test_a_base_model_starts_at_the_examples_samplers_with_a_switch_to_none(engi
 
 
 def test_warm_up_and_build_ui(engine):
+    from specchat.stats.speedup import RECENT_PLAIN_STEPS, plain_step_times
     from specchat.ui.handlers import warm_up
     from specchat.ui.page import build_ui
-    from specchat.stats.speedup import RECENT_PLAIN_STEPS, plain_step_times
     before = len(plain_step_times(engine).recent())
     warm_up(engine)  # the launcher runs it right after loading
     # Its plain steps (but the first) price the first replies' estimated speedups.

@@ -45,14 +45,14 @@ from dataclasses import replace
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from specchat.core.engine import GenerateConfig
+from specchat.auth import LoginGuard, TooManyAttempts
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
+from specchat.core.request import GenerateConfig
 from specchat.core.settings import SETTINGS, build_config, values_from_body
 from specchat.engine_queue import MAX_PER_OWNER, MAX_WAITING, EngineQueue, QueueFull
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
-from specchat.auth import LoginGuard, TooManyAttempts
 
 # The line's limits (engine_queue.MAX_WAITING, MAX_PER_OWNER) are the page's too: past 8
 # waiting, a request whose key or login has one waiting already gets 429; while another key or

@@ -2,7 +2,7 @@
 
     engine = RemoteEngine("http://gpu-box:8000")           # vLLM, SGLang, llama-server, specchat
     prompt, stops = engine.chat_prompt([{"role": "user", "content": "Hi"}])
-    for event in engine.stream(prompt, GenerateConfig(max_new_tokens=64)):
+    for event in engine.stream(prompt, request(max_new_tokens=64)):
         ...  # TokenEvent, StepRecord, GenerationStats: what the local Engine yields
 
 The server formats chats (its own template) and decodes; `stream` turns its SSE chunks into
@@ -36,7 +36,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from specchat.core.engine import GenerateConfig
 from specchat.core.events import (
     ACCEPTED,
     BONUS,
@@ -48,6 +47,8 @@ from specchat.core.events import (
     TokenEvent,
     summarize,
 )
+from specchat.core.request import GenerateConfig
+from specchat.core.settings import request
 
 SERVERS = {"specchat": "specchat", "llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
 
@@ -199,7 +200,7 @@ class RemoteEngine:
         """Leave `ids` in the server's prompt cache (llama-server keeps a slot's last prompt):
         one untimed request for a single token. Errors are the caller's to see on the next
         reply."""
-        body = self._request(RemotePrompt(ids=list(ids)), GenerateConfig(max_new_tokens=1))
+        body = self._request(RemotePrompt(ids=list(ids)), request(max_new_tokens=1))
         body["stream"] = False
         body.pop("stream_options", None)
         try:
@@ -311,7 +312,7 @@ class RemoteEngine:
 # server takes them by in the request (None: it has no such setting). OpenAI's own
 # frequency_penalty and presence_penalty are top-level fields everywhere; the rest go in the
 # body beside them, by llama.cpp's names where a server is not known to name them otherwise.
-_OFF = GenerateConfig()
+_OFF = request()
 _VLLM_NAMES = {"min_p": "min_p", "repeat_penalty": "repetition_penalty", "repeat_last_n": None,
                "dry_multiplier": None, "dry_base": None, "dry_allowed_length": None,
                "dry_sequence_breakers": None}

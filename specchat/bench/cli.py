@@ -12,11 +12,14 @@ from specchat.bench.config import ALL_MODES, HEAD_MODES, HF_MODES, BenchSettings
 from specchat.bench.questions import default_questions_path, load_questions
 from specchat.bench.report import format_report
 from specchat.bench.run import available_modes, bench, current_rss_mb, machine_config, peak_rss_mb
-from specchat.core.engine import TREE_NODES
 from specchat.core.settings import ANTI_LOOP, PENALTIES, add_arguments
 from specchat.help import HelpFormatter
 
 SAMPLER_FLAGS = ["min_p", *PENALTIES]  # engine samplers the bench passes to every mode
+SETTING_FLAGS = ["max_new_tokens", "temperature", "top_p", "top_k", "seed", "draft_len",
+                 "tree_nodes"]
+_B = BenchSettings()
+BENCH_DEFAULTS = {name: getattr(_B, name) for name in SETTING_FLAGS}
 
 # ---------------------------------------------------------------------------------------------
 # CLI
@@ -61,14 +64,6 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         "caches emptied before every question's first turn (default: warm)")
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first turns only, or every turn (follow-ups reuse the cached history)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="longest reply, in tokens")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="X",
-                   help="nucleus sampling (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, metavar="N", help="0 = off")
-    p.add_argument("--seed", type=int, default=0, metavar="N",
-                   help="the same seed for every run, so repeats decode the same text")
     p.add_argument("--modes", type=_modes_arg, default=None,
                    help=f"comma separated, from {','.join(ALL_MODES + HEAD_MODES)} (default: "
                         "every mode the loaded models allow)")
@@ -76,16 +71,16 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="samplers of every mode: the page's examples' (" +
                         ", ".join(f"{k.replace('_', '-')} {v}" for k, v in ANTI_LOOP.items()) +
                         "), or none; the flags below change single ones (default: examples)")
-    add_arguments(p, names=SAMPLER_FLAGS + ["dry_sequence_breakers"])
-    p.add_argument("--draft-len", type=int, default=4, metavar="N",
-                   help="k: most draft tokens per step")
+    # The request's settings, as `generate` and the page name them; the bench's own defaults
+    # where they differ (a fixed seed: repeats decode the same text).
+    add_arguments(p, names=[*SETTING_FLAGS, *SAMPLER_FLAGS, "dry_sequence_breakers"],
+                  defaults=BENCH_DEFAULTS, helps={
+                      "seed": "the same seed for every run, so repeats decode the same text",
+                      "tree_nodes": "draft-tree size of the head-tree and combined-tree modes"})
     p.add_argument("--fixed-draft-len", action="store_true",
                    help="always draft k tokens where the drafter has them: k does not adapt, and "
                         "the head drafts past its confidence bar (default: the engine adapts "
                         "k)")
-    p.add_argument("--tree-nodes", type=int, default=TREE_NODES, metavar="N",
-                   help="draft-tree size of the head-tree and combined-tree modes "
-                        "(default: %(default)s)")
     p.add_argument("--hf-pld-tokens", type=int, default=0, metavar="N",
                    help="prompt_lookup_num_tokens for hf-pld (default: --draft-len)")
     p.add_argument("--repeats", type=int, default=1, metavar="N", help="runs per question and mode; "

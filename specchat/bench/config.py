@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from specchat.core.engine import TREE_NODES, GenerateConfig
 from specchat.core.events import StepRecord
+from specchat.core.request import TREE_NODES, GenerateConfig
 
 ENGINE_MODES = ("plain", "ngram", "model")  # "plain" = speculation off; others name a drafter
 HF_MODES = ("hf-plain", "hf-pld", "hf-assisted")

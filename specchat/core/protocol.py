@@ -8,8 +8,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from specchat.core.engine import GenerateConfig
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
+from specchat.core.request import GenerateConfig
 
 
 @runtime_checkable

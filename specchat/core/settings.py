@@ -1,8 +1,10 @@
 """Every setting a user can give a reply, in one table, and the one builder that turns them into
-a `GenerateConfig`: the page, the HTTP API, the CLI and the bench all go through `build_config`.
+a `GenerateConfig`: the page, the HTTP API, the CLI and the bench all go through `build_config`,
+requests made in code (the checks, the page's warm-up, a server probe) through `request`.
 
     SETTINGS["min_p"].default, .label, .flag, .api, .help   # one row: how each front end names it
     cfg, notes = build_config({"temperature": "0.7", "drafter": "ngram"}, engine.drafters)
+    cfg = request(engine.drafters, max_new_tokens=6, speculation=False)
 
 A row names the setting for each front end (the page's label, the CLI flag, the API field with
 OpenAI's name where OpenAI has the setting and llama.cpp's otherwise) and holds its default, its
@@ -20,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from specchat.core.drafter import preferred
-from specchat.core.engine import GenerateConfig, default_tree_nodes
 from specchat.core.inputs import InputError
 from specchat.core.penalties import DRY_BREAKERS
+from specchat.core.request import GenerateConfig, default_tree_nodes
 
 SEED_MAX = 2**63 - 1  # SQLite INTEGER and torch generators hold up to this
 
@@ -227,8 +229,24 @@ def build_config(values: Mapping, drafters: Sequence[str], *, max_new_cap: int |
     return cfg, notes
 
 
-def add_arguments(parser, names: Sequence[str] | None = None) -> None:
-    """The settings `names` (default: all) as command-line flags, grouped, defaults shown."""
+def request(drafters: Sequence[str] = (), **values) -> GenerateConfig:
+    """A request made in code, checked as a user's is (`build_config`): seed 0, chains, and
+    speculation where a drafter is given, unless `values` say otherwise. InputError for a bad
+    value, ValueError for one the builder would change (a capped temperature, say)."""
+    cfg, notes = build_config({"seed": 0, "tree_nodes": 0, "speculation": bool(drafters),
+                               **values}, drafters)
+    if notes:
+        raise ValueError(" ".join(notes))
+    return cfg
+
+
+def add_arguments(parser, names: Sequence[str] | None = None, defaults: Mapping | None = None,
+                  helps: Mapping[str, str] | None = None) -> None:
+    """The settings `names` (default: all) as command-line flags, grouped, defaults shown.
+    A flag not given is None (the table's default applies when the request is built), but for
+    the `defaults` a command sets itself (the bench: 128 tokens, seed 0); `helps` replaces a
+    flag's help there."""
+    defaults, helps = defaults or {}, helps or {}
     groups = {}
     for row in _ROWS:
         if names is not None and row.name not in names:
@@ -238,11 +256,12 @@ def add_arguments(parser, names: Sequence[str] | None = None) -> None:
                 {"penalties": "penalties (fight repetition; lossless with speculation)",
                  "length": "length", "sampling": "sampling",
                  "speculation": "speculation"}[row.group])
-        default = "random" if row.name == "seed" else row.default
+        shown = defaults.get(row.name, "random" if row.name == "seed" else row.default)
+        text = helps.get(row.name, row.help)
         groups[row.group].add_argument(
-            row.flag, type=int if row.integer else float, default=None,
+            row.flag, type=int if row.integer else float, default=defaults.get(row.name),
             metavar="N" if row.integer else "X",
-            help=f"{row.help} (default: {default})" if row.default is not None else row.help)
+            help=f"{text} (default: {shown})" if shown is not None else text)
     if names is None or "dry_sequence_breakers" in names:
         groups.setdefault("penalties", parser.add_argument_group("penalties")).add_argument(
             "--dry-sequence-breaker", dest="dry_sequence_breakers", action="append",

@@ -1,11 +1,38 @@
-"""What specchat's own forwards (`cpu_runner.CpuRunner`, `cuda.runner.CudaRunner`) keep beside
-the weights: a KV cache with a slot per position, and the model's RoPE tables."""
+"""What specchat's own forwards (`cpu.runner.CpuRunner`, `cuda.runner.CudaRunner`) share: the
+architecture check both make before taking a model, and what they keep beside the weights (a KV
+cache with a slot per position, the model's RoPE tables)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+# The activation each model family's MLP computes on specchat's forwards, by model type.
+ACTIVATIONS = {"gemma3_text": "gelu_pytorch_tanh", "llama": "silu", "qwen2": "silu",
+               "mistral": "silu"}
+
+
+def unsupported_config(config, kinds: tuple[str, ...], only: str = "") -> str | None:
+    """Why a forward that runs the model types `kinds` cannot run a model of this text config
+    (what both forwards refuse alike), or None. `only`: how a forward of one family names it
+    ("Gemma 3"), for a message that says so."""
+    kind = getattr(config, "model_type", "")
+    if kind not in kinds:
+        name = kind or type(config).__name__
+        return f"it runs {only} only, not {name}" if only else \
+            f"{name} is not a model it runs ({', '.join(kinds)})"
+    act = getattr(config, "hidden_activation", None) if kind == "gemma3_text" \
+        else getattr(config, "hidden_act", "silu")
+    if act != ACTIVATIONS[kind]:
+        return f"its activation is {act}"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name} {getattr(config, name)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    return None
 
 
 class StaticCache:

@@ -27,10 +27,11 @@ from dataclasses import replace
 
 import gradio as gr
 
-from specchat.core.engine import Engine, GenerateConfig
+from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
-from specchat.core.settings import SETTINGS, build_config
+from specchat.core.request import GenerateConfig
+from specchat.core.settings import SETTINGS, build_config, request
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
 from specchat.engine_queue import MAX_PER_OWNER, MAX_WAITING, EngineQueue, QueueFull, Waiting
@@ -41,7 +42,6 @@ from specchat.stats.writer import StatsWriter
 from specchat.ui.access import NOBODY, Access
 from specchat.ui.render import ab_panel, ab_placeholders, render_history
 from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
-
 
 # What a message sent while the models load is told; it goes once they are ready.
 STILL_LOADING = "The models are still loading; your message is kept, send it when ready."
@@ -684,6 +684,6 @@ def warm_up(engine: Engine) -> None:
     replies that have too few plain steps of their own (stats/speedup.py)."""
     ids, stops = engine.chat_prompt([{"role": "user", "content": "Hello"}])
     steps = [event for event in engine.stream(
-        ids, GenerateConfig(max_new_tokens=6, speculation=False, seed=0, stop=tuple(stops)))
+        ids, request(max_new_tokens=6, stop=tuple(stops)))
         if isinstance(event, StepRecord)]
     plain_step_times(engine).add(steps[1:])

@@ -28,7 +28,7 @@ from specchat.core.runner import Runner
 from specchat.core.tree import visibility
 from specchat.runners.cpu import kernels
 from specchat.runners.cpu.q8_head import Q8Head
-from specchat.runners.static import StaticCache, rope_tables
+from specchat.runners.static import StaticCache, rope_tables, unsupported_config
 
 SLOTS = 256  # a cache's first slots, and the step it grows by (at least doubling)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -59,18 +59,12 @@ CLOCK_ROWS = ("products", "attention", "norms", "activation", "rest")
 
 def unsupported(model) -> str | None:
     """Why this runner cannot run `model` (as its CPU path left it), or None."""
-    from specchat.runners.hf.cpu import _NF4KernelForward
+    from specchat.runners.hf.cpu import NF4KernelForward
 
     config = model.config.get_text_config()
-    if getattr(config, "model_type", "") != "gemma3_text":
-        return f"it runs Gemma 3 only, not {getattr(config, 'model_type', type(model).__name__)}"
-    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"its activation is {getattr(config, 'hidden_activation', None)}"
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, name, None):
-            return f"{name} {getattr(config, name)}"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention"
+    why = unsupported_config(config, ("gemma3_text",), only="Gemma 3")
+    if why:
+        return why
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds <= set(ROPES):
         return f"layer types {sorted(kinds - set(ROPES))}"
@@ -82,7 +76,7 @@ def unsupported(model) -> str | None:
     for i, block in enumerate(base.layers):
         for module in _linears(block):
             forward = vars(module).get("forward")
-            if not isinstance(forward, _NF4KernelForward) or forward.bias is not None:
+            if not isinstance(forward, NF4KernelForward) or forward.bias is not None:
                 return f"layer {i}: a linear layer not on specchat's NF4 kernel"
             weights.add((forward.state.blocksize, tuple(forward.table.tolist())))
     if len(weights) != 1:

@@ -27,7 +27,7 @@ import torch
 
 from specchat.core.runner import Runner
 from specchat.runners.cuda import kernels
-from specchat.runners.static import StaticCache, rope_tables
+from specchat.runners.static import StaticCache, rope_tables, unsupported_config
 
 WIDTH = 16  # the decode width: plain steps, verifies of up to 15 drafts, short prompt tails
 PAGE = 64  # the prompt-page width (the engine's whole pages and their tails)
@@ -41,21 +41,13 @@ GEMMA = ("gemma3_text",)  # the Gemma 3 text stack: sandwich norms, q/k norms, g
 def unsupported(model) -> str | None:
     """Why `model` cannot run on this runtime, or None."""
     config = model.config.get_text_config()
-    kind = getattr(config, "model_type", "")
-    if kind not in SUPPORTED:
-        return f"{kind or type(model).__name__} is not a model it runs ({', '.join(SUPPORTED)})"
-    act = getattr(config, "hidden_activation", None) if kind in GEMMA \
-        else getattr(config, "hidden_act", "silu")
-    if act != ("gelu_pytorch_tanh" if kind in GEMMA else "silu"):
-        return f"its activation is {act}"
+    why = unsupported_config(config, SUPPORTED)
+    if why:
+        return why
+    kind = config.model_type
     if kind not in GEMMA and (getattr(config, "use_sliding_window", False)
                               or kind == "mistral" and getattr(config, "sliding_window", None)):
         return "sliding-window attention"
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, name, None):
-            return f"{name} {getattr(config, name)}"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention"
     head_dim = _head_dim(config)
     if head_dim % 16 or head_dim & (head_dim - 1):
         return f"head dim {head_dim} is not a power of two of at least 16"

@@ -160,14 +160,14 @@ def kernel_cpu_nf4(model, lib) -> int:
     exact: dict[tuple, bool] = {}
     changed = 0
     for m in _cpu_nf4_layers(model):
-        forward = _NF4KernelForward(m, lib)
+        forward = NF4KernelForward(m, lib)
         if forward.usable(exact):
             m.forward = forward
             changed += 1
     return changed
 
 
-class _NF4KernelForward:
+class NF4KernelForward:
     """The forward of one NF4 layer through `kernels.nf4_matmul` (see `kernel_cpu_nf4`).
     A row's result is the same bits alone or among any number of rows."""
 
