@@ -48,12 +48,75 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
 
 #if SPECCHAT_SIMD
 // The same arithmetic for every (row, slot) and every (row, dim) as the reference, in three
-// phases that read each key and each value once for all rows, not once per row: the rows of a
-// key/value head's grouped queries share its cache, and a decoding step's few rows are bound by
-// reading it. Each phase splits work whose results do not depend on the split: the scores by
-// slot (up to ATTEND_ROWS rows a pass over a key), the softmax by row, the weighted sums of the
-// values by 64 dimensions.
-#define ATTEND_ROWS 4
+// phases that read each key and each value once for up to ATTEND_ROWS rows, not once per row:
+// the rows of a key/value head's grouped queries share its cache, and a decoding step's few
+// rows are bound by reading it. Each phase splits work whose results do not depend on the
+// split: the scores by slot, the softmax by row, the weighted sums of the values by group of
+// rows and 16 dimensions. Row counts and the cache's dtype are constants in each phase's inner
+// loop (`scores_of`, `values_of` are inlined once per case), so its accumulators stay in
+// registers.
+#define ATTEND_ROWS 8  // rows a pass over a key takes (8 accumulators of 8 floats)
+#define VALUE_ROWS 4   // rows a pass over a value takes, 16 dimensions each (8 accumulators)
+
+// scores[r][j] for the nr rows from r0 at slot j (the rows its mask rows allow)
+static inline __attribute__((always_inline)) void scores_of(
+    int nr, int bf16, const float *q, int64_t r0, int64_t dim, const char *kj,
+    const uint8_t **masks, int64_t j, float scale, float *scores, int64_t slots) {
+    __m256 acc[ATTEND_ROWS];
+    for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 8) {
+        const __m256 kv = load8(kj, c, bf16);
+        for (int i = 0; i < nr; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r0 + i) * dim + c), kv, acc[i]);
+    }
+    for (int i = 0; i < nr; i++)
+        if (masks[r0 + i][j]) scores[(r0 + i) * slots + j] = hsum(acc[i]) * scale;
+}
+
+// out[r][c .. c + 16) for the nr rows from r0: the slots' values weighted by the rows'
+// probabilities, over the slots in order, each row's allowed slots only
+static inline __attribute__((always_inline)) void values_of(
+    int nr, int bf16, const void *v, int64_t vstride, int64_t slots, int64_t c, int64_t r0,
+    const uint8_t **masks, const float *scores, const float *totals, int64_t dim, float *out) {
+    const int64_t es = bf16 ? 2 : 4;
+    __m256 acc[VALUE_ROWS][2];
+    for (int i = 0; i < nr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < slots; j++) {
+        const char *vj = (const char *)v + j * vstride * es;
+        const __m256 v0 = load8(vj, c, bf16), v1 = load8(vj, c + 8, bf16);
+        for (int i = 0; i < nr; i++) {
+            if (!masks[r0 + i][j]) continue;
+            const __m256 p = _mm256_broadcast_ss(scores + (r0 + i) * slots + j);
+            acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const __m256 t = _mm256_set1_ps(totals[r0 + i]);
+        _mm256_storeu_ps(out + (r0 + i) * dim + c, _mm256_div_ps(acc[i][0], t));
+        _mm256_storeu_ps(out + (r0 + i) * dim + c + 8, _mm256_div_ps(acc[i][1], t));
+    }
+}
+
+// out[r][c .. c + 8) for one row where the head dimension leaves 8 past the last 16
+static void values_of8(int bf16, const void *v, int64_t vstride, int64_t slots, int64_t c,
+                       const uint8_t *allowed, const float *s, float total, float *out) {
+    const int64_t es = bf16 ? 2 : 4;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < slots; j++)
+        if (allowed[j])
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]),
+                                  load8((const char *)v + j * vstride * es, c, bf16), acc);
+    _mm256_storeu_ps(out + c, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+}
+
+#define ATTEND_CASE(NR, CALL) \
+    case NR:                  \
+        if (bf16)             \
+            CALL(NR, 1);      \
+        else                  \
+            CALL(NR, 0);      \
+        break;
 
 void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
             int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
@@ -62,10 +125,17 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
     if (!rows_ok(rows, dim, slots >= 0 && mask_rows > 0, 0, out)) return;
     const int64_t es = bf16 ? 2 : 4;
     float *totals = malloc(sizeof(float) * rows);
-    if (!totals) {  // no memory: NaN rows, which no caller can miss
+    // each row's mask row, found once: `r % mask_rows` is an integer division, which per
+    // (row, slot) cost more than the row's dot product with the key
+    const uint8_t **masks = malloc(sizeof(*masks) * rows);
+    if (!totals || !masks) {  // no memory: NaN rows, which no caller can miss
         for (int64_t i = 0; i < rows * dim; i++) out[i] = __builtin_nanf("");
+        free(totals);
+        free(masks);
         return;
     }
+    for (int64_t r = 0; r < rows; r++) masks[r] = mask + (r % mask_rows) * mstride;
+    const int64_t groups = (rows + VALUE_ROWS - 1) / VALUE_ROWS, wide = dim / 16;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -74,24 +144,20 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
             for (int64_t r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
                 const int nr = rows - r0 < ATTEND_ROWS ? (int)(rows - r0) : ATTEND_ROWS;
                 int seen = 0;
-                for (int i = 0; i < nr; i++) seen |= mask[((r0 + i) % mask_rows) * mstride + j];
+                for (int i = 0; i < nr; i++) seen |= masks[r0 + i][j];
                 if (!seen) continue;
-                __m256 acc[ATTEND_ROWS];
-                for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
-                for (int64_t c = 0; c < dim; c += 8) {
-                    const __m256 kv = load8(kj, c, bf16);
-                    for (int i = 0; i < nr; i++)
-                        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r0 + i) * dim + c), kv,
-                                                 acc[i]);
+#define SCORES(NR, BF16) scores_of(NR, BF16, q, r0, dim, kj, masks, j, scale, scores, slots)
+                switch (nr) {
+                    ATTEND_CASE(1, SCORES) ATTEND_CASE(2, SCORES) ATTEND_CASE(3, SCORES)
+                    ATTEND_CASE(4, SCORES) ATTEND_CASE(5, SCORES) ATTEND_CASE(6, SCORES)
+                    ATTEND_CASE(7, SCORES) ATTEND_CASE(8, SCORES)
                 }
-                for (int i = 0; i < nr; i++)
-                    if (mask[((r0 + i) % mask_rows) * mstride + j])
-                        scores[(r0 + i) * slots + j] = hsum(acc[i]) * scale;
+#undef SCORES
             }
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const uint8_t *allowed = mask + (r % mask_rows) * mstride;
+            const uint8_t *allowed = masks[r];
             float *s = scores + r * slots, top = -__builtin_inff(), total = 0.0f;
             for (int64_t j = 0; j < slots; j++)
                 if (allowed[j] && s[j] > top) top = s[j];
@@ -100,29 +166,27 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
             totals[r] = total;
         }
 #pragma omp for schedule(static) collapse(2)
-        for (int64_t c = 0; c < dim; c += 64)  // 8 accumulators of 8 dims each
-            for (int64_t r = 0; r < rows; r++) {
-                const uint8_t *allowed = mask + (r % mask_rows) * mstride;
-                const float *s = scores + r * slots;
-                const int nv = dim - c >= 64 ? 8 : (int)(dim - c) / 8;
-                __m256 acc[8];
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-                for (int64_t j = 0; j < slots; j++) {
-                    if (!allowed[j]) continue;
-                    const char *vj = (const char *)v + j * vstride * es;
-                    const __m256 p = _mm256_set1_ps(s[j]);
-                    if (nv == 8)
-                        for (int u = 0; u < 8; u++)
-                            acc[u] = _mm256_fmadd_ps(p, load8(vj, c + 8 * u, bf16), acc[u]);
-                    else
-                        for (int u = 0; u < nv; u++)
-                            acc[u] = _mm256_fmadd_ps(p, load8(vj, c + 8 * u, bf16), acc[u]);
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t w = 0; w < wide; w++) {
+                const int64_t r0 = g * VALUE_ROWS, c = 16 * w;
+                const int nr = rows - r0 < VALUE_ROWS ? (int)(rows - r0) : VALUE_ROWS;
+#define VALUES(NR, BF16) \
+    values_of(NR, BF16, v, vstride, slots, c, r0, masks, scores, totals, dim, out)
+                switch (nr) {
+                    ATTEND_CASE(1, VALUES) ATTEND_CASE(2, VALUES) ATTEND_CASE(3, VALUES)
+                    ATTEND_CASE(4, VALUES)
                 }
-                const __m256 t = _mm256_set1_ps(totals[r]);
-                for (int u = 0; u < nv; u++)
-                    _mm256_storeu_ps(out + r * dim + c + 8 * u, _mm256_div_ps(acc[u], t));
+#undef VALUES
             }
+        if (dim % 16) {  // the last 8 dimensions
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                values_of8(bf16, v, vstride, slots, dim - 8, masks[r], scores + r * slots,
+                           totals[r], out + r * dim);
+        }
     }
     free(totals);
+    free(masks);
 }
+#undef ATTEND_CASE
 #endif  // SPECCHAT_SIMD
