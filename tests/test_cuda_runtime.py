@@ -35,19 +35,61 @@ def test_the_pair_table_holds_both_codes_of_a_byte_high_nibble_first():
     assert second.view(torch.bfloat16).item() == INTEGER_CODE[12]
 
 
-def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output():
+# (columns, codes a step, slices of K, warps, stages, decode): both decodings, one and several
+# blocks a step, K whole or split
+NF4_CONFIGS = [(16, 64, 1, 4, 1, 0), (16, 64, 1, 4, 1, 1), (32, 128, 2, 4, 1, 1),
+               (16, 64, 4, 4, 1, 0)]
+
+
+@pytest.mark.parametrize("config", [None, *NF4_CONFIGS])
+def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output(config):
     torch.manual_seed(0)
-    n, k, m = 40, 192, 5  # n not a multiple of the tile, three absmax blocks a row
+    n, k, m = 40, 256, 5  # n not a multiple of the tile, four absmax blocks a row
     codes = torch.randint(0, 16, (n, k))
     absmax = 2.0 ** torch.randint(-2, 3, (n, k // 64)).float()
     bias = torch.randint(-4, 5, (n,)).to(torch.bfloat16)
     x = torch.randint(-3, 4, (m, k)).to(torch.bfloat16)
     wide = torch.full((m, n + 8), float("nan"))
     kernels.nf4_matmul(x, _pack(codes), absmax, kernels.pair_table(INTEGER_CODE), bias,
-                       out=wide[:, 4:4 + n])
+                       out=wide[:, 4:4 + n], config=config)
     weight = INTEGER_CODE[codes] * absmax.repeat_interleave(64, 1)
     assert torch.equal(wide[:, 4:4 + n], x.float() @ weight.T + bias.float())
     assert wide[:, :4].isnan().all() and wide[:, 4 + n:].isnan().all()  # nothing else written
+
+
+def test_both_decodings_give_the_same_bits_and_a_config_must_divide_k():
+    torch.manual_seed(1)
+    packed = _pack(torch.randint(0, 16, (24, 192)))
+    absmax = torch.rand(24, 3)
+    table = kernels.pair_table(torch.linspace(-1, 1, 16))
+    x = torch.randn(3, 192).to(torch.bfloat16)
+    by_table = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 0))
+    by_gather = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 1))
+    assert torch.equal(by_table, by_gather)
+    with pytest.raises(ValueError, match="whole steps"):
+        kernels.nf4_matmul(x, packed, absmax, table, config=(16, 128, 1, 4, 1, 1))
+
+
+def test_the_shapes_config_and_the_sweeps_candidates_divide_k_into_whole_steps():
+    from specchat.runners.cuda import sweep
+
+    shapes = [shape for model in sweep.SHAPES.values() for name, shape in model.items()
+              if name != "lm head"] + [(96, 192)]
+    for n, k in shapes:
+        configs = sweep.candidates(n, k)
+        assert configs[0] == kernels.nf4_config(n, k) and len(configs) <= 24
+        for c in configs:
+            assert k % (c.split * c.block_k) == 0 and c.block_k % 64 == 0, c
+
+
+def test_the_sweep_says_what_it_needs_without_a_gpu(capsys):
+    from specchat.runners.cuda import sweep
+
+    with pytest.raises(SystemExit) as done:
+        sweep.main(["--help"])
+    assert done.value.code == 0 and "--write" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert sweep.main([]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def _rows_alone_and_together(fn, x: torch.Tensor) -> None:
@@ -69,8 +111,9 @@ def test_matmul_rows_never_depend_on_their_neighbours():
     weight = torch.randn(80, 128).to(torch.bfloat16)
     x = torch.randn(19, 128).to(torch.bfloat16)
     _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table), x)
-    _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table,
-                                                          config=(16, 4, 1)), x)
+    for config in ((16, 64, 1, 4, 1, 0), (16, 64, 1, 4, 1, 1), (16, 64, 2, 4, 1, 1)):
+        _rows_alone_and_together(lambda r, c=config: kernels.nf4_matmul(r, packed, absmax, table,
+                                                                        config=c), x)
     _rows_alone_and_together(lambda r: kernels.matmul(r, weight), x)
     _rows_alone_and_together(lambda r: kernels.rms_norm(r, weight[0], 1e-6), x)
 
@@ -181,6 +224,12 @@ def test_the_runner_computes_what_transformers_computes(nf4_llama, runner):
         want = model(torch.tensor([IDS])).logits[0].float()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
     assert got.argmax(-1).eq(want.argmax(-1)).float().mean() >= 0.85  # random logits: near-ties
+    # q|k|v and gate|up run fused, and transformers' modules (which computed `want` after the
+    # runner was made) read their weights from the fused buffers, not from copies
+    layer, block = runner.layers[0], model.model.layers[0]
+    assert layer.qkv is not None and layer.gate_up is not None
+    assert block.self_attn.k_proj.weight.data.data_ptr() == layer.k.packed.data_ptr()
+    assert layer.k.packed.data_ptr() - layer.qkv.packed.data_ptr() == layer.q.packed.numel()
 
 
 def test_a_tokens_logits_never_depend_on_what_is_fed_with_it(runner):

@@ -5,7 +5,7 @@ no atomics. So a token's activations are the same bits whatever is fed beside it
 
 | kernel      | computes                                                        |
 | ----------- | --------------------------------------------------------------- |
-| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, both codes of a byte looked up at once (`pair_table`), the block's absmax applied to its partial product |
+| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded from the codebook in registers (or `pair_table`), the block's absmax applied to its partial product; K split into slices by the weight's shape (`nf4_config`) |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row         |
 | `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
@@ -17,7 +17,11 @@ Under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests do, at tin
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,71 +59,172 @@ def pair_table(code: torch.Tensor) -> torch.Tensor:
     return (bits[byte >> 4] | (bits[byte & 15] << 16)).to(torch.int32).contiguous()
 
 
+# A program takes BLOCK_N columns of W and one of SPLIT equal slices of K, for ROWS rows: each
+# step reads BLOCK_K codes of every column (BLOCK_K / 2 bytes: 128 at the default 256 codes),
+# block by block of 64 codes, with the block's partial product scaled by its absmax and added in
+# order. SPLIT > 1 writes each slice's float32 sums to its own plane of `partial`, and
+# `_nf4_sum_kernel` adds the planes in order: no atomics, and every count is the weight's, so a
+# row's bits never depend on the rows beside it.
+#
+# Decoding: DECODE 0 looks each byte up in the 256-entry pair table (one load gives both codes,
+# from global memory, cached); DECODE 1 loads the 16 codebook values once per program and
+# decodes every nibble with `tl.gather` from registers. Both give the same bf16 values.
+
+
 @triton.jit
-def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                       K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+def _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, row_ok, col_ok, kb,
+               K: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """The unscaled product of one 64-code block: x[rm, 64 kb ..] @ W[rn, 64 kb ..].T."""
+    rk = tl.arange(0, 64)
+    rb = tl.arange(0, 32)
+    x = tl.load(x_ptr + rm[:, None] * K + kb * 64 + rk[None, :], mask=row_ok[:, None],
+                other=0.0)
+    packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb * 32 + rb[None, :],
+                     mask=col_ok[:, None], other=0)
+    if DECODE == 1:
+        codes = packed.to(tl.int32)
+        first = tl.gather(values, tl.reshape(codes >> 4, (BLOCK_N * 32,)), 0)
+        second = tl.gather(values, tl.reshape(codes & 15, (BLOCK_N * 32,)), 0)
+        first = tl.reshape(first, (BLOCK_N, 32)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        second = tl.reshape(second, (BLOCK_N, 32)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        pair = tl.load(table_ptr + packed.to(tl.int32))
+        first = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        second = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    w = tl.reshape(tl.join(first, second), (BLOCK_N, 64))
+    return _dot(x, tl.trans(w), UPCAST)
+
+
+@triton.jit
+def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, partial_ptr,
+                       M, N, stride_om, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, DECODE: tl.constexpr, UPCAST: tl.constexpr):
     # row tiles vary fastest, so the tiles of one column block run together and read its
     # codes from HBM once (a prompt page has four)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, 64)
-    rb = tl.arange(0, 32)
     row_ok = rm < M
     col_ok = rn < N
+    values = tl.load(table_ptr + tl.arange(0, 16) * 16) & 0xFFFF  # code i: byte i << 4, first
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // 64):
-        x = tl.load(x_ptr + rm[:, None] * K + kb * 64 + rk[None, :], mask=row_ok[:, None],
-                    other=0.0)
-        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb * 32 + rb[None, :],
-                         mask=col_ok[:, None], other=0)
-        pair = tl.load(table_ptr + packed.to(tl.int32))
-        first = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        second = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        w = tl.reshape(tl.join(first, second), (BLOCK_N, 64))
-        part = _dot(x, tl.trans(w), UPCAST)
-        scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
-        acc += part * scale[None, :]
+    first_block = pid_k * (K // 64 // SPLIT)
+    for step in range(0, K // SPLIT, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // 64):
+            kb = first_block + step // 64 + j
+            part = _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, row_ok, col_ok, kb,
+                              K, BLOCK_N, DECODE, UPCAST)
+            scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+            acc += part * scale[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        tl.store(partial_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _nf4_sum_kernel(partial_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = the SPLIT planes of partial added in order (+ bias), in out's dtype."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = at < M * N
+    acc = tl.load(partial_ptr + at, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(partial_ptr + s * M * N + at, mask=ok, other=0.0)
+    m, n = at // N, at % N
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def nf4_config(n: int, k: int) -> tuple[int, int, int]:
-    """(columns a program, warps, stages) from the weight's shape alone, never the rows: the
-    fastest of `sweep.py`'s table on an H200 for each of Llama 3.1 8B's shapes (q/o, k/v
-    square-ish; gate/up wide; down deep). (Interpreted: wide tiles, fewer programs.)"""
+# Programs a matmul should start to keep every SM of an H100/H200 (132) busy with several
+# programs, at a decode step's one row tile
+PROGRAMS = 512
+# The fastest configuration of each NF4 shape, per card, as `sweep.py --write` measured it:
+# {card name: {"NxK": [columns, codes a step, slices, warps, stages, decode]}}
+CONFIGS_FILE = Path(__file__).with_name("configs.json")
+
+
+class NF4Config(NamedTuple):
+    block_n: int  # columns a program
+    block_k: int  # codes of each column a step (a multiple of 64)
+    split: int  # equal slices of K, summed in order after
+    warps: int
+    stages: int
+    decode: int = 1  # 0: the pair table in global memory, 1: the codebook in registers
+
+
+@functools.cache
+def card_configs(card: str) -> dict[str, NF4Config]:
+    """The configurations `sweep.py --write` kept for this card (none: the shape's rule)."""
+    try:
+        table = json.loads(CONFIGS_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {shape: NF4Config(*c) for shape, c in table.get(card, {}).items()}
+
+
+@functools.cache
+def _card(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def nf4_config(n: int, k: int, card: str | None = None) -> NF4Config:
+    """The configuration of an [n, k] NF4 weight, from its shape (and the card) alone, never
+    the rows: the card's measured best where `sweep.py --write` kept one; else enough programs
+    at one row tile (`PROGRAMS`), each reading BLOCK_K codes of its columns a step.
+    (Interpreted: wide tiles, few programs.)"""
+    kept = card_configs(card).get(f"{n}x{k}") if card else None
+    if kept is not None and k % (kept.split * kept.block_k) == 0:
+        return kept
+    blocks = k // NF4_BLOCK
+    per_step = 4 if blocks % 4 == 0 else 2 if blocks % 2 == 0 else 1
     if UPCAST:
-        return 64, 4, 1
-    if n >= 2 * k:
-        return 64, 2, 3
-    if k >= 2 * n:
-        return 16, 4, 2
-    return 16, 2, 4
+        return NF4Config(64, 64 * per_step, 2 if blocks % (2 * per_step) == 0 else 1, 4, 1)
+    block_n = 32
+    split = 1
+    while (triton.cdiv(n, block_n) * split < PROGRAMS and split < 16
+           and blocks % (2 * split * per_step) == 0):
+        split *= 2
+    return NF4Config(block_n, 64 * per_step, split, 4, 3)
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                table: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+               out: torch.Tensor | None = None, config: NF4Config | None = None
                ) -> torch.Tensor:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
     first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
     table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
-    buffer (rows strided, columns contiguous). `config`: (columns a program, warps, stages)
-    instead of the shape's own (`sweep.py` times them)."""
+    buffer (rows strided, columns contiguous). `config` instead of the shape's own
+    (`sweep.py` times them)."""
     m, k = x.shape
     n = packed.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, warps, stages = config or nf4_config(n, k)
-    grid = (triton.cdiv(m, ROWS), triton.cdiv(n, block_n))
+    c = NF4Config(*config) if config is not None else nf4_config(n, k, _card(x.device))
+    if k % (c.split * c.block_k) or c.block_k % NF4_BLOCK:
+        raise ValueError(f"{c} does not divide K = {k} into whole steps")
+    partial = torch.empty(c.split, m, n, dtype=torch.float32, device=x.device) \
+        if c.split > 1 else out
+    grid = (triton.cdiv(m, ROWS), triton.cdiv(n, c.block_n), c.split)
     _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
-                             out, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
-                             BLOCK_M=ROWS, BLOCK_N=block_n, UPCAST=UPCAST, num_warps=warps,
-                             num_stages=stages)
+                             out, partial, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
+                             BLOCK_M=ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                             SPLIT=c.split, DECODE=c.decode, UPCAST=UPCAST, num_warps=c.warps,
+                             num_stages=c.stages)
+    if c.split > 1:
+        _nf4_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            partial, bias if bias is not None else absmax, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT=c.split, BLOCK=1024)
     return out
 
 

@@ -103,6 +103,31 @@ class Linear:
         return kernels.matmul(x, self.weight, self.bias, out)
 
 
+def fuse(linears: list[Linear], modules: list) -> Linear | None:
+    """One NF4 Linear for layers that read the same input (q|k|v, gate|up), their outputs side
+    by side: one launch with enough columns for every SM where k and v alone start few
+    programs. Their codes and scales move into the fused buffers, which the layers (and
+    their modules' weights) then view, so no weight is held twice. None where a layer is not
+    NF4, has a bias, or another codebook."""
+    first = linears[0]
+    if any(lin.packed is None or lin.bias is not None or lin.packed.shape[1] != first.packed.shape[1]
+           or not torch.equal(lin.code, first.code) for lin in linears):
+        return None
+    fused = Linear.__new__(Linear)
+    fused.bias, fused.weight, fused.code = None, None, first.code
+    fused.out_features = sum(lin.out_features for lin in linears)
+    fused.packed = torch.cat([lin.packed for lin in linears])
+    fused.absmax = torch.cat([lin.absmax for lin in linears])
+    row = 0
+    for lin, module in zip(linears, modules):
+        rows = slice(row, row + lin.out_features)
+        shape = module.weight.data.shape
+        lin.packed, lin.absmax = fused.packed[rows], fused.absmax[rows]
+        module.weight.data = lin.packed.reshape(shape)  # bitsandbytes' [N * K / 2, 1] view
+        row += lin.out_features
+    return fused
+
+
 @dataclass
 class Layer:
     q: Linear
@@ -114,6 +139,8 @@ class Layer:
     down: Linear
     attn_norm: torch.Tensor  # before attention
     mlp_norm: torch.Tensor  # before the MLP
+    qkv: Linear | None = None  # q|k|v fused (`fuse`), or None: three products
+    gate_up: Linear | None = None  # gate|up fused, or None: two products
     window: int | None = None  # a sliding-window layer's window
     rope: str = "default"  # which rotary table (Gemma: "sliding_attention", "full_attention")
     q_norm: torch.Tensor | None = None  # per-head q and k norms (Gemma)
@@ -175,6 +202,8 @@ class CudaRunner(Runner):
             else:
                 layer = Layer(*linears, block.input_layernorm.weight.data,
                               block.post_attention_layernorm.weight.data)
+            layer.qkv = fuse(linears[:3], [att.q_proj, att.k_proj, att.v_proj])
+            layer.gate_up = fuse(linears[4:6], [mlp.gate_proj, mlp.up_proj])
             self.layers.append(layer)
         self.lm_head = Linear(model.get_output_embeddings(), code)
         limit = getattr(config, "max_position_embeddings", None) or CONTEXT
@@ -218,9 +247,12 @@ class CudaRunner(Runner):
         gate_up = torch.empty(m, 2 * inter, dtype=self.dtype, device=self.device)
         x = self._norm(h, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
-            layer.q(x, out=qkv[:, :nq])
-            layer.k(x, out=qkv[:, nq:nq + nk])
-            layer.v(x, out=qkv[:, nq + nk:])
+            if layer.qkv is not None:
+                layer.qkv(x, out=qkv)
+            else:
+                layer.q(x, out=qkv[:, :nq])
+                layer.k(x, out=qkv[:, nq:nq + nk])
+                layer.v(x, out=qkv[:, nq + nk:])
             cos, sin = self.rope[layer.rope]
             qk_norm = (layer.q_norm, layer.k_norm, self.eps, self.norm_offset) \
                 if layer.q_norm is not None else None
@@ -232,8 +264,11 @@ class CudaRunner(Runner):
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
             x = self._norm(h, layer.mlp_norm, add=o)
-            layer.gate(x, out=gate_up[:, :inter])
-            layer.up(x, out=gate_up[:, inter:])
+            if layer.gate_up is not None:
+                layer.gate_up(x, out=gate_up)
+            else:
+                layer.gate(x, out=gate_up[:, :inter])
+                layer.up(x, out=gate_up[:, inter:])
             down = layer.down(kernels.act_mul(gate_up, gelu=self.gemma))
             if layer.post_mlp_norm is not None:
                 down = self._norm(down, layer.post_mlp_norm)

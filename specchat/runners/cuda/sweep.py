@@ -1,27 +1,57 @@
-"""Time the matmul kernels' tile configurations on this GPU at a decode step's width, for the
-weight shapes of Llama 3.1 8B: `python -m specchat.runners.cuda.sweep`. Prints the read
-bandwidth each achieves (weights, absmax and activations once), best first per shape, beside
-the configuration the runtime takes. The runtime's rules (`kernels.nf4_config`, the default of
-`kernels.matmul`) come from such tables, never from timings at run time: a row's bits must not
-depend on a timing."""
+"""Time the CUDA runtime's matmul kernels on this GPU, for the weight shapes of Llama 3.1 8B and
+Llama 3.2 1B as the runtime runs them (q|k|v and gate|up fused):
+
+    python -m specchat.runners.cuda.sweep                  # every shape, 1 to 64 rows
+    python -m specchat.runners.cuda.sweep --shape 8b --write
+
+For each NF4 shape it tries tile configurations at a decode step's width (16 rows, what the
+runtime pads every step of up to 16 tokens to), then times the best and the runtime's own at 1,
+2, 4, 8, 16 and 64 rows, beside the bf16 kernel and bitsandbytes' own 4-bit matmul on the same
+weights: microseconds, the read bandwidth (weights, scales and activations once) and its
+fraction of this GPU's measured copy rate. `--write` keeps the best configuration of each shape
+for this card in `configs.json`, which `kernels.nf4_config` reads: configurations are chosen by
+the weight's shape and the card, never by timings at run time (a row's bits must not depend on a
+timing)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 
 import torch
 
-from specchat.runners.cuda import kernels
+# Llama 3.1 8B and Llama 3.2 1B: (out features, in features) of each NF4 product the runtime
+# launches, and the LM head (bf16)
+SHAPES = {
+    "8b": {"q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096),
+           "down": (4096, 14336), "lm head": (128256, 4096)},
+    "1b": {"q|k|v": (3072, 2048), "o": (2048, 2048), "gate|up": (16384, 2048),
+           "down": (2048, 8192), "lm head": (128256, 2048)},
+}
+ROWS = (1, 2, 4, 8, 16, 64)
 
-NF4_SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
-              "down": (4096, 14336)}  # (out features, in features)
-NF4_CONFIGS = [(16, 2, 4), (16, 2, 3), (16, 4, 2), (16, 4, 4), (32, 2, 3), (32, 4, 3),
-               (64, 2, 3), (64, 4, 3)]
-HEAD_SHAPES = {"lm head 8B": (128256, 4096), "lm head 1B": (128256, 2048)}
-HEAD_CONFIGS = [(64, 128, 4, 3), (32, 128, 4, 4), (128, 128, 8, 3)]
+
+def candidates(n: int, k: int) -> list:
+    """Tile configurations worth timing for an [n, k] NF4 weight (about 20: each is compiled
+    once): the shape's own rule, and around it columns a program, slices of K and both
+    decodings at 256 codes a step, then 128 and 512 codes a step."""
+    from specchat.runners.cuda import kernels
+
+    own = kernels.nf4_config(n, k)
+    out = [own]
+    tried = [(block_n, 256, split, decode) for block_n in (16, 32, 64)
+             for split in (own.split // 2, own.split, own.split * 2) for decode in (0, 1)]
+    tried += [(own.block_n, block_k, own.split, own.decode) for block_k in (128, 512)]
+    for block_n, block_k, split, decode in tried:
+        c = kernels.NF4Config(block_n, block_k, split, own.warps, own.stages, decode)
+        if split >= 1 and k % (split * block_k) == 0 and c not in out:
+            out.append(c)
+    return out
 
 
-def _time_ms(fn, repeats: int = 30) -> float:
+def _time_us(fn, repeats: int = 50) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
     times = []
@@ -30,48 +60,121 @@ def _time_ms(fn, repeats: int = 30) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) * 1000)
     return statistics.median(times)
 
 
-def _report(name: str, shape: str, read: int, runs: list, default) -> None:
-    rows = sorted(((read / ms / 1e6, config, ms) for config, ms in runs), reverse=True)
-    for gbs, config, ms in rows[:4] + [r for r in rows[4:] if r[1] == default]:
-        mark = "*" if config == default else " "
-        print(f"  {name:10} {shape:12} {str(config):22}{mark} {ms * 1000:8.1f} us "
-              f"{gbs:6.0f} GB/s")
+def copy_rate(device) -> float:
+    """This GPU's device-to-device copy rate in bytes/s (read and write counted)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    us = _time_us(lambda: b.copy_(a), 20)
+    return 2 * a.numel() / us * 1e6
 
 
-def _sweep(fn, configs) -> list:
-    runs = []
-    for config in configs:
-        try:
-            runs.append((config, _time_ms(lambda c=config: fn(c))))
-        except Exception as e:  # a tile that does not fit this GPU
-            print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-    return runs
+def _nf4_weights(n: int, k: int, device):
+    """Random NF4 weights in bitsandbytes' layout, quantized by bitsandbytes (no double
+    quantization: the float32 absmax the runtime reads), and bitsandbytes' own forward."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import quantize_4bit
+
+    from specchat.runners.cuda import kernels
+
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
+    packed, state = quantize_4bit(weight, blocksize=kernels.NF4_BLOCK, quant_type="nf4",
+                                  compress_statistics=False)
+    codes = packed.view(n, k // 2)
+    absmax = state.absmax.float().view(n, k // kernels.NF4_BLOCK)
+    table = kernels.pair_table(state.code.float().cpu()).to(device)
+    return weight, codes, absmax, table, lambda x: bnb.matmul_4bit(x, packed.t(), state)
 
 
-def main() -> None:
+def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
+    """Print the table of one model's shapes; -> {"n x k": best config} for `--write`."""
+    from specchat.runners.cuda import kernels
+
+    best_of = {}
+    for name, (n, k) in SHAPES[shape].items():
+        if name == "lm head":
+            weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
+            for m in rows:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+                us = _time_us(lambda: kernels.matmul(x, weight))
+                _line(name, n, k, m, "bf16", us, weight.numel() * 2 + x.numel() * 2, rate)
+            continue
+        weight, codes, absmax, table, bnb_forward = _nf4_weights(n, k, device)
+        x16 = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
+        timed = []
+        for config in candidates(n, k):
+            try:
+                timed.append((_time_us(lambda c=config: kernels.nf4_matmul(
+                    x16, codes, absmax, table, config=c), 20), config))
+            except Exception as e:  # noqa: BLE001 (a tile that does not fit this GPU)
+                print(f"  {name} {config}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        best = min(timed)[1]
+        own = kernels.nf4_config(n, k)
+        best_of[f"{n}x{k}"] = list(best)
+        nf4_bytes = codes.numel() + absmax.numel() * 4
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+            read = nf4_bytes + x.numel() * 2
+            for label, config in (("nf4 best", best), ("nf4 runtime", own)):
+                us = _time_us(lambda c=config: kernels.nf4_matmul(x, codes, absmax, table,
+                                                                  config=c))
+                _line(name, n, k, m, f"{label} {tuple(config)}", us, read, rate)
+            _line(name, n, k, m, "bf16 kernel", _time_us(lambda: kernels.matmul(x, weight)),
+                  weight.numel() * 2 + x.numel() * 2, rate)
+            _line(name, n, k, m, "bitsandbytes", _time_us(lambda: bnb_forward(x)), read, rate)
+    return best_of
+
+
+def _line(name: str, n: int, k: int, m: int, what: str, us: float, read: int,
+          rate: float) -> None:
+    gbs = read / us / 1e3
+    print(f"  {name:8} {n:>6}x{k:<6} {m:>3} rows  {what:40} {us:9.1f} us {gbs:7.0f} GB/s "
+          f"{gbs * 1e9 / rate:6.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m specchat.runners.cuda.sweep",
+        description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--shape", choices=(*SHAPES, "all"), default="all",
+                   help="the model whose shapes to time (default: all)")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), metavar="N,N,...",
+                   help="row counts to time (default: %(default)s)")
+    p.add_argument("--write", action="store_true",
+                   help="keep each shape's best configuration for this card in configs.json")
+    args = p.parse_args(argv)
+    try:
+        rows = tuple(int(r) for r in args.rows.split(","))
+        if not rows or min(rows) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--rows takes positive whole numbers separated by commas (got {args.rows!r})")
+    if not torch.cuda.is_available():
+        print("sweep: it times the CUDA kernels and needs a CUDA GPU; none is visible here "
+              f"(torch {torch.__version__})", file=sys.stderr)
+        return 2
+    from specchat.runners.cuda import kernels
+
     device = torch.device("cuda")
-    table = kernels.pair_table(torch.linspace(-1, 1, 16)).to(device)
-    print(f"{torch.cuda.get_device_name(device)}: {kernels.ROWS} rows; NF4 configs (columns, "
-          "warps, stages), bf16 (columns, K, warps, stages); the runtime's own marked *")
-    for name, (n, k) in NF4_SHAPES.items():
-        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
-        absmax = torch.rand(n, k // 64, device=device)
-        x = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
-        default = kernels.nf4_config(n, k)
-        configs = NF4_CONFIGS + ([default] if default not in NF4_CONFIGS else [])
-        runs = _sweep(lambda c: kernels.nf4_matmul(x, packed, absmax, table, config=c), configs)
-        read = packed.numel() + absmax.numel() * 4 + x.numel() * 2
-        _report(name, f"{n}x{k}", read, runs, default)
-    for name, (n, k) in HEAD_SHAPES.items():
-        weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
-        x = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
-        runs = _sweep(lambda c: kernels.matmul(x, weight, config=c), HEAD_CONFIGS)
-        _report(name, f"{n}x{k}", weight.numel() * 2, runs, kernels.MATMUL_CONFIG)
+    card = torch.cuda.get_device_name(device)
+    rate = copy_rate(device)
+    print(f"{card}: copy rate {rate / 1e9:.0f} GB/s; NF4 configurations (columns, codes a "
+          "step, slices of K, warps, stages, decode); GB/s and its share of the copy rate")
+    best = {}
+    for shape in (SHAPES if args.shape == "all" else [args.shape]):
+        print(f"{shape}:")
+        best.update(sweep(shape, rows, rate, device))
+    if args.write:
+        path = kernels.CONFIGS_FILE
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.setdefault(card, {}).update(best)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"best configurations for {card} written to {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
