@@ -174,6 +174,26 @@ def test_the_profile_splits_the_c_forward_into_its_parts(checkpoint, monkeypatch
     assert engine.runner.clock is None and "_run" not in vars(engine.runner)
 
 
+def test_the_profile_times_forwards_of_several_rows_by_part(checkpoint, monkeypatch):
+    """`bench --profile`'s cost of a forward by rows (what a verify costs): every row count
+    timed after the same prompt, split by the C forward's clock, with a table in the report;
+    the cache is left as the prompt alone each time, so the runner goes on decoding right."""
+    from specchat.bench.profile import profile_rows, rows_lines
+
+    path = next(iter(KERNEL_PATHS), None)
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    engine = Engine(load(checkpoint, path, monkeypatch), {})
+    found = profile_rows(engine, IDS[:40], rows=(1, 3), repeats=2)
+    assert found["context"] == 40 and set(found["rows"]) == {1, 3}
+    for n, parts in found["rows"].items():
+        assert parts["ms"] > 0 and parts["NF4 layers"] > 0 and parts["attention"] > 0, n
+        assert parts["NF4 layers"] + parts["attention"] < parts["ms"]
+    lines = rows_lines(found)
+    assert "verify of n - 1 drafts" in lines[0] and lines[3].split()[0] == "3"
+    assert engine.runner.clock is None
+
+
 def test_the_bench_times_the_decoder_forwards_at_the_runner(checkpoint, monkeypatch):
     """The bench's prompt and decode times come from the runner's forwards, which transformers'
     module hooks never see on this forward."""

@@ -172,12 +172,13 @@ def cmd_bench(args) -> int:
     if isinstance(result, int):
         return result
     if args.profile and not result["config"]["interrupted"]:
-        from specchat.bench.profile import profile_plain
+        from specchat.bench.profile import profile_plain, profile_rows
         from specchat.bench.run import prompt_of
 
         prompts = [prompt_of(engine.tokenizer, [{"role": "user", "content": q["turns"][0]}],
                              settings) for q in questions]
         result["profile"] = profile_plain(engine, prompts, settings)
+        result["profile"]["by_rows"] = profile_rows(engine, prompts[0][0])
         if args.llama_server_bin:  # llama.cpp's side, by its profile program
             result["profile"]["llama"] = _profile_llama(args, engine, prompts, settings, result)
     print(format_report(result))

@@ -213,6 +213,60 @@ def profile_plain(engine, prompts: list[tuple[list[int], tuple]], s: BenchSettin
             "host_ms": (step_s - forward_s) * per, "tokens": steps}
 
 
+VERIFY_ROWS = (1, 2, 4, 8)  # rows of the forwards `profile_rows` times
+
+
+def profile_rows(engine, prompt: list[int], rows: tuple[int, ...] = VERIFY_ROWS,
+                 repeats: int = 10) -> dict:
+    """What a forward of n rows costs after `prompt` (a verify of n - 1 drafts, the step's
+    forward alone), by part where the runner times its parts (specchat's CPU forward): the
+    median of `repeats` forwards of each row count, each at the same position, so every one
+    attends to the same context. -> {"rows": {n: {"ms": total, part: ms, ...}}, "context"}."""
+    import statistics
+
+    runner = engine.runner
+    clock = _Clock()
+    cache = runner.new_cache()
+    runner.forward(cache, prompt, 0, 1)
+    start = len(prompt)
+    fed = [prompt[-1]] * max(rows)  # any tokens: the cost does not depend on which
+    out = {}
+    with _c_clock(runner, clock):
+        for n in rows:
+            totals, parts = [], defaultdict(list)
+            for _ in range(repeats + 1):  # the first warms this width up
+                clock.seconds.clear()
+                clock.on = True
+                began = time.perf_counter()
+                runner.forward(cache, fed[:n], start, n)
+                totals.append(time.perf_counter() - began)
+                clock.on = False
+                if not runner.crop(cache, start + n, start):  # back to the prompt alone
+                    cache = runner.new_cache()
+                    runner.forward(cache, prompt, 0, 1)
+                for part, seconds in clock.seconds.items():
+                    parts[part].append(seconds)
+            out[n] = {"ms": statistics.median(totals[1:]) * 1000,
+                      **{part: statistics.median(v[1:]) * 1000 for part, v in parts.items()}}
+    return {"rows": out, "context": start, "repeats": repeats}
+
+
+def rows_lines(found: dict | None) -> list[str]:
+    """`profile_rows` as a table: ms by part, and each row count's forward in one row's."""
+    if not found or not found.get("rows"):
+        return []
+    by = found["rows"]
+    one = by[min(by)]["ms"]
+    parts = [p for p in FORWARD_ROWS if any(p in r for r in by.values())]
+    head = f"  {'rows':>4} {'forward':>9} {'x 1 row':>8}" + "".join(f" {p:>11.11}" for p in parts)
+    lines = [f"a forward of n rows after a {found['context']}-token prompt (--profile; what a "
+             f"verify of n - 1 drafts costs; ms, median of {found.get('repeats', 10)})", head]
+    for n, r in by.items():
+        lines.append(f"  {n:>4} {r['ms']:>9.2f} {r['ms'] / one:>7.2f}x"
+                     + "".join(f" {r.get(p, 0.0):>11.2f}" for p in parts))
+    return lines + [""]
+
+
 def profile_lines(profile: dict | None, llama_ms: float | None = None) -> list[str]:
     """The profile as a table; beside it llama.cpp's, where `bench --profile` raced it with
     its profile program (`profile["llama"]`), else its decode-only time per token in the race

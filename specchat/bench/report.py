@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specchat.bench.config import HF_MODES, REMOTE_PLAIN
-from specchat.bench.profile import profile_lines
+from specchat.bench.profile import profile_lines, rows_lines
 
 # ---------------------------------------------------------------------------------------------
 # Report text
@@ -42,6 +42,7 @@ def format_report(result: dict) -> str:
                       *_sampler_lines(result["config"].get("samplers")),
                       *_versus_lines(vs, result["config"].get("prompt_cache", "warm")),
                       *profile_lines(result.get("profile"), _llama_ms(vs)),
+                      *rows_lines((result.get("profile") or {}).get("by_rows")),
                       *_table_lines(result),
                       *_noise_lines(result.get("noise_floor")),
                       *_paired_lines(result.get("paired")),
