@@ -17,7 +17,6 @@ from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 from specchat.core.engine import Engine
 from specchat.core.events import StepRecord, TokenEvent
 from specchat.core.request import GenerateConfig
-from specchat.drafters.head import HeadDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import head_drafters, load_engine
 from specchat.models.eagle import target_features
@@ -273,24 +272,35 @@ def test_a_public_head_on_a_pytorch_bin_loads_the_same(tmp_path):
 # -- through load_engine, the CLI's path -------------------------------------------------------
 
 
-def test_load_engine_takes_a_public_head_directory(tmp_path):
+def generate_json(capsys, *args) -> tuple[list[int], dict, str]:
+    """`python -m specchat generate --json` in this process -> (token ids, stats, stderr)."""
+    from specchat.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", "--quantization", "none", "--device", "cpu", "--raw", "--json",
+                 "--db", "off", "--max-new-tokens", "24", "--prompt", TEXT, *args]) == 0
+    out = capsys.readouterr()
+    lines = [json.loads(line) for line in out.out.splitlines()]
+    return [x["id"] for x in lines if x["type"] == "token"], lines[-1], out.err
+
+
+def test_generate_takes_a_public_head_directory_with_head(tmp_path, capsys):
+    """The CLI's path: --head DIR loads the head (load_engine, head_drafters), and the
+    reply is plain decoding's; a head for another shape is refused on stderr and lookup
+    drafts instead."""
     from specchat.models.synthetic import save
 
     target = llama7(0)
-    checkpoint = save(target, TOK, tmp_path / "target")
-    prompt = ids_of(TEXT)
-    path = write_public_head(tmp_path / "head", target, draft_vocab(target, prompt))
-    report = load_engine(str(checkpoint), quantization="none", device="cpu",
-                         progress=lambda *a: None, head=str(path), prefix_tokens=0)
-    engine = report.engine
-    assert {"head", "combined"} <= set(engine.drafters)
-    assert isinstance(engine.drafters["head"], HeadDrafter)
-
-    def run(**cfg):
-        return [e.id for e in engine.stream(prompt, GenerateConfig(max_new_tokens=30, **cfg))
-                if isinstance(e, TokenEvent)]
-
-    assert run(drafter="head", draft_len=3, adaptive=False) == run(speculation=False)
+    checkpoint = str(save(target, TOK, tmp_path / "target"))
+    path = write_public_head(tmp_path / "head", target, draft_vocab(target, ids_of(TEXT)))
+    plain, _, _ = generate_json(capsys, "--target", checkpoint, "--speculation", "off")
+    ids, stats, _ = generate_json(capsys, "--target", checkpoint, "--head", str(path),
+                                  "--drafter", "head", "--draft-len", "3", "--fixed-draft-len")
+    assert ids == plain and stats["drafter"] == "head" and stats["drafted"] > 0
+    other = write_public_head(tmp_path / "other", tiny_llama(0, layers=7, hidden=64))
+    ids, stats, err = generate_json(capsys, "--target", checkpoint, "--head", str(other))
+    assert "Draft head refused" in err and "hidden states 64 wide, the target's are 32" in err
+    assert ids == plain and stats["drafter"] != "head"
 
 
 def test_on_specchats_cpu_forward_the_target_moves_to_transformers_forward(tmp_path):
