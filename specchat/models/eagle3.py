@@ -38,7 +38,9 @@ Sources read for this layout (not guessed):
   `norm_before_residual` (the residual taken after hidden_norm), `target_hidden_size`,
   `compute_logits` (target ids = arange(draft_vocab_size) + draft_id_to_target_id), t2d unused,
   `embed_tokens` shared with the target when the file has none.
-- The target layers: vLLM's `get_eagle3_aux_hidden_state_layers` (models/llama.py),
+- The target layers: EAGLE's own eagle/model/modeling_llama_kv.py (SafeAILab/EAGLE), which
+  appends `hidden_states` before layer idx for idx in (2, L // 2, L - 3);
+  vLLM's `get_eagle3_aux_hidden_state_layers` (models/llama.py),
   `(2, num_layers // 2, num_layers - 3)`, captured as `hidden_states + residual` before layer i
   runs; SGLang's `set_eagle3_layers_to_capture` (models/llama.py), the same default. A config
   may name its own: vLLM reads a top-level `eagle_aux_hidden_state_layer_ids` as those layer
@@ -204,13 +206,17 @@ def is_eagle3(path: str | Path) -> bool:
 
 
 def aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
-    """The target layers whose input hidden states the head fuses (see the module's sources)."""
+    """The target layers whose input hidden states the head fuses (see the module's sources),
+    in layer order: vLLM, SGLang and EAGLE's own code append them as their layer loop meets
+    them (`if idx in layers`), so fc reads them lowest first, each once."""
     if config.get("eagle_aux_hidden_state_layer_ids"):  # vLLM: layer indices as they are
-        return tuple(int(i) for i in config["eagle_aux_hidden_state_layer_ids"])
-    named = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if named:  # SGLang: layer outputs, one added
-        return tuple(int(i) + 1 for i in named)
-    return (2, target_layers // 2, target_layers - 3)
+        layers = [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
+    elif (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+        # SGLang: layer outputs, one added
+        layers = [int(i) + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    else:
+        layers = [2, target_layers // 2, target_layers - 3]
+    return tuple(sorted(set(layers)))
 
 
 def _load_tensors(directory: Path) -> dict[str, torch.Tensor]:
