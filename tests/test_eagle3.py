@@ -258,6 +258,35 @@ def test_seeded_sampled_speculation_with_a_public_head_replays_plain_sampling(tm
                            **sampling) == plain, (name, tree_nodes, sampling)
 
 
+def test_a_prompt_from_the_prefix_store_brings_the_layers_features(tmp_path):
+    """Pages taken from the prefix store hand the head the three layers' features a fresh
+    encoding gives: the head never runs the target itself."""
+    target = llama7(0)
+    path = write_public_head(tmp_path / "head", target)
+
+    def engine_with_head():
+        drafters, _ = head_drafters(loaded(target, TOK), NgramDrafter(), path)
+        return Engine(loaded(target, TOK), drafters), drafters["head"]
+
+    def reply(engine, ids):
+        list(engine.stream(ids, GenerateConfig(max_new_tokens=6, drafter="head", draft_len=2,
+                                               adaptive=False)))
+
+    preamble = ids_of(TEXT * 3)  # two pages of 64 and 41 tokens
+    first, other, last = preamble + ids_of(" one"), ids_of("something else " * 5), \
+        preamble + ids_of(" two")
+    engine, drafter = engine_with_head()
+    for ids in (first, other, last):
+        reply(engine, ids)
+    assert engine.prefixes.hits == 1 and drafter.computed == 0
+    fresh_engine, fresh = engine_with_head()
+    reply(fresh_engine, last)
+    drafter._flush()
+    fresh._flush()
+    assert drafter.feats.shape[1] == 3 * target.config.hidden_size
+    assert torch.equal(drafter.feats[:len(last)], fresh.feats[:len(last)])
+
+
 def test_a_public_head_on_a_pytorch_bin_loads_the_same(tmp_path):
     from safetensors.torch import load_file
 
