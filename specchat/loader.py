@@ -119,8 +119,8 @@ def head_drafters(target, ngram, path: str | Path | None = None,
 def _eagle3_drafters(target, ngram, path, min_gain: float) -> tuple[dict, list[str]]:
     """`head` and `combined` drafting with a public EAGLE-3 head (models/eagle3.py). The head
     reads hidden states of the target's decoder layers: a runner that gives only the final
-    norm's (`Runner.layer_features` False: specchat's CPU and CUDA forwards) gives way to
-    transformers' forward, which the hooks read."""
+    norm's (`Runner.layer_features` False: specchat's CUDA runtime) gives way to transformers'
+    forward, which hooks read."""
     from specchat.models.load import use_transformers_forward
     try:
         head = load_eagle3(path, target.model)

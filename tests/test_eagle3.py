@@ -333,46 +333,90 @@ def test_generate_takes_a_public_head_directory_with_head(tmp_path, capsys):
     assert ids == plain and stats["drafter"] != "head"
 
 
-def test_on_specchats_cpu_forward_the_target_moves_to_transformers_forward(tmp_path):
-    """specchat's C forward (CpuRunner) keeps only the final norm's output: with an EAGLE-3
-    head the target runs on transformers' forward over the same weights and kernels, proved
-    row-exact again, and says so."""
+@pytest.fixture(scope="module")
+def gemma_nf4(tmp_path_factory):
+    """A Gemma 3 checkpoint whose every layer specchat's NF4 kernel takes (as in
+    test_every_runner.py), and an EAGLE-3 head for it: (checkpoint, head directory)."""
     pytest.importorskip("bitsandbytes")
-    from specchat.models import runtime
     from specchat.models.synthetic import save
-    from specchat.runners.cpu import kernels
-    from specchat.runners.cpu.runner import CpuRunner
 
-    paths = [p.name for p in runtime.candidates(forced="")
-             if p.kernels and not p.fused_nf4 and kernels.load(p.kernels) is not None]
-    if not paths:
-        pytest.skip("no kernels path builds here")
-    model = tiny_gemma3(0, hidden=128, head_dim=64)  # every layer on specchat's NF4 kernel
+    base = tmp_path_factory.mktemp("gemma3")
+    model = tiny_gemma3(0, hidden=128, head_dim=64)
     for m in model.modules():
         if type(m).__name__ == "Gemma3RMSNorm":
             torch.nn.init.normal_(m.weight, std=0.5)
-    checkpoint = save(model.to(torch.bfloat16), TOK, tmp_path / "gemma3")
-    head = write_public_head(tmp_path / "head", model)
+    checkpoint = save(model.to(torch.bfloat16), TOK, base / "target")
+    return str(checkpoint), str(write_public_head(base / "head", model))
+
+
+def kernel_paths() -> list[str]:
+    from specchat.models import runtime
+    from specchat.runners.cpu import kernels
+
+    return [p.name for p in runtime.candidates(forced="")
+            if p.kernels and not p.fused_nf4 and kernels.load(p.kernels) is not None]
+
+
+def load_on(path: str, checkpoint: str, **kw):
+    from specchat.models import runtime
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(runtime.ENV, paths[0])
-        plain = load_engine(str(checkpoint), quantization="nf4", device="cpu",
-                            progress=lambda *a: None, prefix_tokens=0)
-        assert isinstance(plain.engine.runner, CpuRunner)
-        report = load_engine(str(checkpoint), quantization="nf4", device="cpu",
-                             progress=lambda *a: None, head=str(head), prefix_tokens=0)
+        mp.setenv(runtime.ENV, path)
+        return load_engine(checkpoint, quantization="nf4", device="cpu",
+                           progress=lambda *a: None, prefix_tokens=0, **kw)
+
+
+def tokens(engine, **cfg):
+    return [e.id for e in engine.stream(ids_of(TEXT), GenerateConfig(max_new_tokens=24, **cfg))
+            if isinstance(e, TokenEvent)]
+
+
+@pytest.mark.parametrize("path", kernel_paths())
+def test_specchats_cpu_forward_gives_the_layers_and_drafts_plain_replies(gemma_nf4, path):
+    """CpuRunner's C forward copies the residual stream entering the head's layers: the target
+    stays on it, the features are transformers' hooks' (same weights and kernels), and greedy
+    and seeded replies are plain decoding's."""
+    from specchat.runners.cpu.runner import CpuRunner
+
+    checkpoint, head = gemma_nf4
+    report = load_on(path, checkpoint, head=head)
+    engine = report.engine
+    assert isinstance(engine.runner, CpuRunner) and report.notes == []
+    layers = engine.drafters["head"].feature_layers
+    ids = ids_of(TEXT)
+    engine.runner.watch_features(layers)
+    engine.runner.forward(engine.runner.new_cache(), ids, 0, 1)
+    hooked = target_features(engine.target.model, ids, layers)
+    assert torch.allclose(engine.runner.features(len(ids)), hooked, rtol=1e-3, atol=1e-3)
+    for sampling in ({}, {"temperature": 0.8, "seed": 5}):
+        plain = tokens(engine, speculation=False, **sampling)
+        for name in ("head", "combined"):
+            for tree_nodes in (0, 6):
+                assert tokens(engine, drafter=name, draft_len=3, adaptive=False,
+                              tree_nodes=tree_nodes, **sampling) == plain, (name, sampling)
+
+
+def test_a_runner_without_layer_features_gives_way_to_transformers_forward(gemma_nf4,
+                                                                           monkeypatch):
+    """Where the target's runner keeps only the final norm's output (`layer_features` False:
+    specchat's CUDA runtime), the target moves to transformers' forward over the same weights
+    and kernels, proved row-exact again, and the load says so."""
+    from specchat.runners.cpu.runner import CpuRunner
+
+    paths = kernel_paths()
+    if not paths:
+        pytest.skip("no kernels path builds here")
+    checkpoint, head = gemma_nf4
+    plain = load_on(paths[0], checkpoint)
+    monkeypatch.setattr(CpuRunner, "layer_features", False)
+    report = load_on(paths[0], checkpoint, head=head)
     engine = report.engine
     assert isinstance(engine.runner, HFRunner) and engine.target.row_exact
     assert any("EAGLE-3" in n and "CpuRunner" in n and "transformers' forward" in n
                for n in report.notes), report.notes
-    prompt = ids_of(TEXT)
-
-    def run(engine, **cfg):
-        return [e.id for e in engine.stream(prompt, GenerateConfig(max_new_tokens=24, **cfg))
-                if isinstance(e, TokenEvent)]
-
-    want = run(plain.engine, speculation=False)
-    assert run(engine, speculation=False) == want
-    assert run(engine, drafter="head", draft_len=3, adaptive=False) == want
+    want = tokens(plain.engine, speculation=False)
+    assert tokens(engine, speculation=False) == want
+    assert tokens(engine, drafter="head", draft_len=3, adaptive=False) == want
 
 
 def test_a_runner_without_layer_features_is_refused_by_the_engine(tmp_path):
