@@ -10,7 +10,7 @@ from specchat.core.engine import MAX_PROMPT_TOKENS, Engine
 from specchat.core.prefix import PREFIX_CACHE_TOKENS
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import HeadDrafter
-from specchat.models.eagle3 import is_eagle3, load_eagle3
+from specchat.models.eagle3 import fetch, is_eagle3, is_hub_id, load_eagle3
 from specchat.models.eagle_files import (
     HeadMismatchError,
     any_heads,
@@ -98,9 +98,10 @@ MIN_GAIN = 0.15
 def head_drafters(target, ngram, path: str | Path | None = None,
                   min_gain: float = MIN_GAIN) -> tuple[dict, list[str]]:
     """Drafters `head` and `combined` for a models.LoadedModel target, when a head for it exists
-    (or `path` names one: a specchat head file, or a public EAGLE-3 head's directory).
+    (or `path` names one: a specchat head file, or a public EAGLE-3 head's directory or hub
+    id).
     Returns (drafters, notes for the user)."""
-    if path is not None and is_eagle3(path):
+    if path is not None and (is_eagle3(path) or is_hub_id(path)):
         return _eagle3_drafters(target, ngram, path, min_gain)
     if path is None and not any_heads():
         return {}, []
@@ -123,7 +124,7 @@ def _eagle3_drafters(target, ngram, path, min_gain: float) -> tuple[dict, list[s
     forward, which hooks read."""
     from specchat.models.load import use_transformers_forward
     try:
-        head = load_eagle3(path, target.model)
+        head = load_eagle3(fetch(str(path)) if is_hub_id(path) else path, target.model)
     except HeadMismatchError as e:
         return {}, [f"Draft head refused: {e}"]
     notes = []

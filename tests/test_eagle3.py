@@ -430,6 +430,60 @@ def test_a_runner_without_layer_features_is_refused_by_the_engine(tmp_path):
         list(engine.stream(ids_of(TEXT), GenerateConfig(max_new_tokens=4, drafter="head")))
 
 
+def test_a_hub_id_is_fetched_into_the_hubs_cache_and_loaded(tmp_path, monkeypatch):
+    """--head owner/name: config.json and the weights through the hub's client (here a stand-in:
+    tests download nothing); a fetch that fails is refused with why."""
+    import huggingface_hub
+
+    target = llama7(0)
+    local = write_public_head(tmp_path / "cache" / "snapshot", target)
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    drafters, notes = head_drafters(loaded(target, TOK), NgramDrafter(), "someone/EAGLE3-tiny")
+    assert notes == [] and set(drafters) == {"head", "combined"}
+    assert asked == [("someone/EAGLE3-tiny",
+                      ["config.json", "model.safetensors", "pytorch_model.bin"])]
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("offline, and not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    drafters, notes = head_drafters(loaded(target, TOK), NgramDrafter(), "someone/EAGLE3-tiny")
+    assert drafters == {} and "could not fetch the head someone/EAGLE3-tiny" in notes[0]
+    assert "offline, and not in the cache" in notes[0]
+
+
+def test_the_layout_at_llama_3_1_8b_shapes():
+    """The public layout at Llama 3.1 8B's sizes (4096 wide, 32 query heads over 8 KV heads,
+    MLP 14336, 32 layers, vocabulary 128256) with a 32000-token draft vocabulary: fc reads
+    three 4096-wide layers, q, k and v read 8192."""
+    from transformers import LlamaConfig
+
+    from specchat.models.eagle3 import expected_shapes
+
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256)
+    config.draft_vocab_size = 32000
+    assert expected_shapes(config, 3 * 4096, 128256) == {
+        "fc.weight": (4096, 12288), "norm.weight": (4096,), "lm_head.weight": (32000, 4096),
+        "d2t": (32000,), "t2d": (128256,),
+        "midlayer.input_layernorm.weight": (4096,), "midlayer.hidden_norm.weight": (4096,),
+        "midlayer.post_attention_layernorm.weight": (4096,),
+        "midlayer.self_attn.q_proj.weight": (4096, 8192),
+        "midlayer.self_attn.k_proj.weight": (1024, 8192),
+        "midlayer.self_attn.v_proj.weight": (1024, 8192),
+        "midlayer.self_attn.o_proj.weight": (4096, 4096),
+        "midlayer.mlp.gate_proj.weight": (14336, 4096),
+        "midlayer.mlp.up_proj.weight": (14336, 4096),
+        "midlayer.mlp.down_proj.weight": (4096, 14336)}
+
+
 # -- refused heads -----------------------------------------------------------------------------
 
 

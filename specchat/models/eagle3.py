@@ -2,9 +2,10 @@
 Large Language Models via Training-Time Test", arXiv:2503.01840), in the layout vLLM and SGLang
 load, e.g. `yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`.
 
-A head is a directory: `config.json` (`architectures: ["LlamaForCausalLMEagle3"]`, a Llama
-config of one decoder layer plus `draft_vocab_size`, optionally `target_hidden_size`) and its
-weights (`model.safetensors`, or `pytorch_model.bin`):
+A head is a directory (or a hub id, fetched into the hub's cache): `config.json`
+(`architectures: ["LlamaForCausalLMEagle3"]`, a Llama config of one decoder layer plus
+`draft_vocab_size`, optionally `target_hidden_size`) and its weights (`model.safetensors`, or
+`pytorch_model.bin`):
 
     fc.weight                        [d, 3 td]   fuses three target layers' hidden states
     midlayer.input_layernorm.weight  [d]         norms the next token's embedding
@@ -52,6 +53,7 @@ Sources read for this layout (not guessed):
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -203,6 +205,27 @@ def read_config(path: str | Path) -> dict | None:
 
 def is_eagle3(path: str | Path) -> bool:
     return read_config(path) is not None
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(path: str | Path) -> bool:
+    """`owner/name` naming no local file or directory (and no specchat head file)."""
+    text = str(path)
+    return bool(_HUB_ID.fullmatch(text)) and not Path(text).exists() \
+        and not text.endswith(".safetensors")
+
+
+def fetch(repo_id: str) -> Path:
+    """A hub head's config.json and weights, into the hub's cache (as the hub's client keeps
+    them; offline with HF_HUB_OFFLINE=1 where cached) -> its local directory."""
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["config.json", *WEIGHT_FILES]))
+    except Exception as e:  # offline, no such repository, gated: say which
+        raise HeadMismatchError(f"could not fetch the head {repo_id} from the hub "
+                                f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
 
 def aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
