@@ -287,6 +287,15 @@ def test_a_prompt_from_the_prefix_store_brings_the_layers_features(tmp_path):
     assert torch.equal(drafter.feats[:len(last)], fresh.feats[:len(last)])
 
 
+def test_t2d_is_optional_and_d2t_too_over_the_whole_vocabulary(tmp_path):
+    """vLLM and SGLang skip t2d, and vLLM reads no d2t as draft id = target id."""
+    target = llama7(0)
+    head = load_eagle3(write_public_head(tmp_path / "a", target, drop=("t2d",)), target)
+    assert torch.equal(torch.nonzero(head.t2d)[:, 0], torch.arange(40, 104))
+    whole = write_public_head(tmp_path / "b", target, vocab_ids=range(259), drop=("d2t", "t2d"))
+    assert torch.equal(load_eagle3(whole, target).vocab_ids, torch.arange(259))
+
+
 def test_a_public_head_on_a_pytorch_bin_loads_the_same(tmp_path):
     from safetensors.torch import load_file
 
@@ -517,7 +526,7 @@ def test_a_head_whose_layout_differs_is_refused_with_what_differs(tmp_path):
         "midlayer.self_attn.q_proj.weight": torch.zeros(d, d, dtype=torch.bfloat16)})
     assert "does not have the public layout" in note
     assert f"midlayer.self_attn.q_proj.weight is [{d}, {d}], expected [{d}, {2 * d}]" in note
-    note = refusal(tmp_path, target, drop=("d2t",))
+    note = refusal(tmp_path, target, drop=("d2t",))  # a draft vocabulary needs its map
     assert "d2t missing" in note
     note = refusal(tmp_path, target, tensors={"layers.0.mlp.up_proj.weight": torch.zeros(2)})
     assert "layers.0.mlp.up_proj.weight is not in the EAGLE-3 layout" in note

@@ -335,7 +335,10 @@ def load_eagle3(path: str | Path, model) -> Eagle3Head:
     expected = expected_shapes(config, width, target_config.vocab_size)
     if own_embedding:
         expected["embed_tokens.weight"] = (target_config.vocab_size, config.hidden_size)
-    layout = [f"{k} missing" for k in expected if k not in tensors]
+    # Both engines skip t2d, and read no d2t as draft id = target id (vLLM's load_weights)
+    optional = {"t2d"} | ({"d2t"} if config.draft_vocab_size == target_config.vocab_size
+                          else set())
+    layout = [f"{k} missing" for k in expected if k not in tensors and k not in optional]
     layout += [f"{k} is not in the EAGLE-3 layout" for k in tensors if k not in expected]
     layout += [f"{k} is {list(tensors[k].shape)}, expected {list(shape)}"
                for k, shape in expected.items()
@@ -345,10 +348,14 @@ def load_eagle3(path: str | Path, model) -> Eagle3Head:
                                 f"(q, k and v read 2 x {config.hidden_size}, fc "
                                 f"{len(layers)} x {target_config.hidden_size}): "
                                 + "; ".join(layout[:6]) + ".")
+    tensors.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
     ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
     if int(ids.min()) < 0 or int(ids.max()) >= target_config.vocab_size:
         raise HeadMismatchError(f"The EAGLE-3 head {directory}: d2t maps draft ids outside the "
                                 f"target's {target_config.vocab_size} tokens.")
+    if "t2d" not in tensors:
+        tensors["t2d"] = torch.zeros(target_config.vocab_size, dtype=torch.bool)
+        tensors["t2d"][ids] = True
     head = Eagle3Head(config, layers, target_config.vocab_size, target_config.hidden_size,
                       own_embedding)
     head.load_state_dict({k: v.float() if v.is_floating_point() else v
