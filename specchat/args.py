@@ -59,9 +59,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the longest prompt a request may bring, in tokens after the chat "
                         f"format (default: {MAX_PROMPT_TOKENS}; 0: only the model's context "
                         "window)")
-    g.add_argument("--head", default=None, metavar="PATH",
-                   help="draft head file from `train-draft` (default: the head trained or "
-                        "shipped for this target, if any)")
+    g.add_argument("--head", default=None, metavar="PATH_OR_ID",
+                   help="draft head file from `train-draft`, or a public EAGLE-3 head: its "
+                        "directory (config.json + weights) or hub id (default: the head "
+                        "trained or shipped for this target, if any)")
     b = p.add_argument_group("serving engine as backend (instead of a local model)")
     b.add_argument("--backend", metavar="URL", default=None,
                    help="drive an OpenAI-compatible server: vLLM, SGLang, llama.cpp's "

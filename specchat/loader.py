@@ -10,6 +10,7 @@ from specchat.core.engine import MAX_PROMPT_TOKENS, Engine
 from specchat.core.prefix import PREFIX_CACHE_TOKENS
 from specchat.drafters.combined import CombinedDrafter
 from specchat.drafters.head import HeadDrafter
+from specchat.models.eagle3 import fetch, is_eagle3, is_hub_id, load_eagle3
 from specchat.models.eagle_files import (
     HeadMismatchError,
     any_heads,
@@ -34,7 +35,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     """Load a target (and optionally a draft model) and build an Engine with every drafter that
     can work: n-gram lookup always, the draft model when its vocabulary matches the target's,
     `head` and `combined` when a draft head trained for this target exists (`head`: a file
-    from `train-draft`; default: the one trained or shipped for this target, if any).
+    from `train-draft`, or a public EAGLE-3 head's directory; default: the one trained or
+    shipped for this target, if any).
     `prefix_tokens`: the engine's prefix store (core/prefix.py), in tokens;
     `max_prompt_tokens`: the longest prompt a request may bring (0 or None: no limit but the
     model's context window)."""
@@ -44,10 +46,11 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     from specchat.models.vocab import vocab_mismatch
 
     tgt = load_model(target, quantization, device, progress)
-    engine = Engine(tgt, {"ngram": NgramDrafter()}, prefix_tokens, max_prompt_tokens)
     notes: list[str] = []
+    # Before the engine: an EAGLE-3 head may move the target to another runner.
     found, head_notes = head_drafters(tgt, NgramDrafter(), head or None)
-    engine.drafters.update(found)  # "head", "combined"
+    engine = Engine(tgt, {"ngram": NgramDrafter(), **found},  # "head", "combined"
+                    prefix_tokens, max_prompt_tokens)
     notes += head_notes
     draft = None
     if draft_model:
@@ -95,7 +98,11 @@ MIN_GAIN = 0.15
 def head_drafters(target, ngram, path: str | Path | None = None,
                   min_gain: float = MIN_GAIN) -> tuple[dict, list[str]]:
     """Drafters `head` and `combined` for a models.LoadedModel target, when a head for it exists
-    (or `path` names one). Returns (drafters, notes for the user)."""
+    (or `path` names one: a specchat head file, or a public EAGLE-3 head's directory or hub
+    id).
+    Returns (drafters, notes for the user)."""
+    if path is not None and (is_eagle3(path) or is_hub_id(path)):
+        return _eagle3_drafters(target, ngram, path, min_gain)
     if path is None and not any_heads():
         return {}, []
     identity = target_identity(target.model, target.tokenizer, target.name)
@@ -108,3 +115,24 @@ def head_drafters(target, ngram, path: str | Path | None = None,
         return {}, [f"Draft head refused: {e}"]
     drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
     return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, []
+
+
+def _eagle3_drafters(target, ngram, path, min_gain: float) -> tuple[dict, list[str]]:
+    """`head` and `combined` drafting with a public EAGLE-3 head (models/eagle3.py). The head
+    reads hidden states of the target's decoder layers: a runner that gives only the final
+    norm's (`Runner.layer_features` False: specchat's CUDA runtime) gives way to transformers'
+    forward, which hooks read."""
+    from specchat.models.load import use_transformers_forward
+    try:
+        head = load_eagle3(fetch(str(path)) if is_hub_id(path) else path, target.model)
+    except HeadMismatchError as e:
+        return {}, [f"Draft head refused: {e}"]
+    notes = []
+    if not target.runner.layer_features:
+        before = type(target.runner).__name__
+        lossless = use_transformers_forward(target)
+        notes.append(f"The EAGLE-3 head reads the target's layers {list(head.feature_layers)}, "
+                     f"which {before} does not give: the target runs on transformers' forward "
+                     f"instead{'; ' + lossless if lossless else ''}.")
+    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
+    return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, notes

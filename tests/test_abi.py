@@ -74,7 +74,8 @@ FIELDS = {  # C struct -> (its ctypes mirror, its fields)
                        "mlp_norm", "post_mlp_norm", "q_norm", "k_norm", "window", "rope"]),
     "decoder_model": (cpu_runner._Model,
                       ["layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                       "blocksize", "eps", "scale", "table", "layer", "final_norm"]),
+                       "blocksize", "eps", "scale", "table", "layer", "final_norm", "n_aux",
+                       "aux", "aux_out"]),
 }
 
 

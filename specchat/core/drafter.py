@@ -28,7 +28,9 @@ default that does nothing.
                                            a draft tree verified in one forward (the head)
     needs_features / observe(start, ids, features)
                                            the target's hidden states of accepted positions,
-                                           for drafters that read them (the EAGLE head)
+                                           for drafters that read them (the EAGLE head):
+                                           the final norm's output, or with `feature_layers`
+                                           those entering these decoder layers (EAGLE-3)
     vocabulary                             the token ids it can draft (a trained head's reduced
                                            vocabulary), None for any; shown by the inspector
     last_top                               after `propose`: per draft position, the drafter's
@@ -64,6 +66,9 @@ class Drafter:
     name: str = ""
     # The drafter wants `observe` calls with the target's features (a hook on its final norm).
     needs_features: bool = False
+    # Which features: None, the final norm's output; (i, j, ...), the hidden states entering
+    # those decoder layers, concatenated (an EAGLE-3 head's; `Runner.layer_features`).
+    feature_layers: tuple[int, ...] | None = None
     # The drafter implements `propose_tree`.
     supports_trees: bool = False
     # Set by `propose` where the drafter has a distribution: per draft position, its

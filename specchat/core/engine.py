@@ -287,12 +287,20 @@ class Engine:
         return common if self._wide_end == wide_end else both_wide
 
     def _feature_drafters(self) -> list:
-        """Drafters that draft from the target's features (the EAGLE head). They get them for
-        free: a hook on the target's final norm keeps the hidden states of each forward."""
+        """Drafters that draft from the target's features (the EAGLE heads). They get them for
+        free: the runner keeps each forward's final-norm output, or the hidden states entering
+        the decoder layers an EAGLE-3 head reads (`Runner.layer_features`)."""
         wants = list({id(d.observer): d.observer for d in self.drafters.values()
                       if d.needs_features}.values())
+        kinds = {d.feature_layers for d in wants}
+        if len(kinds) > 1:  # one forward's features are of one kind (the prefix store's too)
+            raise ValueError(f"drafters read different features of the target: {kinds}")
         if wants:
-            self.runner.watch_features()
+            layers = kinds.pop()
+            if layers is not None and not self.runner.layer_features:
+                raise ValueError(f"{type(self.runner).__name__} gives no decoder layer's "
+                                 f"hidden states (a head reads layers {layers})")
+            self.runner.watch_features(layers)
         return wants
 
     def _observe(self, wants: list, start: int, ids: list[int],

@@ -38,6 +38,9 @@ class Runner:
     # A native sampler over its own logits (`CpuRunner.shape_pick`, csrc/sample.c), for runners
     # with `owned_logits`; None: the engine's Python sampler.
     shape_pick = None
+    # `watch_features(layers)` with layers: the hidden states entering chosen decoder layers
+    # (an EAGLE-3 head's features). False: only the final norm's output.
+    layer_features: bool = False
 
     def skip_logits_from(self, start: int) -> bool:
         """Ids start.. to the vocabulary's end are never sampled: True where the runner then
@@ -74,11 +77,15 @@ class Runner:
         indices `keep` (increasing), moved to start, start + 1, ...: a tree's accepted path."""
         raise NotImplementedError
 
-    def watch_features(self) -> None:
-        """From now on, keep each forward's features (the final norm's output)."""
+    def watch_features(self, layers: tuple[int, ...] | None = None) -> None:
+        """From now on, keep each forward's features: the final norm's output (layers None),
+        or the hidden states entering decoder layers `layers`, concatenated in that order
+        (index L, one past the last layer, is the last layer's output). Layers only where
+        `layer_features`."""
         raise NotImplementedError
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
-        """The latest forward's features: its first n rows, or the rows `rows`. [n, d], a
-        tensor no later forward overwrites (a drafter may keep it a while before storing it)."""
+        """The latest forward's features (the kind `watch_features` asked for): its first n
+        rows, or the rows `rows`. [n, width], a tensor no later forward overwrites (a drafter
+        may keep it a while before storing it)."""
         raise NotImplementedError

@@ -1,4 +1,7 @@
-"""The EAGLE head as a drafter: chains and trees drafted from the target's own features."""
+"""The EAGLE head as a drafter: chains and trees drafted from the target's own features, with
+specchat's EAGLE-1-style head (`models.eagle.DraftHead`) or a public EAGLE-3 head
+(`models.eagle3.Eagle3Head`): both take (features, embeddings, positions, cache) and return
+their next features and reduced-vocabulary logits."""
 
 from __future__ import annotations
 
@@ -39,13 +42,15 @@ class _TopLater:
 
 
 class HeadDrafter(Drafter):
-    """Drafts with a DraftHead. Keeps the target's features of the conversation (from
-    `observe`, or computed itself when missing) and the head's own KV cache, both synced with
-    the context by common prefix, like ModelDrafter's cache.
+    """Drafts with a DraftHead or an Eagle3Head. Keeps the target's features of the
+    conversation (from `observe`, or computed itself when missing) and the head's own KV
+    cache, both synced with the context by common prefix, like ModelDrafter's cache.
 
     Head position t reads (f_t, x_{t+1}); with context x_0..x_{L-1} the target has computed
     f_0..f_{L-2} (its cache holds every token but the newest), so the head's last true position
-    is L-2 and predicts f_{L-1} and the first draft x_L.
+    is L-2 and predicts f_{L-1} and the first draft x_L. (An EAGLE-3 head's f_t is three layers'
+    hidden states, and what it feeds forward at a draft is its own hidden state, not a
+    prediction of the target's.)
     """
 
     name = "head"
@@ -56,6 +61,7 @@ class HeadDrafter(Drafter):
                  tree_width: int = 4, tree_beam: int = 4,
                  tree_min_score: float = 0.2, wide_bf16: bool | None = None):
         self.head = head.eval()
+        self.feature_layers = head.feature_layers  # the target features it reads
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
         if head.vocab_ids.device.type == "cpu":
             # Wide drafting forwards through bf16 copies (`Int8Drafting`): by the CPU's own
@@ -67,7 +73,7 @@ class HeadDrafter(Drafter):
         self.tree_width, self.tree_beam = tree_width, tree_beam
         self.tree_min_score = tree_min_score
         self.target = target_model
-        self.embed = target_model.get_input_embeddings()
+        self.embed = head.embedder(target_model)
         self.vocab_size = vocab_size  # width of the engine's target logits (and our q rows)
         # Stop drafting once the head's own estimate that this draft and every one before it
         # pass (the product of their probabilities under the head) falls below min_gain: a draft
@@ -83,7 +89,7 @@ class HeadDrafter(Drafter):
         self.lookahead = 2.0
         self.device = head.vocab_ids.device
         self.tokens: list[int] = []  # context tokens whose features are in self.feats[:len]
-        self.feats = torch.zeros(0, head.cfg.hidden_size, device=self.device)  # [capacity, d]
+        self.feats = torch.zeros(0, head.feature_width, device=self.device)  # [capacity, width]
         self._pending: list[tuple[int, torch.Tensor]] = []  # observed, not yet in self.feats
         self.cache = None  # head KV cache over positions 0..len(head_tokens)-2
         self.head_tokens: list[int] = []  # the tokens that cache was built from
@@ -165,7 +171,7 @@ class HeadDrafter(Drafter):
         if known < len(prefix):
             self.computed += len(prefix)
             self.tokens = list(prefix)
-            self._store(0, target_features(self.target, prefix))
+            self._store(0, target_features(self.target, prefix, self.feature_layers))
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         emb_device = self.embed.weight.device

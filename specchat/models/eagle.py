@@ -127,6 +127,28 @@ def appended(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def attend(q, k, v, cache=None, mask=None):
+    """Attention of new queries q [B, H, T, hd] over the cached keys and values (k, v
+    [B, Hkv, S, hd], or None) followed by the new k, v [B, Hkv, T, hd]; Hkv may divide H
+    (grouped queries). mask [T, S + T] bool (True: attend), default causal.
+    Returns (output [B, H, T, hd], the cache with the new keys and values)."""
+    T = q.shape[2]
+    past = 0
+    if cache is not None:
+        past = cache[0].shape[2]
+        k, v = appended(cache[0], k), appended(cache[1], v)
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None and past and T > 1:  # queries at past..past+T-1 see keys 0..their own
+        mask = (torch.arange(past + T, device=q.device)[None, :]
+                <= torch.arange(past, past + T, device=q.device)[:, None])  # [T, S + T]
+    if mask is not None:  # a draft tree's rows: each sees the context and its ancestors
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and T > 1,
+                                             enable_gqa=gqa)
+    return att, (k, v)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block (attention + gated MLP) with its own tiny KV cache."""
 
@@ -149,23 +171,10 @@ class Block(nn.Module):
         q, k, v = (self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, d // self.n_heads)
                    .permute(2, 0, 3, 1, 4))  # each [B, H, T, hd]
         q, k = self.rope(q, pos), self.rope(k, pos)
-        past = 0
-        if cache is not None:
-            past = cache[0].shape[2]
-            k, v = appended(cache[0], k), appended(cache[1], v)
-        if mask is not None:  # a draft tree's rows: each sees the context and its ancestors
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif past == 0:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
-        elif T == 1:
-            att = F.scaled_dot_product_attention(q, k, v)
-        else:  # queries at past..past+T-1 see keys 0..their own position
-            mask = (torch.arange(past + T, device=x.device)[None, :]
-                    <= torch.arange(past, past + T, device=x.device)[:, None])  # [T, S + T]
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        att, cache = attend(q, k, v, cache, mask)
         x = x + self.o(att.transpose(1, 2).reshape(B, T, d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up), (k, v)
+        return x + self.down(F.silu(gate) * up), cache
 
 
 def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +249,9 @@ def _q8_0_fits(lib, in_features: int) -> bool:
 
 
 class DraftHead(nn.Module):
+    # The target's features it reads: the final norm's output (`Drafter.feature_layers`).
+    feature_layers = None
+
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.cfg = cfg
@@ -255,6 +267,15 @@ class DraftHead(nn.Module):
         self.register_buffer("feat_std", torch.ones(()))
         # Tied to the target, never saved: its LM head rows for vocab_ids.
         self.register_buffer("lm_rows", torch.zeros(cfg.draft_vocab, d), persistent=False)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of one position's target features."""
+        return self.cfg.hidden_size
+
+    def embedder(self, target_model) -> nn.Module:
+        """What embeds the next token x_{t+1}: the target's own embedding module."""
+        return target_model.get_input_embeddings()
 
     def attach(self, target_model) -> "DraftHead":
         """Copy the target's LM-head rows for vocab_ids (frozen)."""
@@ -329,9 +350,10 @@ def norm_scale_of(model) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def target_features(model, ids: list[int]) -> torch.Tensor:
-    """Features of every position of `ids` ([len, d] float32), by one target forward."""
-    tap = FeatureTap(model)
+def target_features(model, ids: list[int], layers: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Features of every position of `ids` ([len, width] float32), by one target forward: the
+    final norm's output, or the hidden states entering decoder layers `layers` (FeatureTap)."""
+    tap = FeatureTap(model, layers)
     try:
         device = next(model.parameters()).device
         model(torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)

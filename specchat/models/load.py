@@ -7,6 +7,7 @@ converted once into a plain HF checkpoint in the user's cache and then loaded li
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -129,6 +130,20 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         del loaded
         _release_freed_memory()
     raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
+
+
+def use_transformers_forward(loaded: LoadedModel) -> str:
+    """Move a loaded model to transformers' forward (`runners.use_transformers_forward`) and
+    prove that runner row-exact as loading proved the one before. -> '' where it is, else the
+    note that says speculation may change greedy text."""
+    runners.use_transformers_forward(loaded)
+    if loaded.runtime is None:  # a model built in code: its attention promises exactness
+        return ""
+    vocab = loaded.model.config.get_text_config().vocab_size
+    exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
+    path = "cuda-transformers" if loaded.runtime.path == "cuda-graphs" else loaded.runtime.path
+    loaded.runtime = dataclasses.replace(loaded.runtime, path=path, row_exact=exact, proof=proof)
+    return loaded.runtime.lossless_note
 
 
 def _build_kernels_soon() -> None:

@@ -55,3 +55,13 @@ def use_cuda_runtime(loaded, progress) -> tuple[str, tuple[str, ...]]:
         why = f"cuda-graphs: {why}"
     progress(f"specchat: {why}; running on transformers' forward")
     return "cuda-transformers", (why,)
+
+
+def use_transformers_forward(loaded) -> None:
+    """Give a model transformers' forward (`hf.runner.HFRunner`, made on first use) in place
+    of the runner it took: for a drafter that reads what only hooks on transformers' modules
+    give (an EAGLE-3 head's decoder layers). The weights stay where they are; specchat's CPU
+    kernels keep running under the modules."""
+    loaded.runner_ = None
+    loaded.compute = ", ".join(part for part in loaded.compute.split(", ")
+                               if part and part != "specchat's decoder forward")

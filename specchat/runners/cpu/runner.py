@@ -49,7 +49,8 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                           "inter", "blocksize")] + \
         [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("table", _ptr),
-         ("layer", ctypes.POINTER(_Layer)), ("final_norm", _ptr)]
+         ("layer", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
+         ("n_aux", _i64), ("aux", _ptr), ("aux_out", _ptr)]
 
 
 ROPES = ("sliding_attention", "full_attention")  # the forward's RoPE tables, in this order
@@ -101,6 +102,7 @@ class CpuRunner(Runner):
 
     tree_masks = True
     owned_logits = True  # the head writes a new float32 tensor each forward
+    layer_features = True  # the C forward copies the residual stream entering chosen layers
 
     def __init__(self, model, lib):
         why = unsupported(model)
@@ -137,6 +139,10 @@ class CpuRunner(Runner):
         self._rope_ptrs = (_ptr * 4)()
         self._rope_slots = 0
         self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
+        # `watch_features(layers)`: the layers (int64, the C struct's `aux`) and the latest
+        # forward's hidden states entering them [n, len(layers) * hidden]
+        self._aux: torch.Tensor | None = None
+        self.last_aux: torch.Tensor | None = None
         self._last_rows = 0  # its rows (a Python int: no torch call to read it)
         # seconds by part of the decoder stack (CLOCK_ROWS), summed over forwards while set:
         # `bench --profile` sets it to (ctypes.c_double * len(CLOCK_ROWS))()
@@ -204,6 +210,9 @@ class CpuRunner(Runner):
             with torch.inference_mode():
                 self._embedded[:n] = self.embed(torch.tensor(ids))
         out = torch.empty(n, self.hidden, dtype=torch.float32)
+        if self._aux is not None:  # a new tensor each forward: a drafter may keep it a while
+            self.last_aux = torch.empty(n, len(self._aux) * self.hidden)
+            self._model.aux_out = self.last_aux.data_ptr()
         done = self.lib.decoder_forward(
             ctypes.byref(self._model), self._embedded.data_ptr(), n, positions, start,
             visible.data_ptr() if visible is not None else None, cache.k.data_ptr(),
@@ -323,13 +332,22 @@ class CpuRunner(Runner):
     def keep_fed(self, cache: StaticCache, fed: int, start: int, keep: list[int]) -> None:
         cache.keep(start, keep)
 
-    def watch_features(self) -> None:
-        pass  # every forward keeps its final-norm output (`last_hidden`)
+    def watch_features(self, layers: tuple[int, ...] | None = None) -> None:
+        """Every forward keeps its final-norm output (`last_hidden`); with `layers`, the C
+        forward also copies the residual stream entering those layers (`last_aux`)."""
+        if layers is not None and not all(0 <= i <= self.n_layers for i in layers):
+            raise ValueError(f"layers {layers}: the target has {self.n_layers}")
+        self._aux = None if layers is None else torch.tensor(layers, dtype=torch.int64)
+        self._model.n_aux = 0 if layers is None else len(layers)
+        self._model.aux = None if layers is None else self._aux.data_ptr()
+        self._model.aux_out = None
+        self.last_aux = None
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
+        kept = self.last_hidden if self._aux is None else self.last_aux
         if rows is None:  # (a view: each forward writes a new tensor)
-            return self.last_hidden if n == self._last_rows else self.last_hidden[:n]
-        return self.last_hidden[torch.tensor(rows)]
+            return kept if n == self._last_rows else kept[:n]
+        return kept[torch.tensor(rows)]
 
 
 _PICKS = {None: kernels.PICK_NONE, "greedy": kernels.PICK_GREEDY, "min_p": kernels.PICK_MIN_P}

@@ -340,8 +340,11 @@ class CudaRunner(Runner):
         raise NotImplementedError("the CUDA runtime verifies draft trees as chains "
                                   "(tree_masks is False)")
 
-    def watch_features(self) -> None:
-        pass  # every forward keeps its final-norm output (`last_hidden`)
+    def watch_features(self, layers: tuple[int, ...] | None = None) -> None:
+        # every forward keeps its final-norm output (`last_hidden`), and only that
+        # (`layer_features` False: the loader moves an EAGLE-3 head's target to `HFRunner`)
+        if layers is not None:
+            raise NotImplementedError(f"{type(self).__name__} keeps no decoder layer's input")
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
         if rows is None:

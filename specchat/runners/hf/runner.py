@@ -4,7 +4,8 @@ The CPU paths for models `cpu_runner.CpuRunner` does not take (`runners.hf.cpu`,
 swap in specchat's kernels and row-exact attention under the same modules) and any model the
 CUDA runtime does not take run here:
 a `DynamicCache` (paged where the row-exact attention reads keys in place), rolled back by
-cropping, draft trees under a tree attention mask, features from a hook on the final norm.
+cropping, draft trees under a tree attention mask, features from hooks on the final norm or on
+decoder layers (`features.FeatureTap`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from specchat.runners.hf.kvcache import (
 
 
 class HFRunner(Runner):
+    layer_features = True
+
     def __init__(self, model, paged: bool = False):
         self.model = model
         self.paged = paged
@@ -58,9 +61,12 @@ class HFRunner(Runner):
     def keep_fed(self, cache, fed: int, start: int, keep: list[int]) -> None:
         keep_fed(cache, fed, keep)
 
-    def watch_features(self) -> None:
+    def watch_features(self, layers: tuple[int, ...] | None = None) -> None:
+        if self._tap is not None and self._tap.layers != layers:
+            self._tap.close()
+            self._tap = None
         if self._tap is None:
-            self._tap = FeatureTap(self.model)
+            self._tap = FeatureTap(self.model, layers)
 
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
         return self._tap.features(n, rows)

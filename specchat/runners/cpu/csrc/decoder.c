@@ -149,6 +149,16 @@ static void gelu_mul(float *g, const float *u, int64_t count) {
 }
 #endif
 
+// The rows of the residual stream h [n, hidden] entering layer `l` into their places in
+// m->aux_out, for each aux entry that names it
+static void keep_aux(const decoder_model *m, const float *h, int64_t n, int64_t l) {
+    const int64_t hd = m->hidden, stride = m->n_aux * hd;
+    for (int64_t a = 0; a < m->n_aux; a++)
+        if (m->aux[a] == l)
+            for (int64_t r = 0; r < n; r++)
+                memcpy(m->aux_out + r * stride + a * hd, h + r * hd, sizeof(float) * hd);
+}
+
 static void add(float *h, const float *x, int64_t count) {
     for (int64_t i = 0; i < count; i++) h[i] += x[i];
 }
@@ -214,6 +224,7 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
     for (int64_t l = 0; l < m->layers; l++) {
         const decoder_layer *L = m->layer + l;
         const int w = L->window ? 1 : 0;
+        keep_aux(m, h, n, l);
         f->norm(h, n, hd, 0, L->attn_norm, m->eps, x);
         MARK(CLOCK_NORMS);
         product(f, m, &L->q, x, n, q, threads);
@@ -266,6 +277,7 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
         add(h, q, n * hd);
         MARK(CLOCK_REST);
     }
+    keep_aux(m, h, n, m->layers);
     f->norm(h, n, hd, 0, m->final_norm, m->eps, out);
     MARK(CLOCK_NORMS);
 done:

@@ -35,6 +35,12 @@ typedef struct {
     const float *table;  // the NF4 codebook, 16 values
     const decoder_layer *layer;
     const float *final_norm;
+    // The residual stream entering layers aux[0..n_aux) (index `layers`: the last layer's
+    // output, before the final norm), copied into aux_out [n, n_aux * hidden], row by row in
+    // aux's order: the hidden states an EAGLE-3 head fuses. n_aux 0: none.
+    int64_t n_aux;
+    const int64_t *aux;
+    float *aux_out;
 } decoder_model;
 
 // ---- products: y [n, out] = x [n, in] @ W.T --------------------------------------------------
