@@ -135,4 +135,5 @@ def _eagle3_drafters(target, ngram, path, min_gain: float) -> tuple[dict, list[s
                      f"which {before} does not give: the target runs on transformers' forward "
                      f"instead{'; ' + lossless if lossless else ''}.")
     drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
+    drafter.source = str(path)  # the hub id or directory the user named
     return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, notes

@@ -540,3 +540,17 @@ def test_a_head_whose_layout_differs_is_refused_with_what_differs(tmp_path):
     assert not is_eagle3(path)
     with pytest.raises(HeadMismatchError, match="not an EAGLE-3 head"):
         load_eagle3(path, target)
+
+
+def test_the_page_names_the_heads_kind_and_where_an_eagle3_head_came_from(tmp_path):
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.loader import head_drafters
+    from specchat.models.load import load_model
+    from specchat.models.synthetic import save
+
+    target = llama7(0)
+    checkpoint = str(save(target, TOK, tmp_path / "target"))
+    path = write_public_head(tmp_path / "head", target)
+    loaded = load_model(checkpoint, "none", "cpu", progress=lambda *_: None)
+    drafters, _ = head_drafters(loaded, NgramDrafter(), path)
+    assert drafters["head"].label == f"draft head (EAGLE-3: {path})"

@@ -101,6 +101,14 @@ class HeadDrafter(Drafter):
         self.shaper = None
         self._index: torch.Tensor | None = None  # token id -> its place in the reduced vocabulary
 
+    @property
+    def label(self) -> str:
+        """What the page calls this head: its kind, and where an EAGLE-3 head came from."""
+        if self.feature_layers is None:
+            return "draft head (EAGLE, trained for this target)"
+        source = getattr(self, "source", None)
+        return f"draft head (EAGLE-3{': ' + source if source else ''})"
+
     def use_penalties(self, shaper):
         self.shaper = shaper
 

@@ -296,7 +296,8 @@ def models_html(slot: ModelSlot) -> str:
     if "ngram" in engine.drafters:
         drafters.append("<code>n-gram prompt lookup</code>")
     if "head" in engine.drafters:
-        drafters.append("<code>draft head (EAGLE, trained for this target)</code>")
+        label = getattr(engine.drafters["head"], "label", "draft head")
+        drafters.append(f"<code>{html.escape(slot.redact(label))}</code>")
     if "server" in engine.drafters:
         drafters.append("<code>the server's own speculation</code>")
     warnings = "".join(f'<div class="sc-note">⚠ {html.escape(slot.redact(n))}</div>'
