@@ -59,7 +59,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the longest prompt a request may bring, in tokens after the chat "
                         f"format (default: {MAX_PROMPT_TOKENS}; 0: only the model's context "
                         "window)")
-    g.add_argument("--head", default=None, metavar="PATH_OR_ID",
+    g.add_argument("--head", "--draft-head", dest="head", default=None, metavar="PATH_OR_ID",
                    help="draft head file from `train-draft`, or a public EAGLE-3 head: its "
                         "directory (config.json + weights) or hub id (default: the head "
                         "trained or shipped for this target, if any)")

@@ -336,6 +336,9 @@ def test_generate_takes_a_public_head_directory_with_head(tmp_path, capsys):
     ids, stats, _ = generate_json(capsys, "--target", checkpoint, "--head", str(path),
                                   "--drafter", "head", "--draft-len", "3", "--fixed-draft-len")
     assert ids == plain and stats["drafter"] == "head" and stats["drafted"] > 0
+    again, stats, _ = generate_json(capsys, "--target", checkpoint, "--draft-head", str(path),
+                                    "--drafter", "head", "--draft-len", "3", "--fixed-draft-len")
+    assert again == plain and stats["drafter"] == "head"  # the name vLLM's users look for
     other = write_public_head(tmp_path / "other", tiny_llama(0, layers=7, hidden=64))
     ids, stats, err = generate_json(capsys, "--target", checkpoint, "--head", str(other))
     assert "Draft head refused" in err and "hidden states 64 wide, the target's are 32" in err
