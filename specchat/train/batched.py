@@ -35,6 +35,9 @@ class Sampled:
     prompt_len: int
     feats: torch.Tensor  # [len(ids), d] bf16: the target's feature at every position
     top1: torch.Tensor  # [len(ids)] int32: the target's top-1 next token; -1 where not computed
+    # [len(ids), len(layers) * d] bf16: the hidden states entering the decoder layers `layers`
+    # at every position (an EAGLE-3 head's input); None when no layers were asked for
+    aux: torch.Tensor | None = None
 
 
 def supported(model) -> bool:
@@ -96,13 +99,14 @@ class _Masks:
 def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                          max_new_tokens: int, temperature: float, top_k: int, stop: set[int],
                          pad: int, generator: torch.Generator | None = None,
-                         ends: list[Callable[[list[int]], bool] | None] | None = None
-                         ) -> list[Sampled]:
+                         ends: list[Callable[[list[int]], bool] | None] | None = None,
+                         layers: tuple[int, ...] | None = None) -> list[Sampled]:
     """Each prompt's reply (greedy where `sampled` is False, else softmax(top-k / T)), with
     the target's features and top-1 tokens along prompt and reply. Rows leave the batch when
     they write a stop token, or when their `ends[i](reply)` says the token just written
     completes a stop string (`text.stop_check`; None: none): the end of the turn in a plain
-    chat format, where a base model would go on to write the user's next message itself."""
+    chat format, where a base model would go on to write the user's next message itself.
+    `layers`: also keep the hidden states entering those decoder layers (`Sampled.aux`)."""
     device = model.device
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -111,8 +115,10 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
     cache = DynamicCache()
     cache.layer_class_to_replicate = PagedLayer  # every token in every layer, written in place
     tap = FeatureTap(model)
+    aux_tap = FeatureTap(model, layers) if layers else None
     rows = list(range(len(prompts)))  # batch row -> prompt index, for the rows still writing
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
+    aux: list[list[torch.Tensor]] = [[] for _ in prompts]
     top1: list[list[torch.Tensor]] = [[] for _ in prompts]
     replies: list[list[int]] = [[] for _ in prompts]
     do_sample = torch.tensor(sampled, device=device)
@@ -122,6 +128,8 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                     logits_to_keep=1)
         for i, p in enumerate(prompts):
             feats[i].append(tap.last[i, width - len(p):].to(torch.bfloat16))
+            if aux_tap is not None:
+                aux[i].append(aux_tap.batch()[i, width - len(p):].to(torch.bfloat16))
             top1[i].append(torch.full((len(p) - 1,), -1, dtype=torch.int32))
         for step in range(max_new_tokens):
             tokens, best = _draw(out.logits[:, -1], do_sample, temperature, top_k, generator,
@@ -143,11 +151,16 @@ def sample_with_features(model, prompts: list[list[int]], sampled: list[bool],
                         attention_mask=masks(1), position_ids=masks.positions(1),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
             step_feats = tap.last[:, 0].to(torch.bfloat16)
+            step_aux = aux_tap.batch()[:, 0].to(torch.bfloat16) if aux_tap is not None else None
             for r, i in enumerate(rows):
                 feats[i].append(step_feats[r:r + 1])
+                if step_aux is not None:
+                    aux[i].append(step_aux[r:r + 1])
     finally:
         tap.close()
-    return _results(prompts, replies, feats, top1)
+        if aux_tap is not None:
+            aux_tap.close()
+    return _results(prompts, replies, feats, top1, aux if layers else None)
 
 
 def _draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: float, top_k: int,
@@ -182,12 +195,14 @@ def _write(rows: list[int], tokens: list[int], best: torch.Tensor, top1: list[li
 
 
 def _results(prompts: list[list[int]], replies: list[list[int]],
-             feats: list[list[torch.Tensor]], top1: list[list[torch.Tensor]]) -> list[Sampled]:
+             feats: list[list[torch.Tensor]], top1: list[list[torch.Tensor]],
+             aux: list[list[torch.Tensor]] | None = None) -> list[Sampled]:
     results = []
     for i, p in enumerate(prompts):
         f = torch.cat(feats[i]).cpu()
         # The last token of a reply cut at the cap or at a stop string was not fed.
         ids = (p + replies[i])[:len(f)]
         t = torch.cat(top1[i])[:len(ids)]
-        results.append(Sampled(ids=ids, prompt_len=len(p), feats=f[:len(ids)], top1=t))
+        a = torch.cat(aux[i]).cpu()[:len(ids)] if aux is not None else None
+        results.append(Sampled(ids=ids, prompt_len=len(p), feats=f[:len(ids)], top1=t, aux=a))
     return results

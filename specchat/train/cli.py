@@ -31,9 +31,18 @@ import torch
 
 from specchat.help import HelpFormatter
 from specchat.models.eagle_files import default_head_dir, save_head, target_identity
-from specchat.train.config import TrainConfig
-from specchat.train.data import (BENCH_QUESTIONS, FORMATS, load_data, load_prompts,
-                                 question_overlap, read_jsonl, sequences, with_samples)
+from specchat.train import eagle3
+from specchat.train.config import STYLES, TrainConfig
+from specchat.train.data import (
+    BENCH_QUESTIONS,
+    FORMATS,
+    load_data,
+    load_prompts,
+    question_overlap,
+    read_jsonl,
+    sequences,
+    with_samples,
+)
 from specchat.train.features import extract_features, load_features
 from specchat.train.fit import train_head
 from specchat.train.replies import generate_replies
@@ -45,6 +54,9 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     """All phases for a loaded target (models.LoadedModel). Returns (head path, summary)."""
     t0 = time.time()
     deadline = t0 + cfg.minutes * 60
+    if cfg.style == "eagle3" and cfg.feature_layers is None:
+        cfg.feature_layers = eagle3.layers(target.model)
+    check_features(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     identity = target_identity(target.model, target.tokenizer, target.name)
@@ -61,16 +73,34 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     extract_features(target, seqs, cfg, deadline - 0.3 * cfg.minutes * 60)
     records = load_features(cfg.out, seqs)
     head, summary = train_head(target, records, cfg, deadline, identity)
-    path = cfg.out / "head.safetensors"
     config = {k: (str(v) if isinstance(v, Path) else v)
               for k, v in asdict(cfg).items() if k not in ("prompt_files", "data")}
     summary.update(minutes_total=round((time.time() - t0) / 60, 2), config=config)
     # A head file travels (it may be shipped or shared): it names the directories and the head
     # it came from, not where they lay on the machine that trained it.
     names = {k: Path(config[k]).name for k in ("out", "init") if config.get(k)}
-    save_head(path, head, identity, meta={**summary, "config": {**config, **names}})
+    meta = {**summary, "config": {**config, **names}}
+    if cfg.style == "eagle3":  # the public layout: the work directory is the head's
+        path = eagle3.save(cfg.out, head, head.config_json, meta={**meta, "target": identity})
+    else:
+        path = cfg.out / "head.safetensors"
+        save_head(path, head, identity, meta=meta)
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return path, summary
+
+
+def check_features(cfg: TrainConfig) -> None:
+    """Refuse a work directory whose features were made for the other style: an EAGLE-3 head
+    reads hidden states of layers an EAGLE-1 run never kept."""
+    index = cfg.out / "features" / "index.json"
+    if not index.exists():
+        return
+    kept = json.loads(index.read_text()).get("layers") or None
+    wanted = list(cfg.feature_layers) if cfg.feature_layers else None
+    if kept != wanted and json.loads(index.read_text()).get("shards"):
+        raise SystemExit(f"train-draft: {cfg.out} holds features for --style "
+                         f"{'eagle3' if kept else 'eagle1'}, not --style {cfg.style}; use "
+                         "another --out")
 
 
 def _formats_arg(value: str) -> tuple[str, ...]:
@@ -102,8 +132,8 @@ def evaluate_engine(target, head_path: Path, prompts: list[dict], max_new_tokens
     acceptance, tokens per target call, tokens/s, and c = seconds per drafted token over
     seconds per plain target step (as the engine measures them)."""
     from specchat.core.engine import Engine
-    from specchat.core.settings import build_config
     from specchat.core.events import collect
+    from specchat.core.settings import build_config
     from specchat.core.text import chat_prompt
     from specchat.drafters.ngram import NgramDrafter
     from specchat.loader import head_drafters
@@ -174,11 +204,13 @@ def cmd_train_draft(args) -> int:
                       draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
                       batch_tokens=args.batch_tokens, lr=args.lr,
                       ce_weight=args.ce_weight, feature_weight=args.feature_weight,
-                      noise=args.noise, unroll=args.unroll, max_steps=args.max_steps,
+                      noise=args.noise, max_steps=args.max_steps, style=args.style,
+                      unroll=args.unroll or (eagle3.DEFAULT_STEPS if args.style == "eagle3"
+                                             else 1),
                       bf16=not args.fp32, seed=args.seed,
                       init=Path(args.init) if args.init else None)
     summary: dict = {}
-    path = out / "head.safetensors"
+    path = out if args.style == "eagle3" else out / "head.safetensors"
     if args.minutes > 0:
         log(f"train-draft: target {target.label}, work directory {out}, "
             f"budget {args.minutes:g} min")
@@ -186,7 +218,9 @@ def cmd_train_draft(args) -> int:
         log(f"train-draft: head saved to {path}")
         if args.out:
             log("train-draft: the app looks for heads next to the target's cache "
-                f"({default_head_dir(identity)}); pass this one with --head {path}")
+                f"({default_head_dir(identity)}); pass this one with --head {path}"
+                if args.style == "eagle1" else
+                f"train-draft: pass this EAGLE-3 head with --head {path}")
     if args.evaluate:
         held = [p for p in load_prompts(cfg.prompt_files) if p["heldout"]][:args.evaluate]
         summary["engine_eval"] = evaluate_engine(target, path, held, args.eval_tokens)
@@ -277,8 +311,16 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of the feature loss (predicted vs the target's features)")
     p.add_argument("--noise", type=float, default=0.1, metavar="X",
                    help="uniform noise on input features, in feature std units")
-    p.add_argument("--unroll", type=int, default=1, metavar="N",
-                   help=">1: also train on the head's own predicted features")
+    p.add_argument("--style", choices=STYLES, default="eagle1",
+                   help="eagle1: specchat's head over the final norm's output (a "
+                        "head.safetensors the app finds by itself); eagle3: a head in the public "
+                        "EAGLE-3 layout (config.json, model.safetensors, loaded with --head DIR, "
+                        "and by vLLM and SGLang), fusing three target layers' hidden states, "
+                        "trained with training-time test and no feature loss")
+    p.add_argument("--unroll", type=int, default=0, metavar="N",
+                   help="eagle1: >1 also trains on the head's own predicted features; eagle3: "
+                        "the training-time-test steps (0 = 1 for eagle1, "
+                        f"{eagle3.DEFAULT_STEPS} for eagle3)")
     p.add_argument("--fp32", action="store_true",
                    help="train in float32 throughout (default: bf16 autocast where fast)")
     p.add_argument("--max-steps", type=int, default=0, metavar="N",

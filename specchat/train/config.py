@@ -6,10 +6,18 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STYLES = ("eagle1", "eagle3")
+
 
 @dataclass
 class TrainConfig:
-    out: Path  # work directory: generated text, feature shards, checkpoint, head.safetensors
+    out: Path  # work directory: generated text, feature shards, checkpoint, the head's files
+    # "eagle1": specchat's head over the final norm's output (head.safetensors); "eagle3": a
+    # head in the public EAGLE-3 layout (config.json, model.safetensors) fusing the hidden
+    # states entering three of the target's layers, trained with training-time test
+    style: str = "eagle1"
+    # eagle3: the target layers whose input hidden states the head fuses (train.eagle3.layers)
+    feature_layers: tuple[int, ...] | None = None
     minutes: float = 30.0  # the whole command's time budget (all phases)
     prompt_files: list[Path] = field(default_factory=list)  # JSONL prompt sets (default: ours)
     data: list[Path] = field(default_factory=list)  # extra prompts / plain text, files or dirs
@@ -42,7 +50,9 @@ class TrainConfig:
     ce_weight: float = 1.0
     feature_weight: float = 0.1  # CE-dominant trains a better head than feature-dominant (docs/training.md)
     noise: float = 0.1  # uniform noise on input features, in units of the feature std
-    unroll: int = 1  # >1: also train on the head's own predicted features (training-time test)
+    # >1: also train on the head's own predicted features; eagle3: the training-time-test
+    # steps, each drafting from the step before's own hidden state
+    unroll: int = 1
     bf16: bool = True  # train under bf16 autocast where the device computes bf16 fast
     checkpoint_minutes: float = 3.0
     max_steps: int = 0  # stop training after this many optimizer steps (0: only the clock)

@@ -17,10 +17,11 @@ from specchat.train.config import TrainConfig, _bar
 @torch.inference_mode()
 def extract_features(target, seqs: list[dict], cfg: TrainConfig, deadline: float) -> None:
     """Phase 2: teacher-forced target forwards; shards of {"key", "ids", "feats", "top1",
-    "heldout"} under features/. The target's top-1 is over its full vocabulary."""
+    "heldout"} (and "aux", the hidden states entering `cfg.feature_layers`, for an EAGLE-3
+    head) under features/. The target's top-1 is over its full vocabulary."""
     shard_dir = cfg.out / "features"
     shard_dir.mkdir(parents=True, exist_ok=True)
-    index = _load_index(shard_dir)
+    index = _load_index(shard_dir, cfg)
     done = {k for s in index["shards"] for k in s["keys"]}
     todo = sorted((s for s in seqs if s["key"] not in done), key=lambda s: len(s["ids"]))
     if not todo:
@@ -39,6 +40,7 @@ def extract_features(target, seqs: list[dict], cfg: TrainConfig, deadline: float
         i += n
     random.Random(cfg.seed).shuffle(batches)
     tap = FeatureTap(model)
+    aux_tap = FeatureTap(model, cfg.feature_layers) if cfg.feature_layers else None
     bar = _bar(total=len(seqs), initial=len(seqs) - len(todo), desc="extract", unit="seq")
     try:
         pending: list[dict] = []
@@ -53,6 +55,7 @@ def extract_features(target, seqs: list[dict], cfg: TrainConfig, deadline: float
             model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                   use_cache=False, logits_to_keep=1)
             feats = tap.last  # [B, width, d]
+            aux = aux_tap.batch() if aux_tap is not None else None  # [B, width, 3d]
             for row, s in enumerate(batch):
                 f = feats[row, :len(s["ids"])]
                 if s["heldout"] or index.get("top1_tokens", 0) < cfg.top1_tokens:
@@ -64,7 +67,9 @@ def extract_features(target, seqs: list[dict], cfg: TrainConfig, deadline: float
                     top1 = torch.full((len(s["ids"]),), -1, dtype=torch.int32)  # not computed
                 pending.append({"key": s["key"], "ids": torch.tensor(s["ids"], dtype=torch.int32),
                                 "feats": f.to(torch.bfloat16).cpu(), "top1": top1,
-                                "start": s.get("start", 0), "heldout": bool(s["heldout"])})
+                                "start": s.get("start", 0), "heldout": bool(s["heldout"]),
+                                **({"aux": aux[row, :len(s["ids"])].to(torch.bfloat16).cpu()}
+                                   if aux is not None else {})})
             bar.update(len(batch))
             if sum(len(p["ids"]) for p in pending) >= 32768 or b == len(batches) - 1:
                 _write_shard(shard_dir, index, pending)
@@ -73,12 +78,19 @@ def extract_features(target, seqs: list[dict], cfg: TrainConfig, deadline: float
             _write_shard(shard_dir, index, pending)
     finally:
         tap.close()
+        if aux_tap is not None:
+            aux_tap.close()
         bar.close()
 
 
-def _load_index(shard_dir: Path) -> dict:
+def _load_index(shard_dir: Path, cfg: TrainConfig | None = None) -> dict:
+    """features/index.json: the shards written so far, and the target layers whose hidden
+    states they keep ("layers": an EAGLE-3 head's; none for an EAGLE-1 head)."""
     path = shard_dir / "index.json"
-    return json.loads(path.read_text()) if path.exists() else {"shards": []}
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"shards": [], **({"layers": list(cfg.feature_layers)}
+                             if cfg is not None and cfg.feature_layers else {})}
 
 
 def _write_shard(shard_dir: Path, index: dict, records: list[dict]) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.models.eagle import DraftHead, HeadConfig, norm_scale_of
+from specchat.train import eagle3
 from specchat.train.config import TrainConfig, _bar
 
 
@@ -89,16 +90,20 @@ def collate(rows: list[dict], device) -> dict:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     top1 = torch.zeros(len(rows), width, dtype=torch.long)
     feats = torch.zeros(len(rows), width, d)
+    aux = torch.zeros(len(rows), width, rows[0]["aux"].shape[-1]) if "aux" in rows[0] else None
     mask = torch.zeros(len(rows), width, dtype=torch.bool)  # real tokens
     trained = torch.zeros(len(rows), width, dtype=torch.bool)  # head positions with a loss
     for i, r in enumerate(rows):
         n = len(r["ids"])
         ids[i, :n], top1[i, :n], feats[i, :n] = r["ids"], r["top1"], r["feats"].float()
+        if aux is not None:
+            aux[i, :n] = r["aux"].float()
         mask[i, :n] = True
         trained[i, r.get("start", 0):n - 1] = True
-    return {k: v.to(device) for k, v in
-            {"ids": ids, "top1": top1, "feats": feats, "mask": mask,
-             "trained": trained}.items()}
+    batch = {"ids": ids, "top1": top1, "feats": feats, "mask": mask, "trained": trained}
+    if aux is not None:
+        batch["aux"] = aux
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def head_loss(head: DraftHead, embed, batch: dict, cfg: TrainConfig, train: bool = True
@@ -145,12 +150,19 @@ def head_loss(head: DraftHead, embed, batch: dict, cfg: TrainConfig, train: bool
     return total, metrics
 
 
+def loss_for(cfg: TrainConfig):
+    """The style's loss: `head_loss` (EAGLE-1's) or `eagle3.head_loss`."""
+    return eagle3.head_loss if cfg.style == "eagle3" else head_loss
+
+
 def autocast(device, cfg: TrainConfig):
     """bf16 autocast for the head's forward: weights and optimizer stay float32. It pays only where the
     device computes bf16 natively (AMX or AVX512-BF16 CPUs, bf16 GPUs); elsewhere bf16 is
     emulated and slower, so there it stays off."""
+    from specchat.models.runtime import cpu_kind
     device = torch.device(device)
-    fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() if device.type == "cpu" \
+    # (oneDNN reports bf16 support on any AVX-512 CPU, where it emulates it: not the test)
+    fast = cpu_kind().native_bf16 if device.type == "cpu" \
         else device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and fast)
 
@@ -158,16 +170,18 @@ def autocast(device, cfg: TrainConfig):
 def evaluate_holdout(head: DraftHead, embed, records: list[dict], device, cfg: TrainConfig
                      ) -> dict:
     """Teacher-forced top-1 agreement with the target on held-out sequences: @1 with true
-    features, @2 with the head's own predicted feature one step back (unrolled)."""
+    features, @2 (and on, to an EAGLE-3 head's unroll) from the head's own predictions of the
+    steps before."""
     if not records:
         return {}
     was = head.training
     head.eval()
     sums: dict[str, list[int]] = {}
-    eval_cfg = TrainConfig(**{**asdict(cfg), "unroll": 2, "noise": 0.0})
+    eval_cfg = TrainConfig(**{**asdict(cfg), "unroll": max(2, cfg.unroll), "noise": 0.0})
+    loss = loss_for(cfg)
     with torch.no_grad():
         for i in range(0, len(records), 8):
-            _, m = head_loss(head, embed, collate(records[i:i + 8], device), eval_cfg, False)
+            _, m = loss(head, embed, collate(records[i:i + 8], device), eval_cfg, False)
             for k, v in m.items():
                 if isinstance(v, tuple):
                     s = sums.setdefault(k, [0, 0])
@@ -183,10 +197,14 @@ def train_head(target, records: list[dict], cfg: TrainConfig, deadline: float,
     device = target.device
     train_recs, held = _split_records(records)
     ckpt_path = cfg.out / "train.pt"
-    state = _load_checkpoint(ckpt_path, identity)
+    state = _load_checkpoint(ckpt_path, identity, cfg.style)
     head, coverage = _head_to_train(target, train_recs, cfg, state)
-    head = head.to(device).attach(target.model).train()
-    embed = target.model.get_input_embeddings()
+    if cfg.style == "eagle3":
+        head = eagle3.attach_target(head.to(device), target.model).train()
+        embed = head.embedder(target.model)  # the stored rows, as vLLM and SGLang read them
+    else:
+        head = head.to(device).attach(target.model).train()
+        embed = target.model.get_input_embeddings()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     progress = _Progress()
@@ -196,7 +214,7 @@ def train_head(target, records: list[dict], cfg: TrainConfig, deadline: float,
     batches = Batches(train_recs, cfg.batch_tokens, cfg.seq_len, cfg.seed + progress.step)
     torch.manual_seed(cfg.seed + progress.step)
     ema = _train_until(head, embed, opt, batches, cfg, device, deadline, progress, lambda: (
-        _save_checkpoint(ckpt_path, head, opt, progress, coverage, identity)))
+        _save_checkpoint(ckpt_path, head, opt, progress, coverage, identity, cfg.style)))
     result = {"steps": progress.step, "tokens_seen": progress.seen,
               "train_seconds": round(progress.trained_s),
               "train_positions": sum(len(r["ids"]) - 1 - r.get("start", 0)
@@ -225,11 +243,14 @@ def _split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return train_recs, held
 
 
-def _load_checkpoint(path, identity: dict) -> dict | None:
+def _load_checkpoint(path, identity: dict, style: str) -> dict | None:
     """train.pt's state if there is one, refused when it was trained for another target."""
     state = torch.load(path, weights_only=True) if path.exists() else None
     if state is not None and state["identity_key"] != identity["key"]:
         raise SystemExit(f"train-draft: {path} belongs to another target; use another --out")
+    if state is not None and state.get("style", "eagle1") != style:
+        raise SystemExit(f"train-draft: {path} trains a head of style "
+                         f"{state.get('style', 'eagle1')}, not {style}; use another --out")
     return state
 
 
@@ -237,6 +258,8 @@ def _head_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: dict
                    ) -> tuple[DraftHead, float]:
     """(head, vocabulary coverage): the checkpoint's, or a new head over the reduced vocabulary
     chosen from the training records."""
+    if cfg.style == "eagle3":
+        return _eagle3_to_train(target, train_recs, cfg, state)
     if state is not None:
         head = DraftHead(HeadConfig(**json.loads(state["config"])))
         head.load_state_dict(state["head"])
@@ -258,14 +281,36 @@ def _head_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: dict
     return head, coverage
 
 
-def _save_checkpoint(path, head: DraftHead, opt, progress: _Progress, coverage: float,
-                     identity: dict) -> None:
+def _eagle3_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: dict | None
+                     ) -> tuple[torch.nn.Module, float]:
+    """As `_head_to_train`, for an EAGLE-3-style head (train/eagle3.py)."""
+    if not all("aux" in r for r in train_recs):
+        raise SystemExit(f"train-draft: {cfg.out} holds features without the target layers' "
+                         "hidden states an EAGLE-3 head reads (made for --style eagle1); use "
+                         "another --out")
+    if state is not None:
+        config = json.loads(state["config"])
+        head = eagle3.build(config, target.model.config.get_text_config().hidden_size)
+        head.load_state_dict(state["head"])
+        head.aux_std, head.config_json = state["aux_std"], config
+        return head.tie_vocabulary(), state["coverage"]
+    vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
+    head, config = eagle3.new_head(target.model, vocab, cfg.intermediate_size)
+    head.config_json = config
+    head.aux_std = eagle3.feature_std(train_recs, len(head.feature_layers))
+    return head, coverage
+
+
+def _save_checkpoint(path, head, opt, progress: _Progress, coverage: float,
+                     identity: dict, style: str = "eagle1") -> None:
     """Written aside, then moved into place: an interrupted save leaves the last one whole."""
     tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "config": json.dumps(asdict(head.cfg)),
+    config = head.config_json if style == "eagle3" else asdict(head.cfg)
+    extra = {"aux_std": head.aux_std.cpu()} if style == "eagle3" else {}
+    torch.save({"head": head.state_dict(), "config": json.dumps(config), "style": style,
                 "opt": opt.state_dict(), "step": progress.step, "seen": progress.seen,
                 "trained_s": progress.trained_s, "coverage": coverage,
-                "identity_key": identity["key"]}, tmp)
+                "identity_key": identity["key"], **extra}, tmp)
     tmp.replace(path)
 
 
@@ -312,7 +357,7 @@ def _train_step(head: DraftHead, embed, opt, rows: list[dict], cfg: TrainConfig,
         g["lr"] = lr
     batch = collate(rows, device)
     with autocast(device, cfg):
-        loss, m = head_loss(head, embed, batch, cfg)
+        loss, m = loss_for(cfg)(head, embed, batch, cfg)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)

@@ -56,7 +56,7 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
     todo = sorted(todo, key=lambda p: (p.get("sample", 0), len(prompt_ids[p["key"]])))
     shard_dir = cfg.out / "features"
     shard_dir.mkdir(parents=True, exist_ok=True)
-    index = _load_index(shard_dir)
+    index = _load_index(shard_dir, cfg)
     size = gen_batch(cfg, target.device)
     made = 0
     with dense_nf4(model), stock_attention(model), path.open("a") as f:
@@ -70,7 +70,8 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
             results = sample_with_features(
                 model, [prompt_ids[p["key"]] for p in part], [_is_sampled(p) for p in part],
                 cfg.max_new_tokens, cfg.gen_temperature, GEN_TOP_K, stop, pad, generator,
-                [checks.get(stops[p["key"]]) for p in part] if checks else None)
+                [checks.get(stops[p["key"]]) for p in part] if checks else None,
+                layers=cfg.feature_layers)
             records = []
             for p, r in zip(part, results):
                 n, first = min(len(r.ids), cfg.seq_len), r.prompt_len - 1  # as `sequences`
@@ -78,7 +79,8 @@ def _generate_with_features(target, todo: list[dict], cfg: TrainConfig, deadline
                     records.append({"key": p["key"], "ids": torch.tensor(r.ids[:n],
                                                                           dtype=torch.int32),
                                     "feats": r.feats[:n], "top1": r.top1[:n], "start": first,
-                                    "heldout": p["heldout"]})
+                                    "heldout": p["heldout"],
+                                    **({"aux": r.aux[:n]} if r.aux is not None else {})})
             if records:
                 _write_shard(shard_dir, index, records)
             for p, r in zip(part, results):  # after the shard: a key listed has its features

@@ -63,13 +63,16 @@ class FeatureTap:
             self._inputs[index] = args[0] if args else kwargs["hidden_states"]
         return hook
 
+    def batch(self) -> torch.Tensor:
+        """Features of the latest forward, every batch row: [batch, fed, width]."""
+        if self.layers is None:
+            return self.last
+        return torch.cat([self._inputs[i] for i in self.layers], dim=-1)
+
     def features(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
         """Features of the latest forward, batch row 0: its first n positions, or the
         positions `rows` (a draft tree's accepted path): [n, width]."""
-        if self.layers is None:
-            last = self.last
-        else:  # a new tensor: no later forward overwrites it
-            last = torch.cat([self._inputs[i] for i in self.layers], dim=-1)
+        last = self.batch()  # with layers, a new tensor: no later forward overwrites it
         if rows is None:
             return last[0, :n]
         return last[0, torch.tensor(rows, device=last.device)]
