@@ -213,7 +213,8 @@ def _kernels():
 def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tmp_path):
     """specchat's AVX2 kernel reads the NF4 codes and block scales directly: the model's logits
     are bitsandbytes' own (up to float32 rounding), each row's output is the same bits alone or
-    among up to 11 rows, and gradients still flow through bitsandbytes' path."""
+    among up to 11 rows, gradients still flow through bitsandbytes' path, and `dense_nf4` swaps
+    in a dense copy and back."""
     pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
@@ -238,6 +239,17 @@ def test_nf4_kernel_computes_what_bitsandbytes_computes_from_the_4bit_weights(tm
     assert torch.allclose(alone, torch.nn.functional.linear(x, weight), atol=1e-5)
     with_grad = layer(x.clone().requires_grad_())
     assert with_grad.requires_grad and torch.allclose(with_grad, alone, atol=1e-5)
+    # Batched decoding (train-draft's, `dense_nf4`) reads a dense float32 copy instead: the same
+    # product up to rounding, for as long as it is active.
+    from specchat.runners.hf.cpu import dense_nf4
+    with torch.inference_mode():
+        with dense_nf4(model) as layers:
+            assert layers == 14 and layer.forward.dense_weight is not None
+            dense = layer(x)
+            dense_logits = model(ids).logits
+        assert layer.forward.dense_weight is None and torch.equal(layer(x), alone)
+    assert torch.allclose(dense, alone, atol=1e-5)
+    assert torch.allclose(dense_logits, logits, atol=1e-5, rtol=1e-4)
 
 
 def test_nf4_kernel_refuses_a_layer_it_would_compute_wrongly(tmp_path):

@@ -185,6 +185,7 @@ class NF4KernelForward:
         self.out_features, self.in_features = state.shape
         self.bias = module.bias.data.to(torch.float32) if module.bias is not None else None
         self.fallback = module.forward  # bitsandbytes' own, for gradients
+        self.dense_weight: torch.Tensor | None = None  # kept while `dense_nf4` is active
 
     def usable(self, exact: dict[tuple, bool]) -> bool:
         """Whether the kernel takes this layer's layout and computes what bitsandbytes does."""
@@ -215,6 +216,9 @@ class NF4KernelForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad:
             return self.fallback(x)
+        if self.dense_weight is not None:  # batched decoding (`dense_nf4`)
+            return torch.nn.functional.linear(x.to(torch.float32), self.dense_weight,
+                                              self.bias).to(x.dtype)
         out = self._product(x)
         if self.bias is not None:
             out = out + self.bias
@@ -279,24 +283,32 @@ class _DenseForward:
 
 @contextlib.contextmanager
 def dense_nf4(model):
-    """While active, every forward of the model's NF4 layers on CPU (see `fast_cpu_nf4`) reads
-    a dequantized bf16 copy of the weights, kept for the duration: batched decoding, where the
-    fused kernel pays per row and dequantizing at every call costs most of a step. The copies
-    take 2 bytes per weight and are dropped on exit. The
-    outputs equal the fused kernel's up to bf16 rounding, as for prompts."""
+    """While active, every forward of the model's NF4 layers on CPU (see `fast_cpu_nf4` and
+    `kernel_cpu_nf4`) reads a dequantized copy of the weights, kept for the duration: batched
+    decoding, where the fused kernels pay per row (and bitsandbytes' dequantizes at every call)
+    and a dense product of many rows costs much less. The copies take 2 bytes per weight
+    (bitsandbytes' layers, bf16) or 4 (specchat's kernel's, float32) and are dropped on exit.
+    The outputs equal the kernels' up to rounding, as for prompts."""
     from bitsandbytes.functional import dequantize_4bit
 
     layers = [m.forward for m in model.modules()
               if isinstance(getattr(m, "forward", None), _CpuNF4Forward)]
     saved = [f.min_rows for f in layers]
+    # specchat's NF4 kernel computes a row at a time, in float32: the copies are float32 too
+    kernel_layers = [m.forward for m in model.modules()
+                     if isinstance(getattr(m, "forward", None), NF4KernelForward)]
     try:
         for f in layers:
             f.dense_weight = dequantize_4bit(f.weight, f.state)
             f.min_rows = 1
-        yield len(layers)
+        for f in kernel_layers:
+            f.dense_weight = dequantize_4bit(f.codes, f.state).to(torch.float32)
+        yield len(layers) + len(kernel_layers)
     finally:
         for f, rows in zip(layers, saved):
             f.dense_weight, f.min_rows = None, rows
+        for f in kernel_layers:
+            f.dense_weight = None
         _release_freed_memory()
 
 
