@@ -10,7 +10,7 @@ transformers' `generate` spends most of a batched CPU step outside the model: it
 padding masks from scratch every step, concatenates the KV cache, and its logits processors
 copy the whole 262k-token vocabulary per row. Here the masks grow by one column, the cache is
 written in place (`kvcache.PagedLayer`), and a row draws from the target's top-k logits with
-the Gumbel-max trick. The caller runs it on stock sdpa (`attention.stock_attention`) and dense
+the Gumbel-max trick. The caller runs it on stock sdpa (`attention.stock_attention`) and
 dense weights (`runners.hf.cpu.dense_nf4`). On a CPU this decodes several times as
 many tokens per second as `generate` on the same dense weights and attention
 (docs/training.md).
