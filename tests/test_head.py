@@ -277,6 +277,9 @@ def test_the_inspector_shows_the_heads_top_tokens_at_the_refused_draft():
         assert all(c.id in drafter.vocabulary for c in evidence.draft_top)
         probs = [c.prob for c in evidence.draft_top]
         assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+    # and names the head's kind under the reply
+    stats = events[-1]
+    assert stats.draft_head == "EAGLE-1 draft head"
 
 
 def test_sampled_speculation_with_a_random_head_replays_plain_sampling():

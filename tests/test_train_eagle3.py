@@ -16,7 +16,7 @@ from test_eagle3 import write_public_head
 from tiny import byte_tokenizer, loaded, tiny_llama
 
 from specchat.core.engine import Engine
-from specchat.core.events import StepRecord, TokenEvent
+from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.request import GenerateConfig
 from specchat.drafters.ngram import NgramDrafter
 from specchat.loader import head_drafters
@@ -26,6 +26,7 @@ from specchat.train import config as train_config
 from specchat.train import eagle3
 from specchat.train import features as train_features
 from specchat.train import fit as train_fit
+from specchat.ui.inspector import step_charts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,20 +167,26 @@ def test_the_trained_head_drafts_replies_equal_to_plain_decoding(trained):
     prompt = TOK(TEXT)["input_ids"]
 
     def run(**cfg):
-        tokens, steps = [], []
+        tokens, steps, stats = [], [], None
         for e in engine.stream(prompt, GenerateConfig(max_new_tokens=24, adaptive=False, **cfg)):
             if isinstance(e, TokenEvent):
                 tokens.append(e.id)
             elif isinstance(e, StepRecord):
                 steps.append(e)
-        return tokens, steps
+            elif isinstance(e, GenerationStats):
+                stats = e
+        return tokens, steps, stats
 
     for sampling in ({}, {"temperature": 0.8, "seed": 3}):
-        plain, _ = run(speculation=False, **sampling)
+        plain, _, stats = run(speculation=False, **sampling)
+        assert stats.draft_head is None
         for name in ("head", "combined"):
-            spec, steps = run(drafter=name, draft_len=3, **sampling)
+            spec, steps, stats = run(drafter=name, draft_len=3, **sampling)
             assert spec == plain, (name, sampling)
             assert sum(s.drafted for s in steps) > 0
+            # The inspector names the head's kind under the reply.
+            assert stats.draft_head == "EAGLE-3 draft head"
+            assert "drafts by the EAGLE-3 draft head" in step_charts(steps, stats)
 
 
 def test_a_work_directory_keeps_one_style(trained, tmp_path):

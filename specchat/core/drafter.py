@@ -33,6 +33,9 @@ default that does nothing.
                                            those entering these decoder layers (EAGLE-3)
     vocabulary                             the token ids it can draft (a trained head's reduced
                                            vocabulary), None for any; shown by the inspector
+    head_label                             the draft head it drafts with, by kind (EAGLE-1
+                                           or EAGLE-3), None without one; shown by the
+                                           inspector
     last_top                               after `propose`: per draft position, the drafter's
                                            most likely tokens [(id, prob)], where it has a
                                            distribution (a draft model, the head); shown by
@@ -76,6 +79,7 @@ class Drafter:
     last_top: list[Iterable[tuple[int, float]]] = []
 
     vocabulary: frozenset[int] | None = None  # the tokens it can draft (None: any)
+    head_label: str | None = None  # the draft head it drafts with (None: none)
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts from `prompt_ids`."""

@@ -635,6 +635,7 @@ class Engine:
                 said = run.context[:-1] if stats.stop_reason == "eos" else run.context
                 self.history.add(cfg.owner, said)
         vocabulary = run.drafter.vocabulary if run.drafter else None
+        stats.draft_head = run.drafter.head_label if run.drafter else None
         reply = run.context[len(prompt_ids):]
         if vocabulary is not None and reply:
             stats.draft_vocab = len(vocabulary)

@@ -151,6 +151,9 @@ class GenerationStats:
     # reply's tokens within it (the rest no draft could have matched). None otherwise.
     draft_vocab: int | None = None
     draft_vocab_coverage: float | None = None
+    # The draft head behind the drafter, by kind ("EAGLE-3 draft head"); None for drafters
+    # without one.
+    draft_head: str | None = None
 
     @classmethod
     def for_config(cls, cfg, speculation: bool | None = None, drafter: str | None = None,

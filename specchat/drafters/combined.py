@@ -18,6 +18,10 @@ class CombinedDrafter(Drafter):
     def __init__(self, ngram: NgramDrafter, head: HeadDrafter, min_match: int = 2):
         self.ngram, self.head, self.min_match = ngram, head, min_match
 
+    @property
+    def head_label(self) -> str:
+        return self.head.head_label
+
     def use_penalties(self, shaper):
         self.head.use_penalties(shaper)
 

@@ -109,6 +109,12 @@ class HeadDrafter(Drafter):
         source = getattr(self, "source", None)
         return f"draft head (EAGLE-3{': ' + source if source else ''})"
 
+    @property
+    def head_label(self) -> str:
+        """The head's kind alone (its source stays on the page's header, where a shared demo
+        redacts it)."""
+        return "EAGLE-1 draft head" if self.feature_layers is None else "EAGLE-3 draft head"
+
     def use_penalties(self, shaper):
         self.shaper = shaper
 

@@ -198,6 +198,8 @@ def step_charts(steps: list[StepRecord], stats: GenerationStats | None) -> str:
         for name, s in (("prefill", prefill_s), ("draft", draft_s), ("verify", verify_s)) if s)
     legend = " · ".join(f"{name} {s:.2f} s" for name, s in
                         (("prefill", prefill_s), ("draft", draft_s), ("verify", verify_s)) if s)
+    if stats is not None and stats.draft_head:
+        legend += f" · drafts by the {_e(stats.draft_head)}"
     if stats is not None and stats.draft_vocab_coverage is not None:
         legend += (f" · the drafter's {stats.draft_vocab:,}-token vocabulary holds "
                    f"{100 * stats.draft_vocab_coverage:.0f}% of this reply's tokens")
