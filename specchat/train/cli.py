@@ -1,4 +1,7 @@
-"""`python -m specchat train-draft`: train an EAGLE draft head (specchat.head) for a target.
+"""`python -m specchat train-draft`: train a draft head for a target, in one of two styles:
+EAGLE-1 (specchat's own head, models/eagle.py, a head.safetensors the app finds by itself) or
+EAGLE-3 (`--style eagle3`: the public layout, models/eagle3.py, loaded with --head DIR and by
+vLLM and SGLang).
 
 Four resumable phases, all under one time budget (--minutes), in one work directory (--out,
 by default next to the target's cache, where the app finds the head):
@@ -7,12 +10,15 @@ by default next to the target's cache, where the app finds the head):
              benchmark questions): self-distillation, so the head learns the target's own text.
              Files given with --data add prompts ({"prompt": ...} lines) or plain text.
 2. extract   teacher-forced target forwards over every sequence: the features f_t (output of the
-             final norm) and the target's top-1 token at every position, in shards.
+             final norm; for EAGLE-3 also the hidden states entering three decoder layers) and
+             the target's top-1 token at every position, in shards.
 3. vocab     the N tokens the target predicts most often become the head's reduced vocabulary.
-4. train     EAGLE's loss (Li et al. 2024): smooth-L1 between predicted and true next features
-             plus cross-entropy against the target's distribution (read off the true features
-             through the same frozen reduced LM head), AdamW(0.9, 0.95), gradient clipping,
-             noise on input features; checkpoints every few minutes, resumes where it stopped.
+4. train     EAGLE-1 (train/fit.py): smooth-L1 between predicted and true next features plus
+             cross-entropy against the target's distribution (read off the true features
+             through the same frozen reduced LM head). EAGLE-3 (train/eagle3.py): cross-entropy
+             alone, over training-time-test steps that draft from the head's own outputs.
+             AdamW(0.9, 0.95), gradient clipping, noise on input features; checkpoints every
+             few minutes, resumes where it stopped.
 
 Every ~10th prompt is held out: its sequences measure top-1 agreement (teacher forced), and
 --evaluate runs the engine on held-out prompts to measure alpha and speed against plain decoding.
