@@ -143,6 +143,15 @@ def model_choice(args) -> tuple[str, str]:
     return target or "embedded", draft or ""
 
 
+def head_choice(args) -> str | None:
+    """--head, else the preset's public EAGLE-3 head (None: the head trained for the target,
+    if any)."""
+    head = getattr(args, "head", None)
+    if head or getattr(args, "backend", None) or not getattr(args, "preset", None):
+        return head
+    return PRESETS[args.preset].head or None
+
+
 def load_from_args(args, progress):
     """Load the models the arguments name (or connect to --backend); `progress(message)`
     hears each step and note. Raises ModelLoadError with a message a user can act on."""
@@ -158,7 +167,7 @@ def load_from_args(args, progress):
     target, draft = model_choice(args)
     report = load_engine(target, draft, args.quantization, args.draft_quantization,
                          None if args.device == "auto" else args.device, progress,
-                         head=getattr(args, "head", None),
+                         head=head_choice(args),
                          prefix_tokens=getattr(args, "prefix_cache_tokens", PREFIX_CACHE_TOKENS),
                          max_prompt_tokens=getattr(args, "max_input_tokens", MAX_PROMPT_TOKENS))
     for note in report.notes:

@@ -557,3 +557,18 @@ def test_the_page_names_the_heads_kind_and_where_an_eagle3_head_came_from(tmp_pa
     loaded = load_model(checkpoint, "none", "cpu", progress=lambda *_: None)
     drafters, _ = head_drafters(loaded, NgramDrafter(), path)
     assert drafters["head"].label == f"draft head (EAGLE-3: {path})"
+
+
+def test_the_llama_preset_drafts_with_the_public_eagle3_head_unless_head_says_otherwise():
+    """A preset names the public EAGLE-3 head for its target where one is published; --head
+    overrides it, and a preset without one (or no preset) leaves the trained head's lookup."""
+    from specchat.args import head_choice
+    from specchat.cli import build_parser
+
+    def choice(*argv):
+        return head_choice(build_parser().parse_args(["generate", *argv, "--prompt", "hi"]))
+
+    assert choice("--preset", "llama3.1-8b") == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert choice("--preset", "llama3.1-8b", "--head", "some/head") == "some/head"
+    assert choice("--preset", "qwen2.5-7b") is None
+    assert choice() is None
