@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_eagle3 import write_public_head
-from tiny import byte_tokenizer, loaded, tiny_llama
+from tiny import byte_tokenizer, loaded, tiny_gemma3, tiny_llama
 
 from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
@@ -53,17 +53,20 @@ def random_head(model, vocab=range(3, 60)) -> eagle3.Eagle3Head:
     return head.eval()
 
 
+@pytest.mark.parametrize("make", [llama7, tiny_gemma3])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_training_time_test_is_the_heads_own_drafting_step_for_step(steps):
+def test_training_time_test_is_the_heads_own_drafting_step_for_step(make, steps):
     """Unroll step s at array position t equals drafting s tokens after true position t: the
     head's forward over positions 0..t with its KV cache, then s forwards of one token each,
-    each reading the hidden state before and the next true token, at positions t + 1 .. t + s."""
-    model = llama7()
+    each reading the hidden state before and the next true token, at positions t + 1 .. t + s.
+    (Llama's grouped queries, 4 over 2; Gemma's head_dim apart from d / heads.)"""
+    model = make(0)
     head = random_head(model)
     d = model.config.hidden_size
+    assert head.fc.in_features == len(head.feature_layers) * d
     T = 9
     torch.manual_seed(2)
-    aux = torch.randn(1, T, 3 * d)
+    aux = torch.randn(1, T, head.fc.in_features)
     embeds = torch.randn(1, T + steps - 1, d)
     with torch.no_grad():
         out = eagle3.unrolled(head, aux, embeds, steps)
