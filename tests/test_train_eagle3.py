@@ -192,6 +192,26 @@ def test_the_trained_head_drafts_replies_equal_to_plain_decoding(trained):
             assert "drafts by the EAGLE-3 draft head" in step_charts(steps, stats)
 
 
+def test_init_fine_tunes_an_eagle3_head_and_refuses_what_is_not_one(trained, tmp_path):
+    """--init with --style eagle3 starts from an EAGLE-3 head directory (its vocabulary and
+    weights) in a new work directory; a path that holds none is refused with what it takes."""
+    target, cfg, path, _ = trained
+    tuned_cfg = train_config.TrainConfig(**{**cfg.__dict__, "out": tmp_path / "tuned",
+                                            "init": path, "max_steps": 3, "lr": 1e-3,
+                                            "generate": False, "data": []})
+    shutil.copytree(cfg.out / "features", tuned_cfg.out / "features")
+    tuned_path, summary = train_cli.run(target, tuned_cfg, progress=lambda m: None)
+    assert summary["steps"] == 3
+    before, after = load_eagle3(path, target.model), load_eagle3(tuned_path, target.model)
+    assert torch.equal(before.vocab_ids, after.vocab_ids)
+    assert not torch.equal(before.fc.weight, after.fc.weight)
+    wrong = train_config.TrainConfig(**{**tuned_cfg.__dict__, "out": tmp_path / "wrong",
+                                        "init": tmp_path / "no-head"})
+    shutil.copytree(cfg.out / "features", wrong.out / "features")
+    with pytest.raises(SystemExit, match="takes an EAGLE-3 head directory"):
+        train_cli.run(target, wrong, progress=lambda m: None)
+
+
 def test_a_work_directory_keeps_one_style(trained, tmp_path):
     target, cfg, _, _ = trained
     eagle1 = train_config.TrainConfig(**{**cfg.__dict__, "style": "eagle1",

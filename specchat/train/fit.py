@@ -265,9 +265,11 @@ def _head_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: dict
         head.load_state_dict(state["head"])
         return head, state["coverage"]
     if cfg.init is not None:  # fine-tuning: the head's own vocabulary, measured on this data
-        from specchat.models.eagle_files import load_head
-
-        head = load_head(cfg.init, target.model, target.tokenizer).cpu()
+        from specchat.models.eagle_files import HeadMismatchError, load_head
+        try:
+            head = load_head(cfg.init, target.model, target.tokenizer).cpu()
+        except HeadMismatchError as e:
+            raise SystemExit(f"train-draft: --init takes a head file of this style: {e}") from e
         for p in head.parameters():
             p.requires_grad_(True)
         return head, _coverage(train_recs, head.vocab_ids)
@@ -294,6 +296,23 @@ def _eagle3_to_train(target, train_recs: list[dict], cfg: TrainConfig, state: di
         head.load_state_dict(state["head"])
         head.aux_std, head.config_json = state["aux_std"], config
         return head.tie_vocabulary(), state["coverage"]
+    if cfg.init is not None:  # fine-tuning an EAGLE-3 head (ours or a public one)
+        from specchat.models.eagle3 import load_eagle3, read_config
+        from specchat.models.eagle_files import HeadMismatchError
+        try:
+            head = load_eagle3(cfg.init, target.model).cpu().train()
+        except HeadMismatchError as e:
+            raise SystemExit(f"train-draft: --init with --style eagle3 takes an EAGLE-3 head "
+                             f"directory: {e}") from e
+        if tuple(head.feature_layers) != tuple(cfg.feature_layers or ()):
+            raise SystemExit(f"train-draft: {cfg.init} reads the target's layers "
+                             f"{list(head.feature_layers)}; train-draft keeps "
+                             f"{list(cfg.feature_layers or ())}")
+        for p in head.parameters():
+            p.requires_grad_(True)
+        head.config_json = read_config(cfg.init)
+        head.aux_std = eagle3.feature_std(train_recs, len(head.feature_layers))
+        return head, _coverage(train_recs, head.vocab_ids)
     vocab, coverage = choose_vocab(train_recs, cfg.draft_vocab, target.tokenizer)
     head, config = eagle3.new_head(target.model, vocab, cfg.intermediate_size)
     head.config_json = config
