@@ -335,9 +335,10 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="data order and initialization")
     p.add_argument("--init", default=None, metavar="HEAD",
-                   help="start from this head file (its vocabulary and weights, a fresh "
-                        "optimizer): fine-tune it on the text generated here; used while the "
-                        "work directory has no checkpoint (default: a new head)")
+                   help="start from this head (its vocabulary and weights, a fresh optimizer): "
+                        "a head file, or with --style eagle3 an EAGLE-3 head's directory; "
+                        "fine-tune it on the text generated here; used while the work "
+                        "directory has no checkpoint (default: a new head)")
 
 
 __all__ = ["TrainConfig", "add_cli", "run", "evaluate_engine"]
