@@ -180,7 +180,7 @@ def head_loss(head: Eagle3Head, embed, batch: dict, cfg, train: bool = True
     ids, feats, aux = batch["ids"], batch["feats"], batch["aux"]
     T = ids.shape[1] - 1  # head positions t read (g_t, x_{t+1})
     steps = max(1, cfg.unroll)
-    weight = lm_head_weight_of(head)
+    weight = head.target_rows  # `attach_target`
     with torch.no_grad():
         emb = embed(ids[:, 1:]).float()  # [B, T, d]: embed(x_{t+1})
         emb = F.pad(emb, (0, 0, 0, steps - 1))
@@ -214,12 +214,6 @@ def head_loss(head: Eagle3Head, embed, batch: dict, cfg, train: bool = True
         metrics = {"top1@1": (0, 0), "ce": 0.0}
         total = sum(q.sum() * 0.0 for q in head.parameters())
     return total, metrics
-
-
-def lm_head_weight_of(head: Eagle3Head) -> torch.Tensor:
-    """The target's LM-head rows of the draft vocabulary, kept on the head while it trains
-    (`attach_target`): what the target's distribution is read through."""
-    return head.target_rows
 
 
 def attach_target(head: Eagle3Head, model) -> Eagle3Head:
