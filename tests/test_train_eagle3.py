@@ -192,6 +192,30 @@ def test_the_trained_head_drafts_replies_equal_to_plain_decoding(trained):
             assert "drafts by the EAGLE-3 draft head" in step_charts(steps, stats)
 
 
+def test_the_trained_head_on_a_bf16_target_keeps_replies_and_second_turns_plain(trained):
+    """transformers' forward in bf16 hands the head bf16 layer features: a repeated request
+    and a second turn still give plain decoding's text."""
+    import copy
+    target, _, path, _ = trained
+    bf16 = loaded(copy.deepcopy(target.model).to(torch.bfloat16), TOK)
+    drafters, notes = head_drafters(bf16, NgramDrafter(), path, min_gain=0.0)
+    assert notes == []
+    engine = Engine(bf16, {"ngram": NgramDrafter(), **drafters})
+    first = TOK(TEXT)["input_ids"]
+
+    def reply(prompt, **cfg):
+        return [e.id for e in engine.stream(prompt, GenerateConfig(
+            max_new_tokens=16, adaptive=False, **cfg)) if isinstance(e, TokenEvent)]
+
+    plain = reply(first, speculation=False)
+    second = first + plain + TOK(" and then")["input_ids"]
+    plain2 = reply(second, speculation=False)
+    for name in ("head", "combined"):
+        for _ in range(2):  # the same request again, whatever ran before
+            assert reply(first, drafter=name, draft_len=3) == plain, name
+        assert reply(second, drafter=name, draft_len=3) == plain2, name
+
+
 def test_init_fine_tunes_an_eagle3_head_and_refuses_what_is_not_one(trained, tmp_path):
     """--init with --style eagle3 starts from an EAGLE-3 head directory (its vocabulary and
     weights) in a new work directory; a path that holds none is refused with what it takes."""
