@@ -197,15 +197,19 @@ def nf4_llama(tmp_path_factory):
 
 def _load_nf4(path):
     """A saved checkpoint loaded in NF4 (double quantization, bf16 compute) on the CPU, as
-    load_model loads a target on CUDA."""
+    load_model loads a target on CUDA. Its layers repack themselves at a first forward, as on
+    a CPU with AVX512-BF16 whatever this one has: the runner must hold them."""
+    from tiny import bnb_cpu_repack
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quant,
-                                                dtype=torch.bfloat16,
-                                                device_map={"": "cpu"}).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant,
+                                                 dtype=torch.bfloat16,
+                                                 device_map={"": "cpu"}).eval()
+    bnb_cpu_repack(model, on=True)
+    return model
 
 
 @pytest.fixture(scope="module")

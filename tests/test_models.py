@@ -120,10 +120,8 @@ def _tiny_nf4(tmp_path, compute):
                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant,
                                                  dtype=compute, device_map={"": "cpu"}).eval()
-    import bitsandbytes as bnb
-    for m in model.modules():  # as on a CPU without AVX512-BF16, whatever this one has
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
+    from tiny import bnb_cpu_repack
+    bnb_cpu_repack(model, on=False)  # as on a CPU without AVX512-BF16, whatever this one has
     return model
 
 

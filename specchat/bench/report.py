@@ -40,7 +40,8 @@ def format_report(result: dict) -> str:
     return "\n".join([*_regime_lines(result["config"]),
                       *_runtime_lines(result["config"].get("runtime")),
                       *_sampler_lines(result["config"].get("samplers")),
-                      *_versus_lines(vs, result["config"].get("prompt_cache", "warm")),
+                      *_versus_lines(vs, result["config"].get("prompt_cache", "warm"),
+                                     result["config"].get("llama_cpp_build")),
                       *profile_lines(result.get("profile"), _llama_ms(vs)),
                       *rows_lines((result.get("profile") or {}).get("by_rows")),
                       *_table_lines(result),
@@ -189,7 +190,7 @@ def _llama_ms(vs: dict | None) -> float | None:
     return 1000 / rate if rate else None
 
 
-def _versus_lines(vs: dict | None, cache: str = "warm") -> list[str]:
+def _versus_lines(vs: dict | None, cache: str = "warm", build: dict | None = None) -> list[str]:
     """specchat's plain and best modes against llama.cpp's, side by side: end to end,
     decode-only, the first token, and what each engine encoded of a first turn's prompt (the
     rest came from its prompt cache). First in the report, when the bench raced a server."""
@@ -198,9 +199,12 @@ def _versus_lines(vs: dict | None, cache: str = "warm") -> list[str]:
     how = ("prompt caches warm: each engine keeps what the questions before left it, "
            "specchat's prefix store and llama-server's prompt cache" if cache == "warm" else
            "prompt caches cold: both emptied before every first turn (--prompt-cache cold)")
-    lines = [f"specchat vs llama.cpp on the same {vs['items']} items; {how}",
-             f"  {'mode':<26} {'end to end':>11} {'decode-only':>12} {'TTFT s':>7} "
-             f"{'prompt encoded':>17}"]
+    lines = [f"specchat vs llama.cpp on the same {vs['items']} items; {how}"]
+    if build:
+        lines.append(f"  llama.cpp {build.get('version') or '(version unknown)'}, built for "
+                     f"{build.get('flags')}")
+    lines.append(f"  {'mode':<26} {'end to end':>11} {'decode-only':>12} {'TTFT s':>7} "
+                 f"{'prompt encoded':>17}")
     per_mode = vs.get("per_mode") or {}
     shown = ["plain", vs["best"], REMOTE_PLAIN, vs["their_best"]]
     for mode in dict.fromkeys(m for m in shown if m in per_mode):

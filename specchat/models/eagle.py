@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.models.gguf_head import BLOCK as Q8_BLOCK  # values per Q8_0 scale
+from specchat.runners import nf4
 from specchat.runners.cpu import kernels
 from specchat.runners.hf.features import FeatureTap, final_norm
 
@@ -336,7 +337,7 @@ def lm_head_weight(model) -> torch.Tensor:
     weight = model.get_output_embeddings().weight
     if not weight.dtype.is_floating_point:
         import bitsandbytes.functional as bnbf
-        weight = bnbf.dequantize_4bit(weight.data, weight.quant_state)
+        weight = bnbf.dequantize_4bit(*nf4.codes_and_state(model.get_output_embeddings()))
     return weight.detach()
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.core.runner import Runner
+from specchat.runners import nf4
 from specchat.runners.cuda import kernels
 from specchat.runners.static import StaticCache, rope_tables, unsupported_config
 
@@ -76,12 +77,12 @@ class Linear:
         self.out_features = module.out_features
         if type(module).__name__ == "Linear4bit":
             from bitsandbytes.functional import dequantize_blockwise
-            state = module.weight.quant_state
+            codes, state = nf4.hold(module)  # the runner (and `fuse`) view its codes from here
             n, k = state.shape
             absmax = state.absmax
             if state.nested:
                 absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
-            self.packed = module.weight.data.view(n, k // 2)
+            self.packed = codes.view(n, k // 2)
             self.absmax = absmax.float().reshape(n, k // kernels.NF4_BLOCK).contiguous()
             self.code = code if code is not None else kernels.pair_table(
                 state.code.cpu()).to(self.packed.device)

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from specchat.runners import nf4
 from specchat.runners.cpu import kernels
 from specchat.runners.memory import _release_freed_memory
 
@@ -32,13 +33,13 @@ FUSED_BLOCK_N = 32
 
 def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
     """Give the model's NF4 layers a faster forward on CPUs with AVX512-BF16 (bitsandbytes'
-    fused kernel). Returns the layers changed. Must run before the model's first forward.
+    fused kernel). Returns the layers changed.
 
     - Inputs of `min_rows` tokens or more (prefill, feature extraction) go through the dense
       weight: dequantize to bf16, then plain matmuls. The fused kernel is fast for one token
       but pays per row, so long prompts encode faster this way. Each layer keeps its weight in
-      bitsandbytes' canonical layout for this (a second copy of the 4-bit weights), taken
-      before bitsandbytes repacks it. Outputs match the fused kernel up to bf16 rounding.
+      bitsandbytes' canonical layout for this (a second copy of the 4-bit weights), read in
+      whichever layout the layer is in (`nf4.codes_and_state`). Outputs match the fused kernel up to bf16 rounding.
     - Narrower inputs (decoding, verifies) call the fused kernel's C function directly, once it
       gave bit-identical output through bitsandbytes' own path. That path spends Python time on
       every call (checks, two dispatches, dtype casts), a visible share of a decoding step
@@ -53,11 +54,10 @@ def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
     for module in model.modules():
         if not isinstance(module, bnb.nn.Linear4bit) or module.weight.device.type != "cpu" \
                 or not getattr(module, "support_avx512bf16_for_cpu", False) \
-                or getattr(module.weight.quant_state, "packing_format_for_cpu", False) \
                 or module.out_features % FUSED_BLOCK_N \
                 or module.in_features % module.weight.quant_state.blocksize:
-            # no fused CPU kernel here, already repacked (its layout is not ours), or a shape
-            # the kernel's blocks do not divide: `dense_cpu_nf4` takes the layer
+            # no fused CPU kernel here, or a shape the kernel's blocks do not divide:
+            # `dense_cpu_nf4` takes the layer
             continue
         module.forward = _CpuNF4Forward(module, min_rows)
         changed += 1
@@ -74,7 +74,10 @@ class _CpuNF4Forward:
 
         self.module, self.min_rows = module, min_rows
         self.fused = module.forward  # bitsandbytes' own: repacks the weight at its first call
-        self.weight, self.state = module.weight.data, copy.deepcopy(module.weight.quant_state)
+        # bitsandbytes rewrites the layer's state in place when it repacks: keep a copy, in the
+        # canonical layout (a second copy of the 4-bit weights), whichever layout it is in now
+        self.weight, state = nf4.codes_and_state(module)
+        self.state = copy.deepcopy(state)
         if self.state.nested:  # double quantization: undo it once here, not at every call
             self.state.absmax = (dequantize_blockwise(self.state.absmax, self.state.state2)
                                  + self.state.offset)
@@ -174,14 +177,14 @@ class NF4KernelForward:
     def __init__(self, module, lib):
         from bitsandbytes.functional import dequantize_blockwise
 
-        state = module.weight.quant_state
+        codes, state = nf4.hold(module)  # its codes are read from here on, never repacked
         self.module, self.lib, self.state = module, lib, state
         absmax = state.absmax
         if state.nested:  # double quantization: undo it once here, not at every call
             absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
         self.absmax = absmax.to(torch.float32).contiguous()
         self.table = state.code.to(torch.float32).contiguous()
-        self.codes = module.weight.data
+        self.codes = codes
         self.out_features, self.in_features = state.shape
         self.bias = module.bias.data.to(torch.float32) if module.bias is not None else None
         self.fallback = module.forward  # bitsandbytes' own, for gradients
@@ -266,7 +269,7 @@ class _DenseForward:
     def __init__(self, module, dtype: torch.dtype, exact: dict[tuple, bool]):
         from bitsandbytes.functional import dequantize_4bit
 
-        weight = dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+        weight = dequantize_4bit(*nf4.codes_and_state(module)).to(dtype)
         self.bias = module.bias.data.to(dtype) if module.bias is not None else None
         self.fallback = module.forward  # bitsandbytes' own, for gradients
         self.packed = _pack(weight, exact)
