@@ -32,6 +32,13 @@ replies at the average time the engine was held lately.
 
 The queue belongs to the engine, the way its lock does; `EngineQueue.of(engine)` finds it, so the
 page and the API share it without either knowing of the other.
+
+**The engine never waits for its reader.** Once a ticket holds the engine, `run_reply` runs the
+reply in a thread of its own and hands each item on as it comes: to an asyncio queue for the
+API, to a `Mailbox` for the page, whose generator wakes when it chooses (every repaint), takes
+everything that came and repaints once. A slow browser or a slow repaint drops frames, never
+tokens and never engine time. The thread leaves the ticket when the reply ends, so the next in
+line goes on at once; a Stop (the reply's event) still ends it at the next step boundary.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -252,3 +259,58 @@ class EngineQueue:
                 wake()
             except RuntimeError:  # its loop has closed; the ticket's owner is gone
                 pass
+
+
+class Finished:
+    """The last item a reply's thread hands on (`run_reply`)."""
+
+
+def run_reply(ticket: Ticket, produce: Callable[[], Iterable], put: Callable[[object], None],
+              name: str = "specchat-reply") -> threading.Thread:
+    """Run one reply in a thread of its own while `ticket` holds the engine: each item of
+    `produce()` goes to `put` as it is made, then the exception it raised (if any), then
+    `Finished()`. The ticket is left when the reply ends, so the next in line goes on at once;
+    if the thread cannot start, it is left at once and the error raised."""
+    def reply() -> None:
+        try:
+            for item in produce():
+                put(item)
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which answers it
+            put(e)
+        finally:
+            ticket.leave()
+            put(Finished())
+
+    thread = threading.Thread(target=reply, name=name, daemon=True)
+    try:
+        thread.start()
+    except BaseException:
+        ticket.leave()
+        raise
+    return thread
+
+
+class Mailbox:
+    """Where a reply's thread puts its items for a reader that wakes on its own schedule: `put`
+    never blocks and wakes the reader only for `Finished`; `take(timeout)` waits at most
+    `timeout` seconds (less once the reply has finished) and returns every item that came."""
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._finished = False
+        self._changed = threading.Condition()
+
+    def put(self, item) -> None:
+        with self._changed:
+            self._items.append(item)
+            if isinstance(item, Finished):
+                self._finished = True
+                self._changed.notify_all()
+
+    def take(self, timeout: float) -> list:
+        with self._changed:
+            if not self._finished and timeout > 0:
+                self._changed.wait_for(lambda: self._finished, timeout)
+            items = list(self._items)
+            self._items.clear()
+            return items

@@ -50,7 +50,14 @@ from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
 from specchat.core.request import GenerateConfig
 from specchat.core.settings import SETTINGS, build_config, values_from_body
-from specchat.engine_queue import MAX_PER_OWNER, MAX_WAITING, EngineQueue, QueueFull
+from specchat.engine_queue import (
+    MAX_PER_OWNER,
+    MAX_WAITING,
+    EngineQueue,
+    Finished,
+    QueueFull,
+    run_reply,
+)
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 
@@ -94,10 +101,6 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.response_body(), self.status, headers=self.headers)
-
-
-class _Finished:
-    """The last item a reply's thread puts on its queue."""
 
 
 class Api:
@@ -341,7 +344,7 @@ class Api:
                     request: Request | None = None) -> tuple[asyncio.Queue, threading.Event]:
         """Wait for the engine in its queue (429 when full), then run one reply in a thread of
         its own: `steps` turns the engine's events into what the route sends, each put on the
-        returned queue as it comes, then `_Finished`. Setting the returned event stops the
+        returned queue as it comes, then `Finished`. Setting the returned event stops the
         reply at its next step. With `request`, a client that disconnects while waiting leaves
         the queue at once (a stream's client that leaves cancels this coroutine itself)."""
         try:
@@ -368,22 +371,9 @@ class Api:
             ticket.leave()
             raise
         loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
-
-        def reply() -> None:
-            try:
-                for item in steps(self.engine.stream(ids, cfg, stop_event=stop), stop):
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-            except Exception as e:  # noqa: BLE001 - handed to the route, which answers it
-                loop.call_soon_threadsafe(queue.put_nowait, e)
-            finally:
-                ticket.leave()
-                loop.call_soon_threadsafe(queue.put_nowait, _Finished())
-
-        try:
-            threading.Thread(target=reply, name="specchat-api-reply", daemon=True).start()
-        except BaseException:
-            ticket.leave()
-            raise
+        run_reply(ticket, lambda: steps(self.engine.stream(ids, cfg, stop_event=stop), stop),
+                  lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+                  "specchat-api-reply")
         return queue, stop
 
     # -- routes ---------------------------------------------------------------------------
@@ -676,7 +666,7 @@ async def reply_items(first, queue: asyncio.Queue, stop: threading.Event):
     when the one reading goes away."""
     item = first
     try:
-        while not isinstance(item, _Finished):
+        while not isinstance(item, Finished):
             if isinstance(item, ApiError):
                 raise item
             if isinstance(item, Exception):

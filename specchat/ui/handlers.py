@@ -34,7 +34,16 @@ from specchat.core.request import GenerateConfig
 from specchat.core.settings import SETTINGS, build_config, request
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.drafters import NAMES as DRAFTER_NAMES
-from specchat.engine_queue import MAX_PER_OWNER, MAX_WAITING, EngineQueue, QueueFull, Waiting
+from specchat.engine_queue import (
+    MAX_PER_OWNER,
+    MAX_WAITING,
+    EngineQueue,
+    Finished,
+    Mailbox,
+    QueueFull,
+    Waiting,
+    run_reply,
+)
 from specchat.loader import LoadReport
 from specchat.stats.speedup import Speedup, noise_band, plain_step_times, turn_speedup
 from specchat.stats.store import StatsStore
@@ -49,6 +58,8 @@ STILL_LOADING = "The models are still loading; your message is kept, send it whe
 # first is running; a message stays in the box.
 BUSY = "Wait for the reply being written, or stop it: one reply at a time in a tab."
 ONE_AT_A_TIME = BUSY + " Your message is still in the box."
+# Seconds between an A/B run's progress lines: the runs are timed without repaints.
+PROGRESS_S = 0.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,13 +204,18 @@ class ChatApp:
 
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
                tokens: list[TokenEvent], steps: list[StepRecord] | None = None,
-               owner: str | None = None) -> Iterator[GenerationStats | Waiting | None]:
+               owner: str | None = None, repaint: bool = True
+               ) -> Iterator[GenerationStats | Waiting | None]:
         """One generation in its turn: the engine's queue, shared with the API's requests and
         fair between visitors (`owner`, by default `cfg.owner`), with the API's limits, yields
-        Waiting reports while replies are ahead. Then appends TokenEvents to `tokens` (and
-        StepRecords to `steps`), yields None when a repaint is due, the GenerationStats last.
-        An engine error becomes stats with `error` set; a place the line refuses (QueueFull),
-        stats with stop_reason REFUSED and the reason as `error`: nothing ran."""
+        Waiting reports while replies are ahead. Then the reply runs in a thread of its own
+        (`engine_queue.run_reply`) and this generator appends its TokenEvents to `tokens` (and
+        StepRecords to `steps`) when it wakes, yielding None when a repaint is due (`repaint`
+        False: every `PROGRESS_S` while tokens come, for a progress line), the GenerationStats
+        last. An engine error becomes stats with `error` set; a place the line refuses
+        (QueueFull), stats with stop_reason REFUSED and the reason as `error`: nothing ran.
+        Closed early (a closed tab), the reply is stopped at its next step and the engine goes
+        to the next in line when it has."""
         engine = self.slot.engine
         stats, error = None, ""
         queue = EngineQueue.of(engine)
@@ -212,12 +228,15 @@ class ChatApp:
             return
         try:
             yield from ticket.reports(stop)
-            if ticket.ahead:  # stopped before its turn came: the engine never ran
-                stats = GenerationStats.for_config(cfg, stop_reason="stopped")
-            else:
-                stats, error = yield from self._stream(engine, ids, cfg, stop, tokens, steps)
-        finally:
-            ticket.leave()  # the next in line, the page's reply or the API's, goes on
+        except BaseException:
+            ticket.leave()
+            raise
+        if ticket.ahead:  # stopped before its turn came: the engine never ran
+            ticket.leave()
+            stats = GenerationStats.for_config(cfg, stop_reason="stopped")
+        else:
+            stats, error = yield from self._stream(ticket, engine, ids, cfg, stop, tokens, steps,
+                                                   repaint)
         if stats is None:
             stats = GenerationStats.for_config(
                 cfg, new_tokens=len(tokens), stop_reason="error",
@@ -226,30 +245,52 @@ class ChatApp:
             stats.error = readable_error(stats.error)
         yield stats
 
-    def _stream(self, engine, ids, cfg, stop, tokens, steps
+    def _stream(self, ticket, engine, ids, cfg, stop, tokens, steps, repaint: bool = True
                 ) -> Generator[None, None, tuple[GenerationStats | None, str]]:
-        """The engine's reply, its events kept as they come; yields None when a repaint is due
-        and returns (its stats or None, the error)."""
-        last, stats, error = 0.0, None, ""
-        events = engine.stream(ids, cfg, stop_event=stop)
+        """The engine's reply in its own thread while this generator sleeps between repaints;
+        yields None when a repaint is due and returns (its stats or None, the error).
+
+        A repaint costs the server the page's render plus gradio's diff and send, and the
+        engine shares the cores with it (and with the browser, on one machine). So repaints
+        are spaced to keep that cost a tenth of the time at most: the next comes after
+        `min_interval`, or after nine times the last repaint's cost where that is longer."""
+        def produce():
+            events = engine.stream(ids, cfg, stop_event=stop)
+            try:
+                yield from events
+            except Exception:  # keep the app alive; the engine's cache may be inconsistent
+                engine.reset_cache()
+                raise
+            finally:
+                events.close()  # ends at a step boundary, before the next reply gets the engine
+
+        box = Mailbox()
+        run_reply(ticket, produce, box.put, "specchat-page-reply")
+        stats, error, finished, wait = None, "", False, self.min_interval
         try:
-            for event in events:
-                if isinstance(event, TokenEvent):
-                    tokens.append(event)
-                elif isinstance(event, StepRecord):
-                    if steps is not None:
-                        steps.append(event)
-                    now = time.monotonic()
-                    if now - last >= self.min_interval:
-                        last = now
-                        yield None
-                elif isinstance(event, GenerationStats):
-                    stats = event
-        except Exception as e:  # keep the app alive; the engine's cache may be inconsistent
-            engine.reset_cache()
-            stats, error = None, f"{type(e).__name__}: {e}"
-        finally:
-            events.close()  # ended at a step boundary before the next reply gets the engine
+            while not finished:
+                fresh = False
+                for item in box.take(wait):
+                    if isinstance(item, TokenEvent):
+                        tokens.append(item)
+                        fresh = True
+                    elif isinstance(item, StepRecord):
+                        if steps is not None:
+                            steps.append(item)
+                    elif isinstance(item, GenerationStats):
+                        stats = item
+                    elif isinstance(item, Finished):
+                        finished = True
+                    elif isinstance(item, Exception):
+                        stats, error = None, f"{type(item).__name__}: {item}"
+                if fresh and not finished:
+                    began = time.perf_counter()
+                    yield None  # the caller renders, gradio diffs and sends, then asks again
+                    cost = time.perf_counter() - began
+                    wait = max(self.min_interval if repaint else PROGRESS_S, 9 * cost)
+        except GeneratorExit:  # the tab was closed: the reply stops at its next step
+            stop.set()
+            raise
         return stats, error
 
     def figure(self, stats: GenerationStats, steps: list[StepRecord],
@@ -514,14 +555,16 @@ class ChatApp:
             tokens: list[TokenEvent] = []
             runs[name] = (tokens, None)
             run_cfg = replace(cfg, speculation=speculation)
-            drive = self._drive(ids, run_cfg, stop, tokens, steps[name], owner=owner)
+            # Timed as the bench times a reply: no repaint while it runs, a progress line only
+            drive = self._drive(ids, run_cfg, stop, tokens, steps[name], owner=owner,
+                                repaint=False)
             started = time.perf_counter()
             try:
-                yield (*panels(name), '<div class="sc-verdict">Replaying with speculation '
-                       f"{name}…</div>", gr.skip(), session, gr.skip())
+                yield (*panels(name), _ab_progress(name, tokens), gr.skip(), session, gr.skip())
                 for result in drive:
                     if result is None:
-                        yield *panels(name), gr.skip(), gr.skip(), session, gr.skip()
+                        yield (gr.skip(), gr.skip(), _ab_progress(name, tokens), gr.skip(),
+                               session, gr.skip())
                     elif isinstance(result, Waiting):  # other replies have the engine first
                         yield (*panels(name), '<div class="sc-verdict">' + (
                             result.message() or f"Replaying with speculation {name}…") +
@@ -556,6 +599,11 @@ class ChatApp:
 
 
 REFUSED = "refused"  # the stop reason of a reply the engine's line had no place for
+
+
+def _ab_progress(name: str, tokens: list[TokenEvent]) -> str:
+    return (f'<div class="sc-verdict">Replaying with speculation {name}: {len(tokens)} tokens… '
+            "(timed as the bench times it: the page shows each run once it has ended)</div>")
 
 
 def refusal(full: QueueFull, expected: float | None) -> str:
@@ -657,7 +705,9 @@ def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
                 f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
     return (f'<div class="sc-verdict"><b>Speedup: {html.escape(speedup.label("×"))}</b> '
             f'({html.escape(speedup.note)}){_noise_note(steps)}'
-            f'<div class="sc-ab-grid">{table}</div>{same}</div>')
+            f'<div class="sc-ab-grid">{table}</div>{same}'
+            '<div class="sc-note">Both runs were timed alike, the page repainting neither '
+            "while it ran.</div></div>")
 
 
 def _noise_note(steps: dict[str, list[StepRecord]] | None) -> str:

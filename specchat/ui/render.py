@@ -208,12 +208,13 @@ def speedup_chip(figure: Speedup) -> str:
 
 def inspected(tokens: list[TokenEvent], steps: list[StepRecord], streaming: bool = False,
               stats: GenerationStats | None = None) -> str:
-    """A reply with its inspector: colored tokens and ghost text, the charts under it, and
-    (once finished) the step cards its tokens open."""
+    """A reply with its inspector: colored tokens and ghost text, and once finished the charts
+    under it and the step cards its tokens open (rendered once, at the end: a repaint while
+    streaming costs what the tokens cost)."""
     by_step = {r.step: r for r in steps}
     body = render_tokens(tokens, streaming, by_step) if tokens or streaming else \
         '<div class="sc-reply"><span class="sc-empty">(empty reply)</span></div>'
-    return body + step_charts(steps, stats) + ("" if streaming else step_cards(steps))
+    return body + ("" if streaming else step_charts(steps, stats) + step_cards(steps))
 
 
 def render_turn(turn: Turn, streaming: bool = False) -> str:
