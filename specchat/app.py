@@ -26,6 +26,7 @@ from specchat.args import (
     proxies_to_trust,
     trust_proxies,
 )
+from specchat.engine_queue import EngineLoop
 from specchat.help import HelpFormatter
 from specchat.stats.cli import add_db_argument
 from specchat.stats.store import StatsStore
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     exposed = args.share or not is_loopback(args.host)
-    slot = _loading_slot(args, exposed)
+    loop = EngineLoop()  # the main thread's, once the page is served: loading, then replies
+    slot = _loading_slot(args, exposed, loop)
     store = StatsStore.open_or_disabled(args.db)
     if store.error:
         print(f"specchat: {store.error}", file=sys.stderr)
@@ -122,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_ui(slot, store, Limits(max_input_chars=args.max_input_chars,
                                         max_new_tokens_cap=args.max_new_tokens_cap), access)
     _serve(args, demo, slot, store, auth)
-    try:
-        demo.block_thread()
+    try:  # the servers run in threads; the model loads and replies run here
+        loop.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        demo.close()
     return 0
 
 
@@ -143,8 +147,9 @@ def _checked(parser, args) -> list[tuple[str, str]] | None:
     return auth
 
 
-def _loading_slot(args, exposed: bool) -> ModelSlot:
-    """A slot whose models load in the background while the page is already served."""
+def _loading_slot(args, exposed: bool, loop: EngineLoop) -> ModelSlot:
+    """A slot whose models load on `loop` (the thread that will run the replies) while the
+    page is already served."""
     target, draft = model_choice(args)
     what = f"target {target} ({args.quantization})" + (f" and draft {draft}" if draft else "")
     if args.backend:
@@ -162,7 +167,7 @@ def _loading_slot(args, exposed: bool) -> ModelSlot:
             warm_up(report.engine)
         return report
 
-    slot.load(load)
+    slot.load(load, run_on=loop.submit)
     return slot
 
 

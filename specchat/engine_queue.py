@@ -34,19 +34,31 @@ The queue belongs to the engine, the way its lock does; `EngineQueue.of(engine)`
 page and the API share it without either knowing of the other.
 
 **The engine never waits for its reader.** Once a ticket holds the engine, `run_reply` runs the
-reply in a thread of its own and hands each item on as it comes: to an asyncio queue for the
+reply apart from its reader and hands each item on as it comes: to an asyncio queue for the
 API, to a `Mailbox` for the page, whose generator wakes when it chooses (every repaint), takes
 everything that came and repaints once. A slow browser or a slow repaint drops frames, never
-tokens and never engine time. The thread leaves the ticket when the reply ends, so the next in
-line goes on at once; a Stop (the reply's event) still ends it at the next step boundary.
+tokens and never engine time. The ticket is left when the reply ends, so the next in line goes
+on at once; a Stop (the reply's event) still ends it at the next step boundary.
+
+**Replies run on the main thread where a server lets it (`EngineLoop`).** The kernels' parallel
+loops are OpenMP's (libgomp): a loop started from any thread but the process's first, with as
+many workers as the machine has cores, makes libgomp count more threads than cores and throttle
+its workers' waits, so every product of a step pays a wake-up (measured on 2 cores: the
+embedded target's NF4 product of one token 36 µs from the main thread, 76 µs from another; a
+whole reply 88 against 56 tok/s). So `python app.py` and `serve` run their servers in threads
+and give the main thread to an `EngineLoop`, which runs every reply, one after another, in the
+order the line grants them. Without a loop (tests, a server embedded elsewhere) a reply runs in
+a thread of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -265,12 +277,75 @@ class Finished:
     """The last item a reply's thread hands on (`run_reply`)."""
 
 
+class EngineLoop:
+    """The thread that runs a server's replies: the main thread, given to `run` once the
+    servers run in threads of their own (see the module's docstring for why). Jobs run one
+    after another in the order they are submitted."""
+
+    _current: EngineLoop | None = None
+    _current_lock = threading.Lock()
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+
+    @classmethod
+    def current(cls) -> EngineLoop | None:
+        """The loop running now, if any."""
+        return cls._current
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Run submitted jobs on this thread until `stop` (or `self.stop()`) is set or Ctrl+C
+        (KeyboardInterrupt, raised here after the loop is gone)."""
+        with EngineLoop._current_lock:
+            if EngineLoop._current is not None:
+                raise RuntimeError("an engine loop is running already")
+            EngineLoop._current = self
+        try:
+            while not self._stopped.is_set() and not (stop is not None and stop.is_set()):
+                try:
+                    job = self._jobs.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                job()
+        finally:
+            with EngineLoop._current_lock:
+                EngineLoop._current = None
+            while True:  # jobs that came too late run where they were asked
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                threading.Thread(target=job, name="specchat-reply", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def call(self, function: Callable, *args):
+        """`function(*args)` run on the loop's thread; waits for it and returns its result
+        (or raises its exception)."""
+        done: Future = Future()
+
+        def job() -> None:
+            try:
+                done.set_result(function(*args))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller
+                done.set_exception(e)
+
+        self.submit(job)
+        return done.result()
+
+
 def run_reply(ticket: Ticket, produce: Callable[[], Iterable], put: Callable[[object], None],
-              name: str = "specchat-reply") -> threading.Thread:
-    """Run one reply in a thread of its own while `ticket` holds the engine: each item of
-    `produce()` goes to `put` as it is made, then the exception it raised (if any), then
-    `Finished()`. The ticket is left when the reply ends, so the next in line goes on at once;
-    if the thread cannot start, it is left at once and the error raised."""
+              name: str = "specchat-reply") -> None:
+    """Run one reply while `ticket` holds the engine, on the running `EngineLoop` or else in
+    a thread of its own: each item of `produce()` goes to `put` as it is made, then the
+    exception it raised (if any), then `Finished()`. The ticket is left when the reply ends, so
+    the next in line goes on at once; if the reply cannot start, it is left at once and the
+    error raised."""
     def reply() -> None:
         try:
             for item in produce():
@@ -281,13 +356,15 @@ def run_reply(ticket: Ticket, produce: Callable[[], Iterable], put: Callable[[ob
             ticket.leave()
             put(Finished())
 
-    thread = threading.Thread(target=reply, name=name, daemon=True)
+    loop = EngineLoop.current()
+    if loop is not None:
+        loop.submit(reply)
+        return
     try:
-        thread.start()
+        threading.Thread(target=reply, name=name, daemon=True).start()
     except BaseException:
         ticket.leave()
         raise
-    return thread
 
 
 class Mailbox:

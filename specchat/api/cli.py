@@ -40,9 +40,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run_serve(args) -> int:
+    import threading
+
     import uvicorn
 
     from specchat.api.server import create_app
+    from specchat.engine_queue import EngineLoop
     from specchat.stats.store import StatsStore
 
     keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
@@ -58,5 +61,19 @@ def run_serve(args) -> int:
     app = create_app(report, store, {key: f"key{i + 1}" for i, key in enumerate(keys)},
                      max_tokens_cap=args.max_tokens_cap)
     trust_proxies(args.trusted_proxy)  # X-Forwarded-For from the named proxies only
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    # The server in a thread; replies run on this one (engine_queue.EngineLoop)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="specchat-api-server", daemon=True)
+    thread.start()
+    loop = EngineLoop()
+    watch = threading.Thread(target=lambda: (thread.join(), loop.stop()), daemon=True)
+    watch.start()  # a server that stops (its port taken, say) ends the loop too
+    try:
+        loop.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    return 0 if server.started else 1

@@ -12,7 +12,7 @@ from specchat.core.settings import MAX_DRAFT_LEN, MAX_TEMPERATURE, SETTINGS
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
-from specchat.ui import stats_tab
+from specchat.ui import live, stats_tab
 from specchat.ui.access import Access, new_browser_id
 from specchat.ui.examples import (
     EXAMPLES,
@@ -46,6 +46,7 @@ class View:
     header: gr.HTML
     status: gr.HTML
     chat: gr.Chatbot
+    live: gr.Textbox  # a streaming reply's token records (ui/live.py)
     box: gr.Textbox
     send: gr.Button
     stop: gr.Button
@@ -122,6 +123,9 @@ def _chat_column(self: ChatApp) -> dict:
                 send = gr.Button("Send", variant="primary", elem_id="sc-send",
                                  interactive=ready, min_width=70)
                 stop = gr.Button("Stop", variant="stop", elem_id="sc-stop", min_width=70)
+    # a streaming reply's new tokens for the page's script (ui/live.py); never shown
+    live_feed = gr.Textbox("", elem_id="sc-live", show_label=False, container=False,
+                           interactive=False, lines=1)
     notice = gr.Markdown("", elem_id="sc-notice", elem_classes="sc-notice")
     examples = gr.Dataset(
         components=[gr.Textbox(visible=False)], samples=[[e.text] for e in EXAMPLES],
@@ -140,7 +144,8 @@ def _chat_column(self: ChatApp) -> dict:
             off_panel, on_panel, _ = ab_placeholders()
             ab_off = gr.HTML(off_panel, elem_id="sc-ab-off", min_width=240)
             ab_on = gr.HTML(on_panel, elem_id="sc-ab-on", min_width=240)
-    return dict(chat=chat, box=box, send=send, stop=stop, notice=notice, examples=examples,
+    return dict(chat=chat, live=live_feed, box=box, send=send, stop=stop, notice=notice,
+                examples=examples,
                 retry=retry, undo=undo, new=new, ab=ab, ab_off=ab_off, ab_on=ab_on,
                 verdict=verdict)
 
@@ -209,7 +214,23 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     # A set of inputs arrives as one dict; gradio injects `request` into a named, annotated
     # positional parameter.
     def on_bot(data: dict, request: gr.Request):
-        yield from self.bot(data[v.session], settings_of(data), request, data[v.browser])
+        # The chat is drawn whole at the echo (and while the reply waits its turn) and at the
+        # end; in between, the tokens that came since the last repaint go to the page's
+        # script as compact records (ui/live.py).
+        drawn = None  # tokens of the streaming turn the page holds
+        for chat, session, notice in self.bot(data[v.session], settings_of(data), request,
+                                              data[v.browser]):
+            turn = session.turns[-1] if session.turns else None
+            streaming = turn is not None and turn.stats is None
+            if streaming and drawn is not None and len(turn.tokens) > drawn:
+                batch = live.records(turn.key, turn.tokens, drawn,
+                                     {r.step: r for r in turn.steps})
+                drawn = len(turn.tokens)
+                yield gr.skip(), session, notice, batch
+                continue
+            if streaming and isinstance(chat, list):
+                drawn = len(turn.tokens)
+            yield chat, session, notice, gr.skip()
 
     def on_ab(data: dict, request: gr.Request):
         yield from self.ab_replay(data[v.session], settings_of(data), request, data[v.browser])
@@ -258,8 +279,9 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     instant = dict(concurrency_limit=None, show_progress="hidden", **private)
     chat_out = [v.chat, v.session, v.notice]
     user_out = [v.box, v.chat, v.session, v.notice]
-    bot = dict(fn=on_bot, inputs=settings_in, outputs=chat_out, show_progress="minimal",
-               **engine_lane)
+    bot = dict(fn=on_bot, inputs=settings_in, outputs=[*chat_out, v.live],
+               show_progress="hidden", **engine_lane)
+    v.live.change(None, v.live, None, js=live.LIVE_JS)
 
     v.examples.click(on_example, [v.examples, v.session],
                      [*v.new_outputs, v.samplers, *v.controls.values()], **instant).then(

@@ -133,8 +133,12 @@ class ModelSlot:
             self.lines.append(message)
             print(f"specchat: {message}", file=sys.stderr, flush=True)
 
-    def load(self, loader: Callable[[Callable[[str], None]], LoadReport]) -> threading.Thread:
-        """Run loader(progress) in a daemon thread; the page polls `state`."""
+    def load(self, loader: Callable[[Callable[[str], None]], LoadReport],
+             run_on: Callable[[Callable[[], None]], None] | None = None
+             ) -> threading.Thread | None:
+        """Run loader(progress) in a daemon thread, or through `run_on` (a job runner: the
+        server's `EngineLoop.submit`, so the model loads, proves and warms up on the thread
+        that runs its replies); the page polls `state`."""
         def run():
             try:
                 self.report = loader(self.progress)
@@ -147,6 +151,9 @@ class ModelSlot:
                 print(f"specchat: model loading failed: {self.error}", file=sys.stderr)
 
         self.started = time.monotonic()
+        if run_on is not None:
+            run_on(run)
+            return None
         thread = threading.Thread(target=run, name="specchat-load", daemon=True)
         thread.start()
         return thread

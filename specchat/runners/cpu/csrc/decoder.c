@@ -308,7 +308,38 @@ int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64
                    rope_tables, out, clock, threads);
 }
 
+// The stack on the integer NF4 product (nf4_i8.c; the weights packed by `nf4_i8_pack`)
+int decoder_forward_i8_ref(const decoder_model *m, const float *embeddings, int64_t n,
+                           const int64_t *pos, int64_t start, const uint8_t *visible,
+                           float *k_cache, float *v_cache, int64_t slots,
+                           const float *const *rope_tables, float *out, double *clock,
+                           int threads) {
+    const kernels f = {nf4_matmul_i8_ref, attend_ref, rms_norm_ref, gelu_mul_ref};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, clock, threads);
+}
+
 #if SPECCHAT_SIMD
+int decoder_forward_i8_avx2(const decoder_model *m, const float *embeddings, int64_t n,
+                            const int64_t *pos, int64_t start, const uint8_t *visible,
+                            float *k_cache, float *v_cache, int64_t slots,
+                            const float *const *rope_tables, float *out, double *clock,
+                            int threads) {
+    const kernels f = {nf4_matmul_i8_avx2, attend, rms_norm, gelu_mul};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, clock, threads);
+}
+
+int decoder_forward_i8_vnni(const decoder_model *m, const float *embeddings, int64_t n,
+                            const int64_t *pos, int64_t start, const uint8_t *visible,
+                            float *k_cache, float *v_cache, int64_t slots,
+                            const float *const *rope_tables, float *out, double *clock,
+                            int threads) {
+    const kernels f = {nf4_matmul_i8_vnni, attend, rms_norm, gelu_mul};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, clock, threads);
+}
+
 int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
                     const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
                     float *v_cache, int64_t slots, const float *const *rope_tables, float *out,

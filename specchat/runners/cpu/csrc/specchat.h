@@ -58,6 +58,22 @@ void nf4_matmul16_ref(const float *x, int64_t n, int64_t in, const uint8_t *code
                       const float *absmax, int64_t blocksize, const float *table, float *y,
                       int64_t out, int threads);
 
+// NF4 by integer dot products (nf4_i8.c): the codes repacked at load (`nf4_i8_pack`: packed
+// codes and per-block scales dw in place of codes and absmax), activations quantized to int8
+// per block of 32; the reference, AVX2 and AVX-512 VNNI give the same bits
+int64_t nf4_i8_packed_bytes(int64_t out, int64_t in);
+int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t in,
+                int64_t blocksize, uint8_t *packed, float *dw);
+void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                       const float *dw, int64_t blocksize, const float *table, float *y,
+                       int64_t out, int threads);
+void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                        const float *dw, int64_t blocksize, const float *table, float *y,
+                        int64_t out, int threads);
+void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                        const float *dw, int64_t blocksize, const float *table, float *y,
+                        int64_t out, int threads);
+
 // bf16 weights (bf16.c); the longest weight row the products take
 void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
                  int64_t out, int threads);
@@ -129,6 +145,23 @@ int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64
                           float *k_cache, float *v_cache, int64_t slots,
                           const float *const *rope_tables, float *out, double *clock,
                           int threads);
+// The same stack on the integer NF4 product (`cpu-int8`): the model's weights packed by
+// `nf4_i8_pack`; the reference and the AVX2 and VNNI kernels give the same bits
+int decoder_forward_i8_ref(const decoder_model *m, const float *embeddings, int64_t n,
+                           const int64_t *pos, int64_t start, const uint8_t *visible,
+                           float *k_cache, float *v_cache, int64_t slots,
+                           const float *const *rope_tables, float *out, double *clock,
+                           int threads);
+int decoder_forward_i8_avx2(const decoder_model *m, const float *embeddings, int64_t n,
+                            const int64_t *pos, int64_t start, const uint8_t *visible,
+                            float *k_cache, float *v_cache, int64_t slots,
+                            const float *const *rope_tables, float *out, double *clock,
+                            int threads);
+int decoder_forward_i8_vnni(const decoder_model *m, const float *embeddings, int64_t n,
+                            const int64_t *pos, int64_t start, const uint8_t *visible,
+                            float *k_cache, float *v_cache, int64_t slots,
+                            const float *const *rope_tables, float *out, double *clock,
+                            int threads);
 // an embedding table's rows for n ids, each value times `scale` (`kind`: EMBED_* in decoder.c)
 void embed_rows(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
                 float scale, float *out);

@@ -1,0 +1,329 @@
+// NF4 by integer dot products: the `cpu-int8` path's product.
+//
+// The weights stay 4-bit in memory; each code maps to an int8 value by one 16-entry table,
+// w8[c] = round(127 * table[c]) (NF4's 16 values, about 0.4% of a block's scale added to NF4's
+// own error), and each block of 32 inputs of an activation row is quantized to int8 with one
+// float scale as llama.cpp quantizes activations (Q8_0): d = max|x| / 127, q = round(x / d),
+// ties to even. Per block of 32 the dot product of the int8 values is an exact int32; the
+// row's float arithmetic is then one epilogue in one fixed block order:
+//
+//   y[j, o] = acc, acc = fma((float)isum_b, dw_b * dx_b, acc) over the blocks b in order from 0,
+//   dw_b = absmax(o, b) / 127, dx_b = d(j, b).
+//
+// Every kernel (the plain-C reference, AVX2, AVX-512 VNNI) computes those integers exactly and
+// that epilogue with the same operations, so the same bits whatever instructions form the
+// int32 sums, and whatever the rows fed with a row: a verify's logits are the one-token steps'.
+//
+// Layout. The codes are repacked once at load (`nf4_i8_pack`, the same 4 bits a weight) so that
+// a kernel gets 16 weight rows' values side by side: for each group g of 16 output rows and
+// block b of 32 inputs, 256 bytes; byte p * 64 + 4 i + t holds, in its low nibble, the code of
+// row 16 g + i at input 32 b + 8 p + t, and in its high nibble the one at 32 b + 8 p + 4 + t
+// (p < 4, t < 4). A 64-byte load, its low and its high nibbles, one table lookup each: two
+// vectors of 16 rows x 4 consecutive inputs, what AVX-512 VNNI's `vpdpbusd` multiplies with 4
+// bytes of an activation row broadcast (llama.cpp's IQ4_NL lookup with NF4's table). The block
+// scales go with it: dw [groups, blocks of 32, 16] floats. Rows past `out` (the last group's
+// padding) have code 0 and scale 0: they add nothing and are never stored.
+#include "common.h"
+
+#define I8_ROWS 16       // weight rows of a group
+#define I8_BLOCK 32      // inputs of a block
+#define I8_BYTES 256     // packed bytes of a group's block
+#define I8_OFFSET 128    // VNNI: the weights as unsigned bytes, w8 + 128
+
+// the table's int8 values: round(127 * v), ties to even
+static inline void i8_table(const float *table, int8_t w8[16]) {
+    for (int c = 0; c < 16; c++) w8[c] = (int8_t)lrintf(127.0f * table[c]);
+}
+
+// the code of weight row i (of its group) at input t (of its block), from the group's block
+static inline int i8_code(const uint8_t *blk, int i, int t) {
+    const int q = t / 4, byte = (q / 2) * 64 + 4 * i + t % 4;
+    return q % 2 ? blk[byte] >> 4 : blk[byte] & 15;
+}
+
+int64_t nf4_i8_packed_bytes(int64_t out, int64_t in) {
+    return (out + I8_ROWS - 1) / I8_ROWS * (in / I8_BLOCK) * I8_BYTES;
+}
+
+// bitsandbytes' codes [out, in] (two a byte, the first in the high nibble) and absmax [out,
+// in / blocksize] -> packed [nf4_i8_packed_bytes] and dw [groups, in / 32, 16]. 0, or -1 for
+// sizes it does not take (in a multiple of 32 and of blocksize, blocksize a multiple of 32).
+int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t in,
+                int64_t blocksize, uint8_t *packed, float *dw) {
+    if (out <= 0 || in <= 0 || blocksize <= 0 || blocksize % I8_BLOCK || in % blocksize)
+        return -1;
+    const int64_t groups = (out + I8_ROWS - 1) / I8_ROWS, nb = in / I8_BLOCK;
+    memset(packed, 0, (size_t)nf4_i8_packed_bytes(out, in));
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = packed + (g * nb + b) * I8_BYTES;
+            float *s = dw + (g * nb + b) * I8_ROWS;
+            for (int i = 0; i < I8_ROWS; i++) {
+                const int64_t o = g * I8_ROWS + i;
+                if (o >= out) {
+                    s[i] = 0.0f;
+                    continue;
+                }
+                s[i] = absmax[o * (in / blocksize) + b * I8_BLOCK / blocksize] / 127.0f;
+                for (int t = 0; t < I8_BLOCK; t++) {
+                    const int64_t e = o * in + b * I8_BLOCK + t;
+                    const int c = e % 2 ? codes[e / 2] & 15 : codes[e / 2] >> 4;
+                    const int q = t / 4, byte = (q / 2) * 64 + 4 * i + t % 4;
+                    blk[byte] |= (uint8_t)(q % 2 ? c << 4 : c);
+                }
+            }
+        }
+    return 0;
+}
+
+// Activation rows x [n, in] -> q [n, in] int8, d [n, in / 32] (the blocks' scales) and s
+// [n, in / 32] (the blocks' sums of q). One function for every kernel: the same bits.
+static void i8_quantize(const float *x, int64_t n, int64_t in, int8_t *q, float *d,
+                        int32_t *s) {
+    const int64_t nb = in / I8_BLOCK;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + j * in + b * I8_BLOCK;
+            int8_t *o = q + j * in + b * I8_BLOCK;
+            float amax = 0.0f;
+            for (int t = 0; t < I8_BLOCK; t++) {
+                const float a = fabsf(v[t]);
+                amax = a > amax ? a : amax;
+            }
+            const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            int32_t sum = 0;
+            for (int t = 0; t < I8_BLOCK; t++) {
+                long r = lrintf(v[t] * id);
+                r = r > 127 ? 127 : r < -127 ? -127 : r;
+                o[t] = (int8_t)r;
+                sum += (int32_t)r;
+            }
+            d[j * nb + b] = dd;
+            s[j * nb + b] = sum;
+        }
+}
+
+// The buffers of one call: quantized rows, their scales and sums; NULL when out of memory
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+} i8_rows;
+
+static int i8_rows_new(const float *x, int64_t n, int64_t in, i8_rows *r, float *y,
+                       int64_t out) {
+    const int64_t nb = in / I8_BLOCK;
+    r->q = aligned_alloc(64, (size_t)((n * in + 63) / 64 * 64));
+    r->d = malloc(sizeof(float) * (size_t)(n * nb));
+    r->s = malloc(sizeof(int32_t) * (size_t)(n * nb));
+    if (!r->q || !r->d || !r->s) {  // no memory: say so in the output
+        free(r->q), free(r->d), free(r->s);
+        for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+        return 0;
+    }
+    i8_quantize(x, n, in, r->q, r->d, r->s);
+    return 1;
+}
+
+static void i8_rows_free(i8_rows *r) { free(r->q), free(r->d), free(r->s); }
+
+// The reference: the arithmetic above for one (o, j) at a time. `blocksize` and the layout's
+// scales come from the packing; `table` is NF4's codebook.
+void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                       const float *dw, int64_t blocksize, const float *table, float *y,
+                       int64_t out, int threads) {
+    (void)blocksize;
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    int8_t w8[16];
+    i8_table(table, w8);
+    const int64_t nb = in / I8_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++) {
+        const int64_t g = o / I8_ROWS;
+        const int i = (int)(o % I8_ROWS);
+        for (int64_t j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = packed + (g * nb + b) * I8_BYTES;
+                const int8_t *qx = r.q + j * in + b * I8_BLOCK;
+                int32_t isum = 0;
+                for (int t = 0; t < I8_BLOCK; t++) isum += w8[i8_code(blk, i, t)] * qx[t];
+                const float scale = dw[(g * nb + b) * I8_ROWS + i] * r.d[j * nb + b];
+                acc = fmaf((float)isum, scale, acc);
+            }
+            y[j * out + o] = acc;
+        }
+    }
+    i8_rows_free(&r);
+}
+
+#if SPECCHAT_SIMD
+// ---- AVX2: 8 weight rows a vector ---------------------------------------------------------------
+// vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums: the weights'
+// magnitudes |w8| times the activations given the weights' signs (vpsignb), whose pair sums
+// stay within 2 * 127 * 127. Then vpmaddwd sums the pairs into the 8 lanes' int32.
+#define I8_J2 4  // activation rows per tile (the weights are decoded once per tile)
+
+static inline __attribute__((always_inline)) void i8_tile_avx2(
+    int J, const uint8_t *packed, const float *dw, int64_t nb, int half, __m256i tbl,
+    const i8_rows *r, int64_t j0, int64_t in, float *acc_out) {
+    __m256 acc[I8_J2];
+    for (int j = 0; j < J; j++) acc[j] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = packed + b * I8_BYTES + 32 * half;
+        __m256i isum[I8_J2];
+        for (int j = 0; j < J; j++) isum[j] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 64 * p));
+            const __m256i w[2] = {
+                _mm256_shuffle_epi8(tbl, _mm256_and_si256(c, low)),
+                _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(c, 4), low))};
+            for (int h = 0; h < 2; h++) {
+                const __m256i mag = _mm256_abs_epi8(w[h]);
+                for (int j = 0; j < J; j++) {
+                    int32_t x4;
+                    memcpy(&x4, r->q + (j0 + j) * in + b * I8_BLOCK + 8 * p + 4 * h, 4);
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), w[h]);
+                    isum[j] = _mm256_add_epi32(
+                        isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
+                }
+            }
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw + b * I8_ROWS + 8 * half);
+        for (int j = 0; j < J; j++) {
+            const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(r->d[(j0 + j) * nb + b]));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), scale, acc[j]);
+        }
+    }
+    for (int j = 0; j < J; j++) _mm256_storeu_ps(acc_out + 8 * j, acc[j]);
+}
+
+#define I8_TILE2(JJ)                                                                      \
+    __attribute__((noinline)) static void i8_tile_avx2_##JJ(                              \
+        const uint8_t *packed, const float *dw, int64_t nb, int half, __m256i tbl,        \
+        const i8_rows *r, int64_t j0, int64_t in, float *acc_out) {                       \
+        i8_tile_avx2(JJ, packed, dw, nb, half, tbl, r, j0, in, acc_out);                  \
+    }
+I8_TILE2(1) I8_TILE2(2) I8_TILE2(3) I8_TILE2(4)
+#undef I8_TILE2
+typedef void (*i8_tile2_fn)(const uint8_t *, const float *, int64_t, int, __m256i,
+                            const i8_rows *, int64_t, int64_t, float *);
+static const i8_tile2_fn i8_tiles2[I8_J2] = {i8_tile_avx2_1, i8_tile_avx2_2, i8_tile_avx2_3,
+                                             i8_tile_avx2_4};
+
+void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                        const float *dw, int64_t blocksize, const float *table, float *y,
+                        int64_t out, int threads) {
+    (void)blocksize;
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    int8_t w8[16];
+    i8_table(table, w8);
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w8));
+    const int64_t nb = in / I8_BLOCK, halves = (out + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t h = 0; h < halves; h++) {
+        const int64_t g = h / 2, o0 = 8 * h;
+        const int rows = out - o0 < 8 ? (int)(out - o0) : 8;
+        float acc[8 * I8_J2];
+        for (int64_t j0 = 0; j0 < n; j0 += I8_J2) {
+            const int J = n - j0 < I8_J2 ? (int)(n - j0) : I8_J2;
+            i8_tiles2[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, (int)(h % 2),
+                             tbl, &r, j0, in, acc);
+            for (int j = 0; j < J; j++)
+                memcpy(y + (j0 + j) * out + o0, acc + 8 * j, sizeof(float) * (size_t)rows);
+        }
+    }
+    i8_rows_free(&r);
+}
+
+// ---- AVX-512 VNNI: 16 weight rows a vector --------------------------------------------------------
+// vpdpbusd multiplies unsigned by signed bytes into int32 lanes without saturation: the weights
+// as unsigned bytes w8 + 128, each lane's sum starting at -128 times the block's sum of the
+// activations (exact integers). The weights of a group's block are decoded once (8 vectors)
+// for every activation row of a tile.
+#define I8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define I8_J16 12  // activation rows per tile: 8 weight vectors and 2 per row within 32 registers
+
+I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
+    int J, const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl, const i8_rows *r,
+    int64_t j0, int64_t in, float *y, int64_t out, int rows) {
+    __m512 acc[I8_J16];
+    for (int j = 0; j < J; j++) acc[j] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = packed + b * I8_BYTES;
+        _mm_prefetch((const char *)blk + 2048, _MM_HINT_T0);
+        __m512i w[8];
+        for (int p = 0; p < 4; p++) {
+            const __m512i c = _mm512_loadu_si512((const void *)(blk + 64 * p));
+            w[2 * p] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(c, low));
+            w[2 * p + 1] = _mm512_shuffle_epi8(tbl,
+                                               _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
+        }
+        const __m512 dwv = _mm512_loadu_ps(dw + b * I8_ROWS);
+        for (int j = 0; j < J; j++) {
+            const int8_t *qx = r->q + (j0 + j) * in + b * I8_BLOCK;
+            __m512i isum = _mm512_set1_epi32(-I8_OFFSET * r->s[(j0 + j) * nb + b]);
+            for (int v = 0; v < 8; v++) {  // vector 2p + h: inputs 8p + 4h .. 8p + 4h + 3
+                int32_t x4;
+                memcpy(&x4, qx + 8 * (v / 2) + 4 * (v % 2), 4);
+                isum = _mm512_dpbusd_epi32(isum, w[v], _mm512_set1_epi32(x4));
+            }
+            const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(r->d[(j0 + j) * nb + b]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[j]);
+        }
+    }
+    const __mmask16 keep = rows == 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+    for (int j = 0; j < J; j++) _mm512_mask_storeu_ps(y + (j0 + j) * out, keep, acc[j]);
+}
+
+#define I8_TILE16(JJ)                                                                      \
+    I8_512 __attribute__((noinline)) static void i8_tile_vnni_##JJ(                        \
+        const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl, const i8_rows *r, \
+        int64_t j0, int64_t in, float *y, int64_t out, int rows) {                         \
+        i8_tile_vnni(JJ, packed, dw, nb, tbl, r, j0, in, y, out, rows);                    \
+    }
+I8_TILE16(1) I8_TILE16(2) I8_TILE16(3) I8_TILE16(4) I8_TILE16(5) I8_TILE16(6)
+I8_TILE16(7) I8_TILE16(8) I8_TILE16(9) I8_TILE16(10) I8_TILE16(11) I8_TILE16(12)
+#undef I8_TILE16
+typedef void (*i8_tile16_fn)(const uint8_t *, const float *, int64_t, __m512i, const i8_rows *,
+                             int64_t, int64_t, float *, int64_t, int);
+static const i8_tile16_fn i8_tiles16[I8_J16] = {
+    i8_tile_vnni_1, i8_tile_vnni_2, i8_tile_vnni_3, i8_tile_vnni_4,  i8_tile_vnni_5,
+    i8_tile_vnni_6, i8_tile_vnni_7, i8_tile_vnni_8, i8_tile_vnni_9, i8_tile_vnni_10,
+    i8_tile_vnni_11, i8_tile_vnni_12};
+
+I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                               const float *dw, int64_t blocksize, const float *table, float *y,
+                               int64_t out, int threads) {
+    (void)blocksize;
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    int8_t w8[16];
+    i8_table(table, w8);
+    uint8_t u8[16];
+    for (int c = 0; c < 16; c++) u8[c] = (uint8_t)(w8[c] + I8_OFFSET);
+    const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)u8));
+    const int64_t nb = in / I8_BLOCK, groups = (out + I8_ROWS - 1) / I8_ROWS;
+    // activation rows in as few tiles as fit, of sizes as equal as can be
+    const int64_t tiles = (n + I8_J16 - 1) / I8_J16, per = (n + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = g * I8_ROWS;
+        const int rows = out - o0 < I8_ROWS ? (int)(out - o0) : I8_ROWS;
+        for (int64_t j0 = 0; j0 < n; j0 += per) {
+            const int J = n - j0 < per ? (int)(n - j0) : (int)per;
+            i8_tiles16[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r, j0,
+                              in, y + o0, out, rows);
+        }
+    }
+    i8_rows_free(&r);
+}
+#undef I8_512
+#endif  // SPECCHAT_SIMD
