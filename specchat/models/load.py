@@ -114,7 +114,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             continue
         loaded = _load(name_or_path, path, quantization, dev, cpu_path.compute, local,
                        cpu_path, lib)
-        runners.use_cpu_runner(loaded, lib)
+        runners.use_cpu_runner(loaded, lib, int8=cpu_path.int8)
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
         _release_freed_memory()  # the proof's logits, kept by the heap for decoding's steps

@@ -66,6 +66,11 @@ class CpuKind:
         return self.avx512 and bool(NATIVE_BF16 & self.flags)
 
     @property
+    def avx512_vnni(self) -> bool:
+        """AVX-512 with VNNI: the `cpu-int8` path's kernel (csrc/nf4_i8.c)."""
+        return self.avx512 and "avx512_vnni" in self.flags
+
+    @property
     def vnni(self) -> bool:
         return self.x86 and bool(VNNI & self.flags)
 
@@ -109,6 +114,7 @@ class Path:
     compute: torch.dtype
     kernels: str | None  # the `kernels.load` build it runs on, None for torch's own products
     fused_nf4: bool = False  # NF4 layers through bitsandbytes' fused kernel (native bf16 only)
+    int8: bool = False  # the decoder's NF4 products by integer dot products (csrc/nf4_i8.c)
     requires: str = ""  # the CpuKind property the CPU must have ("" for none)
     needs: str = ""  # the same in words
 
@@ -123,6 +129,8 @@ class Path:
 # the float32 AVX-512 path runs specchat's own decoder forward and decodes 1.6x faster than
 # `cpu-bf16-native` (transformers' forward, bitsandbytes' fused kernel), which stays forcible.
 PATHS = (
+    Path("cpu-int8", torch.float32, "avx512", int8=True, requires="avx512_vnni",
+         needs="AVX-512 VNNI"),
     Path("cpu-fp32-avx512", torch.float32, "avx512", requires="avx512",
          needs="AVX-512 (avx512f/bw/vl/dq)"),
     Path("cpu-bf16-native", torch.bfloat16, "avx512", fused_nf4=True, requires="native_bf16",

@@ -20,17 +20,17 @@ CPU_RUNNER_ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run tran
 CUDA_RUNTIME_ENV = "SPECCHAT_CUDA_RUNTIME"  # "transformers": transformers' forward on CUDA
 
 
-def use_cpu_runner(loaded, lib) -> None:
+def use_cpu_runner(loaded, lib, int8: bool = False) -> None:
     """Give a CPU model (a `LoadedModel`) specchat's own forward (`cpu.runner.CpuRunner`, one C
     call a forward) where its path left every layer on specchat's kernels (`lib`) and the runner
-    takes the model; it keeps transformers' forward otherwise, and
-    `SPECCHAT_CPU_RUNNER=transformers` asks for it."""
+    takes the model (`int8`: on the integer NF4 kernels, the `cpu-int8` path); it keeps
+    transformers' forward otherwise, and `SPECCHAT_CPU_RUNNER=transformers` asks for it."""
     from specchat.runners.cpu import runner
 
     if lib is None or os.environ.get(CPU_RUNNER_ENV, "") == "transformers" \
             or runner.unsupported(loaded.model):
         return
-    loaded.runner_ = runner.CpuRunner(loaded.model, lib)
+    loaded.runner_ = runner.CpuRunner(loaded.model, lib, int8=int8)
     loaded.compute = ", ".join(filter(None, [loaded.compute, "specchat's decoder forward"]))
 
 

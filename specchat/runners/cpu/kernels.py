@@ -63,10 +63,23 @@ _ARGTYPES = {
                    ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64, _int,
                    ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
     "embed_rows": [_ptr, _int, _i64, _ptr, _i64, ctypes.c_float, _ptr],
+    # the integer NF4 product (csrc/nf4_i8.c), the decoder stack on it, and its packing
+    "nf4_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int],
+    "decoder_forward_i8": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+                           _ptr, _int],
+    "nf4_i8_pack": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr],
+    "nf4_i8_packed_bytes": [_i64, _i64],
     "logits_cut": [_ptr, _i64, _i64, _i64, _i64, _ptr],
 }
 # 0, or -1 out of memory; the others return nothing
-_RESTYPES = {"decoder_forward": _int, "shape_pick": _int}
+_RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
+             "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64}
+# one function in both builds, no reference twin
+_PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes"})
+# the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
+# of their reference, so the fastest one that runs here is taken (`i8_kernel`)
+I8_KERNELS = {"vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+              "avx2": _NEEDS["avx2"], "ref": frozenset()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +107,12 @@ class Kernels:
     embed_rows: Callable[..., None]
     # an LM head's logits past the sampled ids set to -inf, their block maxima mended
     logits_cut: Callable[..., None]
+    # NF4 by integer dot products (csrc/nf4_i8.c), on weights packed by `nf4_i8_pack`, and the
+    # decoder stack on it (the `cpu-int8` path): the fastest kernel this CPU runs (`i8_kernel`)
+    nf4_matmul_i8: Callable[..., None]
+    decoder_forward_i8: Callable[..., int]
+    nf4_i8_pack: Callable[..., int]
+    nf4_i8_packed_bytes: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
 
 
@@ -184,13 +203,25 @@ def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
 def symbols(wide: bool, simd: bool) -> dict[str, str]:
     """The C function (csrc/specchat.h) behind each of `Kernels`' names: the SIMD kernel or
     its reference (`simd`), 16 lanes wide where there is such a twin (`wide`)."""
-    names = {name: name if simd else f"{name}_ref" for name in _ARGTYPES}
+    names = {name: name if simd or name in _PLAIN else f"{name}_ref" for name in _ARGTYPES}
+    for name in ("nf4_matmul_i8", "decoder_forward_i8"):
+        names[name] = f"{name}_{i8_kernel()}" if simd else f"{name}_ref"
     if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
         names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
         names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
         names["q8_0_matmul"] = "q8_0_matmul_avx512" if simd else "q8_0_matmul16_ref"
         names["q8_0_matmul_i8"] = i8_avx512() if simd else "q8_0_matmul_i8_16_ref"
     return names
+
+
+def i8_kernel() -> str:
+    """The integer NF4 kernel the SIMD build runs here: "vnni" (AVX-512 VNNI) where the CPU
+    has it, else "avx2"; `SPECCHAT_I8_KERNEL` names another that runs here (all give the same
+    bits)."""
+    forced = os.environ.get("SPECCHAT_I8_KERNEL")
+    if forced and forced in I8_KERNELS and forced != "ref" and I8_KERNELS[forced] <= _cpu_flags():
+        return forced
+    return "vnni" if I8_KERNELS["vnni"] <= _cpu_flags() else "avx2"
 
 
 def i8_avx512() -> str:
@@ -311,6 +342,33 @@ def nf4_matmul(lib: Kernels, x: torch.Tensor, codes: torch.Tensor, absmax: torch
     lib.nf4_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
                    absmax.data_ptr(), blocksize, table.data_ptr(), y.data_ptr(), out_features,
                    torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def nf4_i8_pack(lib: Kernels, codes: torch.Tensor, absmax: torch.Tensor, out_features: int,
+                in_features: int, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' NF4 codes and float32 block scales -> (packed codes, scales per block of
+    32) in the integer kernels' layout (csrc/nf4_i8.c): the same 4 bits a weight."""
+    codes, absmax = codes.contiguous(), absmax.to(torch.float32).contiguous()
+    packed = torch.empty(lib.nf4_i8_packed_bytes(out_features, in_features), dtype=torch.uint8)
+    groups = -(-out_features // 16)
+    dw = torch.empty(groups * (in_features // 32) * 16, dtype=torch.float32)
+    if lib.nf4_i8_pack(codes.data_ptr(), absmax.data_ptr(), out_features, in_features,
+                       blocksize, packed.data_ptr(), dw.data_ptr()):
+        raise ValueError(f"the integer NF4 kernels take inputs in blocks of 32 and NF4 blocks "
+                         f"of a multiple of 32; got {in_features} inputs, blocks of {blocksize}")
+    return packed, dw
+
+
+def nf4_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch.Tensor,
+                  table: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., in] @ W.T by integer dot products, W packed by `nf4_i8_pack`; `table` the 16 NF4
+    values."""
+    rows, table = _rows(x), table.to(torch.float32).contiguous()
+    y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    lib.nf4_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
+                      dw.data_ptr(), 0, table.data_ptr(), y.data_ptr(), out_features,
+                      torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out_features)
 
 

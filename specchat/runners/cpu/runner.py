@@ -104,13 +104,16 @@ class CpuRunner(Runner):
     owned_logits = True  # the head writes a new float32 tensor each forward
     layer_features = True  # the C forward copies the residual stream entering chosen layers
 
-    def __init__(self, model, lib):
+    def __init__(self, model, lib, int8: bool = False):
+        """`int8`: the `cpu-int8` path, NF4 by integer dot products (csrc/nf4_i8.c) on a
+        packed copy of the codes (the same 4 bits a weight)."""
         why = unsupported(model)
         if why:
             raise ValueError(f"specchat's CPU forward cannot run this model: {why}")
         config = model.config.get_text_config()
         base = model.get_decoder()
-        self.model, self.lib = model, lib
+        self.model, self.lib, self.int8 = model, lib, int8
+        self._decoder = lib.decoder_forward_i8 if int8 else lib.decoder_forward
         self.hidden, self.head_dim = config.hidden_size, config.head_dim
         self.kv_heads, self.n_layers = config.num_key_value_heads, len(base.layers)
         self.embed = model.get_input_embeddings()
@@ -168,8 +171,12 @@ class CpuRunner(Runner):
         return t.data_ptr()
 
     def _nf4(self, forward) -> _NF4Weight:
-        return _NF4Weight(self._ptr(forward.codes), self._ptr(forward.absmax),
-                          forward.out_features, forward.in_features)
+        codes, scales = forward.codes, forward.absmax
+        if self.int8:  # the integer kernels' layout: packed codes, scales per block of 32
+            codes, scales = kernels.nf4_i8_pack(self.lib, codes, scales, forward.out_features,
+                                                forward.in_features, forward.state.blocksize)
+        return _NF4Weight(self._ptr(codes), self._ptr(scales), forward.out_features,
+                          forward.in_features)
 
     def _ropes_for(self, slots: int) -> None:
         """RoPE tables covering positions below `slots`."""
@@ -213,7 +220,7 @@ class CpuRunner(Runner):
         if self._aux is not None:  # a new tensor each forward: a drafter may keep it a while
             self.last_aux = torch.empty(n, len(self._aux) * self.hidden)
             self._model.aux_out = self.last_aux.data_ptr()
-        done = self.lib.decoder_forward(
+        done = self._decoder(
             ctypes.byref(self._model), self._embedded.data_ptr(), n, positions, start,
             visible.data_ptr() if visible is not None else None, cache.k.data_ptr(),
             cache.v.data_ptr(), cache.slots, self._rope_ptrs, out.data_ptr(), self.clock,

@@ -93,10 +93,12 @@ static void i8_quantize(const float *x, int64_t n, int64_t in, int8_t *q, float 
             const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
             int32_t sum = 0;
             for (int t = 0; t < I8_BLOCK; t++) {
-                long r = lrintf(v[t] * id);
-                r = r > 127 ? 127 : r < -127 ? -127 : r;
-                o[t] = (int8_t)r;
-                sum += (int32_t)r;
+                // to nearest, ties to even (|v| < 2^22: adding 1.5 * 2^23 leaves no fraction)
+                const float r = (v[t] * id + 12582912.0f) - 12582912.0f;
+                int32_t i = (int32_t)r;
+                i = i > 127 ? 127 : i < -127 ? -127 : i;
+                o[t] = (int8_t)i;
+                sum += i;
             }
             d[j * nb + b] = dd;
             s[j * nb + b] = sum;

@@ -1,0 +1,139 @@
+"""`nf4_matmul_i8` (runners/cpu/csrc/nf4_i8.c): NF4 by integer dot products, the `cpu-int8`
+path's product. Every kernel this machine runs (AVX-512 VNNI, AVX2, the SIMD build's reference
+and the portable build's) gives the portable reference's bits, at 1, 2, 3, 4, 8, 16 and 64 rows,
+for odd shapes (a last group of fewer than 16 weight rows) and any thread count; a row's result
+is the same alone or among others; and the product is NF4's within what its int8 roundings
+explain."""
+
+import ctypes
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+
+from specchat.runners.cpu import kernels
+
+ROWS = (1, 2, 3, 4, 8, 16, 64)
+SHAPES = ((40, 64), (100, 192), (33, 640), (256, 2048))  # (out, in): odd groups, long rows
+# NF4's codebook (bitsandbytes' `nf4` table)
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236328, 1.0])
+
+
+def _compiler() -> bool:
+    return shutil.which(os.environ.get("CC", "gcc")) is not None
+
+
+def _kernels() -> dict:
+    """{name: Kernels whose nf4_matmul_i8 is that kernel}: the portable reference always, and
+    on x86 with AVX2 the SIMD build's reference, its AVX2 kernel and, where the CPU has it, its
+    VNNI kernel."""
+    if not _compiler():
+        pytest.skip("no C compiler")
+    found = {"ref": kernels.load("ref")}
+    simd = kernels.load("avx2")
+    if simd is not None:
+        raw = ctypes.CDLL(str(simd.path))
+        for name, needs in kernels.I8_KERNELS.items():
+            if needs <= kernels._cpu_flags():
+                function = raw[f"nf4_matmul_i8_{name}"]
+                function.argtypes, function.restype = simd.nf4_matmul_i8.argtypes, None
+                found[f"simd-{name}"] = dataclasses.replace(simd, nf4_matmul_i8=function)
+    assert None not in found.values()
+    return found
+
+
+def _weight(out: int, inn: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (out * inn // 2,), dtype=torch.uint8, generator=g)
+    absmax = torch.rand(out * inn // 64, generator=g) + 0.05
+    return codes, absmax
+
+
+def _dense(codes, absmax, out, inn) -> torch.Tensor:
+    c = torch.stack([codes >> 4, codes & 15], 1).reshape(out, inn).long()
+    return NF4[c].double() * absmax.double().repeat_interleave(64).reshape(out, inn)
+
+
+def _arithmetic(x, codes, absmax, out, inn) -> torch.Tensor:
+    """The kernels' arithmetic written with torch: x quantized per block of 32, the codes' int8
+    values round(127 v), exact int32 block sums, then the block scales (in float64 here)."""
+    blocks = x.reshape(len(x), -1, 32)
+    d = blocks.abs().amax(-1) / 127.0  # float32, as the kernels compute them
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int64)  # ties to even
+    c = torch.stack([codes >> 4, codes & 15], 1).reshape(out, inn).long()
+    w8 = torch.round(127.0 * NF4)[c].to(torch.int64).reshape(out, -1, 32)
+    isum = torch.einsum("jbt,obt->job", q, w8).double()
+    dw = (absmax.repeat_interleave(2).reshape(out, -1) / 127.0).double()
+    return (isum * dw[None] * d.double()[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("out,inn", SHAPES)
+def test_every_kernel_gives_the_references_bits_at_every_row_count(out, inn):
+    found = _kernels()
+    ref = found["ref"]
+    codes, absmax = _weight(out, inn)
+    packed, dw = kernels.nf4_i8_pack(ref, codes, absmax, out, inn, 64)
+    assert packed.numel() == -(-out // 16) * 16 * inn // 2  # 4 bits a weight, groups of 16
+    for n in ROWS:
+        x = torch.randn(n, inn) * torch.rand(n, 1) * 4
+        want = kernels.nf4_matmul_i8(ref, x, packed, dw, NF4, out)
+        for name, lib in found.items():
+            got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out)
+            assert torch.equal(got, want), (name, n)
+        assert torch.allclose(want.double(), _arithmetic(x, codes, absmax, out, inn),
+                              rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+def test_a_row_is_the_same_bits_alone_among_others_and_with_any_thread_count():
+    found = _kernels()
+    out, inn = 100, 640
+    codes, absmax = _weight(out, inn, seed=1)
+    for name, lib in found.items():
+        packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, out, inn, 64)
+        x = torch.randn(17, inn)
+        together = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out)
+        alone = torch.cat([kernels.nf4_matmul_i8(lib, x[i:i + 1], packed, dw, NF4, out)
+                           for i in range(17)])
+        assert torch.equal(together, alone), name
+        y = torch.empty(17, out)
+        for threads in (1, 3):
+            lib.nf4_matmul_i8(x.data_ptr(), 17, inn, packed.data_ptr(), dw.data_ptr(), 64,
+                              NF4.data_ptr(), y.data_ptr(), out, threads)
+            assert torch.equal(y, together), (name, threads)
+
+
+def test_the_product_is_nf4s_within_its_int8_roundings():
+    """Against the float64 product of the dequantized NF4 weight: the error stays within what
+    the activations' rounding (half a step per value) and the table's (half a step of 1/127 per
+    weight) explain, summed with the magnitudes they multiply."""
+    lib = _kernels()["ref"]
+    out, inn = 64, 640
+    codes, absmax = _weight(out, inn, seed=2)
+    packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, out, inn, 64)
+    x = torch.randn(8, inn)
+    got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out).double()
+    w = _dense(codes, absmax, out, inn)
+    want = x.double() @ w.T
+    step = x.abs().reshape(8, -1, 32).amax(-1).double() / 127  # [rows, blocks]
+    act = step @ w.abs().reshape(out, -1, 32).sum(-1).T / 2  # activations' rounding
+    tab = x.abs().double() @ (absmax.double().repeat_interleave(64).reshape(out, inn).T / 254)
+    bound = (act + tab) * 1.01 + 1e-6 * want.abs()
+    assert ((got - want).abs() <= bound).all()
+    assert (got - want).abs().mean() > 0  # not the float product: the integer one ran
+
+
+def test_sizes_it_does_not_take_give_nan_and_a_refused_packing():
+    lib = _kernels()["ref"]
+    codes, absmax = _weight(16, 64)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        kernels.nf4_i8_pack(lib, codes, absmax, 16, 64, 48)
+    packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, 16, 64, 64)
+    y = kernels.nf4_matmul_i8(lib, torch.randn(2, 48), packed, dw, NF4, 16)
+    assert y.isnan().all()
