@@ -137,3 +137,61 @@ def test_sizes_it_does_not_take_give_nan_and_a_refused_packing():
     packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, 16, 64, 64)
     y = kernels.nf4_matmul_i8(lib, torch.randn(2, 48), packed, dw, NF4, 16)
     assert y.isnan().all()
+
+
+def _q8_kernels() -> dict:
+    """{name: Kernels whose q8_0_rows_matmul_i8 is that kernel}: the references of both builds
+    and, where the CPU has it, the VNNI kernel."""
+    if not _compiler():
+        pytest.skip("no C compiler")
+    found = {"ref": kernels.load("ref")}
+    simd = kernels.load("avx2")
+    if simd is not None:
+        raw = ctypes.CDLL(str(simd.path))
+        names = ["ref"] + (["vnni"] if kernels.I8_KERNELS["vnni"] <= kernels._cpu_flags() else [])
+        for name in names:
+            function = raw[f"q8_0_rows_matmul_i8_{name}"]
+            function.argtypes, function.restype = simd.q8_0_rows_matmul_i8.argtypes, None
+            found[f"simd-{name}"] = dataclasses.replace(simd, q8_0_rows_matmul_i8=function)
+    return found
+
+
+def test_the_q8_0_head_repacked_in_place_gives_one_set_of_bits_its_maxima_and_its_values():
+    """The `cpu-int8` path's LM head: GGUF's Q8_0 values repacked in place (no second copy),
+    read back exactly; every kernel the same bits at every row count, with the block maxima
+    and the outputs past `upto` cut as the float path's head gives them; the product is the
+    values' within the activations' rounding."""
+    from specchat.runners.cpu.q8_head import Q8Head, activation_error
+
+    found = _q8_kernels()
+    out, inn = 256, 640
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-128, 128, (out, inn), dtype=torch.int8, generator=g)
+    d = (torch.rand(out, inn // 32, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    head = Q8Head(torch.nn.Linear(inn, out, bias=False), q.clone(), d.clone(), found["ref"])
+    values = head.dequantized(torch.arange(out))
+    pointer = head.q.data_ptr()
+    assert head.pack_rows(found["ref"]) and head.q.data_ptr() == pointer and head.d is None
+    assert not torch.equal(head.q, q)  # the bytes moved, in place
+    assert torch.equal(head.dequantized(torch.arange(out)), values)
+    assert torch.equal(head.dequantized(torch.tensor([3, 200, 17])), values[[3, 200, 17]])
+    for n in ROWS:
+        x = torch.randn(n, inn)
+        maxima = torch.empty(n, kernels.head_blocks(out))
+        want = kernels.q8_0_rows_matmul_i8(found["ref"], x, head.q, head.dw, None, maxima)
+        assert torch.equal(maxima, want.view(n, -1, 64).amax(-1))
+        for name, lib in found.items():
+            got = kernels.q8_0_rows_matmul_i8(lib, x, head.q, head.dw)
+            assert torch.equal(got, want), (name, n)
+        exact = x.double() @ values.double().T
+        bound = activation_error(x, values).double() * 1.01 + 1e-5 * exact.abs().max()
+        assert ((want.double() - exact).abs() <= bound).all()
+    x = torch.randn(1, inn)
+    full = head(x)
+    for name, lib in found.items():
+        cut = kernels.q8_0_rows_matmul_i8(lib, x, head.q, head.dw, upto=100)
+        assert torch.equal(cut[:, :100], full[:, :100]) and cut[:, 100:].eq(-torch.inf).all()
+    odd = Q8Head(torch.nn.Linear(inn, 40, bias=False), q[:40].clone(), d[:40].clone(),
+                 found["ref"])
+    assert not odd.pack_rows(found["ref"]) and odd.dw is None  # not groups of 16: unchanged
+    assert torch.equal(odd.q, q[:40])

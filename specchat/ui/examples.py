@@ -70,7 +70,7 @@ EXAMPLES = [
             "completion · T 0.7",
             dict(mode="completion", temperature=0.7, seed=2, max_new_tokens=64, **ANTI_LOOP),
             ("return", "string", "s", "reverse", "str")),
-    Example("Tell me a fun fact about octopuses.", "chat · greedy",
+    Example("Tell me a fun fact about the octopus.", "chat · greedy",
             dict(mode="chat", temperature=0.0, seed=0, max_new_tokens=64, **ANTI_LOOP),
             ("octopus", "octopuses", "they", "arms", "legs", "sea", "water", "animals")),
 ]

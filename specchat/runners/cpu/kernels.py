@@ -68,14 +68,16 @@ _ARGTYPES = {
     "decoder_forward_i8": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
                            _ptr, _int],
     "nf4_i8_pack": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr],
+    "q8_0_i8_pack": [_ptr, _ptr, _i64, _i64, _ptr],
+    "q8_0_rows_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
     "nf4_i8_packed_bytes": [_i64, _i64],
     "logits_cut": [_ptr, _i64, _i64, _i64, _i64, _ptr],
 }
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
-             "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64}
+             "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int}
 # one function in both builds, no reference twin
-_PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes"})
+_PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
 I8_KERNELS = {"vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
@@ -113,6 +115,10 @@ class Kernels:
     decoder_forward_i8: Callable[..., int]
     nf4_i8_pack: Callable[..., int]
     nf4_i8_packed_bytes: Callable[..., int]
+    # the Q8_0 LM head by the same arithmetic, repacked in place (`q8_0_i8_pack`): VNNI where
+    # the CPU has it, else the reference (the same bits)
+    q8_0_i8_pack: Callable[..., int]
+    q8_0_rows_matmul_i8: Callable[..., None]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
 
 
@@ -206,6 +212,8 @@ def symbols(wide: bool, simd: bool) -> dict[str, str]:
     names = {name: name if simd or name in _PLAIN else f"{name}_ref" for name in _ARGTYPES}
     for name in ("nf4_matmul_i8", "decoder_forward_i8"):
         names[name] = f"{name}_{i8_kernel()}" if simd else f"{name}_ref"
+    names["q8_0_rows_matmul_i8"] = "q8_0_rows_matmul_i8_vnni" \
+        if simd and I8_KERNELS["vnni"] <= _cpu_flags() else "q8_0_rows_matmul_i8_ref"
     if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
         names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
         names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
@@ -370,6 +378,43 @@ def nf4_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch
                       dw.data_ptr(), 0, table.data_ptr(), y.data_ptr(), out_features,
                       torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def q8_0_i8_pack(lib: Kernels, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 values q int8 [out, in] (out a multiple of 16), repacked in place for
+    `q8_0_rows_matmul_i8` (csrc/nf4_i8.c); returns the scales as float32 [groups, blocks, 16].
+    Raises ValueError (q unchanged) for other sizes."""
+    out, cols = q.shape
+    dw = torch.empty(out * cols // 32, dtype=torch.float32)
+    if not q.is_contiguous() or not d.is_contiguous() or d.dtype != torch.float16 \
+            or lib.q8_0_i8_pack(q.data_ptr(), d.data_ptr(), out, cols, dw.data_ptr()):
+        raise ValueError(f"the integer head takes contiguous Q8_0 rows in groups of 16 and "
+                         f"inputs in blocks of 32; got {out} x {cols}")
+    return dw
+
+
+def q8_0_rows_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor,
+                        dw: torch.Tensor, upto: int | None = None,
+                        maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """`q8_0_matmul_i8` for a head repacked by `q8_0_i8_pack`: the NF4 integer kernels'
+    arithmetic (one epilogue per block, in order), the same contract for `upto` and
+    `maxima`."""
+    rows = x if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous() else _rows(x)
+    out = packed.shape[0]
+    y = torch.empty(rows.shape[0], out, dtype=torch.float32)
+    computed = out if upto is None or rows.shape[0] != 1 else max(0, min(upto, out))
+    if maxima is not None and (maxima.shape != (rows.shape[0], head_blocks(out))
+                               or maxima.dtype != torch.float32 or not maxima.is_contiguous()):
+        raise ValueError(f"maxima must be contiguous float32 [{rows.shape[0]}, "
+                         f"{head_blocks(out)}]")
+    lib.q8_0_rows_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
+                            dw.data_ptr(), y.data_ptr(), computed,
+                            maxima.data_ptr() if maxima is not None else None,
+                            torch.get_num_threads())
+    if upto is not None and upto < out:
+        lib.logits_cut(y.data_ptr(), rows.shape[0], out, upto, computed,
+                       maxima.data_ptr() if maxima is not None else None)
+    return y.reshape(*x.shape[:-1], out)
 
 
 def bf16_matmul(lib: Kernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

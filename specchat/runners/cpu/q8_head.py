@@ -21,21 +21,47 @@ class Q8Head:
 
     def __init__(self, head: torch.nn.Linear, q: torch.Tensor, d: torch.Tensor, lib):
         self.head, self.q, self.d, self.lib = head, q, d, lib
+        self.dw: torch.Tensor | None = None  # the scales once repacked (`pack_rows`)
+
+    def pack_rows(self, lib) -> bool:
+        """Repack the values in place for the integer NF4 kernels' arithmetic (the `cpu-int8`
+        path: `kernels.q8_0_rows_matmul_i8` on `lib`); every product from then on takes it.
+        Returns whether it did (a head of other sizes keeps its kernel)."""
+        if self.dw is not None:
+            return True
+        try:
+            self.dw = kernels.q8_0_i8_pack(lib, self.q, self.d)
+        except ValueError:
+            return False
+        self.lib, self.d = lib, None
+        return True
+
+    def _product(self, x, upto=None, maxima=None) -> torch.Tensor:
+        if self.dw is not None:
+            return kernels.q8_0_rows_matmul_i8(self.lib, x, self.q, self.dw, upto, maxima)
+        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d, upto, maxima)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16) or x.requires_grad:
             return torch.nn.functional.linear(x, self.head.weight.to(x.dtype))
-        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d)  # float32 logits
+        return self._product(x)  # float32 logits
 
     def leading(self, x: torch.Tensor, upto: int | None,
                 maxima: torch.Tensor | None = None) -> torch.Tensor:
         """`self(x)` with the logits of ids `upto`.. -inf (ids never sampled; None: none), not
         computed for a single row: the same bits in the others. `maxima` [rows,
         kernels.head_blocks(vocabulary)] receives the logits' block maxima."""
-        return kernels.q8_0_matmul_i8(self.lib, x, self.q, self.d, upto, maxima)
+        return self._product(x, upto, maxima)
 
     def dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """The float32 values of some rows of W (exact: q * d)."""
+        if self.dw is not None:  # repacked: [groups, blocks, 4 v, 16 rows, 4] + 128
+            out, cols = self.q.shape
+            packed = self.q.view(torch.uint8).view(out // 16, cols // BLOCK, 8, 16, 4)
+            g, i = rows // 16, rows % 16
+            q = packed[g, :, :, i, :].to(torch.float32) - 128  # [rows, blocks, 8, 4]
+            d = self.dw.view(out // 16, cols // BLOCK, 16)[g, :, i]  # [rows, blocks]
+            return (q.reshape(len(rows), -1, BLOCK) * d[..., None]).reshape(len(rows), -1)
         q, d = self.q[rows].to(torch.float32), self.d[rows].to(torch.float32)
         return (q.view(len(rows), -1, BLOCK) * d[..., None]).view(len(rows), -1)
 

@@ -118,6 +118,8 @@ class CpuRunner(Runner):
         self.kv_heads, self.n_layers = config.num_key_value_heads, len(base.layers)
         self.embed = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
+        if int8 and isinstance(vars(self.head).get("forward"), Q8Head):  # the GGUF's Q8_0 head
+            vars(self.head)["forward"].pack_rows(lib)  # by the same arithmetic, in place
         self._keep: list[torch.Tensor] = []  # every tensor the C structs point into
         types = getattr(config, "layer_types", None) or ["full_attention"] * self.n_layers
         layers = (_Layer * self.n_layers)()

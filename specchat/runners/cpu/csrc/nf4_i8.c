@@ -161,6 +161,75 @@ void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *pac
     i8_rows_free(&r);
 }
 
+// ---- The Q8_0 LM head by the same arithmetic ---------------------------------------------------
+// GGUF's Q8_0 values (int8, one fp16 scale per 32) in the layout of the NF4 kernels' decoded
+// vectors: for group g of 16 rows and block b, 512 bytes, byte 64 v + 4 i + t the value of row
+// 16 g + i at input 32 b + 4 v + t, plus 128 (unsigned, for vpdpbusd); the scales as float32
+// [groups, blocks, 16]. Repacked in place, a group at a time: a group's rows and its packed
+// blocks are the same 16 * in bytes, so the head takes no second copy. The product is the NF4
+// one's: y = acc over the blocks in order, acc = fma((float)isum_b, dw_b * dx_b, acc).
+
+// q [out, in] in place (out a multiple of 16), d [out, in / 32] fp16 -> dw. 0, or -1 for
+// sizes it does not take or no memory (q is then unchanged).
+int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, float *dw) {
+    if (out <= 0 || out % I8_ROWS || in <= 0 || in % I8_BLOCK) return -1;
+    const int64_t nb = in / I8_BLOCK, span = I8_ROWS * in;
+    int8_t *rows = malloc((size_t)span);
+    if (!rows) return -1;
+    for (int64_t g = 0; g < out / I8_ROWS; g++) {
+        int8_t *group = q + g * span;
+        memcpy(rows, group, (size_t)span);
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < I8_ROWS; i++) {
+                for (int t = 0; t < I8_BLOCK; t++)
+                    group[b * 2 * I8_BYTES + 64 * (t / 4) + 4 * i + t % 4] =
+                        (int8_t)(uint8_t)(rows[i * in + b * I8_BLOCK + t] + I8_OFFSET);
+                dw[(g * nb + b) * I8_ROWS + i] = half_to_float(d[(g * I8_ROWS + i) * nb + b]);
+            }
+    }
+    free(rows);
+    return 0;
+}
+
+// The packed value (signed) of row i of a group's block at input t
+static inline int q8_value(const uint8_t *blk, int i, int t) {
+    return (int)blk[64 * (t / 4) + 4 * i + t % 4] - I8_OFFSET;
+}
+
+// y [n, out] (out: the rows computed, a multiple of 16 or the rest of a head; see
+// `q8_0_matmul_i8`), and each row's block maxima where `maxima` is not NULL
+void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                             const float *dw, float *y, int64_t out, float *maxima,
+                             int threads) {
+    maxima_unknown(maxima, n, out);
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    const int64_t nb = in / I8_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += HEAD_BLOCK) {
+        const int64_t b1 = out - b0 < HEAD_BLOCK ? out : b0 + HEAD_BLOCK;
+        for (int64_t o = b0; o < b1; o++) {
+            const int64_t g = o / I8_ROWS;
+            const int i = (int)(o % I8_ROWS);
+            for (int64_t j = 0; j < n; j++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *blk = packed + (g * nb + b) * 2 * I8_BYTES;
+                    const int8_t *qx = r.q + j * in + b * I8_BLOCK;
+                    int32_t isum = 0;
+                    for (int t = 0; t < I8_BLOCK; t++) isum += q8_value(blk, i, t) * qx[t];
+                    const float scale = dw[(g * nb + b) * I8_ROWS + i] * r.d[j * nb + b];
+                    acc = fmaf((float)isum, scale, acc);
+                }
+                y[j * out + o] = acc;
+            }
+        }
+        if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + HEAD_BLOCK - 1) / HEAD_BLOCK);
+    }
+    i8_rows_free(&r);
+}
+
 #if SPECCHAT_SIMD
 // ---- AVX2: 8 weight rows a vector ---------------------------------------------------------------
 // vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums: the weights'
@@ -251,22 +320,29 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
 #define I8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define I8_J16 12  // activation rows per tile: 8 weight vectors and 2 per row within 32 registers
 
+// BYTES 0: a group's block of NF4 codes (256 bytes, decoded by the table); 1: of Q8_0 values
+// already unsigned (512 bytes, `q8_0_i8_pack`: vector v at 64 v)
 I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
-    int J, const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl, const i8_rows *r,
-    int64_t j0, int64_t in, float *y, int64_t out, int rows) {
+    int J, int BYTES, const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl,
+    const i8_rows *r, int64_t j0, int64_t in, float *y, int64_t out, int rows) {
     __m512 acc[I8_J16];
     for (int j = 0; j < J; j++) acc[j] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
+    const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = packed + b * I8_BYTES;
+        const uint8_t *blk = packed + b * stride;
         _mm_prefetch((const char *)blk + 2048, _MM_HINT_T0);
         __m512i w[8];
-        for (int p = 0; p < 4; p++) {
-            const __m512i c = _mm512_loadu_si512((const void *)(blk + 64 * p));
-            w[2 * p] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(c, low));
-            w[2 * p + 1] = _mm512_shuffle_epi8(tbl,
-                                               _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
-        }
+        if (BYTES) {
+            _mm_prefetch((const char *)blk + 2048 + 256, _MM_HINT_T0);
+            for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512((const void *)(blk + 64 * v));
+        } else
+            for (int p = 0; p < 4; p++) {
+                const __m512i c = _mm512_loadu_si512((const void *)(blk + 64 * p));
+                w[2 * p] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(c, low));
+                w[2 * p + 1] = _mm512_shuffle_epi8(
+                    tbl, _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
+            }
         const __m512 dwv = _mm512_loadu_ps(dw + b * I8_ROWS);
         for (int j = 0; j < J; j++) {
             const int8_t *qx = r->q + (j0 + j) * in + b * I8_BLOCK;
@@ -284,21 +360,27 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
     for (int j = 0; j < J; j++) _mm512_mask_storeu_ps(y + (j0 + j) * out, keep, acc[j]);
 }
 
-#define I8_TILE16(JJ)                                                                      \
-    I8_512 __attribute__((noinline)) static void i8_tile_vnni_##JJ(                        \
+#define I8_TILE16(KIND, BYTES, JJ)                                                         \
+    I8_512 __attribute__((noinline)) static void i8_tile_##KIND##_##JJ(                    \
         const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl, const i8_rows *r, \
         int64_t j0, int64_t in, float *y, int64_t out, int rows) {                         \
-        i8_tile_vnni(JJ, packed, dw, nb, tbl, r, j0, in, y, out, rows);                    \
+        i8_tile_vnni(JJ, BYTES, packed, dw, nb, tbl, r, j0, in, y, out, rows);             \
     }
-I8_TILE16(1) I8_TILE16(2) I8_TILE16(3) I8_TILE16(4) I8_TILE16(5) I8_TILE16(6)
-I8_TILE16(7) I8_TILE16(8) I8_TILE16(9) I8_TILE16(10) I8_TILE16(11) I8_TILE16(12)
-#undef I8_TILE16
+#define I8_TILES16(KIND, BYTES)                                                                \
+    I8_TILE16(KIND, BYTES, 1) I8_TILE16(KIND, BYTES, 2) I8_TILE16(KIND, BYTES, 3)              \
+    I8_TILE16(KIND, BYTES, 4) I8_TILE16(KIND, BYTES, 5) I8_TILE16(KIND, BYTES, 6)              \
+    I8_TILE16(KIND, BYTES, 7) I8_TILE16(KIND, BYTES, 8) I8_TILE16(KIND, BYTES, 9)              \
+    I8_TILE16(KIND, BYTES, 10) I8_TILE16(KIND, BYTES, 11) I8_TILE16(KIND, BYTES, 12)           \
+    static const i8_tile16_fn i8_tiles16_##KIND[I8_J16] = {                                    \
+        i8_tile_##KIND##_1, i8_tile_##KIND##_2,  i8_tile_##KIND##_3,  i8_tile_##KIND##_4,      \
+        i8_tile_##KIND##_5, i8_tile_##KIND##_6,  i8_tile_##KIND##_7,  i8_tile_##KIND##_8,      \
+        i8_tile_##KIND##_9, i8_tile_##KIND##_10, i8_tile_##KIND##_11, i8_tile_##KIND##_12};
 typedef void (*i8_tile16_fn)(const uint8_t *, const float *, int64_t, __m512i, const i8_rows *,
                              int64_t, int64_t, float *, int64_t, int);
-static const i8_tile16_fn i8_tiles16[I8_J16] = {
-    i8_tile_vnni_1, i8_tile_vnni_2, i8_tile_vnni_3, i8_tile_vnni_4,  i8_tile_vnni_5,
-    i8_tile_vnni_6, i8_tile_vnni_7, i8_tile_vnni_8, i8_tile_vnni_9, i8_tile_vnni_10,
-    i8_tile_vnni_11, i8_tile_vnni_12};
+I8_TILES16(nf4, 0)
+I8_TILES16(q8, 1)
+#undef I8_TILES16
+#undef I8_TILE16
 
 I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                                const float *dw, int64_t blocksize, const float *table, float *y,
@@ -321,9 +403,35 @@ I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint
         const int rows = out - o0 < I8_ROWS ? (int)(out - o0) : I8_ROWS;
         for (int64_t j0 = 0; j0 < n; j0 += per) {
             const int J = n - j0 < per ? (int)(n - j0) : (int)per;
-            i8_tiles16[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r, j0,
-                              in, y + o0, out, rows);
+            i8_tiles16_nf4[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r,
+                                  j0, in, y + o0, out, rows);
         }
+    }
+    i8_rows_free(&r);
+}
+I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
+                                     const uint8_t *packed, const float *dw, float *y,
+                                     int64_t out, float *maxima, int threads) {
+    maxima_unknown(maxima, n, out);
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    const int64_t nb = in / I8_BLOCK;
+    const int64_t tiles = (n + I8_J16 - 1) / I8_J16, per = (n + tiles - 1) / tiles;
+    const __m512i unused = _mm512_setzero_si512();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += HEAD_BLOCK) {  // a block of maxima, in the cache
+        const int64_t b1 = out - b0 < HEAD_BLOCK ? out : b0 + HEAD_BLOCK;
+        for (int64_t o0 = b0; o0 < b1; o0 += I8_ROWS) {
+            const int64_t g = o0 / I8_ROWS;
+            const int rows = b1 - o0 < I8_ROWS ? (int)(b1 - o0) : I8_ROWS;
+            for (int64_t j0 = 0; j0 < n; j0 += per) {
+                const int J = n - j0 < per ? (int)(n - j0) : (int)per;
+                i8_tiles16_q8[J - 1](packed + g * nb * 2 * I8_BYTES, dw + g * nb * I8_ROWS, nb,
+                                     unused, &r, j0, in, y + o0, out, rows);
+            }
+        }
+        if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + HEAD_BLOCK - 1) / HEAD_BLOCK);
     }
     i8_rows_free(&r);
 }
