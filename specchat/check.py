@@ -477,6 +477,13 @@ def check_speed(ctx: Context) -> dict:
         torch.cuda.empty_cache()
         if ctx.shape == "1b":
             out["draft_model_step"] = _draft_step_ms(path, ctx.device)
+    if not out["greedy_same_as_plain"]:  # speculation must never change a greedy reply
+        spec, plain = ids["ngram"], ids["plain"]
+        first = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
+                     min(len(spec), len(plain)))
+        return {**out, "ok": False,
+                "error": f"greedy speculative text differs from plain's from token {first} "
+                         f"(row-exact proved: {out['row_exact']})"}
     return {**out, "ok": True}
 
 

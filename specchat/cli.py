@@ -20,12 +20,8 @@ from specchat.args import (
     load_for_cli,
     validate_sampling,
 )
-from specchat.api.cli import add_cli as add_serve
-from specchat.bench.cli import add_cli as add_bench
 from specchat.check import add_cli as add_check
 from specchat.help import HelpFormatter
-from specchat.stats.cli import add_cli as add_stats
-from specchat.train.cli import add_cli as add_train_draft
 
 
 def cmd_generate(args) -> int:
@@ -161,6 +157,13 @@ def _record(store, report, prompt, reply, stats_json) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # (imported here: `check` runs on a bare GPU machine without the stats store, gradio or the
+    # API's packages; `main` builds it a parser of its own)
+    from specchat.api.cli import add_cli as add_serve
+    from specchat.bench.cli import add_cli as add_bench
+    from specchat.stats.cli import add_cli as add_stats
+    from specchat.train.cli import add_cli as add_train_draft
+
     parser = argparse.ArgumentParser(
         prog="python -m specchat", formatter_class=HelpFormatter,
         description="specchat: speculative decoding you can see. Headless commands.")
@@ -200,5 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["app"]:  # the web app keeps its own options
         from specchat.app import main as app_main
         return app_main(argv[1:])
+    if argv[:1] == ["check"]:  # only what the check imports (a GPU machine's bare image)
+        parser = argparse.ArgumentParser(prog="python -m specchat", formatter_class=HelpFormatter)
+        add_check(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
+        return args.func(args)
     args = build_parser().parse_args(argv)
     return args.func(args)

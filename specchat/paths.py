@@ -10,7 +10,10 @@ def cache_dir() -> Path:
     root = os.environ.get("SPECCHAT_CACHE")
     if root:
         return Path(root)
-    from platformdirs import user_cache_dir
+    try:
+        from platformdirs import user_cache_dir
+    except ImportError:  # a bare machine (a lent GPU's image): the XDG default
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specchat"
     return Path(user_cache_dir("specchat"))
 
 

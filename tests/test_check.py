@@ -3,6 +3,7 @@ sizes in every test run, so it cannot rot before a GPU comes; under the `gpu` ma
 checks run on CUDA (skipped without one)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -87,3 +88,37 @@ def test_without_the_device_the_check_says_so_once_and_skips_the_rest(monkeypatc
     assert got[0]["error"] == "torch sees no CUDA GPU"
     assert [r["ok"] for r in got[1:]] == [None] * (len(CHECKS) - 1)
     assert {r["skipped"] for r in got[1:]} == {"environment failed"}
+
+
+BARE = """
+import importlib.abc, sys
+class Bare(importlib.abc.MetaPathFinder):  # a lent GPU machine's image has none of these
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("sqlite_utils", "sqlite_fts4", "platformdirs", "gradio",
+                                  "fastapi", "uvicorn"):
+            raise ImportError(f"no module named {name!r} on this machine")
+sys.meta_path.insert(0, Bare())
+from specchat.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_check_starts_on_a_machine_without_the_apps_packages(tmp_path):
+    """`python -m specchat check` imports only what it uses: without the stats store's, the
+    page's and the API's packages its help prints and a CPU check runs (the API's check says
+    it is skipped)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECCHAT_CACHE": str(tmp_path)}
+    run = [sys.executable, "-c", BARE, "check"]
+    helped = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert helped.returncode == 0 and "--shape" in helped.stdout, helped.stderr
+    checked = subprocess.run([*run, "--device", "cpu", "--only", "load_llama", "--only",
+                              "api_chat_completions"], capture_output=True, text=True,
+                             env=env, timeout=600)
+    lines = [json.loads(line) for line in checked.stdout.splitlines()]
+    assert {line["check"]: line["ok"] for line in lines} == {
+        "environment": True, "load_llama": True, "api_chat_completions": None}, checked.stderr
+    assert lines[0]["sqlite_utils"] is False and lines[0]["gradio"] is False
