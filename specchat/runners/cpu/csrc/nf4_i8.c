@@ -346,12 +346,16 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
         const __m512 dwv = _mm512_loadu_ps(dw + b * I8_ROWS);
         for (int j = 0; j < J; j++) {
             const int8_t *qx = r->q + (j0 + j) * in + b * I8_BLOCK;
+            // two chains of four (integer sums: exact in any order), joined after
             __m512i isum = _mm512_set1_epi32(-I8_OFFSET * r->s[(j0 + j) * nb + b]);
-            for (int v = 0; v < 8; v++) {  // vector 2p + h: inputs 8p + 4h .. 8p + 4h + 3
-                int32_t x4;
-                memcpy(&x4, qx + 8 * (v / 2) + 4 * (v % 2), 4);
-                isum = _mm512_dpbusd_epi32(isum, w[v], _mm512_set1_epi32(x4));
+            __m512i odd = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v += 2) {  // vector 2p + h: inputs 8p + 4h .. 8p + 4h + 3
+                int32_t x4[2];
+                memcpy(x4, qx + 4 * v, 8);
+                isum = _mm512_dpbusd_epi32(isum, w[v], _mm512_set1_epi32(x4[0]));
+                odd = _mm512_dpbusd_epi32(odd, w[v + 1], _mm512_set1_epi32(x4[1]));
             }
+            isum = _mm512_add_epi32(isum, odd);
             const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(r->d[(j0 + j) * nb + b]));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[j]);
         }
