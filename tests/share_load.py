@@ -168,6 +168,7 @@ class PageRoute:
         self.send_id, self.stop_id = send, elem("sc-stop")
         self.box, self.max_new = elem("sc-input"), elem("sc-max-new")
         self.chat, self.notice = elem("sc-chat"), elem("sc-notice")
+        self.live = elem("sc-live")  # a streaming reply's token records (ui/live.py)
 
     def data(self, dep: dict, text: str, tokens: int) -> list:
         """The event's inputs, as the page sends them: the controls at their defaults, greedy,
@@ -229,6 +230,7 @@ class Tab:
         outputs = None
         chat_at = [i for i, c in enumerate(route.bot["outputs"]) if c == route.chat][0]
         notice_at = [i for i, c in enumerate(route.bot["outputs"]) if c == route.notice][0]
+        live_at = [i for i, c in enumerate(route.bot["outputs"]) if c == route.live][0]
         events = self._events()
         try:
             for msg in events:
@@ -252,7 +254,9 @@ class Tab:
                     content = chat[-1]["content"]
                     reply.last = content if isinstance(content, str) else \
                         "".join(part.get("text", "") for part in content)
-                if reply.first is None and 'class="tk tk-' in reply.last:
+                live = outputs[live_at]  # the page draws streamed tokens from these
+                streamed = isinstance(live, str) and '"tokens": [[' in live
+                if reply.first is None and ('class="tk tk-' in reply.last or streamed):
                     reply.first = time.monotonic() - sent
                     if leave == "close":
                         return reply

@@ -23,7 +23,8 @@ def declared() -> dict[str, tuple[str, list]]:
     """Each function the header declares -> (its return type, its parameters as ctypes)."""
     text = re.sub(r"//[^\n]*", "", HEADER.read_text())
     out = {}
-    for ret, name, params in re.findall(r"\b(void|int)\s+(\w+)\s*\(([^)]*)\);", text):
+    for ret, name, params in re.findall(r"\b(void|int|int64_t)\s+(\w+)\s*\(([^)]*)\);",
+                                        text):
         types = []
         for param in " ".join(params.split()).split(","):
             param = param.strip()
@@ -41,7 +42,8 @@ def declared() -> dict[str, tuple[str, list]]:
 def test_the_header_declares_every_binding_with_its_signature():
     functions = declared()
     assert len(functions) >= 30 and "decoder_forward16_ref" in functions
-    restypes = {"decoder_forward": "int", "shape_pick": "int"}
+    c_names = {ctypes.c_int: "int", ctypes.c_int64: "int64_t"}
+    restypes = {name: c_names[t] for name, t in kernels._RESTYPES.items()}
     for wide in (False, True):
         for simd in (False, True):
             for name, symbol in kernels.symbols(wide, simd).items():
@@ -59,8 +61,9 @@ def test_each_build_defines_what_the_header_declares():
     assert portable is not None
     raw = ctypes.CDLL(str(portable.path))
     for name in declared():
-        # the portable build: the references (and max_in) only
-        assert hasattr(raw, name) == (name.endswith("_ref") or name == "max_in"), name
+        # the portable build: the references (and max_in, and the packings) only
+        assert hasattr(raw, name) == (name.endswith("_ref") or name == "max_in"
+                                      or name in kernels._PLAIN), name
     if kernels.runs_here("avx2"):
         simd = ctypes.CDLL(str(kernels.load("avx2").path))
         for name in declared():

@@ -399,7 +399,11 @@ def test_specchats_cpu_forward_gives_the_layers_and_drafts_plain_replies(gemma_n
     engine.runner.watch_features(layers)
     engine.runner.forward(engine.runner.new_cache(), ids, 0, 1)
     hooked = target_features(engine.target.model, ids, layers)
-    assert torch.allclose(engine.runner.features(len(ids)), hooked, rtol=1e-3, atol=1e-3)
+    got = engine.runner.features(len(ids))
+    if engine.runner.int8:  # integer products: within their int8 roundings (docs/cpu.md)
+        assert (got - hooked).norm() <= 0.03 * hooked.norm()
+    else:
+        assert torch.allclose(got, hooked, rtol=1e-3, atol=1e-3)
     for sampling in ({}, {"temperature": 0.8, "seed": 5}):
         plain = tokens(engine, speculation=False, **sampling)
         for name in ("head", "combined"):
