@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -135,6 +136,12 @@ def _line(name: str, n: int, k: int, m: int, what: str, us: float, read: int,
           f"{gbs * 1e9 / rate:6.1%}")
 
 
+def _configs_file() -> Path:
+    """The configurations the kernels read (`kernels.CONFIGS_FILE`), found without importing
+    Triton."""
+    return Path(__file__).with_name("configs.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m specchat.runners.cuda.sweep",
@@ -143,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model whose shapes to time (default: all)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), metavar="N,N,...",
                    help="row counts to time (default: %(default)s)")
-    p.add_argument("--write", action="store_true",
-                   help="keep each shape's best configuration for this card in configs.json")
+    p.add_argument("--write", nargs="?", const=str(_configs_file()), default=None,
+                   metavar="FILE",
+                   help="keep each shape's best configuration for this card in FILE (default: "
+                        "the package's configs.json, which the kernels read)")
     args = p.parse_args(argv)
     try:
         rows = tuple(int(r) for r in args.rows.split(","))
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shape}:")
         best.update(sweep(shape, rows, rate, device))
     if args.write:
-        path = kernels.CONFIGS_FILE
+        path = Path(args.write)
         table = json.loads(path.read_text()) if path.exists() else {}
         table.setdefault(card, {}).update(best)
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
