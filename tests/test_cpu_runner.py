@@ -135,19 +135,14 @@ def test_the_reference_build_computes_the_simd_builds_bits(checkpoint, monkeypat
 
 def _i8_kernels() -> dict:
     """{name: Kernels whose integer decoder stack is that kernel}: every one this CPU runs."""
-    import ctypes
-    import dataclasses
+    from tiny import with_kernel
 
     found = {"portable-ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        raw = ctypes.CDLL(str(simd.path))
         for name, needs in kernels.I8_KERNELS.items():
             if needs <= kernels._cpu_flags():
-                function = raw[f"decoder_forward_i8_{name}"]
-                function.argtypes = simd.decoder_forward_i8.argtypes
-                function.restype = simd.decoder_forward_i8.restype
-                found[name] = dataclasses.replace(simd, decoder_forward_i8=function)
+                found[name] = with_kernel(simd, "decoder_forward_i8", f"decoder_forward_i8_{name}")
     return {name: lib for name, lib in found.items() if lib is not None}
 
 

@@ -5,13 +5,12 @@ for odd shapes (a last group of fewer than 16 weight rows) and any thread count;
 is the same alone or among others; and the product is NF4's within what its int8 roundings
 explain."""
 
-import ctypes
-import dataclasses
 import os
 import shutil
 
 import pytest
 import torch
+from tiny import with_kernel
 
 from specchat.runners.cpu import kernels
 
@@ -38,12 +37,10 @@ def _kernels() -> dict:
     found = {"ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        raw = ctypes.CDLL(str(simd.path))
         for name, needs in kernels.I8_KERNELS.items():
             if needs <= kernels._cpu_flags():
-                function = raw[f"nf4_matmul_i8_{name}"]
-                function.argtypes, function.restype = simd.nf4_matmul_i8.argtypes, None
-                found[f"simd-{name}"] = dataclasses.replace(simd, nf4_matmul_i8=function)
+                found[f"simd-{name}"] = with_kernel(simd, "nf4_matmul_i8",
+                                                    f"nf4_matmul_i8_{name}")
     assert None not in found.values()
     return found
 
@@ -147,12 +144,10 @@ def _q8_kernels() -> dict:
     found = {"ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        raw = ctypes.CDLL(str(simd.path))
         names = ["ref"] + (["vnni"] if kernels.I8_KERNELS["vnni"] <= kernels._cpu_flags() else [])
         for name in names:
-            function = raw[f"q8_0_rows_matmul_i8_{name}"]
-            function.argtypes, function.restype = simd.q8_0_rows_matmul_i8.argtypes, None
-            found[f"simd-{name}"] = dataclasses.replace(simd, q8_0_rows_matmul_i8=function)
+            found[f"simd-{name}"] = with_kernel(simd, "q8_0_rows_matmul_i8",
+                                                f"q8_0_rows_matmul_i8_{name}")
     return found
 
 

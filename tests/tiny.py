@@ -80,3 +80,15 @@ def bnb_cpu_repack(model, on: bool, now: bool = False) -> list:
             m.weight.data, m.weight.quant_state = _convert_weight_packed_for_cpu(
                 m.weight.data, m.weight.quant_state)
     return layers
+
+
+def with_kernel(lib, field: str, symbol: str):
+    """`lib` (a `kernels.Kernels`) with its function `field` replaced by the C function `symbol`
+    of the same library: one kernel variant forced, whatever this CPU would pick."""
+    import ctypes
+    import dataclasses
+
+    function = ctypes.CDLL(str(lib.path))[symbol]
+    bound = getattr(lib, field)
+    function.argtypes, function.restype = bound.argtypes, bound.restype
+    return dataclasses.replace(lib, **{field: function})
