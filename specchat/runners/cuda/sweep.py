@@ -3,6 +3,7 @@ Llama 3.2 1B as the runtime runs them (q|k|v and gate|up fused):
 
     python -m specchat.runners.cuda.sweep                  # every shape, 1 to 64 rows
     python -m specchat.runners.cuda.sweep --shape 8b --write
+    python -m specchat.runners.cuda.sweep --compile-only --arch 90   # no GPU: machine code
 
 For each NF4 shape it tries tile configurations at a decode step's width (16 rows, what the
 runtime pads every step of up to 16 tokens to), then times the best and the runtime's own at 1,
@@ -136,6 +137,29 @@ def _line(name: str, n: int, k: int, m: int, what: str, us: float, read: int,
           f"{gbs * 1e9 / rate:6.1%}")
 
 
+def _compile_only(shape: str, arch: int, json_file: str | None) -> int:
+    """Every NF4 shape's configurations compiled for `arch`, no GPU needed: a row each."""
+    from specchat.runners.cuda import sass
+
+    configs = {f"{model} {name}": (n, k, candidates(n, k))
+               for model in (SHAPES if shape == "all" else [shape])
+               for name, (n, k) in SHAPES[model].items() if name != "lm head"}
+    import triton
+    print(f"NF4 kernel compiled for sm_{arch} by Triton {triton.__version__}: per K-loop "
+          "iteration (codes of each column), barriers, shared stores and loads, global loads "
+          "by bytes; registers and shared memory of the kernel")
+    rows = sass.report(configs, arch)
+    for r in rows:
+        print(f"  {r['shape']:12} {str(tuple(r['config'])):26} codes {r['codes_per_iteration']:>3} "
+              f"BAR.SYNC {r['BAR.SYNC']:>2} STS {r['STS']:>2} LDS {r['LDS']:>2} "
+              f"LDSM {r['LDSM']:>2} LDG {r['global_loads_by_bytes']} "
+              f"regs {r['registers']:>3} shared {r['shared_bytes'] // 1024} KiB"
+              + (" (one step: no loop)" if r["unrolled"] else ""))
+    if json_file:
+        Path(json_file).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def _configs_file() -> Path:
     """The configurations the kernels read (`kernels.CONFIGS_FILE`), found without importing
     Triton."""
@@ -150,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model whose shapes to time (default: all)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), metavar="N,N,...",
                    help="row counts to time (default: %(default)s)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every shape's configurations for --arch without a GPU and "
+                        "print what each K-loop iteration holds in machine code (sass.py)")
+    p.add_argument("--arch", type=int, default=90, metavar="SM",
+                   help="the compute capability --compile-only compiles for (default: 90)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write --compile-only's rows to this file")
     p.add_argument("--write", nargs="?", const=str(_configs_file()), default=None,
                    metavar="FILE",
                    help="keep each shape's best configuration for this card in FILE (default: "
@@ -161,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--rows takes positive whole numbers separated by commas (got {args.rows!r})")
+    if args.compile_only:
+        return _compile_only(args.shape, args.arch, args.json)
     if not torch.cuda.is_available():
         print("sweep: it times the CUDA kernels and needs a CUDA GPU; none is visible here "
               f"(torch {torch.__version__})", file=sys.stderr)

@@ -1,0 +1,45 @@
+"""The NF4 kernel's machine code read without a GPU (runners/cuda/sass.py): Triton compiles it
+for sm_90 on this CPU machine and its wheel's nvdisasm reads the cubin; the report finds the K
+loop and counts what decides how a step decodes. (In a process of its own: the tests run the
+kernels interpreted, and an interpreted kernel does not compile.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+COUNT = """
+import json, sys
+from specchat.runners.cuda import kernels, sass
+out = {}
+for name, k, config in [("gather", 4096, (32, 256, 4, 4, 3, 1)),
+                        ("table", 4096, (32, 256, 4, 4, 3, 0)),
+                        ("one step", 2048, (32, 256, 8, 4, 3, 1))]:
+    compiled = sass.compile_nf4(kernels.NF4Config(*config), k, arch=90)
+    out[name] = {**sass.counts(sass.disassemble(compiled.asm["cubin"]), config[1]),
+                 "shared_bytes": compiled.metadata.shared}
+print(json.dumps(out))
+"""
+
+
+def test_the_k_loop_and_its_shared_memory_traffic_are_counted():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COUNT], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    c = json.loads(done.stdout.splitlines()[-1])
+    gather, table, one = c["gather"], c["table"], c["one step"]
+    for counted in (gather, table):
+        assert not counted["unrolled"] and counted["mma"] > 0 and counted["registers"] > 0
+        assert counted["loop_instructions"] > counted["mma"]
+        assert sum(counted["global_loads_by_bytes"].values()) > 0
+    # the two decodes differ where it matters: the codebook gathered from shared memory after
+    # barriers (DECODE 1), the pair table read from global memory (DECODE 0)
+    assert gather["LDSM"] > 0 and gather["BAR.SYNC"] > table["BAR.SYNC"]
+    assert gather["shared_bytes"] > 0
+    # 2048 codes in 8 slices: one step of K a program, no loop; the kernel is its iteration
+    assert one["unrolled"] and one["mma"] > 0
