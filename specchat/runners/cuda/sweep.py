@@ -198,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep: it times the CUDA kernels and needs a CUDA GPU; none is visible here "
               f"(torch {torch.__version__})", file=sys.stderr)
         return 2
-    from specchat.runners.cuda import kernels
-
     device = torch.device("cuda")
     card = torch.cuda.get_device_name(device)
     rate = copy_rate(device)

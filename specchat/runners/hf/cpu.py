@@ -39,7 +39,8 @@ def fast_cpu_nf4(model, min_rows: int = WIDE_ROWS) -> int:
       weight: dequantize to bf16, then plain matmuls. The fused kernel is fast for one token
       but pays per row, so long prompts encode faster this way. Each layer keeps its weight in
       bitsandbytes' canonical layout for this (a second copy of the 4-bit weights), read in
-      whichever layout the layer is in (`nf4.codes_and_state`). Outputs match the fused kernel up to bf16 rounding.
+      whichever layout the layer is in (`nf4.codes_and_state`). Outputs match the fused kernel
+      up to bf16 rounding.
     - Narrower inputs (decoding, verifies) call the fused kernel's C function directly, once it
       gave bit-identical output through bitsandbytes' own path. That path spends Python time on
       every call (checks, two dispatches, dtype casts), a visible share of a decoding step
