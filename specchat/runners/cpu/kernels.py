@@ -399,22 +399,7 @@ def q8_0_rows_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor,
     """`q8_0_matmul_i8` for a head repacked by `q8_0_i8_pack`: the NF4 integer kernels'
     arithmetic (one epilogue per block, in order), the same contract for `upto` and
     `maxima`."""
-    rows = x if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous() else _rows(x)
-    out = packed.shape[0]
-    y = torch.empty(rows.shape[0], out, dtype=torch.float32)
-    computed = out if upto is None or rows.shape[0] != 1 else max(0, min(upto, out))
-    if maxima is not None and (maxima.shape != (rows.shape[0], head_blocks(out))
-                               or maxima.dtype != torch.float32 or not maxima.is_contiguous()):
-        raise ValueError(f"maxima must be contiguous float32 [{rows.shape[0]}, "
-                         f"{head_blocks(out)}]")
-    lib.q8_0_rows_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
-                            dw.data_ptr(), y.data_ptr(), computed,
-                            maxima.data_ptr() if maxima is not None else None,
-                            torch.get_num_threads())
-    if upto is not None and upto < out:
-        lib.logits_cut(y.data_ptr(), rows.shape[0], out, upto, computed,
-                       maxima.data_ptr() if maxima is not None else None)
-    return y.reshape(*x.shape[:-1], out)
+    return _head_product(lib, lib.q8_0_rows_matmul_i8, x, packed, dw, upto, maxima)
 
 
 def bf16_matmul(lib: Kernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -463,6 +448,13 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
     others are the same bits either way. `maxima`: a float32 tensor [rows, head_blocks(out)]
     that receives each row's block maxima (the largest of each HEAD_BLOCK outputs, NaN where a
     block holds one), for `shape_pick`."""
+    return _head_product(lib, lib.q8_0_matmul_i8, x, q, d, upto, maxima)
+
+
+def _head_product(lib: Kernels, function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                  upto: int | None, maxima: torch.Tensor | None) -> torch.Tensor:
+    """An integer LM-head product (`q8_0_matmul_i8`'s contract) through `function`, which
+    takes (x, rows, in, values, scales, y, outputs computed, maxima, threads)."""
     # (an LM head's rows come contiguous float32: no reshape or copy, each a torch call)
     rows = x if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous() else _rows(x)
     out = q.shape[0]
@@ -473,10 +465,9 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
                 or not maxima.is_contiguous():
             raise ValueError(f"maxima must be contiguous float32 [{rows.shape[0]}, "
                              f"{head_blocks(out)}]")
-    lib.q8_0_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(),
-                       d.data_ptr(), y.data_ptr(), computed,
-                       maxima.data_ptr() if maxima is not None else None,
-                       torch.get_num_threads())
+    function(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
+             y.data_ptr(), computed, maxima.data_ptr() if maxima is not None else None,
+             torch.get_num_threads())
     if upto is not None and upto < out:  # (one call, not a few torch calls a step)
         lib.logits_cut(y.data_ptr(), rows.shape[0], out, upto, computed,
                        maxima.data_ptr() if maxima is not None else None)
