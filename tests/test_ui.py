@@ -164,7 +164,8 @@ def test_a_reply_shows_an_estimate_with_its_band_never_a_ratio_to_another_prompt
     assert 'class="sc-speedup"' not in line  # not shown as a measured speedup
     # Not the two prompts' ratio, and not priced by the other reply's speed.
     cross = spec.stats.tokens_per_s / plain.stats.tokens_per_s
-    assert f"{cross:.2f}×" not in line.replace(f"{figure.value:.2f}×", "")
+    estimate = f"{figure.value:.2f}×</b> est. ({figure.low:.2f}–{figure.high:.2f}×)"
+    assert f"{cross:.2f}×" not in line.replace(estimate, "")
     assert "speculation off" in stats_line_of(chat[1])
     assert {k for _, k in char_kinds_from_html(chat[1]["content"])} == {"target"}
 
