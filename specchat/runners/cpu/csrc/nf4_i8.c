@@ -76,15 +76,17 @@ int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t 
     return 0;
 }
 
-// Activation rows x [n, in] -> q [n, in] int8, d [n, in / 32] (the blocks' scales) and s
-// [n, in / 32] (the blocks' sums of q). One function for every kernel: the same bits.
+// Activation rows x [n, in] -> q int8, d (the blocks' scales) and bias (-128 times the blocks'
+// sums of q, VNNI's starting sums), block-major so that a block's rows lie side by side: block
+// b of row j at q + (b n + j) 32, d[b n + j], bias[b n + j]. One function for every kernel: the
+// same bits.
 static void i8_quantize(const float *x, int64_t n, int64_t in, int8_t *q, float *d,
-                        int32_t *s) {
+                        int32_t *bias) {
     const int64_t nb = in / I8_BLOCK;
     for (int64_t j = 0; j < n; j++)
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + j * in + b * I8_BLOCK;
-            int8_t *o = q + j * in + b * I8_BLOCK;
+            int8_t *o = q + (b * n + j) * I8_BLOCK;
             float amax = 0.0f;
             for (int t = 0; t < I8_BLOCK; t++) {
                 const float a = fabsf(v[t]);
@@ -100,34 +102,42 @@ static void i8_quantize(const float *x, int64_t n, int64_t in, int8_t *q, float 
                 o[t] = (int8_t)i;
                 sum += i;
             }
-            d[j * nb + b] = dd;
-            s[j * nb + b] = sum;
+            d[b * n + j] = dd;
+            bias[b * n + j] = -I8_OFFSET * sum;
         }
 }
 
-// The buffers of one call: quantized rows, their scales and sums; NULL when out of memory
+// The buffers of one call (`i8_quantize`'s layout): n rows' values, scales and biases
 typedef struct {
+    int64_t n;
     int8_t *q;
     float *d;
-    int32_t *s;
+    int32_t *bias;
 } i8_rows;
+
+// block b of row j: its 32 values, its scale
+static inline const int8_t *i8_q(const i8_rows *r, int64_t j, int64_t b) {
+    return r->q + (b * r->n + j) * I8_BLOCK;
+}
+static inline float i8_d(const i8_rows *r, int64_t j, int64_t b) { return r->d[b * r->n + j]; }
 
 static int i8_rows_new(const float *x, int64_t n, int64_t in, i8_rows *r, float *y,
                        int64_t out) {
     const int64_t nb = in / I8_BLOCK;
     r->q = aligned_alloc(64, (size_t)((n * in + 63) / 64 * 64));
     r->d = malloc(sizeof(float) * (size_t)(n * nb));
-    r->s = malloc(sizeof(int32_t) * (size_t)(n * nb));
-    if (!r->q || !r->d || !r->s) {  // no memory: say so in the output
-        free(r->q), free(r->d), free(r->s);
+    r->bias = malloc(sizeof(int32_t) * (size_t)(n * nb));
+    r->n = n;
+    if (!r->q || !r->d || !r->bias) {  // no memory: say so in the output
+        free(r->q), free(r->d), free(r->bias);
         for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
         return 0;
     }
-    i8_quantize(x, n, in, r->q, r->d, r->s);
+    i8_quantize(x, n, in, r->q, r->d, r->bias);
     return 1;
 }
 
-static void i8_rows_free(i8_rows *r) { free(r->q), free(r->d), free(r->s); }
+static void i8_rows_free(i8_rows *r) { free(r->q), free(r->d), free(r->bias); }
 
 // The reference: the arithmetic above for one (o, j) at a time. `blocksize` and the layout's
 // scales come from the packing; `table` is NF4's codebook.
@@ -149,10 +159,10 @@ void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *pac
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = packed + (g * nb + b) * I8_BYTES;
-                const int8_t *qx = r.q + j * in + b * I8_BLOCK;
+                const int8_t *qx = i8_q(&r, j, b);
                 int32_t isum = 0;
                 for (int t = 0; t < I8_BLOCK; t++) isum += w8[i8_code(blk, i, t)] * qx[t];
-                const float scale = dw[(g * nb + b) * I8_ROWS + i] * r.d[j * nb + b];
+                const float scale = dw[(g * nb + b) * I8_ROWS + i] * i8_d(&r, j, b);
                 acc = fmaf((float)isum, scale, acc);
             }
             y[j * out + o] = acc;
@@ -216,10 +226,10 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
                 float acc = 0.0f;
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t *blk = packed + (g * nb + b) * 2 * I8_BYTES;
-                    const int8_t *qx = r.q + j * in + b * I8_BLOCK;
+                    const int8_t *qx = i8_q(&r, j, b);
                     int32_t isum = 0;
                     for (int t = 0; t < I8_BLOCK; t++) isum += q8_value(blk, i, t) * qx[t];
-                    const float scale = dw[(g * nb + b) * I8_ROWS + i] * r.d[j * nb + b];
+                    const float scale = dw[(g * nb + b) * I8_ROWS + i] * i8_d(&r, j, b);
                     acc = fmaf((float)isum, scale, acc);
                 }
                 y[j * out + o] = acc;
@@ -256,7 +266,7 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(
                 const __m256i mag = _mm256_abs_epi8(w[h]);
                 for (int j = 0; j < J; j++) {
                     int32_t x4;
-                    memcpy(&x4, r->q + (j0 + j) * in + b * I8_BLOCK + 8 * p + 4 * h, 4);
+                    memcpy(&x4, i8_q(r, j0 + j, b) + 8 * p + 4 * h, 4);
                     const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), w[h]);
                     isum[j] = _mm256_add_epi32(
                         isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
@@ -265,7 +275,7 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(
         }
         const __m256 dwv = _mm256_loadu_ps(dw + b * I8_ROWS + 8 * half);
         for (int j = 0; j < J; j++) {
-            const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(r->d[(j0 + j) * nb + b]));
+            const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(i8_d(r, j0 + j, b)));
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), scale, acc[j]);
         }
     }
@@ -319,6 +329,7 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
 // for every activation row of a tile.
 #define I8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define I8_J16 12  // activation rows per tile: 8 weight vectors and 2 per row within 32 registers
+#define I8_AHEAD 8192  // bytes prefetched ahead of a group's block (16 Q8_0 blocks, 32 NF4)
 
 // BYTES 0: a group's block of NF4 codes (256 bytes, decoded by the table); 1: of Q8_0 values
 // already unsigned (512 bytes, `q8_0_i8_pack`: vector v at 64 v)
@@ -331,10 +342,10 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
     const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = packed + b * stride;
-        _mm_prefetch((const char *)blk + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + I8_AHEAD, _MM_HINT_T0);
         __m512i w[8];
         if (BYTES) {
-            _mm_prefetch((const char *)blk + 2048 + 256, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + I8_AHEAD + 256, _MM_HINT_T0);
             for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512((const void *)(blk + 64 * v));
         } else
             for (int p = 0; p < 4; p++) {
@@ -344,19 +355,21 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
                     tbl, _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
             }
         const __m512 dwv = _mm512_loadu_ps(dw + b * I8_ROWS);
+        // this block of the tile's rows: their values side by side (one pointer, constant
+        // offsets: each 4 bytes broadcast from memory inside vpdpbusd), scales and biases
+        const int32_t *qx = (const int32_t *)i8_q(r, j0, b);
+        const float *dx = r->d + b * r->n + j0;
+        const int32_t *bias = r->bias + b * r->n + j0;
         for (int j = 0; j < J; j++) {
-            const int8_t *qx = r->q + (j0 + j) * in + b * I8_BLOCK;
             // two chains of four (integer sums: exact in any order), joined after
-            __m512i isum = _mm512_set1_epi32(-I8_OFFSET * r->s[(j0 + j) * nb + b]);
+            __m512i isum = _mm512_set1_epi32(bias[j]);
             __m512i odd = _mm512_setzero_si512();
             for (int v = 0; v < 8; v += 2) {  // vector 2p + h: inputs 8p + 4h .. 8p + 4h + 3
-                int32_t x4[2];
-                memcpy(x4, qx + 4 * v, 8);
-                isum = _mm512_dpbusd_epi32(isum, w[v], _mm512_set1_epi32(x4[0]));
-                odd = _mm512_dpbusd_epi32(odd, w[v + 1], _mm512_set1_epi32(x4[1]));
+                isum = _mm512_dpbusd_epi32(isum, w[v], _mm512_set1_epi32(qx[8 * j + v]));
+                odd = _mm512_dpbusd_epi32(odd, w[v + 1], _mm512_set1_epi32(qx[8 * j + v + 1]));
             }
             isum = _mm512_add_epi32(isum, odd);
-            const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(r->d[(j0 + j) * nb + b]));
+            const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(dx[j]));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[j]);
         }
     }
