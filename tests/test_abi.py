@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from specchat.runners.cpu import kernels
+from specchat.runners.cpu import head_step, kernels
 from specchat.runners.cpu import runner as cpu_runner
 
 HEADER = kernels.CSRC / "specchat.h"
@@ -79,6 +79,11 @@ FIELDS = {  # C struct -> (its ctypes mirror, its fields)
                       ["layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
                        "blocksize", "eps", "scale", "table", "layer", "final_norm", "n_aux",
                        "aux", "aux_out"]),
+    "q8_weight": (head_step._Q8Weight, ["q", "d", "out", "in"]),
+    "draft_head": (head_step._DraftHead,
+                   ["hidden", "heads", "inter", "eps", "softcap", "emb_norm", "feat_norm",
+                    "attn_norm", "mlp_norm", "norm_scale", "fc_bias", "inv_freq", "fc", "qkv",
+                    "o", "gate_up", "down", "lm", "product"]),
 }
 
 

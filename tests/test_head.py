@@ -794,3 +794,58 @@ def test_the_heads_vocabulary_coverage_is_reported_and_shown():
     assert f"{len(VOCAB_IDS)}-token vocabulary holds" in step_charts(steps, stats)
     plain_lookup = list(engine.stream(prompt, GenerateConfig(max_new_tokens=10, drafter="ngram")))
     assert plain_lookup[-1].draft_vocab is None and plain_lookup[-1].draft_vocab_coverage is None
+
+
+@pytest.mark.parametrize("variant", ["ref", "avx2", "avx512"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make):
+    """Once its layers read Q8_0 copies, the head runs a chain of up to INT8_ROWS rows in one C
+    call (csrc/head.c): the torch forward's features, logits and cache within float rounding,
+    on the same cache the torch forward (trees, wide catch-ups) keeps extending."""
+    from specchat.models.eagle import INT8_ROWS
+    from specchat.runners.cpu import kernels
+    lib = kernels.load(variant)
+    if lib is None:
+        pytest.skip(f"no {variant} kernels on this CPU")
+    target = make(0)
+    head = random_head(target)
+    head.cfg.logit_softcap = 30.0 if make is tiny_gemma3 else 0.0
+    head.quantize_for_drafting(lib=lib)
+    assert head._step is not None
+    d = target.config.hidden_size
+
+    blocks = []  # the torch block's forwards
+    head.block.register_forward_hook(lambda *_: blocks.append(1))
+
+    def run(c_step: bool, chunks):
+        step, cache, out = head._step, None, []
+        head._step = step if c_step else None
+        torch.manual_seed(1)
+        at = 0
+        with torch.inference_mode():
+            for n, last_only in chunks:
+                feats, embeds = torch.randn(1, n, d), torch.randn(1, n, d)
+                pos = torch.arange(at, at + n)
+                pred, logits, cache = head(feats, embeds, pos, cache, last_only=last_only)
+                out += [pred, logits]
+                at += n
+        head._step = step
+        return out, cache
+
+    # a catch-up, one-token steps, a rollback-free run of wider chains past the buffer's room
+    chunks = [(5, True), (1, True), (1, False), (3, False), (INT8_ROWS, True)] + [(1, True)] * 3
+    chunks += [(INT8_ROWS, False)] * 16
+    torch_out, torch_cache = run(False, chunks)
+    assert len(blocks) == len(chunks)
+    c_out, c_cache = run(True, chunks)
+    assert len(blocks) == len(chunks)  # no torch block ran: every chunk was one C call
+    for want, got in zip(torch_out + list(torch_cache), c_out + list(c_cache)):
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+    # wider than INT8_ROWS, or a tree's mask: the torch forward on the same cache
+    with torch.inference_mode():
+        feats = torch.randn(1, INT8_ROWS + 1, d)
+        pos = torch.arange(INT8_ROWS + 1) + c_cache[0].shape[2]
+        pred, _, grown = head(feats, feats, pos, c_cache)
+    assert grown[0].shape[2] == c_cache[0].shape[2] + INT8_ROWS + 1
+    assert len(blocks) == len(chunks) + 1

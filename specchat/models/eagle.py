@@ -36,6 +36,7 @@ from torch import nn
 from specchat.models.gguf_head import BLOCK as Q8_BLOCK  # values per Q8_0 scale
 from specchat.runners import nf4
 from specchat.runners.cpu import kernels
+from specchat.runners.cpu.head_step import HeadStep
 from specchat.runners.hf.features import FeatureTap, final_norm
 
 
@@ -105,25 +106,29 @@ class Rope:
 CACHE_GROW = 256  # head KV cache slots added at a time
 
 
-def appended(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """cached [B, H, S, hd] followed by new [B, H, T, hd] along S. Written in place when
-    `cached` is the first S slots of a buffer with room after them (one made here: its stride
-    tells its capacity), else into a new buffer with CACHE_GROW spare slots; cropping a cache
-    by slicing keeps the buffer. A drafting step thus copies T slots, not the whole cache
-    as `torch.cat` would at every forward."""
+def extended(cached: torch.Tensor, T: int) -> torch.Tensor:
+    """cached [B, H, S, hd] as the first S slots of [B, H, S + T, hd] (the last T not yet
+    written): in place when `cached` is the first S slots of a buffer with room after them
+    (one made here: its stride tells its capacity), else in a new buffer with CACHE_GROW spare
+    slots; cropping a cache by slicing keeps the buffer."""
     B, H, S, hd = cached.shape
-    T = new.shape[2]
-    if torch.is_grad_enabled() and (cached.requires_grad or new.requires_grad):
-        return torch.cat([cached, new], 2)  # training: keep autograd's graph simple
     cap = cached.stride(1) // hd if hd else 0
     if cached.stride() == (H * cap * hd, cap * hd, hd, 1) and cached.storage_offset() == 0 \
-            and S + T <= cap and new.dtype == cached.dtype:
-        out = cached.as_strided((B, H, S + T, hd), cached.stride())
-    else:
-        cap = S + T + CACHE_GROW
-        buffer = cached.new_empty(B, H, cap, hd)
-        buffer[:, :, :S] = cached
-        out = buffer[:, :, :S + T]
+            and S + T <= cap:
+        return cached.as_strided((B, H, S + T, hd), cached.stride())
+    buffer = cached.new_empty(B, H, S + T + CACHE_GROW, hd)
+    buffer[:, :, :S] = cached
+    return buffer[:, :, :S + T]
+
+
+def appended(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """cached [B, H, S, hd] followed by new [B, H, T, hd] along S, over `extended`'s buffer:
+    a drafting step copies T slots, not the whole cache as `torch.cat` would at every
+    forward."""
+    if torch.is_grad_enabled() and (cached.requires_grad or new.requires_grad):
+        return torch.cat([cached, new], 2)  # training: keep autograd's graph simple
+    S = cached.shape[2]
+    out = extended(cached, new.shape[2])
     out[:, :, S:] = new
     return out
 
@@ -289,6 +294,15 @@ class DraftHead(nn.Module):
         """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T], mask: see Block.
         Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N] (T = 1:
         the last position's only, with last_only), cache)."""
+        step = getattr(self, "_step", None)  # a chain of a few rows, drafting: one C call
+        if step is not None and mask is None and not torch.is_grad_enabled() \
+                and step.takes(feats, embeds, cache):
+            n = feats.shape[1]
+            if cache is None:
+                empty = feats.new_empty(1, step.heads, 0, step.head_dim)
+                cache = (empty, empty)
+            cache = (extended(cache[0], n), extended(cache[1], n))
+            return (*step(feats, embeds, pos, *cache, last_only), cache)
         pred, cache = self.predict(feats, embeds, pos, cache, mask)
         return pred, self.logits(pred[:, -1:] if last_only else pred), cache
 
@@ -317,6 +331,11 @@ class DraftHead(nn.Module):
         self.fc = Int8Drafting(self.fc, wide_bf16, lib)
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(self.block, name, Int8Drafting(getattr(self.block, name), wide_bf16, lib))
+        # Every layer on Q8_0 blocks: a chain's step of up to INT8_ROWS rows in one C call
+        layers = (self.fc, self.block.qkv, self.block.o, self.block.gate_up, self.block.down)
+        if self._q8_lib is not None and all(m.lib is not None for m in layers) \
+                and self.fc.linear.bias is not None:
+            self._step = HeadStep(self, self._q8_lib, INT8_ROWS)
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> the target's logits over the reduced vocabulary [..., N]."""

@@ -178,6 +178,33 @@ void embed_rows(const void *table, int kind, int64_t dim, const int64_t *ids, in
 void embed_rows_ref(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
                     float scale, float *out);
 
+// ---- the draft head (head.c): a step of `models.eagle.DraftHead` in one call; 0, or -1 ----------
+
+// One Q8_0 weight [out, in]: int8 values and one fp16 scale per 32 (GGUF's Q8_0 blocks)
+typedef struct {
+    const int8_t *q;
+    const uint16_t *d;
+    int64_t out, in;
+} q8_weight;
+
+// the Q8_0 integer product the head's modules call (`q8_0_matmul_i8` or a twin of it)
+typedef void (*q8_product)(const float *x, int64_t n, int64_t in, const int8_t *q,
+                           const uint16_t *d, float *y, int64_t out, float *maxima, int threads);
+
+typedef struct {
+    int64_t hidden, heads, inter;
+    float eps, softcap;  // the norms' epsilon; the logits' tanh cap (0: none)
+    const float *emb_norm, *feat_norm, *attn_norm, *mlp_norm;  // the norms' weights
+    const float *norm_scale, *fc_bias, *inv_freq;  // inv_freq: RoPE's, head_dim / 2 values
+    q8_weight fc, qkv, o, gate_up, down, lm;      // lm: the reduced vocabulary's LM rows
+    q8_product product;
+} draft_head;
+
+int draft_head_forward(const draft_head *m, const float *feats, const float *embeds, int64_t n,
+                       const int64_t *pos, float *k_cache, float *v_cache, int64_t cap,
+                       int64_t start, float *pred, int64_t logit_rows, float *logits,
+                       int threads);
+
 // ---- the sampler (sample.c): the mask, penalties and pick over a forward's rows; 0, or -1 ----
 
 int shape_pick(float *logits, int64_t rows, int64_t width, int64_t *args, int64_t n_runs,

@@ -1,0 +1,130 @@
+// specchat's draft head (models/eagle.py, `DraftHead`) for a few rows in one call: what its
+// torch modules compute, without the hundred torch calls around a one-token draft step that
+// cost more than its arithmetic (a head draft is a tenth of the target's step or less):
+//
+//   x = fc([norm_e(embed), norm_f(feats)]) + bias;
+//   a = norm_a(x); q, k, v = a Wqkv; RoPE on q and k at the row's position; k, v to the cache;
+//   x += attention(q, the cache) Wo;   m = norm_m(x); g, u = m Wgu; x += (silu(g) u) Wd;
+//   pred = norm(x) * norm_scale;   logits = pred Wlm (the target's LM rows of the reduced
+//   vocabulary) for the last `logit_rows` rows, tanh-capped where the head has a softcap.
+//
+// Each norm is F.rms_norm's: x * rsqrt(mean(x^2) + eps) * w. Every product is Q8_0 by integer
+// dot products, through the function the head's torch modules call (`product`), so the same
+// values a step of those modules gives; the rest is plain float C (RoPE's cos and sin from
+// libm), within rounding of torch's. Drafts only: verification stays exact whatever they are.
+//
+// Rows are a chain: row r (at position pos[r], cache slot start + r) attends to slots
+// 0 .. start + r. The cache: keys and values [heads, cap, head_dim] float32 each (torch's
+// [1, heads, cap, head_dim] buffer), slots 0 .. start - 1 filled.
+#include "common.h"
+
+// x [n, d] -> y: F.rms_norm with weight w (NULL: none)
+static void head_norm(const float *x, int64_t n, int64_t d, const float *w, float eps,
+                      float *y) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *v = x + r * d;
+        float sum = 0.0f;
+        for (int64_t c = 0; c < d; c++) sum += v[c] * v[c];
+        const float scale = 1.0f / sqrtf(sum / (float)d + eps);
+        for (int64_t c = 0; c < d; c++) y[r * d + c] = w ? v[c] * scale * w[c] : v[c] * scale;
+    }
+}
+
+// q or k of one row's head, in place: rotate-half RoPE at position p
+static void head_rope(float *v, int64_t hd, const float *inv_freq, int64_t p) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float angle = (float)p * inv_freq[i], c = cosf(angle), s = sinf(angle);
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c - x2 * s;
+        v[i + half] = x2 * c + x1 * s;
+    }
+}
+
+static void q8(const draft_head *m, const q8_weight *w, const float *x, int64_t n, float *y,
+               int threads) {
+    m->product(x, n, w->in, w->q, w->d, y, w->out, NULL, threads);
+}
+
+int draft_head_forward(const draft_head *m, const float *feats, const float *embeds, int64_t n,
+                       const int64_t *pos, float *k_cache, float *v_cache, int64_t cap,
+                       int64_t start, float *pred, int64_t logit_rows, float *logits,
+                       int threads) {
+    const int64_t d = m->hidden, H = m->heads, hd = d / H, I = m->inter, slots = start + n;
+    if (n <= 0 || start < 0 || slots > cap || d % H || logit_rows < 0 || logit_rows > n)
+        return -1;
+    float *both = malloc(sizeof(float) * (size_t)(n * 2 * d));
+    float *x = malloc(sizeof(float) * (size_t)(n * d));
+    float *a = malloc(sizeof(float) * (size_t)(n * d));
+    float *qkv = malloc(sizeof(float) * (size_t)(n * 3 * d));
+    float *gu = malloc(sizeof(float) * (size_t)(n * 2 * I));
+    float *act = malloc(sizeof(float) * (size_t)(n * I));
+    float *scores = malloc(sizeof(float) * (size_t)slots);
+    int done = -1;
+    if (!both || !x || !a || !qkv || !gu || !act || !scores) goto out;
+
+    for (int64_t r = 0; r < n; r++) {  // [norm_e(embed), norm_f(feats)]
+        head_norm(embeds + r * d, 1, d, m->emb_norm, m->eps, both + r * 2 * d);
+        head_norm(feats + r * d, 1, d, m->feat_norm, m->eps, both + r * 2 * d + d);
+    }
+    q8(m, &m->fc, both, n, x, threads);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < d; c++) x[r * d + c] += m->fc_bias[c];
+
+    head_norm(x, n, d, m->attn_norm, m->eps, a);
+    q8(m, &m->qkv, a, n, qkv, threads);  // a row: q | k | v, each head by head
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t h = 0; h < H; h++) {
+            float *q = qkv + r * 3 * d + h * hd, *k = q + d, *v = q + 2 * d;
+            head_rope(q, hd, m->inv_freq, pos[r]);
+            head_rope(k, hd, m->inv_freq, pos[r]);
+            memcpy(k_cache + (h * cap + start + r) * hd, k, sizeof(float) * (size_t)hd);
+            memcpy(v_cache + (h * cap + start + r) * hd, v, sizeof(float) * (size_t)hd);
+        }
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int64_t r = 0; r < n; r++)  // attention, into a (the o product's input)
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = qkv + r * 3 * d + h * hd;
+            const float *keys = k_cache + h * cap * hd, *values = v_cache + h * cap * hd;
+            const int64_t seen = start + r + 1;
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t j = 0; j < seen; j++) {
+                float acc[8] = {0};  // 8 partial sums: vectorized without reassociation
+                for (int64_t c = 0; c < hd; c += 8)
+                    for (int l = 0; l < 8 && c + l < hd; l++)
+                        acc[l] += q[c + l] * keys[j * hd + c + l];
+                scores[j] = sum_lanes8(acc) * scale;
+                top = scores[j] > top ? scores[j] : top;
+            }
+            for (int64_t j = 0; j < seen; j++) total += scores[j] = expf(scores[j] - top);
+            float *o = a + r * d + h * hd;
+            for (int64_t c = 0; c < hd; c++) o[c] = 0.0f;
+            for (int64_t j = 0; j < seen; j++)
+                for (int64_t c = 0; c < hd; c++) o[c] += scores[j] * values[j * hd + c];
+            for (int64_t c = 0; c < hd; c++) o[c] /= total;
+        }
+    q8(m, &m->o, a, n, both, threads);
+    for (int64_t i = 0; i < n * d; i++) x[i] += both[i];
+
+    head_norm(x, n, d, m->mlp_norm, m->eps, a);
+    q8(m, &m->gate_up, a, n, gu, threads);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < I; c++) {
+            const float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c];
+            act[r * I + c] = g / (1.0f + expf(-g)) * u;
+        }
+    q8(m, &m->down, act, n, both, threads);
+    for (int64_t i = 0; i < n * d; i++) x[i] += both[i];
+
+    head_norm(x, n, d, NULL, m->eps, pred);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < d; c++) pred[r * d + c] *= m->norm_scale[c];
+    if (logit_rows) q8(m, &m->lm, pred + (n - logit_rows) * d, logit_rows, logits, threads);
+    if (m->softcap > 0.0f)
+        for (int64_t i = 0; i < logit_rows * m->lm.out; i++)
+            logits[i] = tanhf(logits[i] / m->softcap) * m->softcap;
+    done = 0;
+out:
+    free(both), free(x), free(a), free(qkv), free(gu), free(act), free(scores);
+    return done;
+}

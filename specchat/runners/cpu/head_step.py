@@ -1,0 +1,94 @@
+"""A draft head's step in one C call (csrc/head.c): what `models.eagle.DraftHead.forward`
+computes for a chain of a few rows once its layers read Q8_0 copies through specchat's kernels
+(`DraftHead.quantize_for_drafting`). A one-token draft step in torch is about a hundred small
+calls that cost several times its arithmetic; here it is one, on the same integer products.
+
+The head's KV cache stays torch's: keys and values [1, heads, slots, head_dim] float32, viewed
+over a buffer with room after them (`models.eagle.extended` makes the room), so the torch
+forward (draft trees, long catch-ups) and this one take turns on the same cache."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Q8Weight(ctypes.Structure):
+    _fields_ = [("q", _ptr), ("d", _ptr), ("out", _i64), ("in_", _i64)]
+
+
+class _DraftHead(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("inter", _i64), ("eps", ctypes.c_float),
+                ("softcap", ctypes.c_float)] + \
+        [(name, _ptr) for name in ("emb_norm", "feat_norm", "attn_norm", "mlp_norm",
+                                   "norm_scale", "fc_bias", "inv_freq")] + \
+        [(name, _Q8Weight) for name in ("fc", "qkv", "o", "gate_up", "down", "lm")] + \
+        [("product", _ptr)]
+
+
+class HeadStep:
+    """`DraftHead.forward` for chains of up to `rows` rows, in C. Holds every tensor whose
+    address the C struct keeps."""
+
+    def __init__(self, head, lib, rows: int):
+        cfg, block = head.cfg, head.block
+        self.lib, self.rows, self.hidden = lib, rows, cfg.hidden_size
+        self.heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+        self._keep: list[torch.Tensor] = []
+
+        def floats(t: torch.Tensor) -> int:
+            t = t.detach().to(torch.float32).contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        def q8(q: torch.Tensor, d: torch.Tensor) -> _Q8Weight:
+            self._keep += [q, d]
+            return _Q8Weight(q.data_ptr(), d.data_ptr(), q.shape[0], q.shape[1])
+
+        self._struct = _DraftHead(
+            hidden=cfg.hidden_size, heads=cfg.num_heads, inter=cfg.intermediate_size,
+            eps=cfg.rms_eps, softcap=cfg.logit_softcap or 0.0,
+            emb_norm=floats(head.emb_norm.weight), feat_norm=floats(head.feat_norm.weight),
+            attn_norm=floats(block.attn_norm.weight), mlp_norm=floats(block.mlp_norm.weight),
+            norm_scale=floats(head.norm_scale), fc_bias=floats(head.fc.linear.bias),
+            inv_freq=floats(block.rope.inv_freq),
+            fc=q8(*head.fc.q8), qkv=q8(*block.qkv.q8), o=q8(*block.o.q8),
+            gate_up=q8(*block.gate_up.q8), down=q8(*block.down.q8), lm=q8(*head._int8_rows),
+            product=ctypes.cast(lib.q8_0_matmul_i8, ctypes.c_void_p).value)
+        self.vocab = head._int8_rows[0].shape[0]
+
+    def takes(self, feats: torch.Tensor, embeds: torch.Tensor, cache) -> bool:
+        """Whether this call is one the C step computes: float32 rows [1, n, d], n <= rows, and
+        a float32 cache of one sequence (or none), keys and values over buffers alike."""
+        ok = feats.dtype == embeds.dtype == torch.float32 and feats.shape == embeds.shape \
+            and feats.dim() == 3 and feats.shape[0] == 1 and 0 < feats.shape[1] <= self.rows
+        if ok and cache is not None:
+            k, v = cache
+            ok = k.dtype == v.dtype == torch.float32 and k.shape == v.shape \
+                and k.stride() == v.stride() and k.shape[0] == 1 and k.shape[1] == self.heads
+        return ok
+
+    def __call__(self, feats, embeds, pos, keys, values, last_only: bool):
+        """The forward of rows feats, embeds [1, n, d] at positions pos [n]: keys and values
+        [1, heads, start + n, head_dim] over buffers alike, slots start.. written here.
+        Returns (predicted features [1, n, d], logits [1, n or 1, vocab])."""
+        n = feats.shape[1]
+        start, cap = keys.shape[2] - n, keys.stride(1) // self.head_dim
+        if values.stride() != keys.stride() or keys.stride(3) != 1 \
+                or keys.stride(0) != self.heads * cap * self.head_dim:
+            raise ValueError("the draft head's keys and values must lie in buffers alike")
+        feats, embeds = feats.contiguous(), embeds.contiguous()
+        positions = pos.to(torch.int64).contiguous()
+        pred = torch.empty(1, n, self.hidden)
+        logit_rows = 1 if last_only else n
+        logits = torch.empty(1, logit_rows, self.vocab)
+        if self.lib.draft_head_forward(
+                ctypes.byref(self._struct), feats.data_ptr(), embeds.data_ptr(), n,
+                positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start,
+                pred.data_ptr(), logit_rows, logits.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"the draft head's step could not run for {n} rows after "
+                              f"{start} slots")
+        return pred, logits
