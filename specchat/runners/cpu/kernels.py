@@ -389,10 +389,10 @@ def nf4_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch
 
 def q8_0_i8_pack(lib: Kernels, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q8_0 values q int8 [out, in] (out a multiple of 16), repacked in place for
-    `q8_0_rows_matmul_i8` (csrc/nf4_i8.c); returns the scales as float32 [groups, blocks, 16].
+    `q8_0_rows_matmul_i8` (csrc/nf4_i8.c); returns the scales, float16 [groups, blocks, 16].
     Raises ValueError (q unchanged) for other sizes."""
     out, cols = q.shape
-    dw = torch.empty(out * cols // 32, dtype=torch.float32)
+    dw = torch.empty(out * cols // 32, dtype=torch.float16)
     if not q.is_contiguous() or not d.is_contiguous() or d.dtype != torch.float16 \
             or lib.q8_0_i8_pack(q.data_ptr(), d.data_ptr(), out, cols, dw.data_ptr()):
         raise ValueError(f"the integer head takes contiguous Q8_0 rows in groups of 16 and "

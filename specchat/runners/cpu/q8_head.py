@@ -60,7 +60,7 @@ class Q8Head:
             packed = self.q.view(torch.uint8).view(out // 16, cols // BLOCK, 8, 16, 4)
             g, i = rows // 16, rows % 16
             q = packed[g, :, :, i, :].to(torch.float32) - 128  # [rows, blocks, 8, 4]
-            d = self.dw.view(out // 16, cols // BLOCK, 16)[g, :, i]  # [rows, blocks]
+            d = self.dw.view(out // 16, cols // BLOCK, 16)[g, :, i].float()  # [rows, blocks]
             return (q.reshape(len(rows), -1, BLOCK) * d[..., None]).reshape(len(rows), -1)
         q, d = self.q[rows].to(torch.float32), self.d[rows].to(torch.float32)
         return (q.view(len(rows), -1, BLOCK) * d[..., None]).view(len(rows), -1)

@@ -174,14 +174,15 @@ void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *pac
 // ---- The Q8_0 LM head by the same arithmetic ---------------------------------------------------
 // GGUF's Q8_0 values (int8, one fp16 scale per 32) in the layout of the NF4 kernels' decoded
 // vectors: for group g of 16 rows and block b, 512 bytes, byte 64 v + 4 i + t the value of row
-// 16 g + i at input 32 b + 4 v + t, plus 128 (unsigned, for vpdpbusd); the scales as float32
-// [groups, blocks, 16]. Repacked in place, a group at a time: a group's rows and its packed
+// 16 g + i at input 32 b + 4 v + t, plus 128 (unsigned, for vpdpbusd); the scales kept fp16
+// [groups, blocks, 16] (GGUF's own values, exact in float32: half the bytes of float32 scales,
+// a twentieth of what a token reads of the head). Repacked in place, a group at a time: a group's rows and its packed
 // blocks are the same 16 * in bytes, so the head takes no second copy. The product is the NF4
 // one's: y = acc over the blocks in order, acc = fma((float)isum_b, dw_b * dx_b, acc).
 
 // q [out, in] in place (out a multiple of 16), d [out, in / 32] fp16 -> dw. 0, or -1 for
 // sizes it does not take or no memory (q is then unchanged).
-int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, float *dw) {
+int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, uint16_t *dw) {
     if (out <= 0 || out % I8_ROWS || in <= 0 || in % I8_BLOCK) return -1;
     const int64_t nb = in / I8_BLOCK, span = I8_ROWS * in;
     int8_t *rows = malloc((size_t)span);
@@ -194,7 +195,7 @@ int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, float *d
                 for (int t = 0; t < I8_BLOCK; t++)
                     group[b * 2 * I8_BYTES + 64 * (t / 4) + 4 * i + t % 4] =
                         (int8_t)(uint8_t)(rows[i * in + b * I8_BLOCK + t] + I8_OFFSET);
-                dw[(g * nb + b) * I8_ROWS + i] = half_to_float(d[(g * I8_ROWS + i) * nb + b]);
+                dw[(g * nb + b) * I8_ROWS + i] = d[(g * I8_ROWS + i) * nb + b];
             }
     }
     free(rows);
@@ -209,7 +210,7 @@ static inline int q8_value(const uint8_t *blk, int i, int t) {
 // y [n, out] (out: the rows computed, a multiple of 16 or the rest of a head; see
 // `q8_0_matmul_i8`), and each row's block maxima where `maxima` is not NULL
 void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                             const float *dw, float *y, int64_t out, float *maxima,
+                             const uint16_t *dw, float *y, int64_t out, float *maxima,
                              int threads) {
     maxima_unknown(maxima, n, out);
     if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
@@ -229,7 +230,8 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
                     const int8_t *qx = i8_q(&r, j, b);
                     int32_t isum = 0;
                     for (int t = 0; t < I8_BLOCK; t++) isum += q8_value(blk, i, t) * qx[t];
-                    const float scale = dw[(g * nb + b) * I8_ROWS + i] * i8_d(&r, j, b);
+                    const float scale =
+                        half_to_float(dw[(g * nb + b) * I8_ROWS + i]) * i8_d(&r, j, b);
                     acc = fmaf((float)isum, scale, acc);
                 }
                 y[j * out + o] = acc;
@@ -249,7 +251,7 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
 
 static inline __attribute__((always_inline)) void i8_tile_avx2(
     int J, const uint8_t *packed, const float *dw, int64_t nb, int half, __m256i tbl,
-    const i8_rows *r, int64_t j0, int64_t in, float *acc_out) {
+    const i8_rows *r, int64_t j0, float *acc_out) {
     __m256 acc[I8_J2];
     for (int j = 0; j < J; j++) acc[j] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -285,13 +287,13 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(
 #define I8_TILE2(JJ)                                                                      \
     __attribute__((noinline)) static void i8_tile_avx2_##JJ(                              \
         const uint8_t *packed, const float *dw, int64_t nb, int half, __m256i tbl,        \
-        const i8_rows *r, int64_t j0, int64_t in, float *acc_out) {                       \
-        i8_tile_avx2(JJ, packed, dw, nb, half, tbl, r, j0, in, acc_out);                  \
+        const i8_rows *r, int64_t j0, float *acc_out) {                                  \
+        i8_tile_avx2(JJ, packed, dw, nb, half, tbl, r, j0, acc_out);                      \
     }
 I8_TILE2(1) I8_TILE2(2) I8_TILE2(3) I8_TILE2(4)
 #undef I8_TILE2
 typedef void (*i8_tile2_fn)(const uint8_t *, const float *, int64_t, int, __m256i,
-                            const i8_rows *, int64_t, int64_t, float *);
+                            const i8_rows *, int64_t, float *);
 static const i8_tile2_fn i8_tiles2[I8_J2] = {i8_tile_avx2_1, i8_tile_avx2_2, i8_tile_avx2_3,
                                              i8_tile_avx2_4};
 
@@ -314,7 +316,7 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
         for (int64_t j0 = 0; j0 < n; j0 += I8_J2) {
             const int J = n - j0 < I8_J2 ? (int)(n - j0) : I8_J2;
             i8_tiles2[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, (int)(h % 2),
-                             tbl, &r, j0, in, acc);
+                             tbl, &r, j0, acc);
             for (int j = 0; j < J; j++)
                 memcpy(y + (j0 + j) * out + o0, acc + 8 * j, sizeof(float) * (size_t)rows);
         }
@@ -334,8 +336,8 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
 // BYTES 0: a group's block of NF4 codes (256 bytes, decoded by the table); 1: of Q8_0 values
 // already unsigned (512 bytes, `q8_0_i8_pack`: vector v at 64 v)
 I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
-    int J, int BYTES, const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl,
-    const i8_rows *r, int64_t j0, int64_t in, float *y, int64_t out, int rows) {
+    int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl,
+    const i8_rows *r, int64_t j0, float *y, int64_t out, int rows) {
     __m512 acc[I8_J16];
     for (int j = 0; j < J; j++) acc[j] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
@@ -354,7 +356,9 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
                 w[2 * p + 1] = _mm512_shuffle_epi8(
                     tbl, _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
             }
-        const __m512 dwv = _mm512_loadu_ps(dw + b * I8_ROWS);
+        const __m512 dwv = BYTES ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                       (const __m256i *)((const uint16_t *)dw + b * I8_ROWS)))
+                                 : _mm512_loadu_ps((const float *)dw + b * I8_ROWS);
         // this block of the tile's rows: their values side by side (one pointer, constant
         // offsets: each 4 bytes broadcast from memory inside vpdpbusd), scales and biases
         const int32_t *qx = (const int32_t *)i8_q(r, j0, b);
@@ -379,9 +383,9 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
 
 #define I8_TILE16(KIND, BYTES, JJ)                                                         \
     I8_512 __attribute__((noinline)) static void i8_tile_##KIND##_##JJ(                    \
-        const uint8_t *packed, const float *dw, int64_t nb, __m512i tbl, const i8_rows *r, \
-        int64_t j0, int64_t in, float *y, int64_t out, int rows) {                         \
-        i8_tile_vnni(JJ, BYTES, packed, dw, nb, tbl, r, j0, in, y, out, rows);             \
+        const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl, const i8_rows *r,  \
+        int64_t j0, float *y, int64_t out, int rows) {                                    \
+        i8_tile_vnni(JJ, BYTES, packed, dw, nb, tbl, r, j0, y, out, rows);                 \
     }
 #define I8_TILES16(KIND, BYTES)                                                                \
     I8_TILE16(KIND, BYTES, 1) I8_TILE16(KIND, BYTES, 2) I8_TILE16(KIND, BYTES, 3)              \
@@ -392,8 +396,8 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
         i8_tile_##KIND##_1, i8_tile_##KIND##_2,  i8_tile_##KIND##_3,  i8_tile_##KIND##_4,      \
         i8_tile_##KIND##_5, i8_tile_##KIND##_6,  i8_tile_##KIND##_7,  i8_tile_##KIND##_8,      \
         i8_tile_##KIND##_9, i8_tile_##KIND##_10, i8_tile_##KIND##_11, i8_tile_##KIND##_12};
-typedef void (*i8_tile16_fn)(const uint8_t *, const float *, int64_t, __m512i, const i8_rows *,
-                             int64_t, int64_t, float *, int64_t, int);
+typedef void (*i8_tile16_fn)(const uint8_t *, const void *, int64_t, __m512i, const i8_rows *,
+                             int64_t, float *, int64_t, int);
 I8_TILES16(nf4, 0)
 I8_TILES16(q8, 1)
 #undef I8_TILES16
@@ -421,13 +425,13 @@ I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint
         for (int64_t j0 = 0; j0 < n; j0 += per) {
             const int J = n - j0 < per ? (int)(n - j0) : (int)per;
             i8_tiles16_nf4[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r,
-                                  j0, in, y + o0, out, rows);
+                                  j0, y + o0, out, rows);
         }
     }
     i8_rows_free(&r);
 }
 I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
-                                     const uint8_t *packed, const float *dw, float *y,
+                                     const uint8_t *packed, const uint16_t *dw, float *y,
                                      int64_t out, float *maxima, int threads) {
     maxima_unknown(maxima, n, out);
     if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
@@ -445,7 +449,7 @@ I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
             for (int64_t j0 = 0; j0 < n; j0 += per) {
                 const int J = n - j0 < per ? (int)(n - j0) : (int)per;
                 i8_tiles16_q8[J - 1](packed + g * nb * 2 * I8_BYTES, dw + g * nb * I8_ROWS, nb,
-                                     unused, &r, j0, in, y + o0, out, rows);
+                                     unused, &r, j0, y + o0, out, rows);
             }
         }
         if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + HEAD_BLOCK - 1) / HEAD_BLOCK);

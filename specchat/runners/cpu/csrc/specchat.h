@@ -76,12 +76,12 @@ void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *pa
 
 // the Q8_0 LM head by the same arithmetic (nf4_i8.c): repacked in place, the same bits from
 // the reference and the VNNI kernel
-int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, float *dw);
+int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, uint16_t *dw);
 void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                             const float *dw, float *y, int64_t out, float *maxima,
+                             const uint16_t *dw, float *y, int64_t out, float *maxima,
                              int threads);
 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                              const float *dw, float *y, int64_t out, float *maxima,
+                              const uint16_t *dw, float *y, int64_t out, float *maxima,
                               int threads);
 
 // bf16 weights (bf16.c); the longest weight row the products take
