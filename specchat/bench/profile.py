@@ -213,7 +213,7 @@ def profile_plain(engine, prompts: list[tuple[list[int], tuple]], s: BenchSettin
             "host_ms": (step_s - forward_s) * per, "tokens": steps}
 
 
-VERIFY_ROWS = (1, 2, 4, 8)  # rows of the forwards `profile_rows` times
+VERIFY_ROWS = (1, 2, 4, 8, 16)  # rows of the forwards `profile_rows` times
 
 
 def profile_rows(engine, prompt: list[int], rows: tuple[int, ...] = VERIFY_ROWS,
