@@ -113,7 +113,9 @@ def head_drafters(target, ngram, path: str | Path | None = None,
         head = load_head(path, target.model, target.tokenizer, identity)
     except HeadMismatchError as e:
         return {}, [f"Draft head refused: {e}"]
-    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
+    runtime = target.runtime
+    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain,
+                          lib=runtime.kernels if runtime is not None else None)
     return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, []
 
 
@@ -134,6 +136,8 @@ def _eagle3_drafters(target, ngram, path, min_gain: float) -> tuple[dict, list[s
         notes.append(f"The EAGLE-3 head reads the target's layers {list(head.feature_layers)}, "
                      f"which {before} does not give: the target runs on transformers' forward "
                      f"instead{'; ' + lossless if lossless else ''}.")
-    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain)
+    runtime = target.runtime
+    drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain,
+                          lib=runtime.kernels if runtime is not None else None)
     drafter.source = str(path)  # the hub id or directory the user named
     return {"head": drafter, "combined": CombinedDrafter(ngram, drafter)}, notes

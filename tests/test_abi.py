@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from specchat.runners.cpu import head_step, kernels
+from specchat import kernels
+from specchat.runners.cpu import head_step
 from specchat.runners.cpu import runner as cpu_runner
 
 HEADER = kernels.CSRC / "specchat.h"

@@ -126,7 +126,7 @@ def test_attention_kernel_is_attention_and_row_exact(dtype):
     """`kernels.attend` against float64 attention (grouped heads, a sliding-window mask, keys
     and values read from a wider cache buffer), and each query row the same bits alone or
     among up to 11 rows."""
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     lib = kernels.load()
     if lib is None:
         pytest.skip("specchat's kernels cannot be built here")
@@ -155,7 +155,7 @@ def test_attention_kernel_is_attention_and_row_exact(dtype):
 def test_narrow_forwards_attend_through_the_kernel(monkeypatch):
     """Where the kernels build, a decoding step and a verify go through `kernels.attend` (and
     give the one-token logits, as above); a prompt of 64 rows or more takes sdpa."""
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     if kernels.load() is None:
         pytest.skip("specchat's kernels cannot be built here")
     calls = []

@@ -6,7 +6,7 @@ Forced on every kernels path this machine runs."""
 import pytest
 import torch
 
-from specchat import runners
+from specchat import kernels, runners
 from specchat.core.engine import Engine
 from specchat.core.events import TokenEvent
 from specchat.core.request import GenerateConfig
@@ -14,7 +14,6 @@ from specchat.drafters.ngram import NgramDrafter
 from specchat.models import runtime
 from specchat.models.load import load_model
 from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3, tiny_llama
-from specchat.runners.cpu import kernels
 from specchat.runners.cpu import runner as cpu_runner
 from specchat.runners.hf.runner import HFRunner
 

@@ -363,7 +363,7 @@ def gemma_nf4(tmp_path_factory):
 
 def kernel_paths() -> list[str]:
     from specchat.models import runtime
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
 
     return [p.name for p in runtime.candidates(forced="")
             if p.kernels and not p.fused_nf4 and kernels.load(p.kernels) is not None]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny import byte_tokenizer, loaded, served_on_loopback, tiny_llama
 
-from specchat import runners
+from specchat import kernels, runners
 from specchat.api.server import create_app
 from specchat.bench.config import BenchSettings
 from specchat.bench.run import bench as run_bench
@@ -29,7 +29,6 @@ from specchat.models import runtime
 from specchat.models.eagle import DraftHead, HeadConfig
 from specchat.models.load import load_model
 from specchat.models.synthetic import save, tiny_gemma3
-from specchat.runners.cpu import kernels
 from specchat.runners.cpu import runner as cpu_runner
 from specchat.runners.hf.runner import HFRunner
 from specchat.stats.store import StatsStore

@@ -657,7 +657,7 @@ def test_q8_0_drafting_reads_the_blocks_through_specchats_kernel(variant):
     LM head read Q8_0 copies through the integer product: the kernel's own result on those
     blocks, close to the float one; with native bf16, wide calls keep the bf16 copy."""
     from specchat.models.eagle import INT8_ROWS, Int8Drafting, _q8_0
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     lib = kernels.load(variant)
     if lib is None:
         pytest.skip(f"no {variant} kernels on this CPU")
@@ -803,7 +803,7 @@ def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make):
     call (csrc/head.c): the torch forward's features, logits and cache within float rounding,
     on the same cache the torch forward (trees, wide catch-ups) keeps extending."""
     from specchat.models.eagle import INT8_ROWS
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     lib = kernels.load(variant)
     if lib is None:
         pytest.skip(f"no {variant} kernels on this CPU")
@@ -849,3 +849,19 @@ def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make):
         pred, _, grown = head(feats, feats, pos, c_cache)
     assert grown[0].shape[2] == c_cache[0].shape[2] + INT8_ROWS + 1
     assert len(blocks) == len(chunks) + 1
+
+
+def test_the_head_drafts_on_the_kernels_it_is_handed():
+    """The loader hands the head the kernels build its target's runtime runs on
+    (`Runtime.kernels`); without one the head takes the default build."""
+    from specchat import kernels
+    for variant in ("ref", None):
+        lib = kernels.load(variant) if variant else None
+        if variant and lib is None:
+            continue
+        target = tiny_llama(0)
+        drafter = HeadDrafter(random_head(target), target, 259, lib=lib)
+        want = lib or kernels.load()
+        if want is None:
+            pytest.skip("no C compiler: no kernels to hand over")
+        assert drafter.head._q8_lib is want and drafter.head._step.lib is want

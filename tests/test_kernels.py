@@ -1,4 +1,4 @@
-"""specchat's C kernels (`runners/cpu/csrc`) against their plain-C references: the SIMD build's kernels
+"""specchat's C kernels (`kernels/csrc`) against their plain-C references: the SIMD build's kernels
 give the same bits as the references of both builds for 1 to 16 rows, and the portable build
 (no instruction-set flags) loads, is row-exact and computes the products it documents."""
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from specchat.runners.cpu import kernels
+from specchat import kernels
 
 ROWS = range(1, 17)
 NF4_TABLE = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,

@@ -1,4 +1,4 @@
-"""`q8_0_matmul_i8` (runners/cpu/csrc/q8_0.c): the Q8_0 product by integer dot products, x quantized
+"""`q8_0_matmul_i8` (kernels/csrc/q8_0.c): the Q8_0 product by integer dot products, x quantized
 to int8 per block of 32 as llama.cpp quantizes activations. The AVX2 kernel gives its plain-C
 reference's bits (both builds) for 1 to 16 rows and every tile's tail, and so do the AVX-512
 kernels of 16 lanes (AVX512BW and VNNI, each where the CPU runs it); each is row-exact and the same
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from specchat.runners.cpu import kernels
+from specchat import kernels
 
 ROWS = range(1, 17)
 U = 2.0 ** -24  # float32's unit roundoff

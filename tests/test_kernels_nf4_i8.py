@@ -1,4 +1,4 @@
-"""`nf4_matmul_i8` (runners/cpu/csrc/nf4_i8.c): NF4 by integer dot products, the `cpu-int8`
+"""`nf4_matmul_i8` (kernels/csrc/nf4_i8.c): NF4 by integer dot products, the `cpu-int8`
 path's product. Every kernel this machine runs (AVX-512 VNNI, AVX2, the SIMD build's reference
 and the portable build's) gives the portable reference's bits, at 1, 2, 3, 4, 8, 16 and 64 rows,
 for odd shapes (a last group of fewer than 16 weight rows) and any thread count; a row's result
@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny import with_kernel
 
-from specchat.runners.cpu import kernels
+from specchat import kernels
 
 ROWS = (1, 2, 3, 4, 8, 16, 64)
 SHAPES = ((40, 64), (100, 192), (33, 640), (256, 2048))  # (out, in): odd groups, long rows

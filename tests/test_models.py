@@ -201,7 +201,7 @@ def test_a_packed_product_that_depends_on_its_neighbours_is_refused(monkeypatch)
 
 
 def _kernels():
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     lib = kernels.load()
     if lib is None:
         pytest.skip("specchat's CPU kernels cannot be built here (no gcc, or no AVX2/FMA)")
@@ -272,7 +272,7 @@ def test_nf4_kernel_is_the_dequantized_product_and_row_exact_for_1_to_16_rows():
     pytest.importorskip("bitsandbytes")
     from bitsandbytes import functional as F
 
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     lib = _kernels()
     torch.manual_seed(0)
     for out_features, in_features, blocksize in [(43, 640, 64), (20, 256, 128), (7, 96, 32)]:
@@ -335,7 +335,7 @@ def test_bf16_valued_float32_head_goes_through_the_bf16_kernel():
 
 def test_kernels_compile_into_the_cache_once_and_not_without_a_compiler(tmp_path, monkeypatch,
                                                                          capsys):
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     _kernels()
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
     lib = kernels.load.__wrapped__()  # compiles the C file afresh
@@ -365,7 +365,7 @@ def test_a_build_started_early_is_the_one_load_waits_for(tmp_path, monkeypatch):
     """`build_soon` compiles in the background (a first launch does it while the model
     converts); a `load` meanwhile waits for that compile rather than starting a second one, and
     a build already in the cache is not compiled again."""
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     _kernels()
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path))
     compiles = []
@@ -493,7 +493,7 @@ def test_the_lm_head_from_a_gguf_q8_0_embedding_is_its_values_and_row_exact(tmp_
         bound = activation_error(x.double(), values.double()) + 1e-5 * want.abs().max()
         assert bool((error <= bound).all()) and error.max() > 1e-4  # int8 activations, not float
 
-    from specchat.runners.cpu import kernels  # both kernels, whichever this CPU runs by default
+    from specchat import kernels  # both kernels, whichever this CPU runs by default
     x = torch.randn(11, 128)
     for wide in [False, True] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} \
             <= kernels._cpu_flags() else [False]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from specchat import kernels
 from specchat.core.engine import Engine
 from specchat.core.events import TokenEvent
 from specchat.core.penalties import Penalties, Shaper
@@ -19,7 +20,6 @@ from specchat.drafters.ngram import NgramDrafter
 from specchat.models import runtime
 from specchat.models.load import load_model
 from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3
-from specchat.runners.cpu import kernels
 from specchat.runners.cpu import runner as cpu_runner
 
 # Every build this machine runs: the SIMD kernels of each width, the SIMD build's references,

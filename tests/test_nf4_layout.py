@@ -114,7 +114,7 @@ def test_bitsandbytes_forward_repacks_where_the_flag_is_on(nf4_model):
 def test_specchats_nf4_kernel_takes_every_layer_in_either_layout(tmp_path, repack):
     """The CPU runner's NF4 layers read their codes through `nf4.hold`: a layer bitsandbytes
     has repacked is read back, not refused or misread."""
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     from specchat.runners.hf.cpu import NF4KernelForward, kernel_cpu_nf4
 
     lib = kernels.load()

@@ -84,7 +84,7 @@ def test_embedded_nf4_ngram_speculation_and_fp32_greedy_equivalence():
 
 
 def _runnable() -> list[str]:
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     return [p.name for p in runtime.candidates(forced="")
             if p.kernels is None or kernels.load(p.kernels) is not None]
 

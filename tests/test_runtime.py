@@ -91,7 +91,7 @@ def _tiny_checkpoint(path) -> str:
 
 def _runnable() -> list[str]:
     """Every path this machine can run: those its CPU runs whose kernels build here."""
-    from specchat.runners.cpu import kernels
+    from specchat import kernels
     return [p.name for p in candidates(forced="")
             if p.kernels is None or kernels.load(p.kernels) is not None]
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specchat import kernels
 from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
 from specchat.core.events import TOP
 from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
 from specchat.core.tree import DraftTree
 from specchat.models.eagle import DraftHead, target_features
 from specchat.models.runtime import cpu_kind
-from specchat.runners.cpu import kernels
 
 # Observed features kept before they are stored (`HeadDrafter.observe`)
 PENDING_FEATURES = 32
@@ -59,15 +59,17 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0,
                  tree_width: int = 4, tree_beam: int = 4,
-                 tree_min_score: float = 0.2, wide_bf16: bool | None = None):
+                 tree_min_score: float = 0.2, wide_bf16: bool | None = None, lib=None):
         self.head = head.eval()
         self.feature_layers = head.feature_layers  # the target features it reads
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
         if head.vocab_ids.device.type == "cpu":
             # Wide drafting forwards through bf16 copies (`Int8Drafting`): by the CPU's own
-            # flags unless forced (tests run both on any CPU).
+            # flags unless forced (tests run both on any CPU). `lib`: the kernels the target's
+            # runtime runs on (`Runtime.kernels`); a target on torch's own products leaves the
+            # head the default build.
             wide = cpu_kind().native_bf16 if wide_bf16 is None else wide_bf16
-            head.quantize_for_drafting(wide_bf16=wide, lib=kernels.load())
+            head.quantize_for_drafting(wide_bf16=wide, lib=lib or kernels.load())
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam

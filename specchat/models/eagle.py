@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat import kernels
 from specchat.models.gguf_head import BLOCK as Q8_BLOCK  # values per Q8_0 scale
 from specchat.runners import nf4
-from specchat.runners.cpu import kernels
 from specchat.runners.cpu.head_step import HeadStep
 from specchat.runners.hf.features import FeatureTap, final_norm
 

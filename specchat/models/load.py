@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specchat import runners
+from specchat import kernels, runners
 from specchat.models import runtime
 from specchat.models.embedded import (
     EMBEDDED,
@@ -24,7 +24,6 @@ from specchat.models.embedded import (
 from specchat.models.gguf_head import gguf_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
-from specchat.runners.cpu import kernels
 from specchat.runners.hf.attention import use_row_exact_attention
 from specchat.runners.hf.cpu import (
     compact_embeddings,
@@ -120,7 +119,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         _release_freed_memory()  # the proof's logits, kept by the heap for decoding's steps
         if exact or forced or i == len(tries) - 1:
             loaded.runtime = Runtime(cpu_path.name, cpu.describe(), exact, proof, forced,
-                                     tuple(skipped))
+                                     tuple(skipped), lib)
             if not exact:
                 progress(f"specchat: {loaded.runtime.lossless_note}")
             return loaded

@@ -178,6 +178,9 @@ class Runtime:
     proof: str  # what the check found, in words
     forced: bool = False  # the path was named by SPECCHAT_CPU_PATH
     skipped: tuple[str, ...] = ()  # paths tried first that failed the check, with why
+    # the `kernels.load` build the path runs on (None: torch's own products, or off the CPU),
+    # handed to whatever else runs beside the model (a draft head)
+    kernels: object = None
 
     @property
     def lossless_note(self) -> str:

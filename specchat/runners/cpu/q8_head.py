@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specchat.runners.cpu import kernels
+from specchat import kernels
 
 BLOCK = 32  # values per Q8_0 block
 

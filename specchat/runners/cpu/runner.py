@@ -24,9 +24,9 @@ import time
 
 import torch
 
+from specchat import kernels
 from specchat.core.runner import Runner
 from specchat.core.tree import visibility
-from specchat.runners.cpu import kernels
 from specchat.runners.cpu.q8_head import Q8Head
 from specchat.runners.static import StaticCache, rope_tables, unsupported_config
 

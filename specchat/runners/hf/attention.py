@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specchat.runners.cpu import kernels
+from specchat import kernels
 from specchat.runners.hf.kvcache import has_spare_slots
 
 NAME = "specchat_sdpa"  # without kernels; with them f"{NAME}_{variant}" (`register`)

@@ -13,8 +13,8 @@ import os
 
 import torch
 
+from specchat import kernels
 from specchat.runners import nf4
-from specchat.runners.cpu import kernels
 from specchat.runners.memory import _release_freed_memory
 
 # Rows (tokens) from which dequantize-then-matmul beats bitsandbytes' fused CPU kernel:

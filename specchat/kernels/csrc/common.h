@@ -1,7 +1,7 @@
 // specchat's CPU kernels: products y[n, O] = x[n, I] @ W^T for weights kept compact (bitsandbytes'
 // NF4 in nf4.c, bf16 in bf16.c, GGUF's Q8_0 in q8_0.c), the attention of a few query rows over
 // the KV cache (attention.c) and Gemma's RMSNorm (norms.c). Compiled together into one library
-// by specchat/runners/cpu/kernels.py on first use; called through ctypes with torch tensors' pointers.
+// by specchat/kernels/__init__.py on first use; called through ctypes with torch tensors' pointers.
 //
 // Each output y[j, o] is computed by the same instructions in the same order whatever n is:
 // W's row o is decoded to float32 (exactly the value bitsandbytes' dequantize gives), then

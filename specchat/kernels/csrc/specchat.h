@@ -1,6 +1,6 @@
 // specchat's C ABI: every function the kernels library exports and every struct it shares with
 // Python, declared once. Each source includes it (through common.h), so the compiler checks each
-// definition against its declaration; `runners/cpu/kernels.py` binds these names with ctypes
+// definition against its declaration; `kernels/__init__.py` binds these names with ctypes
 // (`_ARGTYPES`), `runners/cpu/runner.py` mirrors the structs, and tests/test_kernels.py checks
 // both against this file.
 //
