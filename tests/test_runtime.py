@@ -200,3 +200,16 @@ def test_a_bf16_checkpoint_loaded_for_float32_computes_what_a_float32_load_compu
         with torch.inference_mode():
             logits.append(model(ids).logits)
     assert logits[0].dtype == torch.float32 and torch.equal(logits[0], logits[1])
+
+
+def test_the_cpu_flags_have_one_reader():
+    """The paths' CPU kind and the kernels' builds read the same flags (`kernels.cpu_flags`,
+    /proc/cpuinfo's `flags` or `Features` line); the builds take x86's only."""
+    import platform
+
+    from specchat import kernels
+    assert cpu_kind().flags == kernels.cpu_flags()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    assert kernels._cpu_flags() == (kernels.cpu_flags() if x86 else frozenset())
+    if x86 and kernels.cpu_flags():
+        assert "sse2" in kernels.cpu_flags() and "processor" not in kernels.cpu_flags()

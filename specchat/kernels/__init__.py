@@ -130,13 +130,23 @@ class Kernels:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags, read once: /proc/cpuinfo's `flags` line (x86) or `Features` (ARM);
+    none where it cannot be read. The one reader of them (`models.runtime.cpu_kind` too)."""
     try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The x86 instruction sets the builds and kernels need: `cpu_flags` on x86, else none."""
+    return cpu_flags() if platform.machine().lower() in ("x86_64", "amd64") else frozenset()
 
 
 def runs_here(variant: str) -> bool:

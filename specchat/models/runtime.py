@@ -28,9 +28,10 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
-from pathlib import Path as FilePath
 
 import torch
+
+from specchat import kernels
 
 ENV = "SPECCHAT_CPU_PATH"
 
@@ -90,20 +91,8 @@ def cpu_kind(flags: set[str] | frozenset[str] | None = None, machine: str | None
     """This CPU (or, for tests, the one these flags describe)."""
     machine = machine or platform.machine()
     if flags is None:
-        flags = _read_flags()
+        flags = kernels.cpu_flags()
     return CpuKind(machine, frozenset(flags))
-
-
-def _read_flags() -> frozenset[str]:
-    try:
-        text = FilePath("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 @dataclass(frozen=True)
