@@ -16,6 +16,7 @@ from specchat.models.load import load_model
 from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3, tiny_llama
 from specchat.runners.cpu import runner as cpu_runner
 from specchat.runners.hf.runner import HFRunner
+from tiny import i8_kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,19 +133,6 @@ def test_the_reference_build_computes_the_simd_builds_bits(checkpoint, monkeypat
     assert torch.equal(simd, ref)
 
 
-def _i8_kernels() -> dict:
-    """{name: Kernels whose integer decoder stack is that kernel}: every one this CPU runs."""
-    from tiny import with_kernel
-
-    found = {"portable-ref": kernels.load("ref")}
-    simd = kernels.load("avx2")
-    if simd is not None:
-        for name, needs in kernels.I8_KERNELS.items():
-            if needs <= kernels._cpu_flags():
-                found[name] = with_kernel(simd, "decoder_forward_i8", f"decoder_forward_i8_{name}")
-    return {name: lib for name, lib in found.items() if lib is not None}
-
-
 def test_the_integer_forward_is_the_same_bits_on_every_kernel(checkpoint, monkeypatch):
     """`cpu-int8`'s decoder stack on each integer kernel this CPU runs (VNNI, AVX2, the SIMD
     build's reference, the portable build's): the same logits, bit for bit, in pages and in
@@ -153,7 +141,7 @@ def test_the_integer_forward_is_the_same_bits_on_every_kernel(checkpoint, monkey
     if base is None:
         pytest.skip("no kernels path runs here")
     model = load(checkpoint, base, monkeypatch).model
-    found = _i8_kernels()
+    found = i8_kernels()
     outs = {name: logits_in_pages(cpu_runner.CpuRunner(model, lib, int8=True), IDS[:130])[0]
             for name, lib in found.items()}
     first = outs.pop("portable-ref")

@@ -124,6 +124,36 @@ def embedded():
     return load_engine("embedded", quantization="nf4").engine
 
 
+# The integer path's greedy reply to PROMPT (the chat format), 32 tokens: its integer products
+# are exact, and its float parts (norms, RoPE, attention, softmax) are one C source compiled with
+# the same flags on every x86 CPU (no contraction, one reduction order, one expf), so every CPU
+# kind gives these tokens. The RoPE tables come from torch's float32 cos/sin, the same bits with
+# its AVX2 and AVX-512 kernels (its scalar build, on CPUs without AVX2, rounds some differently).
+INTEGER_REPLY = [669, 2668, 529, 506, 2069, 659, 49597, 236761, 107, 2887, 236787, 2900, 563,
+                 506, 4954, 1534, 506, 2668, 529, 506, 2069, 532, 506, 3794, 529, 506, 1051,
+                 236881, 107, 74314, 236787, 669]
+
+
+@pytest.mark.ci
+def test_the_integer_path_gives_the_recorded_reply_on_every_kernel(embedded):
+    """`cpu-int8`'s decoder stack on each integer kernel this CPU runs (VNNI, AVX2; the portable
+    reference where no SIMD kernel runs), forced whatever this CPU would pick: greedy decoding
+    gives the reply recorded above, on whatever CPU kind runs the test."""
+    from tiny import i8_kernels
+
+    ids, _ = chat_prompt(embedded.tokenizer, PROMPT)
+    found = i8_kernels()
+    fast = {name: lib for name, lib in found.items() if not name.endswith("ref")}
+    for name, lib in (fast or found).items():  # (the references' bits: test_cpu_runner.py)
+        runner = CpuRunner(embedded.model, lib, int8=True)
+        cache, reply = runner.new_cache(), []
+        logits = runner.forward(cache, ids, 0, 1)
+        while len(reply) < len(INTEGER_REPLY):
+            reply.append(int(logits[-1].argmax()))
+            logits = runner.forward(cache, reply[-1:], len(ids) + len(reply) - 1, 1)
+        assert reply == INTEGER_REPLY, (name, embedded.tokenizer.decode(reply))
+
+
 def _reply(engine, ids, cfg) -> tuple[list[int], str]:
     tokens = [e for e in engine.stream(ids, cfg) if isinstance(e, TokenEvent)]
     return [t.id for t in tokens], "".join(t.text for t in tokens)

@@ -92,3 +92,18 @@ def with_kernel(lib, field: str, symbol: str):
     bound = getattr(lib, field)
     function.argtypes, function.restype = bound.argtypes, bound.restype
     return dataclasses.replace(lib, **{field: function})
+
+
+def i8_kernels() -> dict:
+    """{name: Kernels whose integer decoder stack is that kernel}: every one this CPU runs, the
+    portable build's reference first (`cpu-int8`'s forward, forced whatever this CPU would
+    pick)."""
+    from specchat import kernels
+
+    found = {"portable-ref": kernels.load("ref")}
+    simd = kernels.load("avx2")
+    if simd is not None:
+        for name, needs in kernels.I8_KERNELS.items():
+            if needs <= kernels._cpu_flags():
+                found[name] = with_kernel(simd, "decoder_forward_i8", f"decoder_forward_i8_{name}")
+    return {name: lib for name, lib in found.items() if lib is not None}
