@@ -5,6 +5,7 @@ Forced on every kernels path this machine runs."""
 
 import pytest
 import torch
+from tiny import i8_kernels
 
 from specchat import kernels, runners
 from specchat.core.engine import Engine
@@ -16,7 +17,6 @@ from specchat.models.load import load_model
 from specchat.models.synthetic import byte_tokenizer, save, tiny_gemma3, tiny_llama
 from specchat.runners.cpu import runner as cpu_runner
 from specchat.runners.hf.runner import HFRunner
-from tiny import i8_kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,10 +35,57 @@ def test_the_pair_table_holds_both_codes_of_a_byte_high_nibble_first():
     assert second.view(torch.bfloat16).item() == INTEGER_CODE[12]
 
 
+def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
+    """The few PTX instructions `kernels.PRMT_DECODE` uses, run on 32-bit integers."""
+    def value(operand: str) -> int:
+        return int(operand, 16) if operand.startswith("0x") else int(operand) \
+            if operand.isdigit() else regs[operand]
+
+    def prmt(a: int, b: int, c: int) -> int:
+        pool = a | b << 32
+        return sum(((pool >> (8 * ((c >> 4 * i) & 7))) & 0xFF) << 8 * i for i in range(4))
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        v = [value(a) for a in src]
+        if op == "prmt.b32":
+            regs[d] = prmt(*v)
+        elif op == "mov.b32":
+            regs[d] = v[0]
+        else:
+            regs[d] = {"and.b32": v[0] & v[1], "or.b32": v[0] | v[1],
+                       "shr.u32": v[0] >> v[1]}[op]
+    return regs
+
+
+def test_the_byte_permute_decode_gives_the_pair_tables_codes():
+    """DECODE 2's PTX, run instruction by instruction: for four bytes a call, the first codes'
+    bf16 bits in $0-$1 and the second codes' in $2-$3, two a register, in element order, as
+    the pair table has them; for every byte in every place, on bitsandbytes' NF4 codebook."""
+    nf4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+                        0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])
+    table = [int(v) & 0xFFFFFFFF for v in kernels.pair_table(nf4)]
+    assert len(table) == 264
+    words = {f"${5 + 4 * i + j}": table[256 + i] for i in range(8) for j in range(4)}
+    for start in range(0, 256, 4):
+        for shift in range(4):  # each byte in each of the four places
+            data = [(start + (i + shift) % 4) % 256 for i in range(4)]
+            got = _run_ptx(kernels.PRMT_DECODE.value,
+                           {**words, "$4": sum(b << 8 * i for i, b in enumerate(data))})
+            first = [(got[f"${i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+            second = [(got[f"${2 + i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+            assert first == [table[b] & 0xFFFF for b in data], data
+            assert second == [table[b] >> 16 for b in data], data
+
+
 # (columns, codes a step, slices of K, warps, stages, decode): both decodings, one and several
 # blocks a step, K whole or split
 NF4_CONFIGS = [(16, 64, 1, 4, 1, 0), (16, 64, 1, 4, 1, 1), (32, 128, 2, 4, 1, 1),
-               (16, 64, 4, 4, 1, 0)]
+               (16, 64, 4, 4, 1, 0), (16, 64, 1, 4, 1, 2), (32, 128, 2, 4, 1, 2)]
 
 
 @pytest.mark.parametrize("config", [None, *NF4_CONFIGS])
@@ -111,7 +158,8 @@ def test_matmul_rows_never_depend_on_their_neighbours():
     weight = torch.randn(80, 128).to(torch.bfloat16)
     x = torch.randn(19, 128).to(torch.bfloat16)
     _rows_alone_and_together(lambda r: kernels.nf4_matmul(r, packed, absmax, table), x)
-    for config in ((16, 64, 1, 4, 1, 0), (16, 64, 1, 4, 1, 1), (16, 64, 2, 4, 1, 1)):
+    for config in ((16, 64, 1, 4, 1, 0), (16, 64, 1, 4, 1, 1), (16, 64, 2, 4, 1, 1),
+                   (16, 64, 2, 4, 1, 2)):
         _rows_alone_and_together(lambda r, c=config: kernels.nf4_matmul(r, packed, absmax, table,
                                                                         config=c), x)
     _rows_alone_and_together(lambda r: kernels.matmul(r, weight), x)

@@ -5,7 +5,7 @@ no atomics. So a token's activations are the same bits whatever is fed beside it
 
 | kernel      | computes                                                        |
 | ----------- | --------------------------------------------------------------- |
-| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded from the codebook in registers (or `pair_table`), the block's absmax applied to its partial product; K split into slices by the weight's shape (`nf4_config`) |
+| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded by `pair_table`, `tl.gather` or byte permutes in registers (DECODE 0, 1, 2), the block's absmax applied to its partial product; K split into slices by the weight's shape (`nf4_config`) |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row         |
 | `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
@@ -51,12 +51,49 @@ NF4_BLOCK = 64  # codes per absmax: bitsandbytes' default 4-bit blocksize, the o
 
 
 def pair_table(code: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' 16-entry NF4 codebook -> 256 int32s: for each byte, the bf16 bits of its
-    high-nibble code (the first of the two) in the low half and of its low-nibble code in the
-    high half, so one lookup gives both codes of a byte."""
+    """bitsandbytes' 16-entry NF4 codebook -> 264 int32s. The first 256: for each byte, the bf16
+    bits of its high-nibble code (the first of the two) in the low half and of its low-nibble
+    code in the high half, so one lookup gives both codes of a byte. Then 8 words for the byte
+    permutes of DECODE 2 (`PRMT_DECODE`): the low bytes of codes 0-3, 4-7, 8-11, 12-15 (code
+    4i + j in byte j), then their high bytes the same way."""
     bits = code.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     byte = torch.arange(256)
-    return (bits[byte >> 4] | (bits[byte & 15] << 16)).to(torch.int32).contiguous()
+    pairs = bits[byte >> 4] | (bits[byte & 15] << 16)
+    words = [sum(((bits[4 * i + j] >> shift) & 0xFF) << (8 * j) for j in range(4))
+             for shift in (0, 8) for i in range(4)]
+    words = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in map(int, words)])
+    return torch.cat([pairs, words]).to(torch.int32).contiguous()
+
+
+# DECODE 2's table decode, four bytes (eight codes) a call, in registers: `prmt.b32` picks bytes
+# of two 32-bit words by 4-bit selectors, as llama.cpp's `get_int_from_table_16` does. $4 holds
+# four bytes; then come the codes' low bytes (4 words) and their high bytes (4 words), the last
+# 8 words of `pair_table`. Each half (the low nibbles, then the high) gathers its four codes into the selector
+# nibbles (`s`), looks up the low and the high bytes in codes 0-7 and 8-15 (`s & 0x7777`), keeps
+# per byte the half its code's bit 3 names (`sel`), and interleaves the low and high bytes into
+# four bf16s: the first codes in $0-$1, the second in $2-$3, two a register, in element order.
+# (A 32-bit input takes a register per element of the four: word i is $(5 + 4i) .. $(8 + 4i),
+# all the same value.)
+PRMT_HALF = """
+    and.b32 n, n, 0x0F0F0F0F;
+    shr.u32 t, n, 4;
+    or.b32 n, n, t;
+    prmt.b32 s, n, n, 0x0020;
+    and.b32 s7, s, 0x7777;
+    and.b32 sel, s, 0x8888;
+    shr.u32 sel, sel, 1;
+    or.b32 sel, sel, 0x3210;
+    prmt.b32 a, $5, $9, s7;
+    prmt.b32 b, $13, $17, s7;
+    prmt.b32 lo, a, b, sel;
+    prmt.b32 a, $21, $25, s7;
+    prmt.b32 b, $29, $33, s7;
+    prmt.b32 hi, a, b, sel;
+    prmt.b32 {out0}, lo, hi, 0x5140;
+    prmt.b32 {out1}, lo, hi, 0x7362;"""
+PRMT_DECODE = tl.constexpr("{\n    .reg .b32 n, t, s, s7, sel, a, b, lo, hi;\n    mov.b32 n, $4;"
+               + PRMT_HALF.format(out0="$2", out1="$3")
+               + "\n    shr.u32 n, $4, 4;" + PRMT_HALF.format(out0="$0", out1="$1") + "\n}")
 
 
 # A program takes BLOCK_N columns of W and one of SPLIT equal slices of K, for ROWS rows: each
@@ -68,7 +105,16 @@ def pair_table(code: torch.Tensor) -> torch.Tensor:
 #
 # Decoding: DECODE 0 looks each byte up in the 256-entry pair table (one load gives both codes,
 # from global memory, cached); DECODE 1 loads the 16 codebook values once per program and
-# decodes every nibble with `tl.gather` from registers. Both give the same bf16 values.
+# decodes every nibble with `tl.gather` (which Triton lowers to a table in shared memory behind
+# barriers). Both give the same bf16 values and the same bits.
+#
+# DECODE 2 decodes in registers and hands the MMA its weights as they are decoded: byte
+# permutes (`PRMT_DECODE`) turn each byte into its first and second code, and the block's
+# product is W_first @ x_even.T + W_second @ x_odd.T (x's even and odd columns of the block),
+# computed transposed, [columns, rows], so the weights are the MMA's first operand and nothing
+# is joined, reshaped or transposed between the load and the dot. Its sums run in another order
+# than DECODE 0/1's, fixed by the shapes as theirs: a row's bits never depend on the rows beside
+# it. (Interpreted, the pair table stands in for the permutes: the same values.)
 
 
 @triton.jit
@@ -97,6 +143,38 @@ def _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, row_ok, col_ok, kb,
 
 
 @triton.jit
+def _nf4_pairs(packed, table_ptr, UPCAST: tl.constexpr):
+    """Each byte's first (high-nibble) and second code as bf16, [BLOCK_N, 32] each."""
+    if UPCAST:  # the interpreter runs no PTX: the pair table gives the same values
+        pair = tl.load(table_ptr + packed.to(tl.int32))
+        first = (pair & 0xFFFF).to(tl.uint16)
+        second = ((pair >> 16) & 0xFFFF).to(tl.uint16)
+    else:
+        words = table_ptr + 256
+        first, second = tl.inline_asm_elementwise(
+            PRMT_DECODE, "=r,=r,=r,=r," + ",".join(["r"] * 33),
+            [packed, tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3),
+             tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)],
+            (tl.uint16, tl.uint16), is_pure=True, pack=4)
+    return first.to(tl.bfloat16, bitcast=True), second.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, row_ok, col_ok, kb, K: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """DECODE 2's unscaled product of one 64-code block, transposed:
+    W[rn, 64 kb ..] @ x[rm, 64 kb ..].T -> [BLOCK_N, BLOCK_M]."""
+    rb = tl.arange(0, 32)
+    packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb * 32 + rb[None, :],
+                     mask=col_ok[:, None], other=0)
+    at = x_ptr + rm[None, :] * K + kb * 64 + 2 * rb[:, None]  # [32, BLOCK_M]: even columns
+    x_even = tl.load(at, mask=row_ok[None, :], other=0.0)
+    x_odd = tl.load(at + 1, mask=row_ok[None, :], other=0.0)
+    first, second = _nf4_pairs(packed, table_ptr, UPCAST)
+    return _dot(first, x_even, UPCAST) + _dot(second, x_odd, UPCAST)
+
+
+@triton.jit
 def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, partial_ptr,
                        M, N, stride_om, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -110,24 +188,43 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rm < M
     col_ok = rn < N
-    values = tl.load(table_ptr + tl.arange(0, 16) * 16) & 0xFFFF  # code i: byte i << 4, first
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_block = pid_k * (K // 64 // SPLIT)
-    for step in range(0, K // SPLIT, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 64):
-            kb = first_block + step // 64 + j
-            part = _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, row_ok, col_ok, kb,
-                              K, BLOCK_N, DECODE, UPCAST)
-            scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
-            acc += part * scale[None, :]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if DECODE == 2:  # accumulated transposed, [columns, rows], and stored so
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for step in range(0, K // SPLIT, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 64):
+                kb = first_block + step // 64 + j
+                part = _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, row_ok, col_ok, kb, K,
+                                    UPCAST)
+                scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+                acc_t += part * scale[:, None]
+        ok_t = col_ok[:, None] & row_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc_t += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None],
+                     acc_t.to(out_ptr.dtype.element_ty), mask=ok_t)
+        else:
+            tl.store(partial_ptr + (pid_k * M + rm[None, :]) * N + rn[:, None], acc_t, mask=ok_t)
     else:
-        tl.store(partial_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
+        # code i: byte i << 4, first
+        values = tl.load(table_ptr + tl.arange(0, 16) * 16) & 0xFFFF
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, K // SPLIT, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 64):
+                kb = first_block + step // 64 + j
+                part = _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, row_ok, col_ok, kb,
+                                  K, BLOCK_N, DECODE, UPCAST)
+                scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+                acc += part * scale[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        else:
+            tl.store(partial_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc,
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -159,7 +256,7 @@ class NF4Config(NamedTuple):
     split: int  # equal slices of K, summed in order after
     warps: int
     stages: int
-    decode: int = 1  # 0: the pair table in global memory, 1: the codebook in registers
+    decode: int = 1  # 0: the pair table in global memory, 1: `tl.gather`, 2: byte permutes
 
 
 @functools.cache
