@@ -51,10 +51,10 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
 // phases that read each key and each value once for up to ATTEND_ROWS rows, not once per row:
 // the rows of a key/value head's grouped queries share its cache, and a decoding step's few
 // rows are bound by reading it. Each phase splits work whose results do not depend on the
-// split: the scores by slot, the softmax by row, the weighted sums of the values by group of
-// rows and 16 dimensions. Row counts and the cache's dtype are constants in each phase's inner
-// loop (`scores_of`, `values_of` are inlined once per case), so its accumulators stay in
-// registers.
+// split: the scores by group of rows and slot, the softmax by row, the weighted sums of the
+// values by group of rows and 16 dimensions. Row counts and the cache's dtype are constants in
+// each phase's inner loop (`scores_of`, `values_of` are inlined once per case), so its
+// accumulators stay in registers.
 #define ATTEND_ROWS 8  // rows a pass over a key takes (8 accumulators of 8 floats)
 #define VALUE_ROWS 4   // rows a pass over a value takes, 16 dimensions each (8 accumulators)
 
@@ -138,10 +138,13 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
     const int64_t groups = (rows + VALUE_ROWS - 1) / VALUE_ROWS, wide = dim / 16;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < slots; j++) {
-            const char *kj = (const char *)k + j * kstride * es;
-            for (int64_t r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
+        // a group of rows against every slot in turn: the group's queries stay in L1 while
+        // the keys stream past (with the slots outer, every group's queries, 32 KB at 8 rows
+        // of 4 query heads, were reread for each key)
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r0 = 0; r0 < rows; r0 += ATTEND_ROWS)
+            for (int64_t j = 0; j < slots; j++) {
+                const char *kj = (const char *)k + j * kstride * es;
                 const int nr = rows - r0 < ATTEND_ROWS ? (int)(rows - r0) : ATTEND_ROWS;
                 int seen = 0;
                 for (int i = 0; i < nr; i++) seen |= masks[r0 + i][j];
@@ -154,7 +157,6 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
                 }
 #undef SCORES
             }
-        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *allowed = masks[r];
