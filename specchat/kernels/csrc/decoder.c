@@ -185,7 +185,7 @@ static void fill_mask(uint8_t *mask, int64_t lo, int64_t width, int64_t n, int64
 // Norms and the activation over a forward's rows, split by row between the threads where the
 // rows are many enough to pay for the split (a verify's, a prompt's; one token's stay on one
 // thread). Each row is computed alone, so the split changes no bit.
-#define SPLIT_VALUES 4096  // values a call must hold to be split (A/B: 4096 beat 8192 at 4-16 rows)
+#define SPLIT_VALUES 4096  // values a call must hold to be split (4096 beat 8192 at 4-16 rows)
 
 static void norm_rows(const kernels *f, const float *x, int64_t n, int64_t dim, const float *w,
                       float eps, float *y, int threads) {
