@@ -747,3 +747,29 @@ def test_llama_cpps_profile_program_times_the_embedded_gguf():
     assert found["tokens"] == found["split_tokens"] > 0
     rows = llama_rows(found, None)["ms_per_token"]
     assert rows["LM head"] > rows["norms"] and rows["NF4 layers"] > rows["norms"] > 0
+
+
+def test_the_kernels_ab_reads_a_revisions_sources_from_git(tmp_path, capsys):
+    """`bench.kernels_ab` compares the working tree's C sources with a git revision's: the
+    revision's files come out of git whole (at HEAD of a clean checkout: the working tree's)."""
+    import subprocess
+
+    from specchat import kernels
+    from specchat.bench import kernels_ab
+
+    try:
+        changed = subprocess.run(["git", "status", "--porcelain", "--", str(kernels.CSRC)],
+                                 capture_output=True, text=True, check=True,
+                                 cwd=kernels.CSRC).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    kernels_ab._sources_at("HEAD", tmp_path)
+    got = sorted(p.name for p in tmp_path.iterdir())
+    assert "decoder.c" in got and "specchat.h" in got
+    assert got == sorted(p.name for p in kernels.CSRC.iterdir() if p.suffix in (".c", ".h"))
+    if not changed:
+        for name in got:
+            assert (tmp_path / name).read_bytes() == (kernels.CSRC / name).read_bytes(), name
+    with pytest.raises(SystemExit) as done:
+        kernels_ab.main(["--help"])
+    assert done.value.code == 0 and "--base" in capsys.readouterr().out
