@@ -332,3 +332,28 @@ def test_an_embedding_the_c_lookup_does_not_match_keeps_the_modules(checkpoint, 
     monkeypatch.setattr(embed, "forward", lambda ids: plain(embed, ids))
     same, _ = logits_in_pages(runner, IDS[:40])
     assert not torch.equal(doubled, same)
+
+
+def test_the_quality_comparison_reads_two_paths_on_the_same_reply(checkpoint, monkeypatch):
+    """`bench.quality`: a greedy reply, then the prompt and reply teacher-forced through two
+    runners. A path against itself agrees everywhere with no divergence; the integer path
+    against the float one gives a divergence at each position, never below zero."""
+    from specchat.bench import quality
+
+    base = next((p for p in KERNEL_PATHS if not runtime.BY_NAME[p].int8), None)
+    if base is None:
+        pytest.skip("no kernels path runs here")
+    model = load(checkpoint, base, monkeypatch).model
+    lib = kernels.load(runtime.BY_NAME[base].kernels)
+    reference = cpu_runner.CpuRunner(model, lib)
+    prompt = IDS[:24]
+    reply = quality.greedy(reference, prompt, 8, set(), (), lambda ids: "")
+    assert len(reply) == 8
+    cut = quality.greedy(reference, prompt, 8, set(), ("x",),
+                         lambda ids: "x" if len(ids) == 3 else "")
+    assert cut == reply[:3]  # the token that completes a stop string ends the reply
+    same, total, each = quality.compare(reference, reference, prompt, reply)
+    assert (same, total, len(each)) == (8, 0.0, 8)
+    integer = cpu_runner.CpuRunner(model, lib, int8=True)
+    same, total, each = quality.compare(reference, integer, prompt, reply)
+    assert 0 <= same <= 8 and len(each) == 8 and min(each) > -1e-6 and total > 0
