@@ -214,3 +214,43 @@ def test_past_the_limit_only_an_owner_with_nothing_waiting_gets_a_place():
     assert alice.ahead == 3 and queue.waiting == 3  # its turn comes in the first round
     with pytest.raises(QueueFull):
         queue.join(limit=2, owner="alice")  # her second waits for room like anyone's
+
+
+def test_a_loop_post_hands_items_over_in_order_batched_within_its_interval():
+    """The API's reply thread -> its event loop: the first item at once, later ones together
+    once the interval has passed, an exception and `Finished` at once; every item, in order."""
+    import asyncio
+
+    from specchat.engine_queue import Finished, LoopPost
+
+    async def main():
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        calls = []
+        post = LoopPost(loop, queue, interval=3600)  # nothing is handed over by time alone
+        wakes = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            if callback == post._deliver:
+                calls.append(args[0])
+            return wakes(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        try:
+            def reply():
+                for item in ("a", "b", "c"):
+                    post.put(item)
+                post.put(ValueError("bad"))
+                post.put("d")
+                post.put(Finished())
+
+            await loop.run_in_executor(None, reply)
+            await asyncio.sleep(0)
+        finally:
+            del loop.call_soon_threadsafe
+        got = [queue.get_nowait() for _ in range(queue.qsize())]
+        assert got[:3] == ["a", "b", "c"] and isinstance(got[3], ValueError)
+        assert got[4] == "d" and isinstance(got[5], Finished) and len(got) == 6
+        # three wakes: "a" (the first), "b" to the error (an exception), "d" and Finished
+        assert [len(batch) for batch in calls] == [1, 3, 2]
+
+    asyncio.run(main())

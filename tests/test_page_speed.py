@@ -1,5 +1,5 @@
 """The page and the API stream at the engine's own speed (slow: the embedded model, real
-Chromium, about 2 minutes on 2 cores).
+Chromium, about 4 minutes on 2 cores).
 
 For the same request (the embedded model, Completion mode, the examples' samplers, 256 tokens),
 speculation off and on: the tok/s the page shows for a reply, and a reply streamed through the
@@ -39,8 +39,9 @@ TOKENS = 256
 # the samplers the page sends, by the API's names (the examples' set: DRY, repeat penalty, min-p)
 SAMPLERS = ("min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
             "dry_multiplier", "dry_base", "dry_allowed_length", "temperature", "top_p", "top_k")
-PAGE_MARGIN = 0.7  # target 0.9, measured 0.75-0.85 (docs/performance.md)
+PAGE_MARGIN = 0.7  # target 0.9, measured 0.83-0.89 (docs/performance.md)
 API_MARGIN = 0.85  # target 0.95
+ROUNDS = 3  # replies measured a configuration, the median kept
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,9 @@ def _page_reply(url: str, store: StatsStore, p) -> dict:
         tab.set_default_timeout(120_000)
         tab.goto(url)
         tab.wait_for_selector("#sc-status .sc-status-ready")
+        # as a visitor types: the page's own start (scripts, fonts, the first layouts) is over
+        # before the message goes, not racing the reply
+        time.sleep(1.5)
         tab.locator("#sc-input textarea").fill(PROMPT)
         before = len(store.conversations())
         tab.click("#sc-send")
@@ -114,6 +118,9 @@ def test_the_page_and_the_api_stream_at_the_engines_speed(report, capsys):
 
 
 def _measure(report, loop: EngineLoop, sync_playwright) -> list[tuple]:
+    """(where, speculation, tok/s, generate's tok/s) of the median of ROUNDS rounds, each a
+    reply between two `generate` runs: one reply's ratio moves by 0.1 and more with the
+    machine's drift on a shared 2-core CPU."""
     figures = []
     for speculation in (False, True):
         store = StatsStore(":memory:")
@@ -123,37 +130,48 @@ def _measure(report, loop: EngineLoop, sync_playwright) -> list[tuple]:
         port = _free_port()
         launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
                quiet=True)
+        rounds = []
         try:
             with sync_playwright() as p:
-                base = loop.call(_generate, app, settings)
-                report.engine.history.clear()  # no earlier reply to copy drafts from
-                turn = _page_reply(f"http://127.0.0.1:{port}/", store, p)
-                after = loop.call(_generate, app, settings)
+                for _ in range(ROUNDS):
+                    base = loop.call(_generate, app, settings)
+                    report.engine.history.clear()  # no earlier reply to copy drafts from
+                    turn = _page_reply(f"http://127.0.0.1:{port}/", store, p)
+                    after = loop.call(_generate, app, settings)
+                    assert turn["new_tokens"] == base.new_tokens  # the same request and reply
+                    rounds.append((turn["tokens_per_s"],
+                                   (base.tokens_per_s + after.tokens_per_s) / 2))
         finally:
             demo.close()
-        generate = (base.tokens_per_s + after.tokens_per_s) / 2
-        assert turn["new_tokens"] == base.new_tokens  # the same request, the same reply
-        figures.append(("page", speculation, turn["tokens_per_s"], generate))
+        figures.append(("page", speculation, *_median_round(rounds)))
 
         api = create_app(report, StatsStore(":memory:"), {"sk-speed": "speed"},
                          max_tokens_cap=TOKENS)
+        rounds = []
         with served_on_loopback(api) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-speed", max_retries=0)
-            base = loop.call(_generate, app, settings)
-            report.engine.history.clear()
-            started, tokens = time.perf_counter(), 0
-            stream = client.completions.create(
-                model=api.state.api.model_id, prompt=PROMPT, max_tokens=TOKENS, stream=True,
-                stream_options={"include_usage": True}, seed=settings.seed,
-                extra_body={name: getattr(settings, name) for name in SAMPLERS}
-                | {"speculation": speculation})
-            for chunk in stream:
-                if getattr(chunk, "usage", None):
-                    tokens = chunk.usage.completion_tokens
-            seconds = time.perf_counter() - started
-            after = loop.call(_generate, app, settings)
-        generate = (base.tokens_per_s + after.tokens_per_s) / 2
-        # end to end, the first token's wait and the HTTP stream included
-        assert tokens == base.new_tokens
-        figures.append(("api", speculation, tokens / seconds, generate))
+            for _ in range(ROUNDS):
+                base = loop.call(_generate, app, settings)
+                report.engine.history.clear()
+                started, tokens = time.perf_counter(), 0
+                stream = client.completions.create(
+                    model=api.state.api.model_id, prompt=PROMPT, max_tokens=TOKENS,
+                    stream=True, stream_options={"include_usage": True}, seed=settings.seed,
+                    extra_body={name: getattr(settings, name) for name in SAMPLERS}
+                    | {"speculation": speculation})
+                for chunk in stream:
+                    if getattr(chunk, "usage", None):
+                        tokens = chunk.usage.completion_tokens
+                seconds = time.perf_counter() - started
+                after = loop.call(_generate, app, settings)
+                # end to end, the first token's wait and the HTTP stream included
+                assert tokens == base.new_tokens
+                rounds.append((tokens / seconds, (base.tokens_per_s + after.tokens_per_s) / 2))
+        figures.append(("api", speculation, *_median_round(rounds)))
     return figures
+
+
+def _median_round(rounds: list[tuple[float, float]]) -> tuple[float, float]:
+    """The round whose ratio is the median."""
+    ordered = sorted(rounds, key=lambda r: r[0] / r[1])
+    return ordered[len(ordered) // 2]

@@ -55,6 +55,7 @@ from specchat.engine_queue import (
     MAX_WAITING,
     EngineQueue,
     Finished,
+    LoopPost,
     QueueFull,
     run_reply,
 )
@@ -344,7 +345,8 @@ class Api:
                     request: Request | None = None) -> tuple[asyncio.Queue, threading.Event]:
         """Wait for the engine in its queue (429 when full), then run one reply in a thread of
         its own: `steps` turns the engine's events into what the route sends, each put on the
-        returned queue as it comes, then `Finished`. Setting the returned event stops the
+        returned queue as it comes (`LoopPost`: several steps' items at once, while they come
+        faster than its interval), then `Finished`. Setting the returned event stops the
         reply at its next step. With `request`, a client that disconnects while waiting leaves
         the queue at once (a stream's client that leaves cancels this coroutine itself)."""
         try:
@@ -372,8 +374,7 @@ class Api:
             raise
         loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
         run_reply(ticket, lambda: steps(self.engine.stream(ids, cfg, stop_event=stop), stop),
-                  lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                  "specchat-api-reply")
+                  LoopPost(loop, queue).put, "specchat-api-reply")
         return queue, stop
 
     # -- routes ---------------------------------------------------------------------------

@@ -60,6 +60,11 @@ BUSY = "Wait for the reply being written, or stop it: one reply at a time in a t
 ONE_AT_A_TIME = BUSY + " Your message is still in the box."
 # Seconds between an A/B run's progress lines: the runs are timed without repaints.
 PROGRESS_S = 0.5
+# A repaint waits this many times the last one's cost (measured from the yield to the next
+# request): the server's share of a repaint is about half of it where the browser shares the
+# machine (its own render is as long again, unseen here), so the page takes about a tenth of
+# the time at most.
+REPAINT_SPACING = 19
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +258,8 @@ class ChatApp:
         A repaint costs the server the page's render plus gradio's diff and send, and the
         engine shares the cores with it (and with the browser, on one machine). So repaints
         are spaced to keep that cost a tenth of the time at most: the next comes after
-        `min_interval`, or after nine times the last repaint's cost where that is longer."""
+        `min_interval`, or after `REPAINT_SPACING` times the last repaint's cost where that is
+        longer."""
         def produce():
             events = engine.stream(ids, cfg, stop_event=stop)
             try:
@@ -287,7 +293,7 @@ class ChatApp:
                     began = time.perf_counter()
                     yield None  # the caller renders, gradio diffs and sends, then asks again
                     cost = time.perf_counter() - began
-                    wait = max(self.min_interval if repaint else PROGRESS_S, 9 * cost)
+                    wait = max(self.min_interval if repaint else PROGRESS_S, REPAINT_SPACING * cost)
         except GeneratorExit:  # the tab was closed: the reply stops at its next step
             stop.set()
             raise

@@ -226,7 +226,10 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
                 batch = live.records(turn.key, turn.tokens, drawn,
                                      {r.step: r for r in turn.steps})
                 drawn = len(turn.tokens)
-                yield gr.skip(), session, notice, batch
+                # the session is the same object all along: gradio stores a State it is handed
+                # anew by rebuilding the State's config, its API schema included (a few ms of
+                # the cores the engine decodes on), so mid-reply only the tokens go
+                yield gr.skip(), gr.skip(), notice, batch
                 continue
             if streaming and isinstance(chat, list):
                 drawn = len(turn.tokens)
