@@ -94,6 +94,8 @@ PRMT_HALF = """
 PRMT_DECODE = tl.constexpr("{\n    .reg .b32 n, t, s, s7, sel, a, b, lo, hi;\n    mov.b32 n, $4;"
                + PRMT_HALF.format(out0="$2", out1="$3")
                + "\n    shr.u32 n, $4, 4;" + PRMT_HALF.format(out0="$0", out1="$1") + "\n}")
+# four outputs, then the bytes and the 8 table words (4 registers each)
+PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
 
 
 # A program takes BLOCK_N columns of W and one of SPLIT equal slices of K, for ROWS rows: each
@@ -152,7 +154,7 @@ def _nf4_pairs(packed, table_ptr, UPCAST: tl.constexpr):
     else:
         words = table_ptr + 256
         first, second = tl.inline_asm_elementwise(
-            PRMT_DECODE, "=r,=r,=r,=r," + ",".join(["r"] * 33),
+            PRMT_DECODE, PRMT_CONSTRAINTS,
             [packed, tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3),
              tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)],
             (tl.uint16, tl.uint16), is_pure=True, pack=4)
