@@ -47,12 +47,7 @@ def _build(sources: Path, out: Path) -> kernels.Kernels:
     cached one."""
     subprocess.run(["gcc", *kernels.build_flags("avx2"), "-o", str(out),
                     *map(str, sorted(sources.glob("*.c"))), "-lm"], check=True)
-    cached = kernels._build
-    kernels._build = lambda portable: out
-    try:
-        return kernels._load(False, wide=kernels.runs_here("avx512"), simd=True)
-    finally:
-        kernels._build = cached
+    return kernels._load(False, wide=kernels.runs_here("avx512"), simd=True, path=out)
 
 
 def main(argv: list[str] | None = None) -> int:

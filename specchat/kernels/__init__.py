@@ -199,10 +199,12 @@ def _check(variant: str) -> str:
     return variant
 
 
-def _load(portable: bool, wide: bool, simd: bool = False) -> Kernels | None:
+def _load(portable: bool, wide: bool, simd: bool = False, path: Path | None = None
+          ) -> Kernels | None:
     """Bind a build's functions (compiling it first if the cache has no copy): its SIMD kernels
-    (`simd`) or its references."""
-    path = _build(portable)
+    (`simd`) or its references. `path`: a library built elsewhere from the same sources' kind
+    (`bench.kernels_ab` builds two), instead of the cached build."""
+    path = path or _build(portable)
     if path is None:
         return None
     try:
