@@ -564,3 +564,45 @@ def test_the_first_screen_and_the_stats_table_fit_laptop_and_phone_sizes(served,
             _check_stats_layout(page, store, width)
         finally:
             browser.close()
+
+
+# Counts the animation frames the page asks of the browser: installed before any of the page's
+# own scripts, so it sees the calls that reach the browser's requestAnimationFrame.
+COUNT_FRAMES = """(() => {
+  const frame = window.requestAnimationFrame.bind(window);
+  window.__frames = 0;
+  window.requestAnimationFrame = (callback) => { window.__frames++; return frame(callback); };
+})()"""
+
+
+def test_an_idle_page_asks_for_no_animation_frames(served):
+    """gradio's status trackers tick by animation frame while a status is pending, and an idle
+    page keeps one pending: 60 frames a second of the browser's work that the engine's cores
+    pay for (head.FRAMES_SCRIPT sends those ticks to a timer). Once the page has settled it
+    asks for none; a chat's reply still streams and ends."""
+    sync_playwright = _sync_playwright()
+    url, store = served
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.set_default_timeout(WAIT_MS)
+            page.add_init_script(COUNT_FRAMES)
+            page.goto(url)
+            page.wait_for_selector("#sc-status .sc-status-ready")
+            _settled(page)
+            for _ in range(15):  # the page's entrance transitions run for a few seconds
+                page.evaluate("window.__frames = 0")
+                time.sleep(1.0)
+                if page.evaluate("window.__frames") <= 2:
+                    break
+            page.evaluate("window.__frames = 0")
+            time.sleep(2.0)
+            frames = page.evaluate("window.__frames")
+            assert frames <= 6, f"an idle page asked for {frames} animation frames in 2 s"
+            page.locator("#sc-input textarea").fill("the cat sat")
+            page.click("#sc-send")
+            page.wait_for_selector("#sc-chat .sc-turn .sc-reply .tk")
+            page.wait_for_selector("#sc-chat .sc-cursor", state="detached")
+        finally:
+            browser.close()

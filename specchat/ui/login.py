@@ -10,7 +10,7 @@ address and username). Three small pieces connect the two, all installed through
   `auth(username, password)` without the request.
 - An exception handler turns the guard's `TooManyAttempts` into HTTP 429 with the reason
   ("Too many attempts from your address; retry in N s.") and `Retry-After`.
-- `RefusalNotice`, a second middleware, adds a short script to the HTML pages: gradio's login
+- `REFUSAL_SCRIPT`, added to the HTML pages by a `head.HeadScript` middleware: gradio's login
   form reports only a 400 (as "Incorrect Credentials"), so the script shows a 429's reason.
 
 `guarded_launch_kwargs` returns these, for the launcher to use in place of `auth=pairs`:
@@ -30,10 +30,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fastapi.responses import JSONResponse
-from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 
 from specchat.auth import LoginGuard, TooManyAttempts, client_address
+from specchat.ui.head import HeadScript
 
 REFUSAL_NOTICE_ID = "specchat-login-refused"
 
@@ -87,41 +87,6 @@ class ClientAddress:
             client_address.reset(token)
 
 
-class RefusalNotice:
-    """ASGI middleware: adds `REFUSAL_SCRIPT` to the head of each HTML page served (the login
-    page is one; on the others it is idle, as they post no logins)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "GET":
-            await self.app(scope, receive, send)
-            return
-        start, parts = None, []
-
-        async def send_with_script(message):
-            nonlocal start
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(raw=message["headers"])
-                if (message["status"] == 200 and "content-encoding" not in headers
-                        and headers.get("content-type", "").startswith("text/html")):
-                    start = message  # held until the whole page is here
-                    return
-            elif start is not None and message["type"] == "http.response.body":
-                parts.append(message.get("body", b""))
-                if message.get("more_body"):
-                    return
-                page = b"".join(parts).replace(b"</head>", REFUSAL_SCRIPT.encode() + b"</head>",
-                                               1)
-                MutableHeaders(raw=start["headers"])["content-length"] = str(len(page))
-                await send(start)
-                message = {"type": "http.response.body", "body": page}
-            await send(message)
-
-        await self.app(scope, receive, send_with_script)
-
-
 async def too_many_attempts(request, refused: TooManyAttempts) -> JSONResponse:
     """HTTP 429 for a login refused unchecked, in the shape of gradio's own login errors."""
     return JSONResponse({"detail": str(refused)}, status_code=429,
@@ -137,5 +102,6 @@ def guarded_launch_kwargs(pairs: Iterable[tuple[str, str]] | None, **guard_optio
     guard = LoginGuard(pairs, **guard_options)
     # A fresh dict per call: gradio adds its own entries (lifespan, response class) to it.
     return {"auth": guard.check,
-            "app_kwargs": {"middleware": [Middleware(RefusalNotice), Middleware(ClientAddress)],
+            "app_kwargs": {"middleware": [Middleware(HeadScript, script=REFUSAL_SCRIPT),
+                                          Middleware(ClientAddress)],
                            "exception_handlers": {TooManyAttempts: too_many_attempts}}}

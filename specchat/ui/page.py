@@ -6,6 +6,7 @@ import html
 from dataclasses import asdict, dataclass, replace
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from specchat.core.engine import Engine
 from specchat.core.settings import MAX_DRAFT_LEN, MAX_TEMPERATURE, SETTINGS
@@ -22,6 +23,7 @@ from specchat.ui.examples import (
     sampler_preset,
 )
 from specchat.ui.handlers import ChatApp
+from specchat.ui.head import FRAMES_SCRIPT, HeadScript
 from specchat.ui.render import ASSETS, ab_placeholders, asset, header_html, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
@@ -426,6 +428,10 @@ def launch_kwargs() -> dict:
 
 
 def launch(demo: gr.Blocks, **kwargs):
-    """demo.queue(...).launch(...) with specchat's CSS and theme; kwargs go to launch()."""
+    """demo.queue(...).launch(...) with specchat's CSS and theme, and `head.FRAMES_SCRIPT` in
+    every page; kwargs go to launch() (their `app_kwargs` middleware after the script's)."""
     demo.queue(default_concurrency_limit=1, max_size=64)
-    return demo.launch(**launch_kwargs(), **kwargs)
+    app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
+    app_kwargs["middleware"] = [Middleware(HeadScript, script=FRAMES_SCRIPT),
+                                *app_kwargs.get("middleware", [])]
+    return demo.launch(**launch_kwargs(), app_kwargs=app_kwargs, **kwargs)
