@@ -82,10 +82,28 @@ def test_the_byte_permute_decode_gives_the_pair_tables_codes():
             assert second == [table[b] >> 16 for b in data], data
 
 
-# (columns, codes a step, slices of K, warps, stages, decode): both decodings, one and several
+def test_the_code_permute_decode_gives_each_codes_value():
+    """DECODE 3's PTX: four codes a call, a byte each, -> their bf16 bits in $0-$1, two a
+    register, in element order: every code in every place, on bitsandbytes' NF4 codebook."""
+    nf4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+                        0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])
+    table = [int(v) & 0xFFFFFFFF for v in kernels.pair_table(nf4)]
+    bits = nf4.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    words = {f"${3 + 4 * i + j}": table[256 + i] for i in range(8) for j in range(4)}
+    for code in range(16):
+        for place in range(4):
+            data = [(code + 5 * i) % 16 if i != place else code for i in range(4)]
+            got = _run_ptx(kernels.PRMT_CODES.value,
+                           {**words, "$2": sum(c << 8 * i for i, c in enumerate(data))})
+            values = [(got[f"${i // 2}"] >> 16 * (i % 2)) & 0xFFFF for i in range(4)]
+            assert values == [int(bits[c]) for c in data], data
+
+
+# (columns, codes a step, slices of K, warps, stages, decode): every decoding, one and several
 # blocks a step, K whole or split
 NF4_CONFIGS = [(16, 64, 1, 4, 1, 0), (16, 64, 1, 4, 1, 1), (32, 128, 2, 4, 1, 1),
-               (16, 64, 4, 4, 1, 0), (16, 64, 1, 4, 1, 2), (32, 128, 2, 4, 1, 2)]
+               (16, 64, 4, 4, 1, 0), (16, 64, 1, 4, 1, 2), (32, 128, 2, 4, 1, 2),
+               (16, 64, 1, 4, 1, 3), (32, 256, 1, 4, 1, 3), (16, 128, 2, 4, 1, 3)]
 
 
 @pytest.mark.parametrize("config", [None, *NF4_CONFIGS])
@@ -113,8 +131,20 @@ def test_both_decodings_give_the_same_bits_and_a_config_must_divide_k():
     by_table = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 0))
     by_gather = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 1))
     assert torch.equal(by_table, by_gather)
+    # DECODE 3 multiplies bitsandbytes' own dequantized weights, a step's codes in one product:
+    # within a bf16 rounding of each weight and of the output (interpreted, a float's cast to
+    # bf16 truncates: up to 2^-7 of the value, where a GPU rounds to nearest)
+    weight = (kernels.pair_table(torch.linspace(-1, 1, 16))[:256:16] & 0xFFFF).to(torch.int16)
+    codes = torch.stack([packed >> 4, packed & 15], -1).reshape(24, 192).long()
+    dequantized = (weight.view(torch.bfloat16).float()[codes]
+                   * absmax.repeat_interleave(64, 1)).to(torch.bfloat16).float()
+    by_step = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 3))
+    bound = (x.float().abs() @ dequantized.abs().T + by_step.float().abs()) * 2 ** -7
+    assert ((by_step.float() - x.float() @ dequantized.T).abs() <= bound).all()
     with pytest.raises(ValueError, match="whole steps"):
         kernels.nf4_matmul(x, packed, absmax, table, config=(16, 128, 1, 4, 1, 1))
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.nf4_matmul(x, packed, absmax, table, config=(16, 192, 1, 4, 1, 3))
 
 
 def test_the_shapes_config_and_the_sweeps_candidates_divide_k_into_whole_steps():
@@ -124,7 +154,7 @@ def test_the_shapes_config_and_the_sweeps_candidates_divide_k_into_whole_steps()
               if name != "lm head"] + [(96, 192)]
     for n, k in shapes:
         configs = sweep.candidates(n, k)
-        assert configs[0] == kernels.nf4_config(n, k) and len(configs) <= 24
+        assert configs[0] == kernels.nf4_config(n, k) and len(configs) <= 27
         for c in configs:
             assert k % (c.split * c.block_k) == 0 and c.block_k % 64 == 0, c
 

@@ -19,7 +19,8 @@ out = {}
 for name, k, config in [("gather", 4096, (32, 256, 4, 4, 3, 1)),
                         ("table", 4096, (32, 256, 4, 4, 3, 0)),
                         ("one step", 2048, (32, 256, 8, 4, 3, 1)),
-                        ("permute", 4096, (64, 256, 4, 4, 3, 2))]:
+                        ("permute", 4096, (64, 256, 4, 4, 3, 2)),
+                        ("elementwise", 4096, (64, 256, 4, 4, 3, 3))]:
     compiled = sass.compile_nf4(kernels.NF4Config(*config), k, arch=90)
     out[name] = {**sass.counts(sass.disassemble(compiled.asm["cubin"]), config[1]),
                  "shared_bytes": compiled.metadata.shared}
@@ -34,17 +35,21 @@ def test_the_k_loop_and_its_shared_memory_traffic_are_counted():
     assert done.returncode == 0, done.stderr[-2000:]
     c = json.loads(done.stdout.splitlines()[-1])
     gather, table, one, permute = c["gather"], c["table"], c["one step"], c["permute"]
-    for counted in (gather, table, permute):
+    elementwise = c["elementwise"]
+    for counted in (gather, table, permute, elementwise):
         assert not counted["unrolled"] and counted["mma"] > 0 and counted["registers"] > 0
         assert counted["loop_instructions"] > counted["mma"]
         assert sum(counted["global_loads_by_bytes"].values()) > 0
     # the two decodes differ where it matters: the codebook gathered from shared memory after
     # barriers (DECODE 1), the pair table read from global memory (DECODE 0)
-    assert gather["LDSM"] > 0 and gather["BAR.SYNC"] > table["BAR.SYNC"]
+    assert gather["LDS"] + gather["LDSM"] > 0 and gather["BAR.SYNC"] > table["BAR.SYNC"]
     assert gather["shared_bytes"] > 0
     # the byte permutes decode in registers: no codebook in shared memory to read (what shared
     # memory the loop touches carries x, the MMA's second operand), fewer barriers than the
     # gather's
     assert permute["LDS"] == 0 and permute["BAR.SYNC"] < gather["BAR.SYNC"]
+    # codes decoded and scaled elementwise, one product a step: one hand-over of the weights
+    # to the MMA, two barriers an iteration of the K loop
+    assert elementwise["BAR.SYNC"] <= 2 < permute["BAR.SYNC"]
     # 2048 codes in 8 slices: one step of K a program, no loop; the kernel is its iteration
     assert one["unrolled"] and one["mma"] > 0

@@ -5,7 +5,7 @@ no atomics. So a token's activations are the same bits whatever is fed beside it
 
 | kernel      | computes                                                        |
 | ----------- | --------------------------------------------------------------- |
-| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded by `pair_table`, `tl.gather` or byte permutes in registers (DECODE 0, 1, 2), the block's absmax applied to its partial product; K split into slices by the weight's shape (`nf4_config`) |
+| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded by `pair_table`, `tl.gather` or byte permutes in registers (DECODE 0, 1; 2, 3), the block's absmax applied to its partial product; K split into slices by the weight's shape (`nf4_config`) |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row         |
 | `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
@@ -83,19 +83,31 @@ PRMT_HALF = """
     and.b32 sel, s, 0x8888;
     shr.u32 sel, sel, 1;
     or.b32 sel, sel, 0x3210;
-    prmt.b32 a, $5, $9, s7;
-    prmt.b32 b, $13, $17, s7;
+    prmt.b32 a, {w0}, {w1}, s7;
+    prmt.b32 b, {w2}, {w3}, s7;
     prmt.b32 lo, a, b, sel;
-    prmt.b32 a, $21, $25, s7;
-    prmt.b32 b, $29, $33, s7;
+    prmt.b32 a, {w4}, {w5}, s7;
+    prmt.b32 b, {w6}, {w7}, s7;
     prmt.b32 hi, a, b, sel;
     prmt.b32 {out0}, lo, hi, 0x5140;
     prmt.b32 {out1}, lo, hi, 0x7362;"""
-PRMT_DECODE = tl.constexpr("{\n    .reg .b32 n, t, s, s7, sel, a, b, lo, hi;\n    mov.b32 n, $4;"
-               + PRMT_HALF.format(out0="$2", out1="$3")
-               + "\n    shr.u32 n, $4, 4;" + PRMT_HALF.format(out0="$0", out1="$1") + "\n}")
+_PRMT_REGS = "{\n    .reg .b32 n, t, s, s7, sel, a, b, lo, hi;"
+
+
+def _half(out0: str, out1: str, first_word: int) -> str:
+    """PRMT_HALF into registers out0 and out1, the table's word i in $(first_word + 4i)."""
+    return PRMT_HALF.format(out0=out0, out1=out1,
+                            **{f"w{i}": f"${first_word + 4 * i}" for i in range(8)})
+
+
+PRMT_DECODE = tl.constexpr(_PRMT_REGS + "\n    mov.b32 n, $4;" + _half("$2", "$3", 5)
+                           + "\n    shr.u32 n, $4, 4;" + _half("$0", "$1", 5) + "\n}")
 # four outputs, then the bytes and the 8 table words (4 registers each)
 PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
+# DECODE 3's: four codes (0-15, a byte each) in $2 -> their bf16s in $0-$1, two a register, in
+# element order; the table words in $3 + 4i
+PRMT_CODES = tl.constexpr(_PRMT_REGS + "\n    mov.b32 n, $2;" + _half("$0", "$1", 3) + "\n}")
+PRMT_CODES_CONSTRAINTS = tl.constexpr("=r,=r," + ",".join(["r"] * 33))
 
 
 # A program takes BLOCK_N columns of W and one of SPLIT equal slices of K, for ROWS rows: each
@@ -117,6 +129,14 @@ PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
 # is joined, reshaped or transposed between the load and the dot. Its sums run in another order
 # than DECODE 0/1's, fixed by the shapes as theirs: a row's bits never depend on the rows beside
 # it. (Interpreted, the pair table stands in for the permutes: the same values.)
+#
+# DECODE 3 works elementwise on a step's [BLOCK_N, BLOCK_K] weights: each code's nibble picked
+# from its byte (read a byte per code: each byte serves its two codes from the cache), decoded
+# four a call by the same permutes (`PRMT_CODES`) and scaled by its block's absmax (read per
+# code, cached) into bitsandbytes' own dequantized bf16 value; then one MMA a step, the weights
+# its first operand, transposed as DECODE 2's. Nothing but elementwise operations lies between
+# the loads and the dot, and its sums run over the step's codes in one product, not block by
+# block: other bits than DECODE 0-2's, fixed by the shapes as theirs.
 
 
 @triton.jit
@@ -177,6 +197,41 @@ def _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, row_ok, col_ok, kb, K: tl.cons
 
 
 @triton.jit
+def _nf4_codes(codes, table_ptr, UPCAST: tl.constexpr):
+    """Codes (0-15, uint8) -> their bf16 values, elementwise."""
+    if UPCAST:  # the interpreter runs no PTX: the pair table gives the same values
+        value = (tl.load(table_ptr + (codes.to(tl.int32) << 4)) & 0xFFFF).to(tl.uint16)
+    else:
+        words = table_ptr + 256
+        value = tl.inline_asm_elementwise(
+            PRMT_CODES, PRMT_CODES_CONSTRAINTS,
+            [codes, tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3),
+             tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)],
+            tl.uint16, is_pure=True, pack=4)
+    return value.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok, col_ok, k0,
+                K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """DECODE 3's product of a step's BLOCK_K codes, transposed:
+    W[rn, k0 .. k0 + BLOCK_K] @ x[rm, same].T -> [BLOCK_N, BLOCK_M], each weight its code's
+    value times its block's absmax rounded to bf16 (bitsandbytes' own dequantized value)."""
+    rk = tl.arange(0, BLOCK_K)
+    at = rn[:, None] * K + k0 + rk[None, :]  # [BLOCK_N, BLOCK_K]: each weight's place
+    byte = tl.load(w_ptr + at // 2, mask=col_ok[:, None], other=0)
+    codes = ((byte.to(tl.int32) >> (4 - 4 * (rk[None, :] % 2))) & 15).to(tl.uint8)  # even: high
+    scale = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # each block's absmax, selected
+    for j in tl.static_range(BLOCK_K // 64):
+        block = tl.load(absmax_ptr + rn * (K // 64) + k0 // 64 + j, mask=col_ok, other=0.0)
+        scale = tl.where((rk // 64 == j)[None, :], block[:, None], scale)
+    w = (_nf4_codes(codes, table_ptr, UPCAST).to(tl.float32) * scale).to(tl.bfloat16)
+    x_t = tl.load(x_ptr + rm[None, :] * K + k0 + rk[:, None], mask=row_ok[None, :], other=0.0)
+    return _dot(w, x_t, UPCAST)
+
+
+@triton.jit
 def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, partial_ptr,
                        M, N, stride_om, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -191,15 +246,20 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
     row_ok = rm < M
     col_ok = rn < N
     first_block = pid_k * (K // 64 // SPLIT)
-    if DECODE == 2:  # accumulated transposed, [columns, rows], and stored so
+    if DECODE >= 2:  # accumulated transposed, [columns, rows], and stored so
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(0, K // SPLIT, BLOCK_K):
-            for j in tl.static_range(BLOCK_K // 64):
-                kb = first_block + step // 64 + j
-                part = _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, row_ok, col_ok, kb, K,
-                                    UPCAST)
-                scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
-                acc_t += part * scale[:, None]
+            if DECODE == 3:  # one product a step
+                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok,
+                                     col_ok, first_block * 64 + step, K, BLOCK_N, BLOCK_K,
+                                     UPCAST)
+            else:
+                for j in tl.static_range(BLOCK_K // 64):
+                    kb = first_block + step // 64 + j
+                    part = _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, row_ok, col_ok, kb, K,
+                                        UPCAST)
+                    scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+                    acc_t += part * scale[:, None]
         ok_t = col_ok[:, None] & row_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -258,7 +318,8 @@ class NF4Config(NamedTuple):
     split: int  # equal slices of K, summed in order after
     warps: int
     stages: int
-    decode: int = 1  # 0: the pair table in global memory, 1: `tl.gather`, 2: byte permutes
+    decode: int = 1  # 0: the pair table in global memory, 1: `tl.gather`, 2: byte permutes of
+    # whole bytes, 3: byte permutes of codes picked elementwise
 
 
 @functools.cache
@@ -312,6 +373,8 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     c = NF4Config(*config) if config is not None else nf4_config(n, k, _card(x.device))
     if k % (c.split * c.block_k) or c.block_k % NF4_BLOCK:
         raise ValueError(f"{c} does not divide K = {k} into whole steps")
+    if c.decode == 3 and c.block_k & (c.block_k - 1):
+        raise ValueError(f"{c}: DECODE 3 takes a step's codes in one product, a power of two")
     partial = torch.empty(c.split, m, n, dtype=torch.float32, device=x.device) \
         if c.split > 1 else out
     grid = (triton.cdiv(m, ROWS), triton.cdiv(n, c.block_n), c.split)
