@@ -581,7 +581,7 @@ def test_an_idle_page_asks_for_no_animation_frames(served):
     pay for (head.FRAMES_SCRIPT sends those ticks to a timer). Once the page has settled it
     asks for none; a chat's reply still streams and ends."""
     sync_playwright = _sync_playwright()
-    url, store = served
+    url, _ = served
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:

@@ -159,6 +159,15 @@ def test_the_shapes_config_and_the_sweeps_candidates_divide_k_into_whole_steps()
             assert k % (c.split * c.block_k) == 0 and c.block_k % 64 == 0, c
 
 
+def test_the_sweeps_timings_rotate_weight_copies_twice_the_l2():
+    from specchat.runners.cuda import sweep
+
+    l2 = 50 << 20  # an H100's
+    assert sweep.copies_for(8 << 20, l2) == 13  # o, 4096 x 4096 in NF4: 104 MiB in all
+    assert sweep.copies_for(66 << 20, l2) == 2
+    assert sweep.copies_for(1 << 30, l2) == 1  # a bf16 LM head is larger than the L2 alone
+
+
 def test_the_sweep_says_what_it_needs_without_a_gpu(capsys):
     from specchat.runners.cuda import sweep
 

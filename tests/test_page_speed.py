@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from test_browser import COUNT_FRAMES, CHROMIUM_ARGS, _free_port, _sync_playwright
+from test_browser import CHROMIUM_ARGS, COUNT_FRAMES, _free_port, _sync_playwright
 from tiny import served_on_loopback
 
 from specchat.api.server import create_app
@@ -26,8 +26,8 @@ from specchat.core.events import GenerationStats
 from specchat.engine_queue import EngineLoop
 from specchat.loader import load_engine
 from specchat.stats.store import StatsStore
-from specchat.ui.handlers import ChatApp, warm_up
 from specchat.ui.examples import SAMPLER_PRESETS
+from specchat.ui.handlers import ChatApp, warm_up
 from specchat.ui.page import launch, page
 from specchat.ui.state import Settings
 

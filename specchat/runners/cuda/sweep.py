@@ -9,7 +9,9 @@ For each NF4 shape it tries tile configurations at a decode step's width (16 row
 runtime pads every step of up to 16 tokens to), then times the best and the runtime's own at 1,
 2, 4, 8, 16 and 64 rows, beside the bf16 kernel and bitsandbytes' own 4-bit matmul on the same
 weights: microseconds, the read bandwidth (weights, scales and activations once) and its
-fraction of this GPU's measured copy rate. `--write` keeps the best configuration of each shape
+fraction of this GPU's measured copy rate. Each time is a launch's inside a CUDA graph, over
+copies of the weights together at least twice the L2 cache, so that every launch reads its
+weights from memory as a decode step does. `--write` keeps the best configuration of each shape
 for this card in `configs.json`, which `kernels.nf4_config` reads: configurations are chosen by
 the weight's shape and the card, never by timings at run time (a row's bits must not depend on a
 timing)."""
@@ -69,6 +71,49 @@ def _time_us(fn, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    """Copies of a weight of `nbytes` that a timing rotates through so that none is still in
+    the L2 cache when it is read again: together at least twice the L2."""
+    return max(1, -(-2 * l2_bytes // max(1, nbytes)))
+
+
+LAUNCHES = 8  # the fewest launches a timed graph holds
+
+
+def _graph_time_us(launches: list, repeats: int = 20) -> tuple[float, str]:
+    """(median microseconds a launch, how it was timed) of `launches`, each reading its own
+    copy of the weights (`copies_for`), replayed as one CUDA graph: the launches' own time,
+    without the host's launch gaps or a weight left in the L2 by the launch before. Where a
+    launch cannot be captured (a library's host-side work), each is timed alone by events."""
+    launches = launches * -(-LAUNCHES // len(launches))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for fn in launches:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in launches:
+                fn()
+    except Exception:  # noqa: BLE001 - timed by events instead, and said so
+        torch.cuda.synchronize()
+        turn = iter(range(1 << 30))
+        return _time_us(lambda: launches[next(turn) % len(launches)](), repeats * 4), "events"
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(launches))
+    return statistics.median(times), "graph"
+
+
 def copy_rate(device) -> float:
     """This GPU's device-to-device copy rate in bytes/s (read and write counted)."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -95,49 +140,65 @@ def _nf4_weights(n: int, k: int, device):
 
 
 def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
-    """Print the table of one model's shapes; -> {"n x k": best config} for `--write`."""
+    """Print the table of one model's shapes; -> {"n x k": best config} for `--write`. Every
+    figure is a CUDA graph's launches over copies of the weights together twice the L2
+    (`_graph_time_us`, `copies_for`): what a captured decode step reads, from memory."""
     from specchat.runners.cuda import kernels
 
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
     best_of = {}
     for name, (n, k) in SHAPES[shape].items():
         if name == "lm head":
             weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
+            weights = [weight] + [weight.clone() for _ in range(copies_for(2 * n * k, l2) - 1)]
             for m in rows:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-                us = _time_us(lambda: kernels.matmul(x, weight))
-                _line(name, n, k, m, "bf16", us, weight.numel() * 2 + x.numel() * 2, rate)
+                us, how = _graph_time_us([lambda w=w, x=x: kernels.matmul(x, w) for w in weights])
+                _line(name, n, k, m, "bf16", us, weight.numel() * 2 + x.numel() * 2, rate, how)
             continue
         weight, codes, absmax, table, bnb_forward = _nf4_weights(n, k, device)
+        nf4_bytes = codes.numel() + absmax.numel() * 4
+        # (codes, absmax) copies, and bf16 copies for the bf16 kernel
+        nf4 = [(codes, absmax)] + [(codes.clone(), absmax.clone())
+                                   for _ in range(copies_for(nf4_bytes, l2) - 1)]
+        bf16 = [weight] + [weight.clone() for _ in range(copies_for(2 * n * k, l2) - 1)]
+        print(f"  {name}: {len(nf4)} NF4 and {len(bf16)} bf16 copies of the weights rotate "
+              f"(L2 {l2 >> 20} MiB)")
+
+        def launches(x, config, nf4=nf4, table=table):
+            return [lambda w=w: kernels.nf4_matmul(x, w[0], w[1], table, config=config)
+                    for w in nf4]
+
         x16 = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
         timed = []
         for config in candidates(n, k):
             try:
-                timed.append((_time_us(lambda c=config: kernels.nf4_matmul(
-                    x16, codes, absmax, table, config=c), 20), config))
+                timed.append((_graph_time_us(launches(x16, config), 10)[0], config))
             except Exception as e:  # noqa: BLE001 (a tile that does not fit this GPU)
                 print(f"  {name} {config}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
         best = min(timed)[1]
         own = kernels.nf4_config(n, k)
         best_of[f"{n}x{k}"] = list(best)
-        nf4_bytes = codes.numel() + absmax.numel() * 4
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
             read = nf4_bytes + x.numel() * 2
             for label, config in (("nf4 best", best), ("nf4 runtime", own)):
-                us = _time_us(lambda c=config: kernels.nf4_matmul(x, codes, absmax, table,
-                                                                  config=c))
-                _line(name, n, k, m, f"{label} {tuple(config)}", us, read, rate)
-            _line(name, n, k, m, "bf16 kernel", _time_us(lambda: kernels.matmul(x, weight)),
-                  weight.numel() * 2 + x.numel() * 2, rate)
-            _line(name, n, k, m, "bitsandbytes", _time_us(lambda: bnb_forward(x)), read, rate)
+                us, how = _graph_time_us(launches(x, config))
+                _line(name, n, k, m, f"{label} {tuple(config)}", us, read, rate, how)
+            us, how = _graph_time_us([lambda w=w, x=x: kernels.matmul(x, w) for w in bf16])
+            _line(name, n, k, m, "bf16 kernel", us, weight.numel() * 2 + x.numel() * 2, rate,
+                  how)
+            # bitsandbytes' forward (host-side work around its kernel): by events, one copy
+            _line(name, n, k, m, "bitsandbytes", _time_us(lambda f=bnb_forward, x=x: f(x)), read, rate,
+                  "events, one copy")
     return best_of
 
 
 def _line(name: str, n: int, k: int, m: int, what: str, us: float, read: int,
-          rate: float) -> None:
+          rate: float, how: str = "graph") -> None:
     gbs = read / us / 1e3
     print(f"  {name:8} {n:>6}x{k:<6} {m:>3} rows  {what:40} {us:9.1f} us {gbs:7.0f} GB/s "
-          f"{gbs * 1e9 / rate:6.1%}")
+          f"{gbs * 1e9 / rate:6.1%}" + ("" if how == "graph" else f"  ({how})"))
 
 
 def _compile_only(shape: str, arch: int, json_file: str | None) -> int:
