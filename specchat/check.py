@@ -46,6 +46,7 @@ class Context:
     small: bool
     workdir: Path
     shape: str = "1b"  # the speed check's target: Llama 3.2 1B's shape or Llama 3.1 8B's
+    profile: bool = False  # the speed check also profiles a forward by kernel (`_kernel_table`)
     quantization: str = "none"  # "nf4" where bitsandbytes imports, else "none"
     bnb_problem: str = ""
     targets: dict = field(default_factory=dict)  # name -> (LoadedModel, checkpoint dir)
@@ -306,6 +307,88 @@ def _verify_costs(runner, vocab: int, device: str, widths=(1, 2, 3, 4, 5, 6, 8, 
             "vs_one_token": {n: round(v / ms[1], 2) for n, v in ms.items()}}
 
 
+def _weight_bytes(runner) -> dict[str, int]:
+    """Bytes of weights a forward reads, by the kind of kernel that reads them (the CUDA
+    runtime's: "nf4", "bf16"); empty for other runners."""
+    layers, head = getattr(runner, "layers", None), getattr(runner, "lm_head", None)
+    if not layers or head is None or not hasattr(head, "bytes"):
+        return {}
+    out = {"nf4": 0, "bf16": 0}
+    for lin in [head] + [getattr(layer, name) for layer in layers
+                         for name in ("q", "k", "v", "o", "gate", "up", "down")]:
+        out["nf4" if lin.packed is not None else "bf16"] += lin.bytes
+    return out
+
+
+# Kernel names of the CUDA runtime's matmuls (runners/cuda/kernels.py), by the weights they read
+MATMUL_KERNELS = {"nf4": ("_nf4_matmul_kernel", "_nf4_sum_kernel"), "bf16": ("_matmul_kernel",)}
+
+
+@torch.inference_mode()
+def _kernel_table(runner, vocab: int, device: str, widths=(1, 16), context: int = 256,
+                  forwards: int = 20, top: int = 12) -> dict:
+    """Where a forward of n rows after `context` cached ones spends its time, by kernel, under
+    torch's profiler: microseconds a forward and launches a forward of each (on CUDA the
+    kernels' device time; elsewhere the CPU time of the torch operations it sees, which leaves
+    specchat's C forward out: `bench --profile` times that one by part), each one's share, and
+    the read rate of the matmul kernels from the bytes of the weights they read."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    cache = runner.new_cache()
+    ids = torch.randint(3, vocab, (context + max(widths),)).tolist()
+    runner.forward(cache, ids[:context], 0, 1)
+    weights = _weight_bytes(runner)
+    out = {"context": context, "forwards": forwards,
+           "time": "device" if cuda else "cpu (torch operations only)", "widths": {}}
+    for n in widths:
+        def feed(n=n):
+            runner.forward(cache, ids[context:context + n], context, n)
+            runner.crop(cache, context + n, context)
+
+        feed()  # warm-up: compiled, captured, allocated
+        _sync(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(forwards):
+                feed()
+            _sync(device)
+        rows = []
+        for e in prof.key_averages():
+            us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                  if cuda else e.self_cpu_time_total) / forwards
+            if us > 0:
+                rows.append({"kernel": e.key, "us": round(us, 1),
+                             "launches": round(e.count / forwards, 1)})
+        total = sum(r["us"] for r in rows)
+        rows.sort(key=lambda r: -r["us"])
+        for r in rows:
+            r["share"] = round(r["us"] / total, 3) if total else 0.0
+        rates = {}
+        for kind, names in MATMUL_KERNELS.items():
+            us = sum(r["us"] for r in rows if any(name in r["kernel"] for name in names))
+            if weights.get(kind) and us > 0:
+                rates[kind] = {"us": round(us, 1), "weight_mb": round(weights[kind] / 1e6, 1),
+                               "gb_s": round(weights[kind] / us / 1e3, 0)}
+        out["widths"][n] = {"us": round(total, 1), "kernels": rows[:top], "matmuls": rates}
+    return out
+
+
+def kernel_summary(table: dict) -> str:
+    """`_kernel_table` as lines of text."""
+    lines = [f"  by kernel ({table['time']} a forward, after {table['context']} cached tokens, "
+             f"mean of {table['forwards']}):"]
+    for n, w in table["widths"].items():
+        lines.append(f"    {n} row{'s' if int(n) > 1 else ''}: {w['us']:.0f} us")
+        for r in w["kernels"]:
+            lines.append(f"      {r['us']:9.1f} us {r['share']:6.1%} {r['launches']:6.1f}x  "
+                         f"{r['kernel'][:70]}")
+        for kind, m in w["matmuls"].items():
+            lines.append(f"      {kind} matmuls: {m['us']:.0f} us for {m['weight_mb']} MB of "
+                         f"weights, {m['gb_s']:.0f} GB/s")
+    return "\n".join(lines)
+
+
 def _steps_by_drafts(steps) -> dict:
     """{drafts tested: [steps, median ms of draft + verify]}: where a reply's time went."""
     by: dict[int, list[float]] = {}
@@ -449,6 +532,8 @@ def check_speed(ctx: Context) -> dict:
     ids = {name: run.pop("ids") for name, run in runs.items()}
     verify = _verify_costs(loaded.runner, config.vocab_size, ctx.device,
                            repeats=5 if ctx.small else 9)
+    kernels = _kernel_table(loaded.runner, config.vocab_size, ctx.device,
+                            forwards=5 if ctx.small else 20) if ctx.profile else None
     out = {"shape": f"llama-{ctx.shape}" + (" (small)" if ctx.small else ""),
            "parameters_m": round(params / 1e6, 1), "quantization": loaded.quantization,
            "runtime": loaded.runtime.path if loaded.runtime else "",
@@ -460,6 +545,7 @@ def check_speed(ctx: Context) -> dict:
                                    2),
            "verify": verify,
            **({"verify_unquantized_transformers": dense} if dense else {}),
+           **({"kernels": kernels} if kernels else {}),
            "note": "random weights: acceptance says nothing about real text (their greedy text "
                    "loops); the step time and verify costs are the model's"}
     if cuda:
@@ -512,6 +598,8 @@ def speed_summary(r: dict) -> str:
         d = r["draft_model_step"]
         lines.append(f"  a draft-model step (this shape, bf16, {d['runtime']}) {d['ms']} ms")
     lines.append(f"  greedy speculative text = plain: {r['greedy_same_as_plain']}")
+    if "kernels" in r:
+        lines.append(kernel_summary(r["kernels"]))
     return "\n".join(lines)
 
 
@@ -530,12 +618,13 @@ NEEDS = {"drafters_gemma3": "load_gemma3", "drafters_llama": "load_llama",
 
 
 def run_checks(device: str = "cuda", small: bool | None = None,
-               only: list[str] | None = None, shape: str = "1b") -> Iterator[dict]:
+               only: list[str] | None = None, shape: str = "1b",
+               profile: bool = False) -> Iterator[dict]:
     """Run the checks in order, yielding one result each; a failing check is reported and the
     rest still run (those that need what it loaded are skipped)."""
     small = not device.startswith("cuda") if small is None else small
     with tempfile.TemporaryDirectory(prefix="specchat-check-") as tmp:
-        ctx = Context(device, small, Path(tmp), shape=shape)
+        ctx = Context(device, small, Path(tmp), shape=shape, profile=profile)
         failed: set[str] = set()
         wanted = {"environment", *only, *(NEEDS[n] for n in only if n in NEEDS)} if only \
             else set(CHECKS)
@@ -563,7 +652,7 @@ def main(args) -> int:
     failed = 0
     try:
         for result in run_checks(args.device, True if args.small else None, args.only or None,
-                                 args.shape):
+                                 args.shape, args.profile):
             line = json.dumps(result)
             print(line, flush=True)
             if out:
@@ -600,6 +689,9 @@ def add_cli(sub) -> None:
     p.add_argument("--only", action="append", choices=sorted(CHECKS), metavar="CHECK",
                    help=f"run only this check (repeatable; its prerequisites too): "
                         f"{', '.join(CHECKS)} (default: all)")
+    p.add_argument("--profile", action="store_true",
+                   help="the speed check also profiles a forward of 1 and 16 rows by kernel: "
+                        "microseconds, launches, share, and the matmuls' read rate")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="also write the JSON lines to this file (default: stdout only)")
     p.set_defaults(func=main)

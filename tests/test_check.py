@@ -46,6 +46,23 @@ def test_the_speed_check_times_plain_and_speculative_decoding(cpu_report):
     assert speed["verify"]["vs_one_token"][1] == 1.0
 
 
+def test_the_speed_check_profiles_a_forward_by_kernel(capsys):
+    """`check --profile`: a forward of 1 and of 16 rows by kernel (on a CPU, the torch
+    operations the profiler sees), each kernel's time, launches and share, in the JSON line and
+    in the summary."""
+    assert main(["check", "--device", "cpu", "--only", "speed_real_size", "--profile"]) == 0
+    out, err = capsys.readouterr()
+    speed = [json.loads(x) for x in out.splitlines()][-1]
+    table = speed["kernels"]
+    assert set(table["widths"]) == {"1", "16"} and table["time"].startswith("cpu")
+    for width in table["widths"].values():
+        rows = width["kernels"]
+        assert rows and all(r["us"] > 0 and r["launches"] > 0 for r in rows)
+        assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
+        assert 0 < sum(r["share"] for r in rows) <= 1.001
+    assert "by kernel" in err and "16 rows:" in err
+
+
 def test_check_command_writes_one_json_line_per_check(tmp_path, capsys):
     out = tmp_path / "check.jsonl"
     code = main(["check", "--device", "cpu", "--only", "generate_json", "--out", str(out)])
