@@ -14,7 +14,8 @@ import pytest
 from tiny import free_port
 
 from specchat.auth import LoginGuard, TooManyAttempts, client_address
-from specchat.ui.login import ClientAddress, RefusalNotice, guarded_launch_kwargs
+from specchat.ui.head import HeadScript
+from specchat.ui.login import REFUSAL_SCRIPT, ClientAddress, guarded_launch_kwargs
 
 PAIRS = [("alice", "wonderland"), ("bob", "builder")]
 
@@ -68,7 +69,8 @@ def test_gradio_awaits_check():
     kwargs = guarded_launch_kwargs(PAIRS)
     assert kwargs["auth"].__self__.delay_for(3) > 0
     app_kwargs = kwargs["app_kwargs"]
-    assert [m.cls for m in app_kwargs["middleware"]] == [RefusalNotice, ClientAddress]
+    assert [m.cls for m in app_kwargs["middleware"]] == [HeadScript, ClientAddress]
+    assert app_kwargs["middleware"][0].kwargs == {"script": REFUSAL_SCRIPT}
     assert TooManyAttempts in app_kwargs["exception_handlers"]
     assert guarded_launch_kwargs(None) == {"auth": None}
 
