@@ -3,6 +3,7 @@ and what the user should know about what was refused."""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from specchat.models.eagle_files import (
     load_head,
     target_identity,
 )
+from specchat.runners.memory import release_freed_memory
 
 
 @dataclass
@@ -65,6 +67,11 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
             engine.drafters["model"] = ModelDrafter(draft.model, engine.vocab_size,
                                                     paged=draft.paged_cache,
                                                     runner=draft.runner)
+    # What the steps after the weights' loading freed (the head's quantization's temporaries)
+    # back to the OS, which glibc would keep: about 80 MB on the embedded target
+    # (docs/performance.md).
+    gc.collect()
+    release_freed_memory()
     return LoadReport(engine, draft, notes)
 
 
@@ -113,6 +120,7 @@ def head_drafters(target, ngram, path: str | Path | None = None,
         head = load_head(path, target.model, target.tokenizer, identity)
     except HeadMismatchError as e:
         return {}, [f"Draft head refused: {e}"]
+    release_freed_memory()  # the file's and the LM rows' buffers: before the copies below
     runtime = target.runtime
     drafter = HeadDrafter(head, target.model, len(target.tokenizer), min_gain,
                           lib=runtime.kernels if runtime is not None else None)

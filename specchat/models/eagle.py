@@ -189,15 +189,22 @@ def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).to(torch.int8), scales.to(torch.bfloat16)
 
 
-def _q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _q8_0(weight: torch.Tensor, rows_at_once: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, k] weight (k a multiple of 32) -> (int8 [n, k], float16 scales [n, k / 32]): one
-    scale per 32 values, as `kernels.q8_0_matmul_i8` reads them."""
+    scale per 32 values, as `kernels.q8_0_matmul_i8` reads them. A few rows at a time: the float
+    temporaries of a whole matrix (five of them) would raise the process's peak memory by
+    tens of MB while the head loads."""
     n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
-    d = (blocks.abs().amax(-1) / 127).to(torch.float16)
-    scale = d.float()[..., None]
-    q = torch.where(scale > 0, torch.round(blocks / scale.clamp(min=1e-30)), 0.0)
-    return q.clamp(-127, 127).to(torch.int8).reshape(n, k), d
+    q = torch.empty(n, k, dtype=torch.int8)
+    d = torch.empty(n, k // Q8_BLOCK, dtype=torch.float16)
+    for r in range(0, n, rows_at_once):
+        blocks = weight[r:r + rows_at_once].detach().float().reshape(-1, k // Q8_BLOCK, Q8_BLOCK)
+        scales = (blocks.abs().amax(-1) / 127).to(torch.float16)
+        scale = scales.float()[..., None]
+        values = torch.where(scale > 0, torch.round(blocks / scale.clamp(min=1e-30)), 0.0)
+        q[r:r + rows_at_once] = values.clamp(-127, 127).to(torch.int8).reshape(-1, k)
+        d[r:r + rows_at_once] = scales
+    return q, d
 
 
 INT8_ROWS = 16  # the most rows a drafting call reads torch's int8 weights for (wider: float)

@@ -19,7 +19,7 @@ import torch
 
 from specchat.models.loaded import ModelLoadError
 from specchat.runners.cpu.q8_head import BLOCK, Q8Head, activation_error
-from specchat.runners.memory import _release_freed_memory
+from specchat.runners.memory import release_freed_memory
 
 BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 
@@ -89,5 +89,5 @@ def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
         if not bool(((got - want).abs() <= bound).all()) or not _rows_independent(made, x):
             return False
     head.forward = made  # the bf16 copy the previous head read goes with its forward
-    _release_freed_memory()
+    release_freed_memory()
     return True

@@ -38,7 +38,7 @@ from specchat.runners.hf.cpu import (
 from specchat.runners.memory import (
     _copy_out_of_file_mapping,
     _keep_step_buffers,
-    _release_freed_memory,
+    release_freed_memory,
     _return_large_buffers_to_os,
 )
 
@@ -116,7 +116,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         runners.use_cpu_runner(loaded, lib, int8=cpu_path.int8)
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
-        _release_freed_memory()  # the proof's logits, kept by the heap for decoding's steps
+        release_freed_memory()  # the proof's logits, kept by the heap for decoding's steps
         if exact or forced or i == len(tries) - 1:
             loaded.runtime = Runtime(cpu_path.name, cpu.describe(), exact, proof, forced,
                                      tuple(skipped), lib)
@@ -127,7 +127,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         progress(f"specchat: {cpu_path.name} is not row-exact on this CPU ({proof}); "
                  "trying the next path")
         del loaded
-        _release_freed_memory()
+        release_freed_memory()
     raise ModelLoadError(f"no CPU path could run here: {'; '.join(skipped)}")
 
 
@@ -205,7 +205,7 @@ def _load(name_or_path: str, path: str, quantization: str, dev: torch.device,
             f"fetched from the model hub (offline, or a wrong id?). Download it once with "
             f"network access, or pass a local path. Details: {str(e).splitlines()[0]}") from e
     model.eval()
-    _release_freed_memory()
+    release_freed_memory()
     embedded = name_or_path in ("", EMBEDDED)
     if cpu_path is not None:
         how = _run_on_cpu(model, cpu_path, lib, quantization == "nf4", embedded,
@@ -234,7 +234,7 @@ def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
     `widen`: the model was loaded in bf16 for a float32 path. Returns how it runs, in words,
     for its label."""
     _copy_out_of_file_mapping(model)
-    _release_freed_memory()
+    release_freed_memory()
     how = []
     # The GGUF's head first: it reads a copy of its own, so the tied table can stay bf16, and a
     # bf16 copy for `fast_lm_head` would raise the peak by 336 MB.

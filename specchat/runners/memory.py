@@ -103,7 +103,7 @@ def _keep_step_buffers(threshold: int = 32 << 20, trim: int = 128 << 20) -> None
         pass  # not glibc
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the loader's freed buffers back to the OS (glibc keeps them otherwise): ~0.4 GB
     less resident memory after loading the embedded model."""
     try:

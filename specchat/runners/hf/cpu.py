@@ -15,7 +15,7 @@ import torch
 
 from specchat import kernels
 from specchat.runners import nf4
-from specchat.runners.memory import _release_freed_memory
+from specchat.runners.memory import release_freed_memory
 
 # Rows (tokens) from which dequantize-then-matmul beats bitsandbytes' fused CPU kernel:
 # dequantizing costs the same whatever the rows, while the fused kernel pays per row
@@ -313,7 +313,7 @@ def dense_nf4(model):
             f.dense_weight, f.min_rows = None, rows
         for f in kernel_layers:
             f.dense_weight = None
-        _release_freed_memory()
+        release_freed_memory()
 
 
 def _nf4_gemv_kernel(module):
@@ -581,7 +581,7 @@ def compact_embeddings(model) -> bool:
             return False
     embed.forward = made
     weight.data = compact  # a tied head's Parameter too: it reads its own copy
-    _release_freed_memory()
+    release_freed_memory()
     return True
 
 
@@ -625,4 +625,4 @@ def widen_to_float32(model, keep_table: bool = False) -> None:
             state.dtype = torch.float32
     if table is not None:
         embed.forward = _WideEmbedding(embed, table)
-    _release_freed_memory()
+    release_freed_memory()
