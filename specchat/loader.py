@@ -19,7 +19,7 @@ from specchat.models.eagle_files import (
     load_head,
     target_identity,
 )
-from specchat.runners.memory import release_freed_memory
+from specchat.runners.memory import drop_read_pages, release_freed_memory
 
 
 @dataclass
@@ -68,10 +68,11 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
                                                     paged=draft.paged_cache,
                                                     runner=draft.runner)
     # What the steps after the weights' loading freed (the head's quantization's temporaries)
-    # back to the OS, which glibc would keep: about 80 MB on the embedded target
-    # (docs/performance.md).
+    # back to the OS, which glibc would keep: about 80 MB on the embedded target; and the
+    # pages loading read of a table that decoding reads a row at a time (docs/performance.md).
     gc.collect()
     release_freed_memory()
+    drop_read_pages(tgt.model)
     return LoadReport(engine, draft, notes)
 
 

@@ -7,7 +7,7 @@ import torch
 from tiny import tiny_gemma3
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
-from specchat.runners.memory import _copy_out_of_file_mapping, _file_mappings
+from specchat.runners.memory import _copy_out_of_file_mapping, _file_mappings, drop_read_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc/self/maps")
@@ -31,6 +31,47 @@ def test_unquantized_weights_leave_the_file_mapping_unchanged(tmp_path):
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
     assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def _resident_kb(start: int, end: int) -> int:
+    """Resident kB of the mappings that overlap [start, end) (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < end and b > start
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_kept_table_stays_mapped_and_its_pages_come_back_a_lookup_at_a_time(tmp_path):
+    """The embedded target's table, read a row at a time, stays in the checkpoint's mapping
+    (`keep`) while every other weight is copied out; the pages loading read are dropped
+    (`drop_read_pages`) and lookups read theirs again: the same values all along."""
+    tiny_gemma3(0, vocab=32768).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    table = model.get_input_embeddings().weight
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    _copy_out_of_file_mapping(model, keep=(table,))
+
+    assert _mapped(model) == ["model.embed_tokens.weight"]  # (tied: the LM head's too)
+    start = table.data_ptr()
+    end = start + table.numel() * table.element_size()
+    assert torch.equal(table, before["model.embed_tokens.weight"])  # read whole: resident
+    whole = _resident_kb(start, end)
+    drop_read_pages(model)
+    assert _resident_kb(start, end) < whole / 4
+    ids = torch.tensor([[5, 17, 30000]])
+    with torch.inference_mode():  # (how much a lookup maps back is the kernel's: a page or
+        rows = model.get_input_embeddings()(ids)  # the page cache's folio around it)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert torch.equal(rows[0], before["model.embed_tokens.weight"][ids[0]] *
+                       model.get_input_embeddings().embed_scale.to(torch.bfloat16))
 
 
 def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_path):

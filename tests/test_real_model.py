@@ -124,6 +124,17 @@ def embedded():
     return load_engine("embedded", quantization="nf4").engine
 
 
+def test_the_embedding_table_stays_in_the_checkpoints_mapping(embedded):
+    """The embedded target's table is read a row at a time (its LM head is the GGUF's Q8_0
+    copy), so it stays in the checkpoint's file mapping with the pages loading read dropped:
+    its 320 MB of bf16 are not the process's own memory, and under pressure the kernel may take
+    back what decoding reads of it (docs/performance.md)."""
+    from specchat.runners.memory import _file_mappings
+    table = embedded.target.model.get_input_embeddings().weight
+    assert table.dtype == torch.bfloat16 and table.numel() * 2 > 300e6
+    assert any(start <= table.data_ptr() < end for start, end in _file_mappings())
+
+
 # The integer path's greedy reply to PROMPT (the chat format), 32 tokens: its integer products
 # are exact, and its float parts (norms, RoPE, attention, softmax) are one C source compiled with
 # the same flags on every x86 CPU (no contraction, one reduction order, one expf), so every CPU

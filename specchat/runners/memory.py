@@ -1,9 +1,26 @@
-"""Returning memory to the OS after loading: weights copied out of the checkpoint's file mapping,
-freed buffers trimmed."""
+"""Returning memory to the OS after loading: weights copied out of the checkpoint's file mapping
+(or, for a table read a row at a time, left there with its pages dropped), freed buffers
+trimmed."""
 
+import ctypes
 import os
 
 import torch
+
+MADV_RANDOM, MADV_DONTNEED = 1, 4
+
+
+def _madvise(start: int, end: int, advice: int) -> None:
+    """madvise over the whole pages inside [start, end) (Linux; elsewhere nothing)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-start // page) * page, end // page * page
+    if end <= start:
+        return
+    try:
+        madvise = ctypes.CDLL("libc.so.6").madvise
+    except (OSError, AttributeError):
+        return
+    madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
 
 
 def _file_mappings() -> list[tuple[int, int]]:
@@ -22,29 +39,22 @@ def _file_mappings() -> list[tuple[int, int]]:
     return spans
 
 
-def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20) -> None:
+def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20, keep=()) -> None:
     """Move the weights that stayed views of the memory-mapped checkpoint into memory we own.
 
     On CPU the unquantized tensors (the bf16 tied embedding and the norms) are slices of the
     safetensors file's mapping, which keeps every page it ever read resident: the embedding and
     the bf16 sources of the weights already quantized. Copying the tensors out (a chunk at a
     time, dropping each source chunk's pages as it goes) lets the mapping close, with no
-    transient peak."""
-    import ctypes
+    transient peak.
+
+    `keep`: tensors that stay in the mapping, read a row at a time (an embedding table whose
+    LM head reads a copy of its own): their pages are dropped and read again as rows are looked
+    up, one page at a time (`drop_read_pages` drops them again once loading is done)."""
     spans = _file_mappings()
     if not spans:
         return
-    try:
-        madvise = ctypes.CDLL("libc.so.6").madvise
-    except (OSError, AttributeError):
-        madvise = None
-    madvise_dontneed, page = 4, os.sysconf("SC_PAGE_SIZE")
-
-    def drop_pages(start: int, end: int) -> None:
-        start, end = -(-start // page) * page, end // page * page  # whole pages inside
-        if madvise is not None and end > start:
-            madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madvise_dontneed)
-
+    kept = {t.data_ptr() for t in keep}
     tensors = [t for t in (*model.parameters(), *model.buffers())
                if t.device.type == "cpu" and type(t).__name__ != "Params4bit"
                and any(s <= t.data_ptr() < e for s, e in spans)]
@@ -59,10 +69,15 @@ def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20) -> None:
                 edge = start
                 for a, b in extents:
                     if start <= a < end:
-                        drop_pages(edge, a)
+                        _madvise(edge, a, MADV_DONTNEED)
                         edge = max(edge, b)
-                drop_pages(edge, end)
+                _madvise(edge, end, MADV_DONTNEED)
         for t in tensors:  # then each tensor, copied out a chunk at a time
+            if t.data_ptr() in kept:
+                end = t.data_ptr() + t.numel() * t.element_size()
+                _madvise(t.data_ptr(), end, MADV_RANDOM)  # a lookup reads its own page only
+                _madvise(t.data_ptr(), end, MADV_DONTNEED)
+                continue
             if not t.is_contiguous():
                 t.data = t.data.clone()
                 continue
@@ -71,8 +86,19 @@ def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20) -> None:
             for i in range(0, flat.numel(), step):
                 part = flat[i:i + step]
                 own[i:i + step] = part
-                drop_pages(part.data_ptr(), part.data_ptr() + part.numel() * part.element_size())
+                _madvise(part.data_ptr(), part.data_ptr() + part.numel() * part.element_size(),
+                         MADV_DONTNEED)
             t.data = own.view(t.shape)
+
+
+def drop_read_pages(model) -> None:
+    """Drop the pages read so far of the weights still in the checkpoint's mapping (those that
+    `_copy_out_of_file_mapping` kept): loading read whole tables (a draft head's rows of the LM
+    head, the proof's lookups), and what decoding reads comes back a page at a time."""
+    spans = _file_mappings()
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "cpu" and any(s <= t.data_ptr() < e for s, e in spans):
+            _madvise(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), MADV_DONTNEED)
 
 
 def _return_large_buffers_to_os(threshold: int = 1 << 20) -> None:
@@ -82,7 +108,6 @@ def _return_large_buffers_to_os(threshold: int = 1 << 20) -> None:
     loading would vary between identical runs. With this it is the same every time. Loading ends
     with `_keep_step_buffers`."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc
@@ -95,7 +120,6 @@ def _keep_step_buffers(threshold: int = 32 << 20, trim: int = 128 << 20) -> None
     a page fault per 4 KB at every step, which costs more than the arithmetic on it
     (docs/cpu.md)."""
     try:
-        import ctypes
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, trim)  # M_TRIM_THRESHOLD
@@ -107,7 +131,6 @@ def release_freed_memory() -> None:
     """Hand the loader's freed buffers back to the OS (glibc keeps them otherwise): ~0.4 GB
     less resident memory after loading the embedded model."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc (macOS, Windows): nothing to do
