@@ -50,11 +50,13 @@ def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20, keep=()) -> No
 
     `keep`: tensors that stay in the mapping, read a row at a time (an embedding table whose
     LM head reads a copy of its own): their pages are dropped and read again as rows are looked
-    up, one page at a time (`drop_read_pages` drops them again once loading is done)."""
+    up, one page at a time (`drop_read_pages` drops them again once loading is done). Nothing
+    may write to them: a page dropped from the private mapping comes back as the file has it."""
     spans = _file_mappings()
     if not spans:
         return
     kept = {t.data_ptr() for t in keep}
+    model._kept_in_file = [t for t in keep if any(s <= t.data_ptr() < e for s, e in spans)]
     tensors = [t for t in (*model.parameters(), *model.buffers())
                if t.device.type == "cpu" and type(t).__name__ != "Params4bit"
                and any(s <= t.data_ptr() < e for s, e in spans)]
@@ -92,12 +94,13 @@ def _copy_out_of_file_mapping(model, chunk_bytes: int = 16 << 20, keep=()) -> No
 
 
 def drop_read_pages(model) -> None:
-    """Drop the pages read so far of the weights still in the checkpoint's mapping (those that
-    `_copy_out_of_file_mapping` kept): loading read whole tables (a draft head's rows of the LM
-    head, the proof's lookups), and what decoding reads comes back a page at a time."""
+    """Drop the pages read so far of the tables `_copy_out_of_file_mapping` kept in the
+    checkpoint's mapping (none elsewhere): loading read many of their rows (a draft head's rows
+    of the LM head, the proof's lookups), and what decoding reads comes back a page at a
+    time."""
     spans = _file_mappings()
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type == "cpu" and any(s <= t.data_ptr() < e for s, e in spans):
+    for t in getattr(model, "_kept_in_file", ()):
+        if any(s <= t.data_ptr() < e for s, e in spans):  # (not replaced since)
             _madvise(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), MADV_DONTNEED)
 
 
