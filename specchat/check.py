@@ -307,19 +307,6 @@ def _verify_costs(runner, vocab: int, device: str, widths=(1, 2, 3, 4, 5, 6, 8, 
             "vs_one_token": {n: round(v / ms[1], 2) for n, v in ms.items()}}
 
 
-def _weight_bytes(runner) -> dict[str, int]:
-    """Bytes of weights a forward reads, by the kind of kernel that reads them (the CUDA
-    runtime's: "nf4", "bf16"); empty for other runners."""
-    layers, head = getattr(runner, "layers", None), getattr(runner, "lm_head", None)
-    if not layers or head is None or not hasattr(head, "bytes"):
-        return {}
-    out = {"nf4": 0, "bf16": 0}
-    for lin in [head] + [getattr(layer, name) for layer in layers
-                         for name in ("q", "k", "v", "o", "gate", "up", "down")]:
-        out["nf4" if lin.packed is not None else "bf16"] += lin.bytes
-    return out
-
-
 # Kernel names of the CUDA runtime's matmuls (runners/cuda/kernels.py), by the weights they read
 MATMUL_KERNELS = {"nf4": ("_nf4_matmul_kernel", "_nf4_sum_kernel"), "bf16": ("_matmul_kernel",)}
 
@@ -331,14 +318,15 @@ def _kernel_table(runner, vocab: int, device: str, widths=(1, 16), context: int 
     torch's profiler: microseconds a forward and launches a forward of each (on CUDA the
     kernels' device time; elsewhere the CPU time of the torch operations it sees, which leaves
     specchat's C forward out: `bench --profile` times that one by part), each one's share, and
-    the read rate of the matmul kernels from the bytes of the weights they read."""
+    the read rate of the matmul kernels from the bytes of the weights they read
+    (`CudaRunner.weight_bytes`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
     cache = runner.new_cache()
     ids = torch.randint(3, vocab, (context + max(widths),)).tolist()
     runner.forward(cache, ids[:context], 0, 1)
-    weights = _weight_bytes(runner)
+    weights = getattr(runner, "weight_bytes", {})  # the CUDA runtime's, by kind
     out = {"context": context, "forwards": forwards,
            "time": "device" if cuda else "cpu (torch operations only)", "widths": {}}
     for n in widths:

@@ -365,8 +365,7 @@ def test_the_prefix_store_restores_whole_pages_of_the_static_cache(runner):
 def test_the_kernel_tables_weight_bytes_are_the_runners(runner):
     """`check --profile` rates the matmul kernels by the bytes of the weights they read: the
     NF4 layers' codes and absmax, and the bf16 weights (here the LM head), every layer once."""
-    from specchat.check import _weight_bytes
-    got = _weight_bytes(runner)
+    got = runner.weight_bytes
     norms = sum(t.numel() * t.element_size() for layer in runner.layers
                 for t in (layer.attn_norm, layer.mlp_norm))
     assert got["nf4"] > 0 and got["bf16"] >= runner.lm_head.bytes

@@ -223,13 +223,21 @@ class CudaRunner(Runner):
             self._capture()
 
     @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Weight bytes one forward reads by the kind of product that reads them: "nf4" (codes
+        and absmax) and "bf16" (the LM head, unquantized layers), every layer once."""
+        out = {"nf4": 0, "bf16": 0}
+        for lin in [self.lm_head] + [getattr(layer, name) for layer in self.layers
+                                     for name in ("q", "k", "v", "o", "gate", "up", "down")]:
+            out["nf4" if lin.packed is not None else "bf16"] += lin.bytes
+        return out
+
+    @property
     def bytes_per_token(self) -> int:
         """Weight bytes one forward reads (every layer once, the embedding table aside)."""
         norms = sum(t.numel() * t.element_size() for layer in self.layers
                     for t in (layer.attn_norm, layer.mlp_norm))
-        return sum(lin.bytes for layer in self.layers for lin in
-                   (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)) \
-            + self.lm_head.bytes + norms
+        return sum(self.weight_bytes.values()) + norms
 
     # -- the forward ------------------------------------------------------------------------
 

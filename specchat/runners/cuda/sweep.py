@@ -19,6 +19,7 @@ timing)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -100,8 +101,8 @@ def _graph_time_us(launches: list, repeats: int = 20) -> tuple[float, str]:
                 fn()
     except Exception:  # noqa: BLE001 - timed by events instead, and said so
         torch.cuda.synchronize()
-        turn = iter(range(1 << 30))
-        return _time_us(lambda: launches[next(turn) % len(launches)](), repeats * 4), "events"
+        turn = itertools.cycle(launches)
+        return _time_us(lambda: next(turn)(), repeats * 4), "events"
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
