@@ -168,7 +168,7 @@ class PageRoute:
         self.send_id, self.stop_id = send, elem("sc-stop")
         self.box, self.max_new = elem("sc-input"), elem("sc-max-new")
         self.chat, self.notice = elem("sc-chat"), elem("sc-notice")
-        self.live = elem("sc-live")  # a streaming reply's token records (ui/live.py)
+        self.live = elem("sc-live")  # a streaming reply's feed (ui/live.py)
 
     def data(self, dep: dict, text: str, tokens: int) -> list:
         """The event's inputs, as the page sends them: the controls at their defaults, greedy,
@@ -216,6 +216,27 @@ class Tab:
                 if line.startswith("data:"):
                     yield json.loads(line[5:])
 
+    def _follow(self, feed: str, sent: float, reply: Reply, leave: str) -> bool:
+        """Read the reply's feed as the page's script does, to its end; True when the tab
+        left at the first token ("close": the feed is closed there)."""
+        with self.client.stream("GET", f"{self.base}/specchat/live/{feed}",
+                                headers=self.headers) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:") or '"tokens"' not in line:
+                    continue
+                if reply.first is None:
+                    reply.first = time.monotonic() - sent
+                    if leave == "close":
+                        return True
+                    if leave == "stop":
+                        self.client.post(f"{self.base}/gradio_api/run/predict",
+                                         headers=self.headers, json={
+                                             "data": [], "fn_index": self.route.stop["id"],
+                                             "trigger_id": self.route.stop_id,
+                                             "session_hash": self.session, "event_data": None})
+        return False
+
     def send(self, text: str, tokens: int, leave: str = "") -> Reply:
         """Send `text` as the page's Send button does (the echo, then the reply) and follow the
         reply to its end. `leave`: "stop" presses Stop at the first token, "close" closes the
@@ -254,18 +275,12 @@ class Tab:
                     content = chat[-1]["content"]
                     reply.last = content if isinstance(content, str) else \
                         "".join(part.get("text", "") for part in content)
-                live = outputs[live_at]  # the page draws streamed tokens from these
-                streamed = isinstance(live, str) and '"tokens": [[' in live
-                if reply.first is None and ('class="tk tk-' in reply.last or streamed):
-                    reply.first = time.monotonic() - sent
-                    if leave == "close":
+                live = outputs[live_at]  # the name of the reply's feed (ui/live.py)
+                if reply.first is None and isinstance(live, str) and '"feed"' in live:
+                    if self._follow(json.loads(live)["feed"], sent, reply, leave):
                         return reply
-                    if leave == "stop":
-                        self.client.post(f"{self.base}/gradio_api/run/predict",
-                                         headers=self.headers, json={
-                                             "data": [], "fn_index": route.stop["id"],
-                                             "trigger_id": route.stop_id,
-                                             "session_hash": self.session, "event_data": None})
+                if reply.first is None and 'class="tk tk-' in reply.last:
+                    reply.first = time.monotonic() - sent
         finally:
             events.close()  # leaving: the server sees the page go
         if reply.first is not None:

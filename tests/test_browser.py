@@ -359,7 +359,8 @@ def test_a_tab_closed_mid_reply_records_an_interrupted_turn(shared):
             box = page.locator("#sc-input textarea")
             box.fill("a long story, please")
             box.press("Enter")
-            page.wait_for_selector("#sc-chat .sc-cursor")
+            # tokens drawn from the reply's feed: a cursor after them is there only mid-reply
+            page.wait_for_selector("#sc-chat .sc-reply span.tk ~ .sc-cursor")
             page.context.close()
         finally:
             browser.close()

@@ -48,6 +48,7 @@ from specchat.loader import LoadReport
 from specchat.stats.speedup import Speedup, noise_band, plain_step_times, turn_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
+from specchat.ui import live as feeds
 from specchat.ui.access import NOBODY, Access
 from specchat.ui.render import ab_panel, ab_placeholders, render_history
 from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
@@ -209,14 +210,14 @@ class ChatApp:
 
     def _drive(self, ids: list[int], cfg: GenerateConfig, stop: threading.Event,
                tokens: list[TokenEvent], steps: list[StepRecord] | None = None,
-               owner: str | None = None, repaint: bool = True
+               owner: str | None = None, every: float | None = None
                ) -> Iterator[GenerationStats | Waiting | None]:
         """One generation in its turn: the engine's queue, shared with the API's requests and
         fair between visitors (`owner`, by default `cfg.owner`), with the API's limits, yields
         Waiting reports while replies are ahead. Then the reply runs in a thread of its own
         (`engine_queue.run_reply`) and this generator appends its TokenEvents to `tokens` (and
-        StepRecords to `steps`) when it wakes, yielding None when a repaint is due (`repaint`
-        False: every `PROGRESS_S` while tokens come, for a progress line), the GenerationStats
+        StepRecords to `steps`) when it wakes, yielding None when a repaint is due (`every`:
+        every so many seconds while tokens come, with no spacing rule), the GenerationStats
         last. An engine error becomes stats with `error` set; a place the line refuses
         (QueueFull), stats with stop_reason REFUSED and the reason as `error`: nothing ran.
         Closed early (a closed tab), the reply is stopped at its next step and the engine goes
@@ -241,7 +242,7 @@ class ChatApp:
             stats = GenerationStats.for_config(cfg, stop_reason="stopped")
         else:
             stats, error = yield from self._stream(ticket, engine, ids, cfg, stop, tokens, steps,
-                                                   repaint)
+                                                   every)
         if stats is None:
             stats = GenerationStats.for_config(
                 cfg, new_tokens=len(tokens), stop_reason="error",
@@ -250,7 +251,7 @@ class ChatApp:
             stats.error = readable_error(stats.error)
         yield stats
 
-    def _stream(self, ticket, engine, ids, cfg, stop, tokens, steps, repaint: bool = True
+    def _stream(self, ticket, engine, ids, cfg, stop, tokens, steps, every: float | None = None
                 ) -> Generator[None, None, tuple[GenerationStats | None, str]]:
         """The engine's reply in its own thread while this generator sleeps between repaints;
         yields None when a repaint is due and returns (its stats or None, the error).
@@ -259,7 +260,8 @@ class ChatApp:
         engine shares the cores with it (and with the browser, on one machine). So repaints
         are spaced to keep that cost a tenth of the time at most: the next comes after
         `min_interval`, or after `REPAINT_SPACING` times the last repaint's cost where that is
-        longer."""
+        longer. With `every` (seconds), the generator wakes that often while tokens come,
+        whatever its caller does with them."""
         def produce():
             events = engine.stream(ids, cfg, stop_event=stop)
             try:
@@ -272,7 +274,7 @@ class ChatApp:
 
         box = Mailbox()
         run_reply(ticket, produce, box.put, "specchat-page-reply")
-        stats, error, finished, wait = None, "", False, self.min_interval
+        stats, error, finished, wait = None, "", False, every or self.min_interval
         try:
             while not finished:
                 fresh = False
@@ -293,7 +295,7 @@ class ChatApp:
                     began = time.perf_counter()
                     yield None  # the caller renders, gradio diffs and sends, then asks again
                     cost = time.perf_counter() - began
-                    wait = max(self.min_interval if repaint else PROGRESS_S, REPAINT_SPACING * cost)
+                    wait = every or max(self.min_interval, REPAINT_SPACING * cost)
         except GeneratorExit:  # the tab was closed: the reply stops at its next step
             stop.set()
             raise
@@ -375,8 +377,11 @@ class ChatApp:
         return "", render_history(session), session, ""
 
     def bot(self, session: Session, settings: Settings, request: gr.Request | None = None,
-            browser_id: str | None = None):
-        """Stream the reply to the pending message. Yields (chat, session, notice)."""
+            browser_id: str | None = None, live: bool = False):
+        """Stream the reply to the pending message. Yields (chat, session, notice).
+
+        `live`: the reply's tokens go to the page by its own feed (ui/live.py), whose name the
+        turn holds from the echo on (`Turn.feed`), and nothing is yielded while they stream."""
         if session.pending is None or self.slot.engine is None:
             yield render_history(session), session, gr.skip()
             return
@@ -395,25 +400,30 @@ class ChatApp:
             session.turns.append(turn)
             turn.notes = list(notes)
             owner = self.access.viewer(request, browser_id).owner
-            yield from self._reply(session, turn, cfg, settings, request, owner)
+            yield from self._reply(session, turn, cfg, settings, request, owner, live)
         finally:
             self._unclaim(request)
 
     def _reply(self, session: Session, turn: Turn, cfg: GenerateConfig, settings: Settings,
-               request, owner: str):
+               request, owner: str, live: bool = False):
         ids, stop = self.prompt_ids(session, len(session.turns) - 1, settings, turn.notes)
         # drafts may copy this visitor's earlier turns, no one else's
         cfg = replace(cfg, owner=owner, stop=stop)
         notice = " ".join(turn.notes)
         stop = self._stop_event(request)
-        drive = self._drive(ids, cfg, stop, turn.tokens, turn.steps)
+        feed = None
+        if live:
+            turn.feed, feed = feeds.open_feed(turn.key, turn.tokens, turn.steps, stop)
+        drive = self._drive(ids, cfg, stop, turn.tokens, turn.steps,
+                            every=feeds.LIVE_S if live else None)
         started = time.perf_counter()
         said = None  # the last place in line shown
         try:
             yield render_history(session, streaming=True), session, notice
             for result in drive:
                 if result is None:
-                    yield render_history(session, streaming=True), session, gr.skip()
+                    if not live:
+                        yield render_history(session, streaming=True), session, gr.skip()
                 elif isinstance(result, Waiting):  # other replies have the engine first
                     message = result.message() or notice
                     # (a report that says nothing new sends nothing: one every quarter second)
@@ -424,6 +434,8 @@ class ChatApp:
                     turn.stats = result
                     if result.stop_reason == REFUSED:
                         notice = _notice(result.error, request)
+            if feed is not None and feed.left.is_set() and turn.stats.stop_reason == "stopped":
+                turn.stats = replace(turn.stats, stop_reason="cancelled")  # the page went away
         except GeneratorExit:  # the tab was closed or the reply cancelled: gradio closes us
             drive.close()  # the engine stops at the step boundary it is at, cache consistent
             turn.stats = cut_short(cfg, turn.tokens, time.perf_counter() - started)
@@ -433,6 +445,8 @@ class ChatApp:
             raise
         finally:
             self._release(request, stop)
+            if feed is not None:
+                feeds.close_feed(turn.feed)
         turn.speedup = self.figure(turn.stats, turn.steps)
         self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
                      turn.steps, turn.speedup)
@@ -563,7 +577,7 @@ class ChatApp:
             run_cfg = replace(cfg, speculation=speculation)
             # Timed as the bench times a reply: no repaint while it runs, a progress line only
             drive = self._drive(ids, run_cfg, stop, tokens, steps[name], owner=owner,
-                                repaint=False)
+                                every=PROGRESS_S)
             started = time.perf_counter()
             try:
                 yield (*panels(name), _ab_progress(name, tokens), gr.skip(), session, gr.skip())

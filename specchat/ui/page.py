@@ -125,7 +125,7 @@ def _chat_column(self: ChatApp) -> dict:
                 send = gr.Button("Send", variant="primary", elem_id="sc-send",
                                  interactive=ready, min_width=70)
                 stop = gr.Button("Stop", variant="stop", elem_id="sc-stop", min_width=70)
-    # a streaming reply's new tokens for the page's script (ui/live.py); never shown
+    # the name of a streaming reply's feed, for the page's script (ui/live.py); never shown
     live_feed = gr.Textbox("", elem_id="sc-live", show_label=False, container=False,
                            interactive=False, lines=1)
     notice = gr.Markdown("", elem_id="sc-notice", elem_classes="sc-notice")
@@ -217,24 +217,16 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     # positional parameter.
     def on_bot(data: dict, request: gr.Request):
         # The chat is drawn whole at the echo (and while the reply waits its turn) and at the
-        # end; in between, the tokens that came since the last repaint go to the page's
-        # script as compact records (ui/live.py).
-        drawn = None  # tokens of the streaming turn the page holds
+        # end; in between, the reply's tokens reach the page's script by the reply's own feed
+        # (ui/live.py), whose name goes to the page with the echo.
+        announced = ""
         for chat, session, notice in self.bot(data[v.session], settings_of(data), request,
-                                              data[v.browser]):
+                                              data[v.browser], live=True):
             turn = session.turns[-1] if session.turns else None
-            streaming = turn is not None and turn.stats is None
-            if streaming and drawn is not None and len(turn.tokens) > drawn:
-                batch = live.records(turn.key, turn.tokens, drawn,
-                                     {r.step: r for r in turn.steps})
-                drawn = len(turn.tokens)
-                # the session is the same object all along: gradio stores a State it is handed
-                # anew by rebuilding the State's config, its API schema included (a few ms of
-                # the cores the engine decodes on), so mid-reply only the tokens go
-                yield gr.skip(), gr.skip(), notice, batch
+            if turn is not None and turn.feed and turn.feed != announced:
+                announced = turn.feed
+                yield chat, session, notice, live.announce(turn.key, turn.feed)
                 continue
-            if streaming and isinstance(chat, list):
-                drawn = len(turn.tokens)
             yield chat, session, notice, gr.skip()
 
     def on_ab(data: dict, request: gr.Request):
@@ -428,10 +420,12 @@ def launch_kwargs() -> dict:
 
 
 def launch(demo: gr.Blocks, **kwargs):
-    """demo.queue(...).launch(...) with specchat's CSS and theme, and `head.FRAMES_SCRIPT` in
-    every page; kwargs go to launch() (their `app_kwargs` middleware after the script's)."""
+    """demo.queue(...).launch(...) with specchat's CSS and theme, `head.FRAMES_SCRIPT` in every
+    page and the streaming replies' feeds (ui/live.py); kwargs go to launch() (their
+    `app_kwargs` middleware after the script's, their routes after the feeds')."""
     demo.queue(default_concurrency_limit=1, max_size=64)
     app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
     app_kwargs["middleware"] = [Middleware(HeadScript, script=FRAMES_SCRIPT),
                                 *app_kwargs.get("middleware", [])]
+    app_kwargs["routes"] = [*live.routes(), *app_kwargs.get("routes", [])]
     return demo.launch(**launch_kwargs(), app_kwargs=app_kwargs, **kwargs)

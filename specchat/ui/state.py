@@ -77,6 +77,7 @@ class Turn:
     speedup: Speedup | None = None
     notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
     body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
+    feed: str = field(default="", repr=False)  # its live feed's name while it streams (ui/live.py)
 
     @property
     def reply(self) -> str:
