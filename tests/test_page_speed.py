@@ -3,20 +3,23 @@ Chromium, about 4 minutes on 2 cores).
 
 For the same request (the embedded model, Completion mode, the examples' samplers, 256 tokens),
 speculation off and on: the tok/s the page shows for a reply, and a reply streamed through the
-API by the `openai` client, each against the engine's own `generate` run beside it in the same
-process. Ratios measured in one run, so they hold on a noisy machine; the margins are below
-the targets (page 0.9, API 0.95), which docs/performance.md records with this test's output:
+API by the `openai` client (in a process of its own, as a user runs one), each against the
+engine's own `generate` run beside it in the server's process. Ratios measured in one run, so
+they hold on a noisy machine; the margins are below the targets (page 0.9, API 0.95), which
+docs/performance.md records with this test's output:
 
     python -m pytest -q -s -m slow tests/test_page_speed.py
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
 
-import openai
 import pytest
 from test_browser import CHROMIUM_ARGS, COUNT_FRAMES, _free_port, _sync_playwright
 from tiny import served_on_loopback
@@ -39,8 +42,8 @@ TOKENS = 256
 # the samplers the page sends, by the API's names (the examples' set: DRY, repeat penalty, min-p)
 SAMPLERS = ("min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
             "dry_multiplier", "dry_base", "dry_allowed_length", "temperature", "top_p", "top_k")
-PAGE_MARGIN = 0.7  # target 0.9, measured 0.83-0.89 (docs/performance.md)
-API_MARGIN = 0.85  # target 0.95
+PAGE_MARGIN = 0.75  # target 0.9, measured 0.85-0.97 (docs/performance.md)
+API_MARGIN = 0.85  # target 0.95, measured 0.91-0.95
 ROUNDS = 3  # replies measured a configuration, the median kept
 
 
@@ -158,26 +161,44 @@ def _measure(report, loop: EngineLoop, sync_playwright) -> list[tuple]:
                          max_tokens_cap=TOKENS)
         rounds = []
         with served_on_loopback(api) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-speed", max_retries=0)
+            body = dict(model=api.state.api.model_id, prompt=PROMPT, max_tokens=TOKENS,
+                        seed=settings.seed,
+                        extra_body={name: getattr(settings, name) for name in SAMPLERS}
+                        | {"speculation": speculation})
             for _ in range(ROUNDS):
                 base = loop.call(_generate, app, settings)
                 report.engine.history.clear()
-                started, tokens = time.perf_counter(), 0
-                stream = client.completions.create(
-                    model=api.state.api.model_id, prompt=PROMPT, max_tokens=TOKENS,
-                    stream=True, stream_options={"include_usage": True}, seed=settings.seed,
-                    extra_body={name: getattr(settings, name) for name in SAMPLERS}
-                    | {"speculation": speculation})
-                for chunk in stream:
-                    if getattr(chunk, "usage", None):
-                        tokens = chunk.usage.completion_tokens
-                seconds = time.perf_counter() - started
+                tokens, seconds = _api_reply(f"{url}/v1", body)
                 after = loop.call(_generate, app, settings)
-                # end to end, the first token's wait and the HTTP stream included
                 assert tokens == base.new_tokens
                 rounds.append((tokens / seconds, (base.tokens_per_s + after.tokens_per_s) / 2))
         figures.append(("api", speculation, *_median_round(rounds)))
     return figures
+
+
+# A client program of its own, as the API's users run one: a client in the server's process
+# would take the server's interpreter lock for every chunk it parses.
+CLIENT = """
+import json, sys, time
+import openai
+url, body = sys.argv[1], json.loads(sys.argv[2])
+client = openai.OpenAI(base_url=url, api_key="sk-speed", max_retries=0)
+started, tokens = time.perf_counter(), 0
+for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                       **body):
+    if getattr(chunk, "usage", None):
+        tokens = chunk.usage.completion_tokens
+print(json.dumps([tokens, time.perf_counter() - started]))
+"""
+
+
+def _api_reply(url: str, body: dict) -> tuple[int, float]:
+    """A reply streamed by the `openai` client in a process of its own: (tokens, seconds) end
+    to end, the first token's wait and the HTTP stream included."""
+    done = subprocess.run([sys.executable, "-c", CLIENT, url, json.dumps(body)],
+                          capture_output=True, text=True, timeout=300, check=True)
+    tokens, seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    return tokens, seconds
 
 
 def _median_round(rounds: list[tuple[float, float]]) -> tuple[float, float]:
