@@ -205,6 +205,31 @@ def test_matmul_rows_never_depend_on_their_neighbours():
     _rows_alone_and_together(lambda r: kernels.rms_norm(r, weight[0], 1e-6), x)
 
 
+@pytest.mark.parametrize("config", [None, *NF4_CONFIGS])
+def test_pad_rows_are_never_read_and_the_live_rows_keep_their_bits(config):
+    """The runtime feeds 16 rows with the live count in a device scalar: the live rows give
+    the bits they give alone, the pad rows the bias alone, whatever the pad rows hold."""
+    torch.manual_seed(3)
+    n, k = 40, 256
+    packed = _pack(torch.randint(0, 16, (n, k)))
+    absmax = torch.rand(n, k // 64)
+    table = kernels.pair_table(torch.linspace(-1, 1, 16))
+    bias = torch.randn(n).to(torch.bfloat16)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(16, k).to(torch.bfloat16)
+    poisoned = x.clone()
+    poisoned[3:] = float("nan")  # a read pad row would carry its NaN into the output
+    live = torch.tensor([3], dtype=torch.int32)
+    for product in (lambda r, rows=None: kernels.nf4_matmul(r, packed, absmax, table, bias,
+                                                            config=config, rows=rows),
+                    lambda r, rows=None: kernels.matmul(r, weight, bias, rows=rows)):
+        out = product(poisoned, rows=live)
+        assert torch.equal(out[:3], product(x[:3].contiguous()))
+        assert torch.equal(out[3:], bias.expand(13, n))
+    # without the live count every row is read: the poison shows
+    assert kernels.nf4_matmul(poisoned, packed, absmax, table, config=config)[3:].isnan().all()
+
+
 def _attention_reference(q, k_cache, v_cache, pos, scale, window=None):
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = torch.empty(q.shape)

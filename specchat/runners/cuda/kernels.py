@@ -233,9 +233,10 @@ def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok, col_ok, k0,
 
 @triton.jit
 def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, partial_ptr,
-                       M, N, stride_om, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       rows_ptr, M, N, stride_om, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, DECODE: tl.constexpr, UPCAST: tl.constexpr):
+                       SPLIT: tl.constexpr, DECODE: tl.constexpr, UPCAST: tl.constexpr,
+                       LIVE: tl.constexpr):
     # row tiles vary fastest, so the tiles of one column block run together and read its
     # codes from HBM once (a prompt page has four)
     pid_m = tl.program_id(0)
@@ -243,20 +244,24 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rm < M
+    row_ok = rm < M  # rows stored
+    if LIVE:  # rows read: the live ones (a device scalar), pad rows computed from zeros
+        load_ok = rm < tl.load(rows_ptr)
+    else:
+        load_ok = row_ok
     col_ok = rn < N
     first_block = pid_k * (K // 64 // SPLIT)
     if DECODE >= 2:  # accumulated transposed, [columns, rows], and stored so
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(0, K // SPLIT, BLOCK_K):
             if DECODE == 3:  # one product a step
-                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok,
+                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, load_ok,
                                      col_ok, first_block * 64 + step, K, BLOCK_N, BLOCK_K,
                                      UPCAST)
             else:
                 for j in tl.static_range(BLOCK_K // 64):
                     kb = first_block + step // 64 + j
-                    part = _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, row_ok, col_ok, kb, K,
+                    part = _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, load_ok, col_ok, kb, K,
                                         UPCAST)
                     scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
                     acc_t += part * scale[:, None]
@@ -275,7 +280,7 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
         for step in range(0, K // SPLIT, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 64):
                 kb = first_block + step // 64 + j
-                part = _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, row_ok, col_ok, kb,
+                part = _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, load_ok, col_ok, kb,
                                   K, BLOCK_N, DECODE, UPCAST)
                 scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
                 acc += part * scale[None, :]
@@ -359,13 +364,15 @@ def nf4_config(n: int, k: int, card: str | None = None) -> NF4Config:
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                table: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, config: NF4Config | None = None
-               ) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: NF4Config | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
     first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
     table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
     buffer (rows strided, columns contiguous). `config` instead of the shape's own
-    (`sweep.py` times them)."""
+    (`sweep.py` times them). `rows`: a one-element int32 tensor on x's device, the live rows
+    (read when the kernel runs, as a captured graph replays): the rows from there on are
+    computed from zeros (their output is the bias, or zero) and their activations never read."""
     m, k = x.shape
     n = packed.shape[0]
     if out is None:
@@ -379,10 +386,11 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         if c.split > 1 else out
     grid = (triton.cdiv(m, ROWS), triton.cdiv(n, c.block_n), c.split)
     _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
-                             out, partial, m, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
-                             BLOCK_M=ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                             SPLIT=c.split, DECODE=c.decode, UPCAST=UPCAST, num_warps=c.warps,
-                             num_stages=c.stages)
+                             out, partial, rows if rows is not None else absmax, m, n,
+                             out.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_M=ROWS,
+                             BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=c.split,
+                             DECODE=c.decode, UPCAST=UPCAST, LIVE=rows is not None,
+                             num_warps=c.warps, num_stages=c.stages)
     if c.split > 1:
         _nf4_sum_kernel[(triton.cdiv(m * n, 1024),)](
             partial, bias if bias is not None else absmax, out, m, n, out.stride(0),
@@ -394,22 +402,26 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_om, K: tl.constexpr,
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, rows_ptr, M, N, stride_om, K: tl.constexpr,
                    HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, LIVE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rm < M
+    if LIVE:  # as in the NF4 kernel: pad rows' activations are never read
+        load_ok = rm < tl.load(rows_ptr)
+    else:
+        load_ok = row_ok
     col_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + rk < K
         x = tl.load(x_ptr + rm[:, None] * K + k0 + rk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=load_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + k0 + rk[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += _dot(x, tl.trans(w), UPCAST)
@@ -425,19 +437,22 @@ MATMUL_CONFIG = (64, 64, 4, 1) if UPCAST else (64, 128, 4, 3)
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None,
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, int, int, int] | None = None,
+           rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight.T, weight [N, K] in x's dtype -> [M, N]. `config`: (columns a
-    program, K an iteration, warps, stages) instead of the default."""
+    program, K an iteration, warps, stages) instead of the default; `rows`: the live rows, as
+    `nf4_matmul` takes them."""
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or MATMUL_CONFIG
     grid = (triton.cdiv(m, ROWS), triton.cdiv(n, block_n))
-    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n,
-                         out.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_M=ROWS,
-                         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=UPCAST, num_warps=warps,
-                         num_stages=stages)
+    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out,
+                         rows if rows is not None else weight, m, n, out.stride(0), K=k,
+                         HAS_BIAS=bias is not None, BLOCK_M=ROWS, BLOCK_N=block_n,
+                         BLOCK_K=block_k, UPCAST=UPCAST, LIVE=rows is not None,
+                         num_warps=warps, num_stages=stages)
     return out
 
 

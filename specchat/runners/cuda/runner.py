@@ -14,8 +14,10 @@ float32 (bitsandbytes' double quantization undone once, 1/16 of a byte a weight)
 - **row-exact kernels** (`kernels.py`): a row's bits never depend on the rows beside it, so
   padding, verifies and prompt pages give a token the logits a one-token step gives it.
 
-Pad rows carry the positions after the real ones, so every row is finite and writes its keys
-to slots past the real tokens, which the next forward overwrites before any row can see them.
+Pad rows carry the positions after the real ones and write their keys to slots past the real
+tokens, which the next forward overwrites before any row can see them. The products never read
+their activations: the count of live rows sits in a device scalar (`live`) that the captured
+graphs read, and a pad row's product is computed from zeros (so every row stays finite).
 """
 
 from __future__ import annotations
@@ -98,10 +100,13 @@ class Linear:
         parts += (self.bias,) if self.bias is not None else ()
         return sum(t.numel() * t.element_size() for t in parts)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias); `rows`: the live rows (`kernels.nf4_matmul`)."""
         if self.packed is not None:
-            return kernels.nf4_matmul(x, self.packed, self.absmax, self.code, self.bias, out)
-        return kernels.matmul(x, self.weight, self.bias, out)
+            return kernels.nf4_matmul(x, self.packed, self.absmax, self.code, self.bias, out,
+                                      rows=rows)
+        return kernels.matmul(x, self.weight, self.bias, out, rows=rows)
 
 
 def fuse(linears: list[Linear], modules: list) -> Linear | None:
@@ -219,6 +224,8 @@ class CudaRunner(Runner):
         self.last_hidden: torch.Tensor | None = None  # final-norm output of the last forward
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._captured: dict[int, tuple] = {}
+        # the live rows of the forward at hand, read by its products as the graphs replay
+        self.live = torch.zeros(1, dtype=torch.int32, device=self.device)
         if self.graphs:
             self._capture()
 
@@ -243,8 +250,9 @@ class CudaRunner(Runner):
 
     def _rows(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [M], pos [M] int32 -> (logits [M, vocab], final-norm output [M, d]); writes
-        each row's keys and values at slot pos."""
-        m = ids.shape[0]
+        each row's keys and values at slot pos. The products read the first `self.live`
+        rows' activations only."""
+        m, live = ids.shape[0], self.live
         h = self.embed[ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -257,11 +265,11 @@ class CudaRunner(Runner):
         x = self._norm(h, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
             if layer.qkv is not None:
-                layer.qkv(x, out=qkv)
+                layer.qkv(x, out=qkv, rows=live)
             else:
-                layer.q(x, out=qkv[:, :nq])
-                layer.k(x, out=qkv[:, nq:nq + nk])
-                layer.v(x, out=qkv[:, nq + nk:])
+                layer.q(x, out=qkv[:, :nq], rows=live)
+                layer.k(x, out=qkv[:, nq:nq + nk], rows=live)
+                layer.v(x, out=qkv[:, nq + nk:], rows=live)
             cos, sin = self.rope[layer.rope]
             qk_norm = (layer.q_norm, layer.k_norm, self.eps, self.norm_offset) \
                 if layer.q_norm is not None else None
@@ -269,21 +277,21 @@ class CudaRunner(Runner):
                                self.heads, self.kv_heads, qk_norm)
             att = kernels.attention(q, self.cache.k[i], self.cache.v[i], pos, self.scale,
                                     layer.window)
-            o = layer.o(att.view(m, -1))
+            o = layer.o(att.view(m, -1), rows=live)
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
             x = self._norm(h, layer.mlp_norm, add=o)
             if layer.gate_up is not None:
-                layer.gate_up(x, out=gate_up)
+                layer.gate_up(x, out=gate_up, rows=live)
             else:
-                layer.gate(x, out=gate_up[:, :inter])
-                layer.up(x, out=gate_up[:, inter:])
-            down = layer.down(kernels.act_mul(gate_up, gelu=self.gemma))
+                layer.gate(x, out=gate_up[:, :inter], rows=live)
+                layer.up(x, out=gate_up[:, inter:], rows=live)
+            down = layer.down(kernels.act_mul(gate_up, gelu=self.gemma), rows=live)
             if layer.post_mlp_norm is not None:
                 down = self._norm(down, layer.post_mlp_norm)
             norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
             x = self._norm(h, norm, add=down)
-        return self.lm_head(x), x
+        return self.lm_head(x, rows=live), x
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor,
               add: torch.Tensor | None = None) -> torch.Tensor:
@@ -300,6 +308,7 @@ class CudaRunner(Runner):
             for width in (PAGE, WIDTH):
                 ids = torch.zeros(width, dtype=torch.long, device=self.device)
                 pos = torch.arange(width, dtype=torch.int32, device=self.device)
+                self.live.fill_(width)
                 for _ in range(2):  # compile the kernels, settle the allocator
                     self._rows(ids, pos)
                 graph = torch.cuda.CUDAGraph()
@@ -322,14 +331,16 @@ class CudaRunner(Runner):
         if width is not None and width in self._captured:
             graph, ids_buf, pos_buf, logits, hidden = self._captured[width]
             padded = ids + [ids[-1]] * (width - n)
-            host = torch.tensor([padded, list(range(start, start + width))], dtype=torch.long)
-            ids_buf.copy_(host[0], non_blocking=True)
-            pos_buf.copy_(host[1], non_blocking=True)
+            host = torch.tensor([*padded, *range(start, start + width), n], dtype=torch.long)
+            ids_buf.copy_(host[:width], non_blocking=True)
+            pos_buf.copy_(host[width:2 * width], non_blocking=True)
+            self.live.copy_(host[2 * width:], non_blocking=True)
             graph.replay()
         else:
             padded = ids + [ids[-1]] * ((width or n) - n)
             ids_t = torch.tensor(padded, dtype=torch.long, device=self.device)
             pos = torch.arange(start, start + len(padded), dtype=torch.int32, device=self.device)
+            self.live.fill_(n)
             logits, hidden = self._rows(ids_t, pos)
         self.last_hidden = hidden[:n]
         return logits[n - n_logits:n].clone()  # the graph's buffer is rewritten next step
