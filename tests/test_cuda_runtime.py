@@ -115,7 +115,8 @@ def test_nf4_matmul_is_exact_on_small_integers_with_bias_and_a_strided_output(co
     bias = torch.randint(-4, 5, (n,)).to(torch.bfloat16)
     x = torch.randint(-3, 4, (m, k)).to(torch.bfloat16)
     wide = torch.full((m, n + 8), float("nan"))
-    kernels.nf4_matmul(x, _pack(codes), absmax, kernels.pair_table(INTEGER_CODE), bias,
+    kernels.nf4_matmul(x, _pack(codes), kernels.nf4_scales(absmax),
+                       kernels.pair_table(INTEGER_CODE), bias,
                        out=wide[:, 4:4 + n], config=config)
     weight = INTEGER_CODE[codes] * absmax.repeat_interleave(64, 1)
     assert torch.equal(wide[:, 4:4 + n], x.float() @ weight.T + bias.float())
@@ -126,10 +127,11 @@ def test_both_decodings_give_the_same_bits_and_a_config_must_divide_k():
     torch.manual_seed(1)
     packed = _pack(torch.randint(0, 16, (24, 192)))
     absmax = torch.rand(24, 3)
+    scales = kernels.nf4_scales(absmax)
     table = kernels.pair_table(torch.linspace(-1, 1, 16))
     x = torch.randn(3, 192).to(torch.bfloat16)
-    by_table = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 0))
-    by_gather = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 1))
+    by_table = kernels.nf4_matmul(x, packed, scales, table, config=(16, 64, 1, 4, 1, 0))
+    by_gather = kernels.nf4_matmul(x, packed, scales, table, config=(16, 64, 1, 4, 1, 1))
     assert torch.equal(by_table, by_gather)
     # DECODE 3 multiplies bitsandbytes' own dequantized weights, a step's codes in one product:
     # within a bf16 rounding of each weight and of the output (interpreted, a float's cast to
@@ -138,13 +140,15 @@ def test_both_decodings_give_the_same_bits_and_a_config_must_divide_k():
     codes = torch.stack([packed >> 4, packed & 15], -1).reshape(24, 192).long()
     dequantized = (weight.view(torch.bfloat16).float()[codes]
                    * absmax.repeat_interleave(64, 1)).to(torch.bfloat16).float()
-    by_step = kernels.nf4_matmul(x, packed, absmax, table, config=(16, 64, 1, 4, 1, 3))
+    by_step = kernels.nf4_matmul(x, packed, scales, table, config=(16, 64, 1, 4, 1, 3))
     bound = (x.float().abs() @ dequantized.abs().T + by_step.float().abs()) * 2 ** -7
     assert ((by_step.float() - x.float() @ dequantized.T).abs() <= bound).all()
     with pytest.raises(ValueError, match="whole steps"):
-        kernels.nf4_matmul(x, packed, absmax, table, config=(16, 128, 1, 4, 1, 1))
+        kernels.nf4_matmul(x, packed, scales, table, config=(16, 128, 1, 4, 1, 1))
     with pytest.raises(ValueError, match="power of two"):
-        kernels.nf4_matmul(x, packed, absmax, table, config=(16, 192, 1, 4, 1, 3))
+        kernels.nf4_matmul(x, packed, scales, table, config=(16, 192, 1, 4, 1, 3))
+    with pytest.raises(ValueError, match=r"\[K/64, N\]"):
+        kernels.nf4_matmul(x, packed, absmax, table)  # bitsandbytes' own [N, K/64]
 
 
 def test_the_shapes_config_and_the_sweeps_candidates_divide_k_into_whole_steps():
@@ -192,7 +196,7 @@ def _rows_alone_and_together(fn, x: torch.Tensor) -> None:
 def test_matmul_rows_never_depend_on_their_neighbours():
     torch.manual_seed(2)
     packed = _pack(torch.randint(0, 16, (32, 128)))
-    absmax = torch.rand(32, 2)
+    absmax = kernels.nf4_scales(torch.rand(32, 2))
     table = kernels.pair_table(torch.linspace(-1, 1, 16))
     weight = torch.randn(80, 128).to(torch.bfloat16)
     x = torch.randn(19, 128).to(torch.bfloat16)
@@ -212,7 +216,7 @@ def test_pad_rows_are_never_read_and_the_live_rows_keep_their_bits(config):
     torch.manual_seed(3)
     n, k = 40, 256
     packed = _pack(torch.randint(0, 16, (n, k)))
-    absmax = torch.rand(n, k // 64)
+    absmax = kernels.nf4_scales(torch.rand(n, k // 64))
     table = kernels.pair_table(torch.linspace(-1, 1, 16))
     bias = torch.randn(n).to(torch.bfloat16)
     weight = torch.randn(n, k).to(torch.bfloat16)

@@ -5,7 +5,7 @@ no atomics. So a token's activations are the same bits whatever is fed beside it
 
 | kernel      | computes                                                        |
 | ----------- | --------------------------------------------------------------- |
-| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded by `pair_table`, `tl.gather` or byte permutes in registers (DECODE 0, 1; 2, 3), the block's absmax applied to its partial product; K split into slices by the weight's shape (`nf4_config`) |
+| `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded by `pair_table`, `tl.gather` or byte permutes in registers (DECODE 0, 1; 2, 3), the block's absmax (laid out [K/64, N], `nf4_scales`) applied to its partial product; K split into slices by the weight's shape (`nf4_config`); pad rows' activations never read (`rows`) |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row         |
 | `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
@@ -212,7 +212,7 @@ def _nf4_codes(codes, table_ptr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok, col_ok, k0,
+def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn, row_ok, col_ok, k0,
                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 UPCAST: tl.constexpr):
     """DECODE 3's product of a step's BLOCK_K codes, transposed:
@@ -224,7 +224,7 @@ def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok, col_ok, k0,
     codes = ((byte.to(tl.int32) >> (4 - 4 * (rk[None, :] % 2))) & 15).to(tl.uint8)  # even: high
     scale = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # each block's absmax, selected
     for j in tl.static_range(BLOCK_K // 64):
-        block = tl.load(absmax_ptr + rn * (K // 64) + k0 // 64 + j, mask=col_ok, other=0.0)
+        block = tl.load(absmax_ptr + (k0 // 64 + j) * stride_a + rn, mask=col_ok, other=0.0)
         scale = tl.where((rk // 64 == j)[None, :], block[:, None], scale)
     w = (_nf4_codes(codes, table_ptr, UPCAST).to(tl.float32) * scale).to(tl.bfloat16)
     x_t = tl.load(x_ptr + rm[None, :] * K + k0 + rk[:, None], mask=row_ok[None, :], other=0.0)
@@ -233,7 +233,8 @@ def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, row_ok, col_ok, k0,
 
 @triton.jit
 def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, partial_ptr,
-                       rows_ptr, M, N, stride_om, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       rows_ptr, M, N, stride_om, stride_a, K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, DECODE: tl.constexpr, UPCAST: tl.constexpr,
                        LIVE: tl.constexpr):
@@ -255,7 +256,7 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(0, K // SPLIT, BLOCK_K):
             if DECODE == 3:  # one product a step
-                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, table_ptr, rm, rn, load_ok,
+                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn, load_ok,
                                      col_ok, first_block * 64 + step, K, BLOCK_N, BLOCK_K,
                                      UPCAST)
             else:
@@ -263,7 +264,7 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
                     kb = first_block + step // 64 + j
                     part = _nf4_block_t(x_ptr, w_ptr, table_ptr, rm, rn, load_ok, col_ok, kb, K,
                                         UPCAST)
-                    scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+                    scale = tl.load(absmax_ptr + kb * stride_a + rn, mask=col_ok, other=0.0)
                     acc_t += part * scale[:, None]
         ok_t = col_ok[:, None] & row_ok[None, :]
         if SPLIT == 1:
@@ -282,7 +283,7 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
                 kb = first_block + step // 64 + j
                 part = _nf4_block(x_ptr, w_ptr, table_ptr, values, rm, rn, load_ok, col_ok, kb,
                                   K, BLOCK_N, DECODE, UPCAST)
-                scale = tl.load(absmax_ptr + rn * (K // 64) + kb, mask=col_ok, other=0.0)
+                scale = tl.load(absmax_ptr + kb * stride_a + rn, mask=col_ok, other=0.0)
                 acc += part * scale[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -362,19 +363,28 @@ def nf4_config(n: int, k: int, card: str | None = None) -> NF4Config:
     return NF4Config(block_n, 64 * per_step, split, 4, 3)
 
 
+def nf4_scales(absmax: torch.Tensor) -> torch.Tensor:
+    """The absmax of an [N, K] NF4 weight, [N, K/64], as `nf4_matmul` reads it: float32
+    [K/64, N], so that a step's scales of BLOCK_N columns are one contiguous load."""
+    return absmax.float().T.contiguous()
+
+
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                table: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, config: NF4Config | None = None,
                rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
-    first in the high nibble), absmax [N, K/64] float32 (double quantization undone),
-    table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
+    first in the high nibble), absmax as `nf4_scales` gives it ([K/64, N] float32, columns
+    contiguous, double quantization undone), table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
     buffer (rows strided, columns contiguous). `config` instead of the shape's own
     (`sweep.py` times them). `rows`: a one-element int32 tensor on x's device, the live rows
     (read when the kernel runs, as a captured graph replays): the rows from there on are
     computed from zeros (their output is the bias, or zero) and their activations never read."""
     m, k = x.shape
     n = packed.shape[0]
+    if absmax.shape != (k // NF4_BLOCK, n) or absmax.stride(1) != 1:
+        raise ValueError(f"absmax {tuple(absmax.shape)} is not [K/64, N] = [{k // NF4_BLOCK}, "
+                         f"{n}] with its columns contiguous (`nf4_scales`)")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     c = NF4Config(*config) if config is not None else nf4_config(n, k, _card(x.device))
@@ -387,7 +397,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     grid = (triton.cdiv(m, ROWS), triton.cdiv(n, c.block_n), c.split)
     _nf4_matmul_kernel[grid](x, packed, absmax, table, bias if bias is not None else absmax,
                              out, partial, rows if rows is not None else absmax, m, n,
-                             out.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_M=ROWS,
+                             out.stride(0), absmax.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_M=ROWS,
                              BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=c.split,
                              DECODE=c.decode, UPCAST=UPCAST, LIVE=rows is not None,
                              num_warps=c.warps, num_stages=c.stages)

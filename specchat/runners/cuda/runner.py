@@ -71,8 +71,8 @@ def _head_dim(config) -> int:
 
 class Linear:
     """One linear layer as the kernels take it: NF4 (bitsandbytes' packed codes viewed as
-    [N, K/2], absmax as float32 [N, K/64], its codebook as `kernels.pair_table`) or a plain
-    [N, K] weight."""
+    [N, K/2], absmax as float32 [K/64, N] (`kernels.nf4_scales`), its codebook as
+    `kernels.pair_table`) or a plain [N, K] weight."""
 
     def __init__(self, module, code: torch.Tensor | None):
         self.bias = module.bias.data if getattr(module, "bias", None) is not None else None
@@ -85,7 +85,7 @@ class Linear:
             if state.nested:
                 absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
             self.packed = codes.view(n, k // 2)
-            self.absmax = absmax.float().reshape(n, k // kernels.NF4_BLOCK).contiguous()
+            self.absmax = kernels.nf4_scales(absmax.reshape(n, k // kernels.NF4_BLOCK))
             self.code = code if code is not None else kernels.pair_table(
                 state.code.cpu()).to(self.packed.device)
             self.weight = None
@@ -123,12 +123,12 @@ def fuse(linears: list[Linear], modules: list) -> Linear | None:
     fused.bias, fused.weight, fused.code = None, None, first.code
     fused.out_features = sum(lin.out_features for lin in linears)
     fused.packed = torch.cat([lin.packed for lin in linears])
-    fused.absmax = torch.cat([lin.absmax for lin in linears])
+    fused.absmax = torch.cat([lin.absmax for lin in linears], dim=1)  # [K/64, N]
     row = 0
     for lin, module in zip(linears, modules):
         rows = slice(row, row + lin.out_features)
         shape = module.weight.data.shape
-        lin.packed, lin.absmax = fused.packed[rows], fused.absmax[rows]
+        lin.packed, lin.absmax = fused.packed[rows], fused.absmax[:, rows]
         module.weight.data = lin.packed.reshape(shape)  # bitsandbytes' [N * K / 2, 1] view
         row += lin.out_features
     return fused

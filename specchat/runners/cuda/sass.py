@@ -38,7 +38,8 @@ def compile_nf4(config, k: int, arch: int = 90, has_bias: bool = False):
     fn = kernels._nf4_matmul_kernel
     signature = {"x_ptr": "*bf16", "w_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*i32",
                  "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
-                 "rows_ptr": "*i32", "M": "i32", "N": "i32", "stride_om": "i32"}
+                 "rows_ptr": "*i32", "M": "i32", "N": "i32", "stride_om": "i32",
+                 "stride_a": "i32"}
     constants = {"K": k, "HAS_BIAS": has_bias, "BLOCK_M": kernels.ROWS,
                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT": config.split,
                  "DECODE": config.decode, "UPCAST": 0, "LIVE": True}

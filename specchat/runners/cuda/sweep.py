@@ -135,7 +135,7 @@ def _nf4_weights(n: int, k: int, device):
     packed, state = quantize_4bit(weight, blocksize=kernels.NF4_BLOCK, quant_type="nf4",
                                   compress_statistics=False)
     codes = packed.view(n, k // 2)
-    absmax = state.absmax.float().view(n, k // kernels.NF4_BLOCK)
+    absmax = kernels.nf4_scales(state.absmax.float().view(n, k // kernels.NF4_BLOCK))
     table = kernels.pair_table(state.code.float().cpu()).to(device)
     return weight, codes, absmax, table, lambda x: bnb.matmul_4bit(x, packed.t(), state)
 
