@@ -232,6 +232,38 @@ def _nf4_step_e(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn, row_ok, c
 
 
 @triton.jit
+def _nf4_step_h(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn, row_ok, col_ok, k0,
+                K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """DECODE 4: DECODE 3's product with the step's K in two halves, so that its codes load as
+    whole bytes, contiguous (16 bytes a load, not one a code): column j < H of the tile is the
+    high nibble of byte j, column H + j its low nibble (H = BLOCK_K / 2), and x (bf16) is read
+    in the same order (even k, then odd k). Sums over K in another order than DECODE 3's: its
+    own bits, still a row's alone."""
+    H: tl.constexpr = BLOCK_K // 2
+    rk = tl.arange(0, BLOCK_K)
+    byte_at = rk % H  # the byte of the step each column reads
+    low = rk >= H  # its low nibble (the code after the high one)
+    byte = tl.load(w_ptr + rn[:, None] * (K // 2) + k0 // 2 + byte_at[None, :],
+                   mask=col_ok[:, None], other=0)
+    codes = ((byte.to(tl.int32) >> (4 - 4 * low.to(tl.int32))[None, :]) & 15).to(tl.uint8)
+    k = 2 * byte_at + low.to(tl.int32)  # each column's place in the step
+    scale = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in tl.static_range(BLOCK_K // 64):
+        block = tl.load(absmax_ptr + (k0 // 64 + j) * stride_a + rn, mask=col_ok, other=0.0)
+        scale = tl.where((k // 64 == j)[None, :], block[:, None], scale)
+    w = (_nf4_codes(codes, table_ptr, UPCAST).to(tl.float32) * scale).to(tl.bfloat16)
+    # x's two values of byte j's codes are one 32-bit word (bf16, even k first): words load
+    # contiguous too, each column taking its half
+    words = x_ptr.to(tl.pointer_type(tl.uint32))
+    word = tl.load(words + rm[None, :] * (K // 2) + k0 // 2 + byte_at[:, None],
+                   mask=row_ok[None, :], other=0)
+    half = (word >> (16 * low.to(tl.uint32))[:, None]) & 0xFFFF
+    x_t = half.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return _dot(w, x_t, UPCAST)
+
+
+@triton.jit
 def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, partial_ptr,
                        rows_ptr, M, N, stride_om, stride_a, K: tl.constexpr,
                        HAS_BIAS: tl.constexpr,
@@ -256,9 +288,13 @@ def _nf4_matmul_kernel(x_ptr, w_ptr, absmax_ptr, table_ptr, bias_ptr, out_ptr, p
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(0, K // SPLIT, BLOCK_K):
             if DECODE == 3:  # one product a step
-                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn, load_ok,
-                                     col_ok, first_block * 64 + step, K, BLOCK_N, BLOCK_K,
-                                     UPCAST)
+                acc_t += _nf4_step_e(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn,
+                                     load_ok, col_ok, first_block * 64 + step, K, BLOCK_N,
+                                     BLOCK_K, UPCAST)
+            elif DECODE == 4:  # one product a step, its codes loaded as whole bytes
+                acc_t += _nf4_step_h(x_ptr, w_ptr, absmax_ptr, stride_a, table_ptr, rm, rn,
+                                     load_ok, col_ok, first_block * 64 + step, K, BLOCK_N,
+                                     BLOCK_K, UPCAST)
             else:
                 for j in tl.static_range(BLOCK_K // 64):
                     kb = first_block + step // 64 + j
@@ -325,7 +361,8 @@ class NF4Config(NamedTuple):
     warps: int
     stages: int
     decode: int = 1  # 0: the pair table in global memory, 1: `tl.gather`, 2: byte permutes of
-    # whole bytes, 3: byte permutes of codes picked elementwise
+    # whole bytes, 3: byte permutes of codes picked elementwise, 4: as 3, the codes loaded as
+    # whole bytes (a step's K in two halves)
 
 
 @functools.cache
@@ -390,7 +427,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     c = NF4Config(*config) if config is not None else nf4_config(n, k, _card(x.device))
     if k % (c.split * c.block_k) or c.block_k % NF4_BLOCK:
         raise ValueError(f"{c} does not divide K = {k} into whole steps")
-    if c.decode == 3 and c.block_k & (c.block_k - 1):
+    if c.decode in (3, 4) and c.block_k & (c.block_k - 1):
         raise ValueError(f"{c}: DECODE 3 takes a step's codes in one product, a power of two")
     partial = torch.empty(c.split, m, n, dtype=torch.float32, device=x.device) \
         if c.split > 1 else out

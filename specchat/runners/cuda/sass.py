@@ -4,8 +4,10 @@ Triton compiles `kernels._nf4_matmul_kernel` for a GPU architecture on any machi
 `GPUTarget("cuda", arch, 32)`), and the `nvdisasm` its wheel ships turns the cubin into SASS.
 This counts, in the K loop (the loop that holds the matrix multiplies), what decides whether a
 step decodes in registers or goes through shared memory: barriers (`BAR.SYNC`), shared stores
-(`STS`) and loads (`LDS`, `LDSM`), and global loads by width; and, for the kernel, registers (the
-highest register named) and shared memory.
+(`STS`) and loads (`LDS`, `LDSM`), and global loads by width (into registers, `LDG`, or into
+shared memory by the pipeline's async copies, `LDGSTS`); and, for the kernel, registers (the
+highest register named) and shared memory. It compiles the kernel as the JIT specializes it at
+the runtime's launches: pointers 16-byte aligned, integers multiples of 16.
 
     python -m specchat.runners.cuda.sweep --compile-only --arch 90 [--json FILE]
 """
@@ -21,7 +23,7 @@ SASS_LOOP_OPS = ("BAR.SYNC", "STS", "LDS", "LDSM")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\b.*?\((\.L_x_\d+)\)")
 _MMA = re.compile(r"\b(HMMA|WGMMA|HGMMA)\b")
-_LDG = re.compile(r"\bLDG(\.[\w.]+)?")
+_LDG = re.compile(r"\bLDG(?:STS)?((?:\.\w+)*)")  # loads from global memory, and async copies
 _WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
@@ -44,8 +46,14 @@ def compile_nf4(config, k: int, arch: int = 90, has_bias: bool = False):
                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT": config.split,
                  "DECODE": config.decode, "UPCAST": 0, "LIVE": True}
     signature.update({name: "constexpr" for name in constants})
+    # what the JIT specializes at a launch of the runtime's: every pointer 16-byte aligned and
+    # every integer a multiple of 16 (16 rows; the columns and strides of the models' shapes),
+    # which is what lets loads of contiguous bytes be wide
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+               for name, kind in signature.items() if kind not in ("constexpr",)}
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(name),): value
-                                                  for name, value in constants.items()})
+                                                  for name, value in constants.items()},
+                       attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": config.warps, "num_stages": config.stages})
 

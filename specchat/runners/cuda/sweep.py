@@ -42,8 +42,8 @@ def candidates(n: int, k: int) -> list:
     """Tile configurations worth timing for an [n, k] NF4 weight (about 25: each is compiled
     once): the shape's own rule, and around it columns a program, slices of K and the two
     table decodings at 256 codes a step, then 128 and 512 codes a step, then the byte-permute
-    decodings (DECODE 2 and 3) at 32, 64 and 128 columns (their weights are the MMA's first
-    operand, so wider tiles)."""
+    decodings (DECODE 2, and 4: DECODE 3 with wide loads, fewer instructions and barriers) at
+    32, 64 and 128 columns (their weights are the MMA's first operand, so wider tiles)."""
     from specchat.runners.cuda import kernels
 
     own = kernels.nf4_config(n, k)
@@ -51,7 +51,7 @@ def candidates(n: int, k: int) -> list:
     tried = [(block_n, 256, split, decode) for block_n in (16, 32, 64)
              for split in (own.split // 2, own.split, own.split * 2) for decode in (0, 1)]
     tried += [(own.block_n, block_k, own.split, own.decode) for block_k in (128, 512)]
-    tried += [(block_n, 256, own.split, decode) for decode in (2, 3) for block_n in (32, 64, 128)]
+    tried += [(block_n, 256, own.split, decode) for decode in (2, 4) for block_n in (32, 64, 128)]
     for block_n, block_k, split, decode in tried:
         c = kernels.NF4Config(block_n, block_k, split, own.warps, own.stages, decode)
         if split >= 1 and k % (split * block_k) == 0 and c not in out:
