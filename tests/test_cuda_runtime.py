@@ -235,6 +235,34 @@ def test_pad_rows_are_never_read_and_the_live_rows_keep_their_bits(config):
     assert kernels.nf4_matmul(poisoned, packed, absmax, table, config=config)[3:].isnan().all()
 
 
+@pytest.mark.parametrize("config", [(16, 64, 2, 4, 1, 1), (16, 64, 4, 4, 1, 4)])
+def test_a_norm_adds_a_split_products_planes_to_the_same_bits(config):
+    """A product split over K hands its planes to the norm after it: the norm adds them as the
+    product's own second kernel does, as its residual add (Llama) or its input (Gemma's norms
+    after attention and the MLP)."""
+    torch.manual_seed(4)
+    n, k, m = 40, 256, 5
+    packed = _pack(torch.randint(0, 16, (n, k)))
+    absmax = kernels.nf4_scales(torch.rand(n, k // 64))
+    table = kernels.pair_table(torch.linspace(-1, 1, 16))
+    x = torch.randn(m, k).to(torch.bfloat16)
+    weight = torch.randn(n).to(torch.bfloat16)
+    for bias in (None, torch.randn(n).to(torch.bfloat16)):
+        whole = kernels.nf4_matmul(x, packed, absmax, table, bias, config=config)
+        planes = kernels.nf4_matmul(x, packed, absmax, table, bias, config=config, fold=True)
+        assert isinstance(planes, kernels.Planes) and planes.shape == whole.shape
+        h = torch.randn(m, n).to(torch.bfloat16)
+        h_folded = h.clone()
+        normed = kernels.rms_norm(h, weight, 1e-6, add=whole)
+        assert torch.equal(kernels.rms_norm(h_folded, weight, 1e-6, add=planes), normed)
+        assert torch.equal(h_folded, h)  # the residual stream, added in place alike
+        gemma = dict(offset=1.0, cast_first=False)
+        assert torch.equal(kernels.rms_norm(planes, weight, 1e-6, **gemma),
+                           kernels.rms_norm(whole, weight, 1e-6, **gemma))
+    with pytest.raises(ValueError, match="no add"):
+        kernels.rms_norm(planes, weight, 1e-6, add=whole)
+
+
 def _attention_reference(q, k_cache, v_cache, pos, scale, window=None):
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = torch.empty(q.shape)
@@ -351,6 +379,20 @@ def test_the_runner_computes_what_transformers_computes(nf4_llama, runner):
     assert layer.qkv is not None and layer.gate_up is not None
     assert block.self_attn.k_proj.weight.data.data_ptr() == layer.k.packed.data_ptr()
     assert layer.k.packed.data_ptr() - layer.qkv.packed.data_ptr() == layer.q.packed.numel()
+
+
+def test_folding_split_products_into_their_norms_keeps_every_bit(runner, monkeypatch):
+    """Every product split over K wherever its K allows: the forward with o's and down's
+    planes added by the norms after them gives the logits of the forward without."""
+    rule = kernels.nf4_config
+
+    def split(n, k, card=None):
+        return kernels.NF4Config(16, 64, 2, 4, 1, 1) if k % 128 == 0 else rule(n, k, card)
+
+    monkeypatch.setattr(kernels, "nf4_config", split)
+    folded = runner.forward(runner.new_cache(), IDS, 0, len(IDS)).float()
+    monkeypatch.setattr(runner, "fold", False)
+    assert torch.equal(runner.forward(runner.new_cache(), IDS, 0, len(IDS)).float(), folded)
 
 
 def test_a_tokens_logits_never_depend_on_what_is_fed_with_it(runner):

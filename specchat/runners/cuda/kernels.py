@@ -1,13 +1,14 @@
 """The CUDA runtime's Triton kernels. Each computes a row of its output from that row of its
 input alone, in an order fixed by the shapes of the weights, never by the number of rows: rows
-are tiles of ROWS, reductions run over fixed blocks in one sequential loop, with no split-K and
-no atomics. So a token's activations are the same bits whatever is fed beside it.
+are tiles of ROWS, reductions run over fixed blocks in one sequential loop, K's slices (counted
+by the weight's shape) are added in order, never by atomics. So a token's activations are the
+same bits whatever is fed beside it.
 
 | kernel      | computes                                                        |
 | ----------- | --------------------------------------------------------------- |
 | `nf4_matmul`| x @ W.T for bitsandbytes' NF4 W: each 64-code block read once for all rows, decoded by `pair_table`, `tl.gather` or byte permutes in registers (DECODE 0, 1; 2, 3), the block's absmax (laid out [K/64, N], `nf4_scales`) applied to its partial product; K split into slices by the weight's shape (`nf4_config`); pad rows' activations never read (`rows`) |
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
-| `rms_norm`  | an optional residual add, then the RMS norm of each row         |
+| `rms_norm`  | an optional residual add, then the RMS norm of each row; takes a split product's planes as its input or its add (`Planes`) |
 | `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
 | `rope_store`| RoPE (after Gemma's q and k norms) on a q|k|v row: q out, k and v into the static cache |
 | `attention` | causal (optionally sliding-window) attention over the static cache, blocks of KEYS keys from slot 0, combined in one pass whatever the context's length |
@@ -400,6 +401,20 @@ def nf4_config(n: int, k: int, card: str | None = None) -> NF4Config:
     return NF4Config(block_n, 64 * per_step, split, 4, 3)
 
 
+class Planes(NamedTuple):
+    """An NF4 product split over K, not yet added: its slices' float32 sums [SPLIT, M, N] and
+    its bias. Its value is what `_nf4_sum_kernel` stores, (plane 0 + plane 1 + ... + bias) in
+    `dtype`; a consumer that takes planes (`rms_norm`) adds them in the same order itself,
+    which saves the product's second launch."""
+    planes: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.planes.shape[1:]
+
+
 def nf4_scales(absmax: torch.Tensor) -> torch.Tensor:
     """The absmax of an [N, K] NF4 weight, [N, K/64], as `nf4_matmul` reads it: float32
     [K/64, N], so that a step's scales of BLOCK_N columns are one contiguous load."""
@@ -409,19 +424,23 @@ def nf4_scales(absmax: torch.Tensor) -> torch.Tensor:
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                table: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, config: NF4Config | None = None,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+               rows: torch.Tensor | None = None, fold: bool = False
+               ) -> torch.Tensor | Planes:
     """x [M, K] bf16 @ W.T, W [N, K] as NF4: packed [N, K/2] uint8 (two codes a byte, the
     first in the high nibble), absmax as `nf4_scales` gives it ([K/64, N] float32, columns
     contiguous, double quantization undone), table from `pair_table`. -> [M, N] in x's dtype; `out` may be a column slice of a wider
     buffer (rows strided, columns contiguous). `config` instead of the shape's own
     (`sweep.py` times them). `rows`: a one-element int32 tensor on x's device, the live rows
     (read when the kernel runs, as a captured graph replays): the rows from there on are
-    computed from zeros (their output is the bias, or zero) and their activations never read."""
+    computed from zeros (their output is the bias, or zero) and their activations never read.
+    `fold` (and no `out`): a product split over K comes back as its `Planes`, for a consumer
+    that adds them."""
     m, k = x.shape
     n = packed.shape[0]
     if absmax.shape != (k // NF4_BLOCK, n) or absmax.stride(1) != 1:
         raise ValueError(f"absmax {tuple(absmax.shape)} is not [K/64, N] = [{k // NF4_BLOCK}, "
                          f"{n}] with its columns contiguous (`nf4_scales`)")
+    out_given = out
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     c = NF4Config(*config) if config is not None else nf4_config(n, k, _card(x.device))
@@ -438,6 +457,8 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                              BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=c.split,
                              DECODE=c.decode, UPCAST=UPCAST, LIVE=rows is not None,
                              num_warps=c.warps, num_stages=c.stages)
+    if c.split > 1 and fold and out_given is None:
+        return Planes(partial, bias, x.dtype)
     if c.split > 1:
         _nf4_sum_kernel[(triton.cdiv(m * n, 1024),)](
             partial, bias if bias is not None else absmax, out, m, n, out.stride(0),
@@ -507,17 +528,38 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, M, D, eps, offset,
+def _planes_sum(ptr, bias_ptr, at, rd, ok, MN, D, PARTS: tl.constexpr,
+                HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """An NF4 product's planes added as `_nf4_sum_kernel` adds them, in `dtype`."""
+    acc = tl.load(ptr + at, mask=ok, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        acc += tl.load(ptr + s * MN + at, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)[None, :]
+    return acc.to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, bias_ptr, M, D, eps, offset,
                      HAS_ADD: tl.constexpr, CAST_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, X_PARTS: tl.constexpr, ADD_PARTS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     ok = (rm < M)[:, None] & (rd < D)[None, :]
     at = rm[:, None] * D + rd[None, :]
-    x = tl.load(x_ptr + at, mask=ok, other=0.0)
+    if X_PARTS:  # x: a product's planes, added here
+        x = _planes_sum(x_ptr, bias_ptr, at, rd, ok, M * D, D, X_PARTS, HAS_BIAS,
+                        out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + at, mask=ok, other=0.0)
     if HAS_ADD:  # the residual stream: x += add, kept in x's dtype as the model's own add
-        x = (x.to(tl.float32) + tl.load(add_ptr + at, mask=ok, other=0.0).to(tl.float32)
-             ).to(x_ptr.dtype.element_ty)
+        if ADD_PARTS:
+            add = _planes_sum(add_ptr, bias_ptr, at, rd, ok, M * D, D, ADD_PARTS, HAS_BIAS,
+                              x_ptr.dtype.element_ty)
+        else:
+            add = tl.load(add_ptr + at, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + add.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + at, x, mask=ok)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / D
@@ -528,21 +570,32 @@ def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, M, D, eps, offset,
     tl.store(out_ptr + at, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
-             out: torch.Tensor | None = None, offset: float = 0.0,
-             cast_first: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor | Planes, weight: torch.Tensor, eps: float,
+             add: torch.Tensor | Planes | None = None, out: torch.Tensor | None = None,
+             offset: float = 0.0, cast_first: bool = True) -> torch.Tensor:
     """Each row of x [M, D]: first x += add (in place, where given), then
     x / rms(x) * (weight + offset), the normed row rounded to x's dtype before the scaling
-    (Llama's way) or not (`cast_first` False: Gemma's, with offset 1). -> [M, D]."""
+    (Llama's way) or not (`cast_first` False: Gemma's, with offset 1). -> [M, D]. Either x
+    (with no add) or add may be an NF4 product's `Planes`, added here as its own second kernel
+    would have added them: the same bits, one launch fewer."""
+    parts = x if isinstance(x, Planes) else add if isinstance(add, Planes) else None
+    if isinstance(x, Planes) and add is not None:
+        raise ValueError("planes as x take no add")
     m, d = x.shape
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(m, d, dtype=x.dtype, device=weight.device) if isinstance(x, Planes) \
+            else torch.empty_like(x)
     block_d = triton.next_power_of_2(d)
     rows = max(1, min(ROWS, 8192 // block_d))  # a tile of rows, each reduced on its own
-    _rms_norm_kernel[(triton.cdiv(m, rows),)](x, add if add is not None else x, weight, out, m,
-                                               d, eps, offset, HAS_ADD=add is not None,
-                                               CAST_FIRST=cast_first, BLOCK_M=rows,
-                                               BLOCK_D=block_d, num_warps=8)
+    x_arg = x.planes if isinstance(x, Planes) else x
+    add_arg = add.planes if isinstance(add, Planes) else add if add is not None else x_arg
+    bias = parts.bias if parts is not None else None
+    _rms_norm_kernel[(triton.cdiv(m, rows),)](
+        x_arg, add_arg, weight, out, bias if bias is not None else weight, m, d, eps, offset,
+        HAS_ADD=add is not None, CAST_FIRST=cast_first, BLOCK_M=rows, BLOCK_D=block_d,
+        X_PARTS=x.planes.shape[0] if isinstance(x, Planes) else 0,
+        ADD_PARTS=add.planes.shape[0] if isinstance(add, Planes) else 0,
+        HAS_BIAS=bias is not None, num_warps=8)
     return out
 
 

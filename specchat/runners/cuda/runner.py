@@ -101,11 +101,13 @@ class Linear:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias); `rows`: the live rows (`kernels.nf4_matmul`)."""
+                 rows: torch.Tensor | None = None, fold: bool = False
+                 ) -> torch.Tensor | kernels.Planes:
+        """x @ W.T (+ bias); `rows`: the live rows, `fold`: an NF4 product split over K may
+        come back as its planes, for a norm to add (`kernels.nf4_matmul`)."""
         if self.packed is not None:
             return kernels.nf4_matmul(x, self.packed, self.absmax, self.code, self.bias, out,
-                                      rows=rows)
+                                      rows=rows, fold=fold)
         return kernels.matmul(x, self.weight, self.bias, out, rows=rows)
 
 
@@ -162,6 +164,9 @@ class CudaRunner(Runner):
 
     tree_masks = False  # draft trees are verified as chains here (slots are positions)
     owned_logits = False  # on the GPU, from the graphs' static buffers
+    # o's and down's products split over K hand their planes to the norm after them, which
+    # adds them as the products' second kernel would: the same bits, two launches a layer fewer
+    fold = True
 
     def __init__(self, model, graphs: bool | None = None, context: int | None = None):
         why = unsupported(model)
@@ -277,7 +282,7 @@ class CudaRunner(Runner):
                                self.heads, self.kv_heads, qk_norm)
             att = kernels.attention(q, self.cache.k[i], self.cache.v[i], pos, self.scale,
                                     layer.window)
-            o = layer.o(att.view(m, -1), rows=live)
+            o = layer.o(att.view(m, -1), rows=live, fold=self.fold)
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
             x = self._norm(h, layer.mlp_norm, add=o)
@@ -286,16 +291,18 @@ class CudaRunner(Runner):
             else:
                 layer.gate(x, out=gate_up[:, :inter], rows=live)
                 layer.up(x, out=gate_up[:, inter:], rows=live)
-            down = layer.down(kernels.act_mul(gate_up, gelu=self.gemma), rows=live)
+            down = layer.down(kernels.act_mul(gate_up, gelu=self.gemma), rows=live,
+                              fold=self.fold)
             if layer.post_mlp_norm is not None:
                 down = self._norm(down, layer.post_mlp_norm)
             norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
             x = self._norm(h, norm, add=down)
         return self.lm_head(x, rows=live), x
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor,
-              add: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's RMS norm of x's rows (after x += add)."""
+    def _norm(self, x: torch.Tensor | kernels.Planes, weight: torch.Tensor,
+              add: torch.Tensor | kernels.Planes | None = None) -> torch.Tensor:
+        """The model's RMS norm of x's rows (after x += add); either may be a product's
+        planes, added by the norm (`kernels.rms_norm`)."""
         return kernels.rms_norm(x, weight, self.eps, add=add, offset=self.norm_offset,
                                 cast_first=not self.gemma)
 
