@@ -318,6 +318,35 @@ def test_rope_store_rotates_q_and_k_and_writes_keys_and_values_at_their_position
     assert not k_cache[0, :7].any() and not k_cache[0, 10:].any()
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_adds_a_split_products_planes_to_the_same_bits(qk_norm):
+    torch.manual_seed(6)
+    heads, kv_heads, d, slots, k = 2, 1, 16, 32, 256
+    n = (heads + 2 * kv_heads) * d
+    packed = _pack(torch.randint(0, 16, (n, k)))
+    absmax = kernels.nf4_scales(torch.rand(n, k // 64))
+    table = kernels.pair_table(torch.linspace(-1, 1, 16))
+    x = torch.randn(3, k).to(torch.bfloat16)
+    pos = torch.tensor([4, 5, 6], dtype=torch.int32)
+    angle = torch.arange(slots)[:, None] * torch.rand(d // 2)[None]
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    norms = (torch.randn(d).to(torch.bfloat16), torch.randn(d).to(torch.bfloat16), 1e-6, 1.0) \
+        if qk_norm else None
+    for bias in (None, torch.randn(n).to(torch.bfloat16)):
+        outs = []
+        for fold in (False, True):
+            qkv = kernels.nf4_matmul(x, packed, absmax, table, bias,
+                                     config=(16, 64, 2, 4, 1, 1), fold=fold)
+            assert isinstance(qkv, kernels.Planes) == fold
+            q = torch.empty(3, heads, d, dtype=torch.bfloat16)
+            k_cache = torch.zeros(kv_heads, slots, d, dtype=torch.bfloat16)
+            v_cache = torch.zeros(kv_heads, slots, d, dtype=torch.bfloat16)
+            kernels.rope_store(qkv, cos, sin, pos, q, k_cache, v_cache, heads, kv_heads, norms)
+            outs.append((q, k_cache, v_cache))
+        for whole, folded in zip(*outs):
+            assert torch.equal(whole, folded)
+
+
 # -- the runner over a tiny NF4 Llama -----------------------------------------------------
 
 

@@ -25,6 +25,7 @@ for name, k, config in [("gather", 4096, (32, 256, 4, 4, 3, 1)),
     compiled = sass.compile_nf4(kernels.NF4Config(*config), k, arch=90)
     out[name] = {**sass.counts(sass.disassemble(compiled.asm["cubin"]), config[1]),
                  "shared_bytes": compiled.metadata.shared}
+out["consumers"] = [len(c.asm["cubin"]) for c in sass.compile_consumers(90)]
 print(json.dumps(out))
 """
 
@@ -58,5 +59,7 @@ def test_the_k_loop_and_its_shared_memory_traffic_are_counted():
     assert set(halves["global_loads_by_bytes"]) <= {"4", "16"}
     assert elementwise["global_loads_by_bytes"]["1"] > 0  # a byte a code
     assert halves["loop_instructions"] < elementwise["loop_instructions"]
+    # the kernels that add a split product's planes compile for the GPU too
+    assert len(c["consumers"]) == 4 and all(size > 0 for size in c["consumers"])
     # 2048 codes in 8 slices: one step of K a program, no loop; the kernel is its iteration
     assert one["unrolled"] and one["mma"] > 0

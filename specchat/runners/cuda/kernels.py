@@ -10,7 +10,7 @@ same bits whatever is fed beside it.
 | `matmul`    | x @ W.T for a bf16 W (the LM head, unquantized layers)          |
 | `rms_norm`  | an optional residual add, then the RMS norm of each row; takes a split product's planes as its input or its add (`Planes`) |
 | `act_mul`   | silu(gate) * up (Llama) or gelu(gate) * up (Gemma)              |
-| `rope_store`| RoPE (after Gemma's q and k norms) on a q|k|v row: q out, k and v into the static cache |
+| `rope_store`| RoPE (after Gemma's q and k norms) on a q|k|v row (or its product's planes): q out, k and v into the static cache |
 | `attention` | causal (optionally sliding-window) attention over the static cache, blocks of KEYS keys from slot 0, combined in one pass whatever the context's length |
 
 Under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests do, at tiny shapes).
@@ -528,15 +528,13 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _planes_sum(ptr, bias_ptr, at, rd, ok, MN, D, PARTS: tl.constexpr,
-                HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """An NF4 product's planes added as `_nf4_sum_kernel` adds them, in `dtype`."""
+def _planes_sum(ptr, at, ok, MN, PARTS: tl.constexpr):
+    """An NF4 product's planes at `at`, added in `_nf4_sum_kernel`'s order (its bias, then its
+    rounding to the output's dtype, are the caller's)."""
     acc = tl.load(ptr + at, mask=ok, other=0.0)
     for s in tl.static_range(1, PARTS):
         acc += tl.load(ptr + s * MN + at, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)[None, :]
-    return acc.to(dtype)
+    return acc
 
 
 @triton.jit
@@ -549,14 +547,18 @@ def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, bias_ptr, M, D, eps, offset
     ok = (rm < M)[:, None] & (rd < D)[None, :]
     at = rm[:, None] * D + rd[None, :]
     if X_PARTS:  # x: a product's planes, added here
-        x = _planes_sum(x_ptr, bias_ptr, at, rd, ok, M * D, D, X_PARTS, HAS_BIAS,
-                        out_ptr.dtype.element_ty)
+        x = _planes_sum(x_ptr, at, ok, M * D, X_PARTS)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)[None, :]
+        x = x.to(out_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + at, mask=ok, other=0.0)
     if HAS_ADD:  # the residual stream: x += add, kept in x's dtype as the model's own add
         if ADD_PARTS:
-            add = _planes_sum(add_ptr, bias_ptr, at, rd, ok, M * D, D, ADD_PARTS, HAS_BIAS,
-                              x_ptr.dtype.element_ty)
+            add = _planes_sum(add_ptr, at, ok, M * D, ADD_PARTS)
+            if HAS_BIAS:
+                add += tl.load(bias_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)[None, :]
+            add = add.to(x_ptr.dtype.element_ty)
         else:
             add = tl.load(add_ptr + at, mask=ok, other=0.0)
         x = (x.to(tl.float32) + add.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -636,8 +638,9 @@ def act_mul(gate_up: torch.Tensor, gelu: bool = False,
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
-                       M, S, eps, offset, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                       bias_ptr, M, S, eps, offset, HQ: tl.constexpr, HKV: tl.constexpr,
+                       D: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_H: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
     # one (row, head) pair a line: heads are HQ q heads, then HKV k heads, then HKV v heads
     line = tl.arange(0, BLOCK_M * BLOCK_H)
     row = tl.program_id(0) * BLOCK_M + line // BLOCK_H
@@ -646,9 +649,19 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, 
     real = ((row < M) & (line % BLOCK_H < HQ + 2 * HKV))[:, None]
     pos = tl.load(pos_ptr + row, mask=row < M, other=0)[:, None]
     row = row[:, None]
-    src = qkv_ptr + (row * (HQ + 2 * HKV) + head) * D + half
-    x1 = tl.load(src, mask=real, other=0.0).to(tl.float32)
-    x2 = tl.load(src + D // 2, mask=real, other=0.0).to(tl.float32)
+    at = (row * (HQ + 2 * HKV) + head) * D + half
+    if PARTS:  # qkv: a product's planes, added here as its second kernel would, then rounded
+        x1 = _planes_sum(qkv_ptr, at, real, M * (HQ + 2 * HKV) * D, PARTS)
+        x2 = _planes_sum(qkv_ptr, at + D // 2, real, M * (HQ + 2 * HKV) * D, PARTS)
+        if HAS_BIAS:
+            x1 += tl.load(bias_ptr + head * D + half, mask=real, other=0.0).to(tl.float32)
+            x2 += tl.load(bias_ptr + head * D + D // 2 + half, mask=real,
+                          other=0.0).to(tl.float32)
+        x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
+        x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x1 = tl.load(qkv_ptr + at, mask=real, other=0.0).to(tl.float32)
+        x2 = tl.load(qkv_ptr + at + D // 2, mask=real, other=0.0).to(tl.float32)
     if QK_NORM:  # each q and k head's RMS norm (Gemma's way: scaled in float32, then rounded)
         var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
         inv = (1.0 / tl.sqrt(var + eps))[:, None]
@@ -684,22 +697,26 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, 
     tl.store(v_at + D // 2, y2, mask=is_v)
 
 
-def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               heads: int, kv_heads: int,
+def rope_store(qkv: torch.Tensor | Planes, cos: torch.Tensor, sin: torch.Tensor,
+               pos: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, heads: int, kv_heads: int,
                qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None) -> None:
     """qkv [M, (heads + 2 kv_heads) * D] -> q [M, heads, D] with RoPE at positions pos [M];
     k (with RoPE) and v written into the caches [kv_heads, S, D] at slot pos. `qk_norm`:
-    (q norm weight, k norm weight, eps, offset), each q and k head normed first."""
+    (q norm weight, k norm weight, eps, offset), each q and k head normed first. qkv may be
+    its product's `Planes`, added here as the product's second kernel would add them."""
     m = qkv.shape[0]
     d = q.shape[-1]
     block_h = triton.next_power_of_2(heads + 2 * kv_heads)
     rows = max(1, min(ROWS, 64 // block_h))
     qn, kn, eps, offset = qk_norm if qk_norm is not None else (cos, cos, 0.0, 0.0)
-    _rope_store_kernel[(triton.cdiv(m, rows),)](qkv, cos, sin, pos, q, k_cache, v_cache, qn, kn,
-                                                m, k_cache.shape[1], eps, offset, HQ=heads,
-                                                HKV=kv_heads, D=d, QK_NORM=qk_norm is not None,
-                                                BLOCK_M=rows, BLOCK_H=block_h, num_warps=4)
+    parts = isinstance(qkv, Planes)
+    bias = qkv.bias if parts else None
+    _rope_store_kernel[(triton.cdiv(m, rows),)](
+        qkv.planes if parts else qkv, cos, sin, pos, q, k_cache, v_cache, qn, kn,
+        bias if bias is not None else cos, m, k_cache.shape[1], eps, offset, HQ=heads,
+        HKV=kv_heads, D=d, QK_NORM=qk_norm is not None, BLOCK_M=rows, BLOCK_H=block_h,
+        PARTS=qkv.planes.shape[0] if parts else 0, HAS_BIAS=bias is not None, num_warps=4)
 
 
 @triton.jit

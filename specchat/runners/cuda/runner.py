@@ -164,8 +164,9 @@ class CudaRunner(Runner):
 
     tree_masks = False  # draft trees are verified as chains here (slots are positions)
     owned_logits = False  # on the GPU, from the graphs' static buffers
-    # o's and down's products split over K hand their planes to the norm after them, which
-    # adds them as the products' second kernel would: the same bits, two launches a layer fewer
+    # q|k|v's, o's and down's products split over K hand their planes to the kernel after
+    # them (rope_store, the norms), which adds them as the products' second kernel would: the
+    # same bits, up to three launches a layer fewer
     fold = True
 
     def __init__(self, model, graphs: bool | None = None, context: int | None = None):
@@ -269,16 +270,17 @@ class CudaRunner(Runner):
         gate_up = torch.empty(m, 2 * inter, dtype=self.dtype, device=self.device)
         x = self._norm(h, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
-            if layer.qkv is not None:
-                layer.qkv(x, out=qkv, rows=live)
+            if layer.qkv is not None:  # its planes, where split, go to rope_store
+                qkv_in = layer.qkv(x, rows=live, fold=self.fold)
             else:
+                qkv_in = qkv
                 layer.q(x, out=qkv[:, :nq], rows=live)
                 layer.k(x, out=qkv[:, nq:nq + nk], rows=live)
                 layer.v(x, out=qkv[:, nq + nk:], rows=live)
             cos, sin = self.rope[layer.rope]
             qk_norm = (layer.q_norm, layer.k_norm, self.eps, self.norm_offset) \
                 if layer.q_norm is not None else None
-            kernels.rope_store(qkv, cos, sin, pos, q, self.cache.k[i], self.cache.v[i],
+            kernels.rope_store(qkv_in, cos, sin, pos, q, self.cache.k[i], self.cache.v[i],
                                self.heads, self.kv_heads, qk_norm)
             att = kernels.attention(q, self.cache.k[i], self.cache.v[i], pos, self.scale,
                                     layer.window)

@@ -27,17 +27,33 @@ _LDG = re.compile(r"\bLDG(?:STS)?((?:\.\w+)*)")  # loads from global memory, and
 _WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
-def compile_nf4(config, k: int, arch: int = 90, has_bias: bool = False):
-    """The NF4 kernel for an [n, k] weight under `config` (`kernels.NF4Config`), as the runtime
-    launches it on a GPU (bf16 activations, the decode width's row tile), compiled for `arch`:
-    Triton's compiled kernel (its `asm["cubin"]`, `metadata.shared`)."""
+def compile_kernel(fn, signature: dict, constants: dict, arch: int = 90, warps: int = 4,
+                   stages: int = 3):
+    """A Triton kernel compiled for `arch` as the JIT specializes the runtime's launches of it:
+    every pointer 16-byte aligned and every integer a multiple of 16 (16 rows; the columns and
+    strides of the models' shapes), which is what lets loads of contiguous bytes be wide.
+    `signature`: the runtime arguments' types by name; `constants`: the constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+               for name, kind in signature.items() if kind.startswith("*") or kind == "i32"}
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(name),): value
+                                                  for name, value in constants.items()},
+                       attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_nf4(config, k: int, arch: int = 90, has_bias: bool = False):
+    """The NF4 kernel for an [n, k] weight under `config` (`kernels.NF4Config`), as the runtime
+    launches it on a GPU (bf16 activations, the decode width's row tile, the live rows read
+    from a device scalar), compiled for `arch`: Triton's compiled kernel (its
+    `asm["cubin"]`, `metadata.shared`)."""
     from specchat.runners.cuda import kernels
 
-    fn = kernels._nf4_matmul_kernel
     signature = {"x_ptr": "*bf16", "w_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*i32",
                  "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
                  "rows_ptr": "*i32", "M": "i32", "N": "i32", "stride_om": "i32",
@@ -45,17 +61,36 @@ def compile_nf4(config, k: int, arch: int = 90, has_bias: bool = False):
     constants = {"K": k, "HAS_BIAS": has_bias, "BLOCK_M": kernels.ROWS,
                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT": config.split,
                  "DECODE": config.decode, "UPCAST": 0, "LIVE": True}
-    signature.update({name: "constexpr" for name in constants})
-    # what the JIT specializes at a launch of the runtime's: every pointer 16-byte aligned and
-    # every integer a multiple of 16 (16 rows; the columns and strides of the models' shapes),
-    # which is what lets loads of contiguous bytes be wide
-    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-               for name, kind in signature.items() if kind not in ("constexpr",)}
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(name),): value
-                                                  for name, value in constants.items()},
-                       attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": config.warps, "num_stages": config.stages})
+    return compile_kernel(kernels._nf4_matmul_kernel, signature, constants, arch,
+                          config.warps, config.stages)
+
+
+def compile_consumers(arch: int = 90) -> list:
+    """The kernels that add a split product's planes (`kernels.Planes`), compiled for `arch`
+    as an 8B Llama's layer launches them: RMS norm with planes as its add and as its input,
+    RoPE-and-store with q|k|v's planes (with a bias, and with Gemma's q and k norms)."""
+    from specchat.runners.cuda import kernels
+
+    norm = {"x_ptr": "*bf16", "add_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "bias_ptr": "*bf16", "M": "i32", "D": "i32", "eps": "fp32", "offset": "fp32"}
+    rope = {"qkv_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32",
+            "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qn_ptr": "*bf16",
+            "kn_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "S": "i32", "eps": "fp32",
+            "offset": "fp32"}
+    shape = {"BLOCK_M": 2, "BLOCK_D": 4096}
+    heads = {"HQ": 32, "HKV": 8, "D": 128, "BLOCK_M": 1, "BLOCK_H": 64}
+    return [
+        compile_kernel(kernels._rms_norm_kernel, norm, {
+            "HAS_ADD": True, "CAST_FIRST": True, **shape, "X_PARTS": 0, "ADD_PARTS": 4,
+            "HAS_BIAS": False}, arch, warps=8),
+        compile_kernel(kernels._rms_norm_kernel, {**norm, "x_ptr": "*fp32"}, {
+            "HAS_ADD": False, "CAST_FIRST": False, **shape, "X_PARTS": 4, "ADD_PARTS": 0,
+            "HAS_BIAS": True}, arch, warps=8),
+        compile_kernel(kernels._rope_store_kernel, rope, {
+            **heads, "QK_NORM": False, "PARTS": 4, "HAS_BIAS": True}, arch),
+        compile_kernel(kernels._rope_store_kernel, rope, {
+            **heads, "QK_NORM": True, "PARTS": 2, "HAS_BIAS": False}, arch),
+    ]
 
 
 def disassemble(cubin: bytes) -> str:
