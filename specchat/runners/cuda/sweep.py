@@ -39,21 +39,29 @@ ROWS = (1, 2, 4, 8, 16, 64)
 
 
 def candidates(n: int, k: int) -> list:
-    """Tile configurations worth timing for an [n, k] NF4 weight (about 25: each is compiled
-    once): the shape's own rule, and around it columns a program, slices of K and the two
-    table decodings at 256 codes a step, then 128 and 512 codes a step, then the byte-permute
-    decodings (DECODE 2, and 4: DECODE 3 with wide loads, fewer instructions and barriers) at
-    32, 64 and 128 columns (their weights are the MMA's first operand, so wider tiles)."""
+    """Tile configurations worth timing for an [n, k] NF4 weight (at most 27: each is compiled
+    once): the shape's own rule, and around it columns a program and slices of K for the
+    gathered codebook (the rule's decode) and columns for the pair table, at 256 codes a step;
+    then 128 and 512 codes a step; then the byte-permute decodings (DECODE 2, and 4: DECODE 3
+    with wide loads, fewer instructions and barriers) at 32, 64 and 128 columns (their weights
+    are the MMA's first operand, so wider tiles); then warps and pipeline stages around the
+    rule's and DECODE 4's tiles."""
     from specchat.runners.cuda import kernels
 
     own = kernels.nf4_config(n, k)
     out = [own]
-    tried = [(block_n, 256, split, decode) for block_n in (16, 32, 64)
-             for split in (own.split // 2, own.split, own.split * 2) for decode in (0, 1)]
-    tried += [(own.block_n, block_k, own.split, own.decode) for block_k in (128, 512)]
-    tried += [(block_n, 256, own.split, decode) for decode in (2, 4) for block_n in (32, 64, 128)]
-    for block_n, block_k, split, decode in tried:
-        c = kernels.NF4Config(block_n, block_k, split, own.warps, own.stages, decode)
+    w, st = own.warps, own.stages
+    tried = [(block_n, 256, split, w, st, 1) for block_n in (16, 32, 64)
+             for split in (own.split // 2, own.split, own.split * 2)]
+    tried += [(block_n, 256, own.split, w, st, 0) for block_n in (16, 32, 64)]
+    tried += [(own.block_n, block_k, own.split, w, st, own.decode) for block_k in (128, 512)]
+    tried += [(block_n, 256, own.split, w, st, decode) for decode in (2, 4)
+              for block_n in (32, 64, 128)]
+    tried += [(own.block_n, own.block_k, own.split, warps, stages, own.decode)
+              for warps, stages in ((8, st), (w, 2), (w, 4))]
+    tried += [(64, 256, own.split, warps, stages, 4) for warps, stages in ((8, st), (w, 2))]
+    for block_n, block_k, split, warps, stages, decode in tried:
+        c = kernels.NF4Config(block_n, block_k, split, warps, stages, decode)
         if split >= 1 and k % (split * block_k) == 0 and c not in out:
             out.append(c)
     return out
