@@ -5,9 +5,10 @@ Llama 3.2 1B as the runtime runs them (q|k|v and gate|up fused):
     python -m specchat.runners.cuda.sweep --shape 8b --write
     python -m specchat.runners.cuda.sweep --compile-only --arch 90   # no GPU: machine code
 
-For each NF4 shape it tries tile configurations at a decode step's width (16 rows, what the
-runtime pads every step of up to 16 tokens to), then times the best and the runtime's own at 1,
-2, 4, 8, 16 and 64 rows, beside the bf16 kernel and bitsandbytes' own 4-bit matmul on the same
+For each NF4 shape it tries tile configurations on a plain step's product (one live row of the
+16 the runtime pads every step of up to 16 tokens to), then times the best and the runtime's own
+at 1, 2, 4, 8, 16 and 64 live rows, fed as the runtime feeds them (16 or 64 rows, the live count
+in a device scalar), beside the bf16 kernel and bitsandbytes' own 4-bit matmul on the same
 weights: microseconds, the read bandwidth (weights, scales and activations once) and its
 fraction of this GPU's measured copy rate. Each time is a launch's inside a CUDA graph, over
 copies of the weights together at least twice the L2 cache, so that every launch reads its
@@ -161,9 +162,11 @@ def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
             weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
             weights = [weight] + [weight.clone() for _ in range(copies_for(2 * n * k, l2) - 1)]
             for m in rows:
-                x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-                us, how = _graph_time_us([lambda w=w, x=x: kernels.matmul(x, w) for w in weights])
-                _line(name, n, k, m, "bf16", us, weight.numel() * 2 + x.numel() * 2, rate, how)
+                x, live = _fed(m, k, device)
+                us, how = _graph_time_us([lambda w=w, x=x, live=live: kernels.matmul(x, w,
+                                                                                    rows=live)
+                                          for w in weights])
+                _line(name, n, k, m, "bf16", us, weight.numel() * 2 + m * k * 2, rate, how)
             continue
         weight, codes, absmax, table, bnb_forward = _nf4_weights(n, k, device)
         nf4_bytes = codes.numel() + absmax.numel() * 4
@@ -174,15 +177,15 @@ def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
         print(f"  {name}: {len(nf4)} NF4 and {len(bf16)} bf16 copies of the weights rotate "
               f"(L2 {l2 >> 20} MiB)")
 
-        def launches(x, config, nf4=nf4, table=table):
-            return [lambda w=w: kernels.nf4_matmul(x, w[0], w[1], table, config=config)
-                    for w in nf4]
+        def launches(m, config, nf4=nf4, table=table):
+            x, live = _fed(m, k, device)
+            return [lambda w=w: kernels.nf4_matmul(x, w[0], w[1], table, config=config,
+                                                   rows=live) for w in nf4]
 
-        x16 = torch.randn(kernels.ROWS, k, dtype=torch.bfloat16, device=device)
         timed = []
-        for config in candidates(n, k):
+        for config in candidates(n, k):  # chosen by a plain step's product: one live row
             try:
-                timed.append((_graph_time_us(launches(x16, config), 10)[0], config))
+                timed.append((_graph_time_us(launches(1, config), 10)[0], config))
             except Exception as e:  # noqa: BLE001 (a tile that does not fit this GPU)
                 print(f"  {name} {config}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
         best = min(timed)[1]
@@ -192,15 +195,27 @@ def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
             read = nf4_bytes + x.numel() * 2
             for label, config in (("nf4 best", best), ("nf4 runtime", own)):
-                us, how = _graph_time_us(launches(x, config))
+                us, how = _graph_time_us(launches(m, config))
                 _line(name, n, k, m, f"{label} {tuple(config)}", us, read, rate, how)
-            us, how = _graph_time_us([lambda w=w, x=x: kernels.matmul(x, w) for w in bf16])
+            fed, live = _fed(m, k, device)
+            us, how = _graph_time_us([lambda w=w: kernels.matmul(fed, w, rows=live)
+                                      for w in bf16])
             _line(name, n, k, m, "bf16 kernel", us, weight.numel() * 2 + x.numel() * 2, rate,
                   how)
             # bitsandbytes' forward (host-side work around its kernel): by events, one copy
             _line(name, n, k, m, "bitsandbytes", _time_us(lambda f=bnb_forward, x=x: f(x)), read, rate,
                   "events, one copy")
     return best_of
+
+
+def _fed(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """m rows as the runtime feeds a product: padded to its decode width (16) or its page (64),
+    with the live count in a device scalar, so that only the live rows are read."""
+    from specchat.runners.cuda.runner import PAGE, WIDTH
+
+    width = WIDTH if m <= WIDTH else max(m, PAGE)
+    return (torch.randn(width, k, dtype=torch.bfloat16, device=device),
+            torch.tensor([m], dtype=torch.int32, device=device))
 
 
 def _line(name: str, n: int, k: int, m: int, what: str, us: float, read: int,
