@@ -149,9 +149,10 @@ def _nf4_weights(n: int, k: int, device):
     return weight, codes, absmax, table, lambda x: bnb.matmul_4bit(x, packed.t(), state)
 
 
-def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
-    """Print the table of one model's shapes; -> {"n x k": best config} for `--write`. Every
-    figure is a CUDA graph's launches over copies of the weights together twice the L2
+def sweep(shape: str, rows: tuple[int, ...], rate: float, device, keep=None) -> dict:
+    """Print the table of one model's shapes; -> {"n x k": best config} for `--write`, each
+    also handed to `keep` as soon as it is chosen (a sweep cut short keeps what it chose).
+    Every figure is a CUDA graph's launches over copies of the weights together twice the L2
     (`_graph_time_us`, `copies_for`): what a captured decode step reads, from memory."""
     from specchat.runners.cuda import kernels
 
@@ -191,6 +192,8 @@ def sweep(shape: str, rows: tuple[int, ...], rate: float, device) -> dict:
         best = min(timed)[1]
         own = kernels.nf4_config(n, k)
         best_of[f"{n}x{k}"] = list(best)
+        if keep is not None:
+            keep({f"{n}x{k}": list(best)})
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
             read = nf4_bytes + x.numel() * 2
@@ -291,16 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     rate = copy_rate(device)
     print(f"{card}: copy rate {rate / 1e9:.0f} GB/s; NF4 configurations (columns, codes a "
           "step, slices of K, warps, stages, decode); GB/s and its share of the copy rate")
-    best = {}
-    for shape in (SHAPES if args.shape == "all" else [args.shape]):
-        print(f"{shape}:")
-        best.update(sweep(shape, rows, rate, device))
-    if args.write:
+    def keep(best: dict) -> None:  # written at once: a stage cut short keeps what it chose
         path = Path(args.write)
         table = json.loads(path.read_text()) if path.exists() else {}
         table.setdefault(card, {}).update(best)
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        print(f"best configurations for {card} written to {path}")
+
+    for shape in (SHAPES if args.shape == "all" else [args.shape]):
+        print(f"{shape}:")
+        sweep(shape, rows, rate, device, keep if args.write else None)
+    if args.write:
+        print(f"best configurations for {card} written to {args.write}")
     return 0
 
 
