@@ -167,8 +167,9 @@ LIVE_JS = """(announced) => {
     reply.dataset.drawn = String(data.from + data.tokens.length);
     if (follow) log.scrollTop = log.scrollHeight;
   };
-  const source = new EventSource(new URL('specchat/live/' + encodeURIComponent(feed.feed),
-                                         location.href));
+  // the page's own folder (a page served under a path keeps it, with or without its slash)
+  const folder = location.origin + location.pathname.replace(/\/?$/, '/');
+  const source = new EventSource(folder + 'specchat/live/' + encodeURIComponent(feed.feed));
   window.scLiveFeed = source;
   source.onmessage = (message) => {
     try { draw(JSON.parse(message.data)); } catch (e) { /* the final render follows */ }
