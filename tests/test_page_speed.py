@@ -118,18 +118,19 @@ def test_the_page_and_the_api_stream_at_the_engines_speed(report, capsys):
         raise failed[0]
     with capsys.disabled():
         print()
-        for where, speculation, tok_s, generate in figures:
+        for where, speculation, tok_s, generate, ratios in figures:
             print(f"{where:<5} speculation {'on ' if speculation else 'off'}: {tok_s:6.1f} tok/s, "
-                  f"generate {generate:6.1f} tok/s, ratio {tok_s / generate:.2f}")
-    for where, speculation, tok_s, generate in figures:
+                  f"generate {generate:6.1f} tok/s, ratio {tok_s / generate:.2f} (rounds: "
+                  + ", ".join(f"{r:.2f}" for r in ratios) + ")")
+    for where, speculation, tok_s, generate, _ in figures:
         margin = PAGE_MARGIN if where == "page" else API_MARGIN
         assert tok_s >= margin * generate, (where, speculation, tok_s, generate)
 
 
 def _measure(report, loop: EngineLoop, sync_playwright) -> list[tuple]:
-    """(where, speculation, tok/s, generate's tok/s) of the median of ROUNDS rounds, each a
-    reply between two `generate` runs: one reply's ratio moves by 0.1 and more with the
-    machine's drift on a shared 2-core CPU."""
+    """(where, speculation, tok/s, generate's tok/s, every round's ratio) of the median of ROUNDS
+    rounds, each a reply between two `generate` runs: one reply's ratio moves by 0.1 and more
+    with the machine's drift on a shared 2-core CPU."""
     figures = []
     for speculation in (False, True):
         store = StatsStore(":memory:")
@@ -155,7 +156,8 @@ def _measure(report, loop: EngineLoop, sync_playwright) -> list[tuple]:
                 browser.close()
         finally:
             demo.close()
-        figures.append(("page", speculation, *_median_round(rounds)))
+        figures.append(("page", speculation, *_median_round(rounds),
+                        [tok_s / gen for tok_s, gen in rounds]))
 
         api = create_app(report, StatsStore(":memory:"), {"sk-speed": "speed"},
                          max_tokens_cap=TOKENS)
@@ -172,7 +174,8 @@ def _measure(report, loop: EngineLoop, sync_playwright) -> list[tuple]:
                 after = loop.call(_generate, app, settings)
                 assert tokens == base.new_tokens
                 rounds.append((tokens / seconds, (base.tokens_per_s + after.tokens_per_s) / 2))
-        figures.append(("api", speculation, *_median_round(rounds)))
+        figures.append(("api", speculation, *_median_round(rounds),
+                        [tok_s / gen for tok_s, gen in rounds]))
     return figures
 
 
