@@ -528,13 +528,16 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _planes_sum(ptr, at, ok, MN, PARTS: tl.constexpr):
-    """An NF4 product's planes at `at`, added in `_nf4_sum_kernel`'s order (its bias, then its
-    rounding to the output's dtype, are the caller's)."""
+def _planes_value(ptr, bias_ptr, at, col, ok, bias_ok, MN, PARTS: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """An NF4 product's value at `at` (column `col`) from its planes, as `_nf4_sum_kernel`
+    stores it: the planes added in order, then the bias, rounded to `dtype`."""
     acc = tl.load(ptr + at, mask=ok, other=0.0)
     for s in tl.static_range(1, PARTS):
         acc += tl.load(ptr + s * MN + at, mask=ok, other=0.0)
-    return acc
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=bias_ok, other=0.0).to(tl.float32)
+    return acc.to(dtype)
 
 
 @triton.jit
@@ -547,18 +550,14 @@ def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, bias_ptr, M, D, eps, offset
     ok = (rm < M)[:, None] & (rd < D)[None, :]
     at = rm[:, None] * D + rd[None, :]
     if X_PARTS:  # x: a product's planes, added here
-        x = _planes_sum(x_ptr, at, ok, M * D, X_PARTS)
-        if HAS_BIAS:
-            x += tl.load(bias_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)[None, :]
-        x = x.to(out_ptr.dtype.element_ty)
+        x = _planes_value(x_ptr, bias_ptr, at, rd[None, :], ok, (rd < D)[None, :], M * D,
+                          X_PARTS, HAS_BIAS, out_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + at, mask=ok, other=0.0)
     if HAS_ADD:  # the residual stream: x += add, kept in x's dtype as the model's own add
         if ADD_PARTS:
-            add = _planes_sum(add_ptr, at, ok, M * D, ADD_PARTS)
-            if HAS_BIAS:
-                add += tl.load(bias_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)[None, :]
-            add = add.to(x_ptr.dtype.element_ty)
+            add = _planes_value(add_ptr, bias_ptr, at, rd[None, :], ok, (rd < D)[None, :],
+                                M * D, ADD_PARTS, HAS_BIAS, x_ptr.dtype.element_ty)
         else:
             add = tl.load(add_ptr + at, mask=ok, other=0.0)
         x = (x.to(tl.float32) + add.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -650,15 +649,13 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, 
     pos = tl.load(pos_ptr + row, mask=row < M, other=0)[:, None]
     row = row[:, None]
     at = (row * (HQ + 2 * HKV) + head) * D + half
-    if PARTS:  # qkv: a product's planes, added here as its second kernel would, then rounded
-        x1 = _planes_sum(qkv_ptr, at, real, M * (HQ + 2 * HKV) * D, PARTS)
-        x2 = _planes_sum(qkv_ptr, at + D // 2, real, M * (HQ + 2 * HKV) * D, PARTS)
-        if HAS_BIAS:
-            x1 += tl.load(bias_ptr + head * D + half, mask=real, other=0.0).to(tl.float32)
-            x2 += tl.load(bias_ptr + head * D + D // 2 + half, mask=real,
-                          other=0.0).to(tl.float32)
-        x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
-        x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    if PARTS:  # qkv: a product's planes, added here as its second kernel would
+        mn, col = M * (HQ + 2 * HKV) * D, head * D + half
+        dtype = q_ptr.dtype.element_ty
+        x1 = _planes_value(qkv_ptr, bias_ptr, at, col, real, real, mn, PARTS, HAS_BIAS, dtype)
+        x2 = _planes_value(qkv_ptr, bias_ptr, at + D // 2, col + D // 2, real, real, mn, PARTS,
+                           HAS_BIAS, dtype)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     else:
         x1 = tl.load(qkv_ptr + at, mask=real, other=0.0).to(tl.float32)
         x2 = tl.load(qkv_ptr + at + D // 2, mask=real, other=0.0).to(tl.float32)
