@@ -46,6 +46,7 @@ from specchat.core.events import TokenEvent  # noqa: E402
 from specchat.drafters.ngram import NgramDrafter  # noqa: E402
 from specchat.loader import LoadReport  # noqa: E402
 from specchat.stats.store import StatsStore  # noqa: E402
+from specchat.ui import live  # noqa: E402
 from specchat.ui.access import Access  # noqa: E402
 from specchat.ui.login import guarded_launch_kwargs  # noqa: E402
 from specchat.ui.page import build_ui, launch  # noqa: E402
@@ -336,6 +337,9 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
             events.close()
 
     engine.stream = stream
+    # a leaver's page is gone for good: its feed's grace for a reconnect (live.GRACE_S, a few
+    # seconds) would outlast a leaver's whole reply here, so the run takes a short one
+    grace, live.GRACE_S = live.GRACE_S, min(live.GRACE_S, 0.3)
     demo, base = serve(store, engine, logins, cap)
     url = base + "/v1"
     route = PageRoute(demo)
@@ -487,6 +491,7 @@ def run(honest: int = 6, turns: int = 3, flood: int = 50, tabs: int = 4, guesses
                 for t in turns_saved) or "nothing"
         demo.close()
         del engine.stream
+        live.GRACE_S = grace
     return figures
 
 

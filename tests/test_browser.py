@@ -345,7 +345,11 @@ def test_hostile_text_is_shown_as_text_in_every_view_and_logins_are_isolated(sha
     assert store.conversations()[0]["owner"] == "user:alice"
 
 
-def test_a_tab_closed_mid_reply_records_an_interrupted_turn(shared):
+def test_a_tab_closed_mid_reply_records_an_interrupted_turn(shared, monkeypatch):
+    from specchat.ui import live
+
+    # the tiny model would finish its reply within the grace a dropped feed gets to come back
+    monkeypatch.setattr(live, "GRACE_S", 0.2)
     sync_playwright = _sync_playwright()
     url, store, _, _ = shared
     with sync_playwright() as p:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 from test_ui import char_kinds_from_html, engine, make_app, store  # noqa: F401 - fixtures
+from tiny import served_on_loopback
 
 from specchat.core.events import TokenEvent
 from specchat.ui import live
@@ -29,8 +32,10 @@ def read(client: TestClient, name: str, last: str | None = None) -> tuple[int, l
     events, event = [], {}
     with client.stream("GET", f"/specchat/live/{name}", headers=headers) as r:
         for line in r.iter_lines():
-            if not line:
-                events.append((event.get("event", "message"), event.get("id"), event.get("data")))
+            if not line:  # (a block without data, such as `retry`, dispatches nothing)
+                if "data" in event:
+                    events.append((event.get("event", "message"), event.get("id"),
+                                   event["data"]))
                 event = {}
             else:
                 field, _, value = line.partition(": ")
@@ -103,3 +108,28 @@ def test_a_page_that_leaves_mid_reply_stops_it_and_the_turn_says_cancelled(engin
     assert app.writer.flush(10)
     row = store.turns(session.conversation_id)[-1]
     assert row["interrupted"] and row["stop_reason"] == "cancelled"
+
+
+def test_a_dropped_feed_that_reconnects_keeps_its_reply_and_one_left_for_good_stops_it(
+        monkeypatch):
+    """Over real sockets (uvicorn on loopback): a stream that drops is a page that may come
+    back; its reply stops only when no stream has read the feed for GRACE_S."""
+    monkeypatch.setattr(live, "GRACE_S", 0.5)
+    tokens = [TokenEvent(i, f"t{i}", "target", i, 0, 0) for i in range(3)]
+    stop = threading.Event()
+    name, feed = live.open_feed("k2", tokens, [], stop)
+    try:
+        with served_on_loopback(Starlette(routes=live.routes())) as url, httpx.Client() as web:
+            for _ in range(2):  # read a batch, then drop the stream; the next comes at once
+                with web.stream("GET", f"{url}/specchat/live/{name}") as r:
+                    assert any(line.startswith("data:") for line in r.iter_lines())
+            with web.stream("GET", f"{url}/specchat/live/{name}",
+                            headers={"Last-Event-ID": "3"}):
+                time.sleep(1.0)  # open past the grace of the drops before
+                assert not stop.is_set() and not feed.left.is_set()
+            deadline = time.monotonic() + 10
+            while not stop.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert stop.is_set() and feed.left.is_set()  # nobody came back: the reply stops
+    finally:
+        live.close_feed(name)

@@ -11,7 +11,8 @@ which it appends to the reply's element as colored spans (text and titles set as
 markup). The reply's thread never waits for the page, nor gradio for the engine. The first
 render (the echo, a place in the line) and the last (markup, ghost text, charts and step cards)
 go through the Chatbot as before. A page that goes away mid-reply closes its feed, and the
-reply stops at its next step.
+reply stops at its next step once no page has read the feed for `GRACE_S` (a dropped stream
+reconnects within a second, from the last token it had).
 
 The feed's name is the capability: it goes only to the page whose reply it is (through that
 page's own gradio session, behind its login where there is one), and it names no other data.
@@ -51,6 +52,9 @@ def records(key: str, tokens: list[TokenEvent], start: int,
 
 
 LIVE_S = 0.2  # seconds between two batches of a streaming reply's feed
+# A page whose feed dropped (a network blip) reconnects within a second (the stream's `retry`);
+# a reply stops only when no page has read its feed for this long.
+GRACE_S = 3.0
 ROUTE = "/specchat/live/{feed}"
 
 
@@ -64,6 +68,7 @@ class Feed:
     stop: threading.Event
     done: bool = False  # the reply ended: the stream sends what is left and ends
     left: threading.Event = field(default_factory=threading.Event)
+    readers: int = 0  # streams open on it (counted on the server's event loop)
 
 
 _feeds: dict[str, Feed] = {}
@@ -105,7 +110,9 @@ async def stream(request: Request) -> Response:
 
     async def events():
         sent = min(int(last), len(feed.tokens))
+        feed.readers += 1
         try:
+            yield "retry: 1000\n\n"
             while True:
                 done, count = feed.done, len(feed.tokens)
                 if count > sent:
@@ -117,13 +124,21 @@ async def stream(request: Request) -> Response:
                     yield "event: end\ndata: \n\n"
                     return
                 await asyncio.sleep(LIVE_S)
-        finally:  # ended early: the page went away (or its browser dropped the stream)
+        finally:  # ended early: the page went away, or its stream dropped and it reconnects
+            feed.readers -= 1
             if not feed.done:
-                feed.left.set()
-                feed.stop.set()
+                asyncio.get_running_loop().call_later(GRACE_S, _unread, feed)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+def _unread(feed: Feed) -> None:
+    """No page has read the feed for GRACE_S: the page went away, and its reply stops at its
+    next step (recorded as cancelled)."""
+    if not feed.done and feed.readers == 0:
+        feed.left.set()
+        feed.stop.set()
 
 
 def routes() -> list[Route]:
