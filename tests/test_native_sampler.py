@@ -237,3 +237,36 @@ def test_replies_are_the_same_with_the_native_sampler_and_without(checkpoint, pa
                 speculation=spec, drafter="ngram", **cfg)) if isinstance(e, TokenEvent)])
             assert set(modes) == ({mode} if with_native else set())
         assert len(replies[0]) == 40 and all(r == replies[0] for r in replies), sampling
+
+
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
+def test_row_top_is_the_rows_largest_logits_and_its_log_sum_exp(threads):
+    """What the inspector reads of a step's row, in one native call: its largest logits in the
+    order a stable sort gives them (the first id among equal values), and its log-sum-exp
+    within a hundred-thousandth; every build the same bits; the engine's evidence
+    the same candidates with it as without it."""
+    from specchat.core.sampling import top_candidates
+    rows = _rows(70_000, torch.Generator().manual_seed(5))  # 3 threads: the row in 3 pieces
+    for row in rows:
+        order = torch.sort(row, descending=True, stable=True).indices[:kernels.TOP_MAX]
+        found = [kernels.row_top(lib, row, kernels.TOP_MAX) for lib in BUILDS.values()]
+        ids, values, lse = found[0]
+        assert all(f == found[0] for f in found[1:])
+        live = int(row.isfinite().sum())
+        assert ids == order[:live].tolist() and values == row[order[:live]].tolist()
+        assert lse == pytest.approx(float(torch.logsumexp(row.double(), -1)), rel=1e-5)
+        for params in (SamplingParams(0.0), SamplingParams(0.7)):
+            native = top_candidates(row, params, 5, 17, lambda r, n: kernels.row_top(
+                BUILDS[next(iter(BUILDS))], r, n))
+            plain = top_candidates(row, params, 5, 17)
+            assert [i for i, _ in native[0]] == [i for i, _ in plain[0]] or row.unique().numel() \
+                < row.numel()  # torch's topk orders equal values as it likes
+            assert [p for _, p in native[0]] == pytest.approx([p for _, p in plain[0]], rel=1e-5)
+            assert native[1] == pytest.approx(plain[1], rel=1e-5, abs=1e-30)
+    with_nan = rows[0].clone()
+    with_nan[7] = torch.nan
+    assert np.isnan(kernels.row_top(BUILDS[next(iter(BUILDS))], with_nan, 3)[2])
+    all_masked = torch.full((1000,), -torch.inf)
+    assert kernels.row_top(BUILDS[next(iter(BUILDS))], all_masked, 3) == ([], [], -np.inf)
+    with pytest.raises(ValueError, match="at most 16"):
+        kernels.row_top(BUILDS[next(iter(BUILDS))], rows[0], 17)

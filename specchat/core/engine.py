@@ -60,6 +60,7 @@ from specchat.core.tree import DraftTree, verify_tree
 # The longest prompt a request may bring by default, in tokens: what a 2-core CPU encodes in
 # about 10 s on the embedded target, so one request cannot hold the engine for minutes.
 MAX_PROMPT_TOKENS = 4096
+TEXTS_KEPT = 65536  # tokens' texts the inspector's evidence keeps (`Engine._token_text`)
 
 class Verified(NamedTuple):
     """What one verify forward decided (`Engine._verify_chain`, `_verify_tree`)."""
@@ -161,6 +162,7 @@ class Engine:
         self.target = target  # models.LoadedModel (model, tokenizer, device, ...)
         self.model = target.model
         self.tokenizer = target.tokenizer
+        self._texts: dict[int, str] = {}  # token -> its text alone (`_token_text`)
         self.device = target.device
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.vocab_size = len(self.tokenizer)
@@ -197,6 +199,7 @@ class Engine:
         # The runner's native sampler (`shape_pick`), for the new float32 CPU logits it hands
         # over each forward (`owned_logits`); None: the Python sampler.
         self._native_sampler = self.runner.shape_pick if self.runner.owned_logits else None
+        self._row_top = self.runner.row_top if self.runner.owned_logits else None
 
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).
@@ -485,7 +488,7 @@ class Engine:
                             levels if step.draft.tree is not None else 0)
         if run.drafter:
             explain(step, record, run.params, run.stats.samplers, run.drafter.last_top,
-                    self._token_text, run.drafter.vocabulary)
+                    self._token_text, run.drafter.vocabulary, self._row_top)
             if run.cfg.adaptive:
                 record.alpha = run.policy.alpha(step.cls)
                 plain = run.policy.expected_rate(0, step.cls)
@@ -509,7 +512,14 @@ class Engine:
         return [(t, kind, lp, top) for (t, kind), (lp, top) in zip(tokens, found)]
 
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        """A token's text alone, as the inspector shows it (about 9 a speculative step, each
+        a tokenizer call: kept once made, up to TEXTS_KEPT of them)."""
+        text = self._texts.get(token)
+        if text is None:
+            if len(self._texts) >= TEXTS_KEPT:
+                self._texts.clear()
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
 
     # -- the decode loop ------------------------------------------------------------------
 

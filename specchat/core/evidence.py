@@ -43,9 +43,10 @@ class StepResult:
 
 def explain(step: StepResult, record: StepRecord, params: SamplingParams, samplers: list[str],
             drafter_top: list, text: Callable[[int], str],
-            vocabulary: frozenset[int] | None = None) -> None:
+            vocabulary: frozenset[int] | None = None,
+            row_top: Callable | None = None) -> None:
     """Fill `record`'s inspector fields from the step (`vocabulary`: the drafter's, if it
-    drafts from a reduced one)."""
+    drafts from a reduced one; `row_top`: the runner's own, for its float32 rows)."""
     draft = step.draft
     ids = draft.tokens.tolist()
     record.proposal, record.proposal_text = ids, [text(t) for t in ids]
@@ -56,7 +57,7 @@ def explain(step: StepResult, record: StepRecord, params: SamplingParams, sample
     if not ids:
         return
     position, refused = len(step.path), step.refused
-    top, p_refused = top_candidates(step.row, params, TOP, refused)
+    top, p_refused = top_candidates(step.row, params, TOP, refused, row_top)
     if refused is None:
         p = q = None
     elif params.greedy:

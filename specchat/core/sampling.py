@@ -306,15 +306,21 @@ def prob_of(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
 
 
 def top_candidates(logits: torch.Tensor, params: SamplingParams, n: int,
-                   also: int | None = None) -> tuple[list[tuple[int, float]], float | None]:
+                   also: int | None = None, native=None
+                   ) -> tuple[list[tuple[int, float]], float | None]:
     """The n most likely tokens of one row [vocab] and their probabilities at the sampling
     temperature (1 when greedy), before top-k / top-p: what the page shows of a distribution;
     and the probability of token `also` the same way. One top-k and one logsumexp: cheap beside
-    a forward."""
+    a forward. `native`: a runner's `row_top`, for contiguous float32 CPU rows."""
     x = logits.float()
     if params.temperature > 0 and params.temperature != 1.0:
         x = x / params.temperature
     n = min(n, x.shape[-1])
+    if native is not None and x.dtype is torch.float32 and x.device.type == "cpu" \
+            and x.is_contiguous() and x.dim() == 1:
+        ids, values, norm = native(x, n)
+        extra = math.exp(float(x[also]) - norm) if also is not None else None
+        return [(i, math.exp(v - norm)) for i, v in zip(ids, values)], extra
     vocab = x.shape[-1]
     if vocab % ARGMAX_BLOCK == 0 and vocab >= ARGMAX_BLOCK * n:
         # topk over 262k logits is slow: the n largest lie in the n blocks of largest maxima.

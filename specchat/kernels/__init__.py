@@ -63,6 +63,7 @@ _ARGTYPES = {
                    ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64, _int,
                    ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
     "embed_rows": [_ptr, _int, _i64, _ptr, _i64, ctypes.c_float, _ptr],
+    "row_top": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int],
     # the integer NF4 product (csrc/nf4_i8.c), the decoder stack on it, and its packing
     "nf4_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int],
     "decoder_forward_i8": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
@@ -79,7 +80,7 @@ _ARGTYPES = {
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
-             "draft_head_forward": _int}
+             "draft_head_forward": _int, "row_top": ctypes.c_float}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "draft_head_forward"})
@@ -112,6 +113,8 @@ class Kernels:
     shape_pick: Callable[..., int]
     # an embedding table's rows for some ids, scaled (csrc/decoder.c, `embed_rows`)
     embed_rows: Callable[..., None]
+    # a row's largest logits and its log-sum-exp (csrc/sample.c, `row_top`)
+    row_top: Callable[..., float]
     # an LM head's logits past the sampled ids set to -inf, their block maxima mended
     logits_cut: Callable[..., None]
     # NF4 by integer dot products (csrc/nf4_i8.c), on weights packed by `nf4_i8_pack`, and the
@@ -529,6 +532,26 @@ def rms_norm(lib: Kernels, x: torch.Tensor, w1: torch.Tensor, eps: float) -> tor
     lib.rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1],
                  int(rows.dtype == torch.bfloat16), w1.data_ptr(), eps, y.data_ptr())
     return y.reshape(x.shape)
+
+
+TOP_MAX = 16  # the most values `row_top` returns
+
+
+def row_top(lib: Kernels, row: torch.Tensor, n: int) -> tuple[list[int], list[float], float]:
+    """One contiguous float32 CPU row [width] -> (the ids of its n largest values, largest first
+    and the first id among equal ones, never NaN or -inf; those values; log(sum e^row)), in one
+    native call (csrc/sample.c): the log-sum-exp by specchat's own exp, within a few float32
+    ulps of torch's, in about a tenth of the time of torch's topk and logsumexp on a
+    262,144-token row."""
+    if row.dtype is not torch.float32 or row.dim() != 1 or not row.is_contiguous() \
+            or row.device.type != "cpu":
+        raise ValueError("row_top takes one contiguous float32 CPU row")
+    if not 0 <= n <= TOP_MAX:
+        raise ValueError(f"row_top returns at most {TOP_MAX} values")
+    ids, values, found = (ctypes.c_int64 * TOP_MAX)(), (ctypes.c_float * TOP_MAX)(), _i64()
+    lse = lib.row_top(row.data_ptr(), row.shape[0], n, ids, values, ctypes.byref(found),
+                      torch.get_num_threads())
+    return list(ids[:found.value]), list(values[:found.value]), lse
 
 
 PICK_NONE, PICK_GREEDY, PICK_MIN_P = 0, 1, 2  # shape_pick's modes

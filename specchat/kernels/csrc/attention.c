@@ -6,10 +6,23 @@
 // scores [rows, slots] scratch. Each row runs alone, in slot order, whatever the other rows:
 // a row's output is the same bits among any number of rows. Requires dim % 8 == 0.
 //
-// q . k_j is one 8-wide accumulator over the dims in order, then `hsum`; exp is libm's expf;
-// the sum of the p_j is in slot order; out[r][c] = (fma(p_j, v_j[c], acc) over the slots in
-// order) / that sum, for each dim c alone.
+// q . k_j is one 8-wide accumulator over the dims in order, then `hsum`; exp is specchat's own
+// (`exp_or_zero`, common.h), the same bits on every CPU; the sum of the p_j is in slot order (a
+// slot's place among the allowed ones, not its index, so a draft tree's row sums as the same
+// path's chain row does); out[r][c] = (fma(p_j, v_j[c], acc) over the slots in order) / that sum,
+// for each dim c alone.
 #include "common.h"
+
+// A row's softmax weights in place: s[j] = exp(s[j] - max) for the slots it sees (0 for the
+// others), and their sum as above
+static float softmax_ref(float *s, const uint8_t *allowed, int64_t slots) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < slots; j++)
+        if (allowed[j] && s[j] > top) top = s[j];
+    for (int64_t j = 0; j < slots; j++) s[j] = allowed[j] ? exp_or_zero(s[j] - top) : 0.0f;
+    for (int64_t j = 0; j < slots; j++) total += s[j];  // + 0 for the others: exact
+    return total;
+}
 
 void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
                 int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
@@ -21,7 +34,7 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
     for (int64_t r = 0; r < rows; r++) {
         const float *qr = q + r * dim;
         const uint8_t *allowed = mask + (r % mask_rows) * mstride;
-        float *s = scores + r * slots, top = -INFINITY;
+        float *s = scores + r * slots;
         for (int64_t j = 0; j < slots; j++) {
             if (!allowed[j]) continue;
             const char *kj = (const char *)k + j * kstride * es;
@@ -30,11 +43,8 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
                 for (int l = 0; l < 8; l++)
                     acc[l] = fmaf(qr[c + l], load1(kj, c + l, bf16), acc[l]);
             s[j] = sum_lanes8(acc) * scale;
-            if (s[j] > top) top = s[j];
         }
-        float total = 0.0f;
-        for (int64_t j = 0; j < slots; j++)
-            if (allowed[j]) total += s[j] = expf(s[j] - top);
+        const float total = softmax_ref(s, allowed, slots);
         float *o = out + r * dim;  // one accumulator per dim (a lane of the kernel's), here
         for (int64_t c = 0; c < dim; c++) o[c] = 0.0f;
         for (int64_t j = 0; j < slots; j++) {
@@ -110,6 +120,35 @@ static void values_of8(int bf16, const void *v, int64_t vstride, int64_t slots, 
     _mm256_storeu_ps(out + c, _mm256_div_ps(acc, _mm256_set1_ps(total)));
 }
 
+// `softmax_ref`, its max and exp 8 slots at a time
+static float softmax8(float *s, const uint8_t *allowed, int64_t slots) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256 none = _mm256_set1_ps(-__builtin_inff());
+    __m256 mx = none;
+    int64_t j = 0;
+    for (; j + 8 <= slots; j += 8) {
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(allowed + j))), zero));
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(none, _mm256_loadu_ps(s + j), keep));
+    }
+    float top_lanes[8], top;
+    _mm256_storeu_ps(top_lanes, mx);
+    top = top_lanes[0];
+    for (int l = 1; l < 8; l++) top = top_lanes[l] > top ? top_lanes[l] : top;
+    for (int64_t t = j; t < slots; t++)
+        if (allowed[t] && s[t] > top) top = s[t];
+    const __m256 tv = _mm256_set1_ps(top);
+    for (j = 0; j + 8 <= slots; j += 8) {
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(allowed + j))), zero));
+        _mm256_storeu_ps(s + j, exp_or_zero8(_mm256_sub_ps(_mm256_loadu_ps(s + j), tv), keep));
+    }
+    for (; j < slots; j++) s[j] = allowed[j] ? exp_or_zero(s[j] - top) : 0.0f;
+    float total = 0.0f;
+    for (j = 0; j < slots; j++) total += s[j];
+    return total;
+}
+
 #define ATTEND_CASE(NR, CALL) \
     case NR:                  \
         if (bf16)             \
@@ -158,15 +197,8 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
 #undef SCORES
             }
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const uint8_t *allowed = masks[r];
-            float *s = scores + r * slots, top = -__builtin_inff(), total = 0.0f;
-            for (int64_t j = 0; j < slots; j++)
-                if (allowed[j] && s[j] > top) top = s[j];
-            for (int64_t j = 0; j < slots; j++)
-                if (allowed[j]) total += s[j] = expf(s[j] - top);
-            totals[r] = total;
-        }
+        for (int64_t r = 0; r < rows; r++)
+            totals[r] = softmax8(scores + r * slots, masks[r], slots);
 #pragma omp for schedule(static) collapse(2)
         for (int64_t g = 0; g < groups; g++)
             for (int64_t w = 0; w < wide; w++) {

@@ -120,6 +120,30 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+// e^z, specchat's own, for every CPU: z - n ln 2 (n = rint(z / ln 2), ln 2 in two parts) into
+// Cephes' degree-6 polynomial, scaled by 2^n; within 2 ulp of glibc's expf. `exp_core8` takes 8
+// lanes by the same operations in the same order: the same bits. z must lie in [EXP_MIN, 88];
+// `exp_or_zero` takes any z <= 88, giving 0 below EXP_MIN (e^-87 is 1.6e-38: a softmax's sum,
+// at least 1, cannot tell).
+#define EXP_MIN -87.0f
+static const float exp_poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_core(float z) {
+    const float n = rintf(z * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, z);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = exp_poly[0];
+    for (int i = 1; i < 6; i++) p = fmaf(p, r, exp_poly[i]);
+    p = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float exp_or_zero(float z) { return z >= EXP_MIN ? exp_core(z) : 0.0f; }
+
 // value c of a key, value or input row, float32 or bf16 (widened exactly)
 static inline float load1(const void *row, int64_t c, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)row)[c]) : ((const float *)row)[c];
@@ -127,6 +151,26 @@ static inline float load1(const void *row, int64_t c, int bf16) {
 
 // ---- SIMD build only --------------------------------------------------------------------------
 #if SPECCHAT_SIMD
+
+static inline __m256 exp_core8(__m256 z) {  // `exp_core`, 8 lanes
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(z, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), z);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(exp_poly[0]);
+    for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_poly[k]));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// `exp_or_zero`, 8 lanes, and 0 where `keep` is clear
+static inline __m256 exp_or_zero8(__m256 z, __m256 keep) {
+    const __m256 low = _mm256_set1_ps(EXP_MIN);
+    keep = _mm256_and_ps(keep, _mm256_cmp_ps(z, low, _CMP_GE_OQ));
+    return _mm256_and_ps(exp_core8(_mm256_max_ps(z, low)), keep);
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -85,32 +85,16 @@ static void rope(float *x, int64_t n, int64_t heads, int64_t d, const int64_t *p
 }
 
 // gelu with tanh's approximation times up, into g: g = 0.5 g (1 + tanh(y)) u, y = 0.7978845608
-// (g + 0.044715 g^3), with tanh(y) = 1 - 2 / (e^2y + 1) and e^z from a degree-6 polynomial on
-// z - n ln 2, scaled by 2^n (Cephes' expf; within 2 ulp of libm's). libm's tanhf alone took a
+// (g + 0.044715 g^3), with tanh(y) = 1 - 2 / (e^2y + 1) and e^z specchat's own (`exp_core`,
+// common.h). libm's tanhf alone took a
 // tenth of a step (36,864 values a token on the embedded target); the SIMD build computes 8 at
 // once with the same operations in the same order as `gelu_mul_ref`, so the same bits.
 #define GELU_CLAMP 9.0f  // |2y| beyond this: tanh is +-1 in float32 (e^18 > 2^24 / 2)
-static const float exp_poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-static inline float exp_ref(float z) {  // z in [-GELU_CLAMP * 2, GELU_CLAMP * 2]
-    const float n = rintf(z * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, z);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = exp_poly[0];
-    for (int i = 1; i < 6; i++) p = fmaf(p, r, exp_poly[i]);
-    p = fmaf(p, r * r, r) + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
 static inline float gelu_ref(float x, float u) {
     float y2 = 2.0f * (0.7978845608028654f * (x + 0.044715f * (x * x * x)));
     y2 = y2 > 2.0f * GELU_CLAMP ? 2.0f * GELU_CLAMP : y2 < -2.0f * GELU_CLAMP ? -2.0f * GELU_CLAMP
                                                                               : y2;
-    const float t = 1.0f - 2.0f / (exp_ref(y2) + 1.0f);
+    const float t = 1.0f - 2.0f / (exp_core(y2) + 1.0f);
     return 0.5f * x * (1.0f + t) * u;
 }
 
@@ -129,16 +113,7 @@ static void gelu_mul(float *g, const float *u, int64_t count) {
         __m256 y2 = _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube));
         y2 = _mm256_mul_ps(two, _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), y2));
         y2 = _mm256_max_ps(_mm256_min_ps(y2, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
-        const __m256 n = _mm256_round_ps(_mm256_mul_ps(y2, _mm256_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), y2);
-        r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-        __m256 p = _mm256_set1_ps(exp_poly[0]);
-        for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_poly[k]));
-        p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), one);
-        const __m256i bits = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        const __m256 e = exp_core8(y2);
         const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
         const __m256 out = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x),
                                                        _mm256_add_ps(one, t)),

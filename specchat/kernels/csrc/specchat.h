@@ -218,4 +218,10 @@ int shape_pick_ref(float *logits, int64_t rows, int64_t width, int64_t *args, in
                    int64_t dry_allowed, int mode, float t, double min_p, const float *maxima,
                    int64_t stride, int threads);
 
+// a row's n largest values and their ids, and its log-sum-exp (csrc/sample.c)
+float row_top(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
+              int64_t *found, int threads);
+float row_top_ref(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
+                  int64_t *found, int threads);
+
 #endif  // SPECCHAT_ABI_H

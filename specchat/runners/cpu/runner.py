@@ -335,6 +335,11 @@ class CpuRunner(Runner):
                                    mode_id, temperature, min_p, keys, maxima)
         return picks if mode is not None else None
 
+    def row_top(self, row: torch.Tensor, n: int) -> tuple[list[int], list[float], float]:
+        """A float32 row's n largest logits (ids, values) and its log-sum-exp, in one native
+        call (`kernels.row_top`: a sixth of torch's time)."""
+        return kernels.row_top(self.lib, row, n)
+
     def crop(self, cache, cached: int, keep: int) -> bool:
         return True  # the slots past `keep` are rewritten before any row reads them
 
