@@ -387,7 +387,7 @@ def test_inspector_ghost_text_step_cards_and_modes(shared):
         try:
             page = _login(browser, url, "alice", "alice-pw")
             _choose(page.locator("#sc-mode").get_by_label("Chat", exact=True))
-            page.get_by_label("Adapt k to measured acceptance and cost").uncheck()  # k = 4
+            page.get_by_label("Adapt k to measured acceptance and cost").uncheck()  # k = 8
             box = page.locator("#sc-input textarea")
             box.fill(REPETITIVE)
             box.press("Enter")

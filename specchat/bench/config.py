@@ -29,7 +29,7 @@ class BenchSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # the same seed for every run: repeats decode the same text
-    draft_len: int = 4  # k for our engine (the most draft tokens per step)
+    draft_len: int = GenerateConfig.draft_len  # k for our engine (the most draft tokens a step)
     adaptive: bool = True  # let the engine adapt k (never above draft_len)
     hf_pld_tokens: int = 0  # prompt_lookup_num_tokens for hf-pld (0: the same as draft_len)
     tree_nodes: int = TREE_NODES  # draft-tree size of the "-tree" modes

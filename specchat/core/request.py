@@ -43,7 +43,9 @@ class GenerateConfig:
     seed: int | None = 0  # None: a fresh random seed per request
     speculation: bool = True  # False: plain decoding, same code path with k = 0
     drafter: str = "ngram"  # key into Engine.drafters
-    draft_len: int = 4  # k: the most draft tokens per step
+    # k: the most draft tokens per step. The policy picks each step's k up to it; 8 lets
+    # lookup's drafts run on where text repeats (docs/performance.md, "The longest draft").
+    draft_len: int = 8
     adaptive: bool = True  # let k follow measured acceptance and cost (never above draft_len)
     # Drafters that can (the head) draft a tree of up to this many tokens, k levels deep,
     # verified in one forward (tree.py). 0: chains.

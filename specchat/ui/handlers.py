@@ -454,7 +454,7 @@ class ChatApp:
 
     def generate(self, prompt: str, mode: str = "completion", temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 128, seed: int = 0,
-                 speculation: bool = True, drafter: str = "", draft_len: int = 4,
+                 speculation: bool = True, drafter: str = "", draft_len: int = 8,
                  min_p: float = 0.0, repeat_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  dry_multiplier: float = 0.0,
