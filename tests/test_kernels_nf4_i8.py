@@ -22,6 +22,7 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
                     0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                     0.7229568362236328, 1.0])
+W_SCALE = 112.0  # NF4 value v -> the int8 round(112 v), block scale absmax / 112 (nf4_i8.c)
 
 
 def _compiler() -> bool:
@@ -59,15 +60,15 @@ def _dense(codes, absmax, out, inn) -> torch.Tensor:
 
 def _arithmetic(x, codes, absmax, out, inn) -> torch.Tensor:
     """The kernels' arithmetic written with torch: x quantized per block of 32, the codes' int8
-    values round(127 v), exact int32 block sums, then the block scales (in float64 here)."""
+    values round(112 v), exact int32 block sums, then the block scales (in float64 here)."""
     blocks = x.reshape(len(x), -1, 32)
     d = blocks.abs().amax(-1) / 127.0  # float32, as the kernels compute them
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int64)  # ties to even
     c = torch.stack([codes >> 4, codes & 15], 1).reshape(out, inn).long()
-    w8 = torch.round(127.0 * NF4)[c].to(torch.int64).reshape(out, -1, 32)
+    w8 = torch.round(W_SCALE * NF4)[c].to(torch.int64).reshape(out, -1, 32)
     isum = torch.einsum("jbt,obt->job", q, w8).double()
-    dw = (absmax.repeat_interleave(2).reshape(out, -1) / 127.0).double()
+    dw = (absmax.repeat_interleave(2).reshape(out, -1) / W_SCALE).double()
     return (isum * dw[None] * d.double()[:, None, :]).sum(-1)
 
 
@@ -108,7 +109,7 @@ def test_a_row_is_the_same_bits_alone_among_others_and_with_any_thread_count():
 
 def test_the_product_is_nf4s_within_its_int8_roundings():
     """Against the float64 product of the dequantized NF4 weight: the error stays within what
-    the activations' rounding (half a step per value) and the table's (half a step of 1/127 per
+    the activations' rounding (half a step per value) and the table's (half a step of 1/112 per
     weight) explain, summed with the magnitudes they multiply."""
     lib = _kernels()["ref"]
     out, inn = 64, 640
@@ -120,7 +121,8 @@ def test_the_product_is_nf4s_within_its_int8_roundings():
     want = x.double() @ w.T
     step = x.abs().reshape(8, -1, 32).amax(-1).double() / 127  # [rows, blocks]
     act = step @ w.abs().reshape(out, -1, 32).sum(-1).T / 2  # activations' rounding
-    tab = x.abs().double() @ (absmax.double().repeat_interleave(64).reshape(out, inn).T / 254)
+    tab = x.abs().double() @ (absmax.double().repeat_interleave(64).reshape(out, inn).T
+                              / (2 * W_SCALE))
     bound = (act + tab) * 1.01 + 1e-6 * want.abs()
     assert ((got - want).abs() <= bound).all()
     assert (got - want).abs().mean() > 0  # not the float product: the integer one ran

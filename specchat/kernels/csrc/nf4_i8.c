@@ -1,14 +1,15 @@
 // NF4 by integer dot products: the `cpu-int8` path's product.
 //
 // The weights stay 4-bit in memory; each code maps to an int8 value by one 16-entry table,
-// w8[c] = round(127 * table[c]) (NF4's 16 values, about 0.4% of a block's scale added to NF4's
-// own error), and each block of 32 inputs of an activation row is quantized to int8 with one
+// w8[c] = round(112 * table[c]) (NF4's 16 values; within 0.4% of a block's scale, 0.17% RMS:
+// of the scales up to 127, 112 rounds NF4's values closest, and 127's 0.22% RMS cost the
+// integer path a point of top-1 agreement with the float path, docs/cpu.md), and each block of 32 inputs of an activation row is quantized to int8 with one
 // float scale as llama.cpp quantizes activations (Q8_0): d = max|x| / 127, q = round(x / d),
 // ties to even. Per block of 32 the dot product of the int8 values is an exact int32; the
 // row's float arithmetic is then one epilogue in one fixed block order:
 //
 //   y[j, o] = acc, acc = fma((float)isum_b, dw_b * dx_b, acc) over the blocks b in order from 0,
-//   dw_b = absmax(o, b) / 127, dx_b = d(j, b).
+//   dw_b = absmax(o, b) / 112, dx_b = d(j, b).
 //
 // Every kernel (the plain-C reference, AVX2, AVX-512 VNNI) computes those integers exactly and
 // that epilogue with the same operations, so the same bits whatever instructions form the
@@ -29,10 +30,11 @@
 #define I8_BLOCK 32      // inputs of a block
 #define I8_BYTES 256     // packed bytes of a group's block
 #define I8_OFFSET 128    // VNNI: the weights as unsigned bytes, w8 + 128
+#define I8_SCALE 112.0f  // NF4 value v -> round(I8_SCALE v); the block scale absmax / I8_SCALE
 
-// the table's int8 values: round(127 * v), ties to even
+// the table's int8 values: round(I8_SCALE * v), ties to even
 static inline void i8_table(const float *table, int8_t w8[16]) {
-    for (int c = 0; c < 16; c++) w8[c] = (int8_t)lrintf(127.0f * table[c]);
+    for (int c = 0; c < 16; c++) w8[c] = (int8_t)lrintf(I8_SCALE * table[c]);
 }
 
 // the code of weight row i (of its group) at input t (of its block), from the group's block
@@ -64,7 +66,7 @@ int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t 
                     s[i] = 0.0f;
                     continue;
                 }
-                s[i] = absmax[o * (in / blocksize) + b * I8_BLOCK / blocksize] / 127.0f;
+                s[i] = absmax[o * (in / blocksize) + b * I8_BLOCK / blocksize] / I8_SCALE;
                 for (int t = 0; t < I8_BLOCK; t++) {
                     const int64_t e = o * in + b * I8_BLOCK + t;
                     const int c = e % 2 ? codes[e / 2] & 15 : codes[e / 2] >> 4;
