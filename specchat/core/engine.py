@@ -62,6 +62,7 @@ from specchat.core.tree import DraftTree, verify_tree
 MAX_PROMPT_TOKENS = 4096
 TEXTS_KEPT = 65536  # tokens' texts the inspector's evidence keeps (`Engine._token_text`)
 
+
 class Verified(NamedTuple):
     """What one verify forward decided (`Engine._verify_chain`, `_verify_tree`)."""
     path: list[int]  # the accepted drafts' indices (a chain's 0..n-1, a tree's nodes)
