@@ -24,7 +24,7 @@ def declared() -> dict[str, tuple[str, list]]:
     """Each function the header declares -> (its return type, its parameters as ctypes)."""
     text = re.sub(r"//[^\n]*", "", HEADER.read_text())
     out = {}
-    for ret, name, params in re.findall(r"\b(void|int|int64_t)\s+(\w+)\s*\(([^)]*)\);",
+    for ret, name, params in re.findall(r"\b(void|int|int64_t|float)\s+(\w+)\s*\(([^)]*)\);",
                                         text):
         types = []
         for param in " ".join(params.split()).split(","):
@@ -43,7 +43,7 @@ def declared() -> dict[str, tuple[str, list]]:
 def test_the_header_declares_every_binding_with_its_signature():
     functions = declared()
     assert len(functions) >= 30 and "decoder_forward16_ref" in functions
-    c_names = {ctypes.c_int: "int", ctypes.c_int64: "int64_t"}
+    c_names = {ctypes.c_int: "int", ctypes.c_int64: "int64_t", ctypes.c_float: "float"}
     restypes = {name: c_names[t] for name, t in kernels._RESTYPES.items()}
     for wide in (False, True):
         for simd in (False, True):

@@ -103,7 +103,8 @@ def test_a_specchat_server_gives_the_local_engines_tokens_kinds_and_steps(served
     # Both provide what the front ends use of an engine, and nothing needs more.
     assert isinstance(remote, StreamingEngine) and isinstance(local, StreamingEngine)
     assert not isinstance(object(), StreamingEngine)
-    cfg = GenerateConfig(max_new_tokens=24, temperature=0.0, drafter="ngram", adaptive=False)
+    cfg = GenerateConfig(max_new_tokens=24, temperature=0.0, drafter="ngram", draft_len=4,
+                         adaptive=False)
     ids, _ = local.text_prompt(PROMPT)
     want, want_steps, _ = events(local.stream(ids, cfg))
     prompt, _ = remote.text_prompt(PROMPT)
