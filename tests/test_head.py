@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from tiny import byte_tokenizer, dense_probs, loaded, tiny_gemma3, tiny_llama
 
+from specchat import kernels
 from specchat.bench.config import BenchSettings
 from specchat.bench.run import available_modes
 from specchat.bench.run import bench as run_bench
@@ -753,6 +754,16 @@ def test_head_drafts_from_the_penalized_distribution_and_stays_lossless(make):
     drafter.use_penalties(Shaper(Penalties(repeat_penalty=50.0, dry_multiplier=5.0), TOK))
     shaped = drafter._penalized(favoured[0], context, [[]])
     assert int(favoured[0].argmax()) == repeated != int(shaped.argmax())
+    # On a CPU the penalties run natively (`kernels.shape_reduced`): Python's bits, with drafts
+    # appended to the context too
+    assert drafter._lib is not None
+    two = torch.cat([favoured[0], favoured[0]])
+    extras = [[], [context[-3], context[-2]]]
+    native = drafter._penalized(two, context, extras)
+    drafter._lib = None
+    assert torch.equal(native, drafter._penalized(two, context, extras))
+    assert not torch.equal(native[0], native[1])
+    drafter._lib = kernels.load()
     first = drafter.propose(context, 1, SamplingParams(0.0), None)[0]
     assert int(first[0]) == int(VOCAB_IDS[int(shaped.argmax())])
     del drafter._catch_up

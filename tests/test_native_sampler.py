@@ -270,3 +270,28 @@ def test_row_top_is_the_rows_largest_logits_and_its_log_sum_exp(threads):
     assert kernels.row_top(BUILDS[next(iter(BUILDS))], all_masked, 3) == ([], [], -np.inf)
     with pytest.raises(ValueError, match="at most 16"):
         kernels.row_top(BUILDS[next(iter(BUILDS))], rows[0], 17)
+
+
+def test_a_drafters_reduced_row_gets_the_python_penalties_bits():
+    """`kernels.shape_reduced`: the request's penalties on a row of a drafter's reduced
+    vocabulary (token t at row[index[t]], -1 for tokens it lacks) in one native call, the bits
+    of `Shaper.shape_row` with that index, whichever tokens of the prefix the row holds."""
+    lib = next(iter(BUILDS.values()))
+    rng = np.random.default_rng(3)
+    vocab = 5000
+    for pen, repetitive in itertools.product([p for p in PENALTIES if p], (True, False)):
+        kept = np.sort(rng.choice(vocab, 700, replace=False))  # the reduced vocabulary's ids
+        index = torch.full((vocab,), -1, dtype=torch.int64)
+        index[torch.from_numpy(kept)] = torch.arange(len(kept))
+        n = int(rng.integers(2, 300))
+        pool = kept[:20] if repetitive else np.arange(vocab)  # repeats of tokens the row holds
+        seq = rng.choice(pool, n).astype(np.int64)
+        shaper = Shaper(pen, Breakers())
+        row = torch.randn(len(kept), generator=torch.Generator().manual_seed(n)) * 3
+        want = row.clone()
+        shaper.shape_row(want, seq, index)
+        got = row.clone()
+        breaks = torch.tensor([shaper.is_breaker(int(t)) for t in seq], dtype=torch.uint8)
+        kernels.shape_reduced(lib, got, index, torch.from_numpy(seq), breaks, pen)
+        assert torch.equal(got, want), (pen, repetitive)
+        assert repetitive is False or not torch.equal(got, row)  # the penalties moved something

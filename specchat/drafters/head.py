@@ -63,13 +63,15 @@ class HeadDrafter(Drafter):
         self.head = head.eval()
         self.feature_layers = head.feature_layers  # the target features it reads
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
+        self._lib = None  # the kernels its drafts' penalties run on (CPU), or None: Python's
         if head.vocab_ids.device.type == "cpu":
             # Wide drafting forwards through bf16 copies (`Int8Drafting`): by the CPU's own
             # flags unless forced (tests run both on any CPU). `lib`: the kernels the target's
             # runtime runs on (`Runtime.kernels`); a target on torch's own products leaves the
             # head the default build.
             wide = cpu_kind().native_bf16 if wide_bf16 is None else wide_bf16
-            head.quantize_for_drafting(wide_bf16=wide, lib=lib or kernels.load())
+            self._lib = lib or kernels.load()
+            head.quantize_for_drafting(wide_bf16=wide, lib=self._lib)
         # The shape of draft trees (`propose_tree`): children per node, nodes expanded a level,
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam
@@ -102,6 +104,10 @@ class HeadDrafter(Drafter):
         # a penalty that moves the target's choice moves the draft's too.
         self.shaper = None
         self._index: torch.Tensor | None = None  # token id -> its place in the reduced vocabulary
+        # The context's tokens and DRY breaker flags as the native penalties read them, kept
+        # across proposals (a context grows by a few tokens a step)
+        self._pen_tokens: list[int] = []
+        self._pen_breaks = bytearray()
 
     @property
     def label(self) -> str:
@@ -119,6 +125,7 @@ class HeadDrafter(Drafter):
 
     def use_penalties(self, shaper):
         self.shaper = shaper
+        self._pen_tokens, self._pen_breaks = [], bytearray()  # breakers are the request's
 
     def stop_early(self, on):
         self.early = on
@@ -133,11 +140,36 @@ class HeadDrafter(Drafter):
                                      dtype=torch.long)
             self._index[ids] = torch.arange(len(ids))
         out = rows.float().cpu().clone()
+        if self._lib is not None:  # one native call a row: 0.07 ms a draft against 0.13-0.16
+            self._sync_breaks(context)
+            for r, extra in enumerate(extras):
+                tokens = self._pen_tokens + list(extra)
+                breaks = self._pen_breaks + self._breaks_of(extra)
+                kernels.shape_reduced(self._lib, out[r], self._index,
+                                      torch.tensor(tokens, dtype=torch.int64),
+                                      torch.frombuffer(bytearray(breaks), dtype=torch.uint8)
+                                      if breaks else torch.zeros(0, dtype=torch.uint8),
+                                      self.shaper.penalties)
+            return out.to(rows.device)
         base = np.asarray(context, dtype=np.int64)
         for r, extra in enumerate(extras):
             prefix = np.concatenate([base, np.asarray(extra, dtype=np.int64)]) if extra else base
             self.shaper.shape_row(out[r], prefix, self._index)
         return out.to(rows.device)
+
+    def _sync_breaks(self, context: list[int]) -> None:
+        """Make self._pen_tokens the context and self._pen_breaks its DRY breaker flags."""
+        keep = common_prefix_len(self._pen_tokens, context)
+        del self._pen_tokens[keep:], self._pen_breaks[keep:]
+        added = context[keep:]
+        self._pen_tokens.extend(added)
+        self._pen_breaks.extend(self._breaks_of(added))
+
+    def _breaks_of(self, tokens: list[int]) -> bytes:
+        """Whether each token's text holds a DRY breaker (all 0 with DRY off: no detokenizing)."""
+        if not self.shaper.penalties.dry:
+            return bytes(len(tokens))
+        return bytes(self.shaper.is_breaker(t) for t in tokens)
 
     def begin(self, prompt_ids):
         pass  # features and cache survive across requests: a chat's history is reused

@@ -64,6 +64,8 @@ _ARGTYPES = {
                    ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
     "embed_rows": [_ptr, _int, _i64, _ptr, _i64, ctypes.c_float, _ptr],
     "row_top": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int],
+    "shape_reduced": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_float,
+                      ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64],
     # the integer NF4 product (csrc/nf4_i8.c), the decoder stack on it, and its packing
     "nf4_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int],
     "decoder_forward_i8": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
@@ -80,10 +82,11 @@ _ARGTYPES = {
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
-             "draft_head_forward": _int, "row_top": ctypes.c_float}
+             "draft_head_forward": _int, "row_top": ctypes.c_float,
+             "shape_reduced": _int}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
-                    "draft_head_forward"})
+                    "draft_head_forward", "shape_reduced"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
 I8_KERNELS = {"vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
@@ -115,6 +118,8 @@ class Kernels:
     embed_rows: Callable[..., None]
     # a row's largest logits and its log-sum-exp (csrc/sample.c, `row_top`)
     row_top: Callable[..., float]
+    # the request's penalties on a row of a drafter's reduced vocabulary (csrc/sample.c)
+    shape_reduced: Callable[..., int]
     # an LM head's logits past the sampled ids set to -inf, their block maxima mended
     logits_cut: Callable[..., None]
     # NF4 by integer dot products (csrc/nf4_i8.c), on weights packed by `nf4_i8_pack`, and the
@@ -552,6 +557,29 @@ def row_top(lib: Kernels, row: torch.Tensor, n: int) -> tuple[list[int], list[fl
     lse = lib.row_top(row.data_ptr(), row.shape[0], n, ids, values, ctypes.byref(found),
                       torch.get_num_threads())
     return list(ids[:found.value]), list(values[:found.value]), lse
+
+
+def shape_reduced(lib: Kernels, row: torch.Tensor, places: torch.Tensor, seq: torch.Tensor,
+                  breaks: torch.Tensor, penalties) -> None:
+    """In place on one contiguous float32 CPU row of a drafter's reduced vocabulary (token t
+    at row[places[t]], -1 where the row lacks t): the penalties (a `core.penalties.Penalties`)
+    for the prefix `seq` (int64), `breaks` (uint8: whether each token's text holds a DRY
+    breaker). The bits of `Shaper.shape_row(row, seq, places)` (csrc/sample.c)."""
+    if row.dtype is not torch.float32 or row.dim() != 1 or not row.is_contiguous() \
+            or places.dtype is not torch.int64 or not places.is_contiguous() \
+            or seq.dtype is not torch.int64 or not seq.is_contiguous() \
+            or breaks.dtype is not torch.uint8 or not breaks.is_contiguous() \
+            or breaks.shape[0] < seq.shape[0]:
+        raise ValueError("shape_reduced takes a contiguous float32 row, int64 places and "
+                         "tokens, and a uint8 breaker flag a token")
+    pen = penalties
+    done = lib.shape_reduced(row.data_ptr(), row.shape[0], places.data_ptr(), places.shape[0],
+                             seq.data_ptr(), breaks.data_ptr(), seq.shape[0],
+                             pen.repeat_penalty, pen.frequency_penalty, pen.presence_penalty,
+                             pen.repeat_last_n, pen.dry_multiplier, pen.dry_base,
+                             pen.dry_allowed_length)
+    if done != 0:
+        raise MemoryError("out of memory in the draft's penalties")
 
 
 PICK_NONE, PICK_GREEDY, PICK_MIN_P = 0, 1, 2  # shape_pick's modes

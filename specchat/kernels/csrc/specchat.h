@@ -218,6 +218,11 @@ int shape_pick_ref(float *logits, int64_t rows, int64_t width, int64_t *args, in
                    int64_t dry_allowed, int mode, float t, double min_p, const float *maxima,
                    int64_t stride, int threads);
 
+// the request's penalties on a row of a drafter's reduced vocabulary (csrc/sample.c)
+int shape_reduced(float *row, int64_t width, const int64_t *places, int64_t n_places,
+                  const int64_t *seq, const uint8_t *breaks, int64_t n, float repeat,
+                  float frequency, float presence, int64_t last_n, double dry_multiplier,
+                  double dry_base, int64_t dry_allowed);
 // a row's n largest values and their ids, and its log-sum-exp (csrc/sample.c)
 float row_top(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
               int64_t *found, int threads);
