@@ -105,9 +105,11 @@ class HeadDrafter(Drafter):
         self.shaper = None
         self._index: torch.Tensor | None = None  # token id -> its place in the reduced vocabulary
         # The context's tokens and DRY breaker flags as the native penalties read them, kept
-        # across proposals (a context grows by a few tokens a step)
+        # across proposals (a context grows by a few tokens a step): the tokens they hold
+        # (a list, to compare), and the buffers, with room for a draft's own tokens after them
         self._pen_tokens: list[int] = []
-        self._pen_breaks = bytearray()
+        self._pen_seq = torch.zeros(0, dtype=torch.int64)
+        self._pen_flags = torch.zeros(0, dtype=torch.uint8)
 
     @property
     def label(self) -> str:
@@ -125,7 +127,7 @@ class HeadDrafter(Drafter):
 
     def use_penalties(self, shaper):
         self.shaper = shaper
-        self._pen_tokens, self._pen_breaks = [], bytearray()  # breakers are the request's
+        self._pen_tokens = []  # the breakers are the request's: flags written anew
 
     def stop_early(self, on):
         self.early = on
@@ -141,15 +143,14 @@ class HeadDrafter(Drafter):
             self._index[ids] = torch.arange(len(ids))
         out = rows.float().cpu().clone()
         if self._lib is not None:  # one native call a row: 0.07 ms a draft against 0.13-0.16
-            self._sync_breaks(context)
+            n = self._sync_breaks(context, max(len(extra) for extra in extras))
             for r, extra in enumerate(extras):
-                tokens = self._pen_tokens + list(extra)
-                breaks = self._pen_breaks + self._breaks_of(extra)
-                kernels.shape_reduced(self._lib, out[r], self._index,
-                                      torch.tensor(tokens, dtype=torch.int64),
-                                      torch.frombuffer(bytearray(breaks), dtype=torch.uint8)
-                                      if breaks else torch.zeros(0, dtype=torch.uint8),
-                                      self.shaper.penalties)
+                m = n + len(extra)  # the draft's own tokens after the context's
+                self._pen_seq[n:m] = torch.tensor(extra, dtype=torch.int64)
+                self._pen_flags[n:m] = torch.tensor(list(self._breaks_of(extra)),
+                                                    dtype=torch.uint8)
+                kernels.shape_reduced(self._lib, out[r], self._index, self._pen_seq[:m],
+                                      self._pen_flags[:m], self.shaper.penalties)
             return out.to(rows.device)
         base = np.asarray(context, dtype=np.int64)
         for r, extra in enumerate(extras):
@@ -157,13 +158,25 @@ class HeadDrafter(Drafter):
             self.shaper.shape_row(out[r], prefix, self._index)
         return out.to(rows.device)
 
-    def _sync_breaks(self, context: list[int]) -> None:
-        """Make self._pen_tokens the context and self._pen_breaks its DRY breaker flags."""
+    def _sync_breaks(self, context: list[int], room: int) -> int:
+        """Make the first len(context) places of self._pen_seq and self._pen_flags the
+        context's tokens and DRY breaker flags, with `room` places after them; only what
+        changed since the last call is written. Returns len(context)."""
         keep = common_prefix_len(self._pen_tokens, context)
-        del self._pen_tokens[keep:], self._pen_breaks[keep:]
         added = context[keep:]
+        del self._pen_tokens[keep:]
         self._pen_tokens.extend(added)
-        self._pen_breaks.extend(self._breaks_of(added))
+        need = len(context) + room
+        if need > self._pen_seq.shape[0]:  # grown: every place written anew
+            size = max(need, 2 * self._pen_seq.shape[0], 256)
+            self._pen_seq = torch.zeros(size, dtype=torch.int64)
+            self._pen_flags = torch.zeros(size, dtype=torch.uint8)
+            keep, added = 0, context
+        if added:
+            self._pen_seq[keep:len(context)] = torch.tensor(added, dtype=torch.int64)
+            self._pen_flags[keep:len(context)] = torch.tensor(list(self._breaks_of(added)),
+                                                              dtype=torch.uint8)
+        return len(context)
 
     def _breaks_of(self, tokens: list[int]) -> bytes:
         """Whether each token's text holds a DRY breaker (all 0 with DRY off: no detokenizing)."""
