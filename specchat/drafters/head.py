@@ -143,7 +143,7 @@ class HeadDrafter(Drafter):
             self._index[ids] = torch.arange(len(ids))
         out = rows.float().cpu().clone()
         if self._lib is not None:  # one native call a row: 0.07 ms a draft against 0.13-0.16
-            n = self._sync_breaks(context, max(len(extra) for extra in extras))
+            n = self._sync_prefix(context, max(len(extra) for extra in extras))
             for r, extra in enumerate(extras):
                 m = n + len(extra)  # the draft's own tokens after the context's
                 self._pen_seq[n:m] = torch.tensor(extra, dtype=torch.int64)
@@ -158,7 +158,7 @@ class HeadDrafter(Drafter):
             self.shaper.shape_row(out[r], prefix, self._index)
         return out.to(rows.device)
 
-    def _sync_breaks(self, context: list[int], room: int) -> int:
+    def _sync_prefix(self, context: list[int], room: int) -> int:
         """Make the first len(context) places of self._pen_seq and self._pen_flags the
         context's tokens and DRY breaker flags, with `room` places after them; only what
         changed since the last call is written. Returns len(context)."""
