@@ -669,6 +669,10 @@ def test_q8_0_drafting_reads_the_blocks_through_specchats_kernel(variant):
     blocks = (q.view(48, 2, 32).float() * d.float()[..., None]).view(48, 64)
     assert float((blocks - linear.weight).abs().max()) <= float(d.float().max()) / 2 + 1e-7
     fast = Int8Drafting(linear, lib=lib)
+    packed = Int8Drafting(linear, lib=lib, packed=True)  # for the VNNI kernel (any CPU: its ref)
+    assert not fast.packed and packed.packed
+    qp = q.clone()
+    dw = kernels.q8_0_i8_pack(lib, qp, d)
     with torch.no_grad():
         for rows in (1, 3, INT8_ROWS, INT8_ROWS + 30):
             x = torch.randn(1, rows, 64)
@@ -676,19 +680,27 @@ def test_q8_0_drafting_reads_the_blocks_through_specchats_kernel(variant):
             want = kernels.q8_0_matmul_i8(lib, x, q, d) + linear.bias
             assert torch.equal(fast(x), want)
             assert float((fast(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
+            want = kernels.q8_0_rows_matmul_i8(lib, x, qp, dw) + linear.bias
+            assert torch.equal(packed(x), want)
+            assert float((packed(x) - exact).abs().max()) < 0.02 * float(exact.abs().max())
         wide = torch.randn(1, INT8_ROWS + 1, 64)
         native = Int8Drafting(linear, wide_bf16=True, lib=lib)
         assert torch.equal(native(wide), F.linear(wide.bfloat16(), linear.weight.bfloat16()).float()
                            + linear.bias)
         assert torch.equal(native(x := torch.randn(1, 3, 64)), fast(x))
     target = tiny_llama(0)
-    head = random_head(target)
     feats = torch.randn(1, 4, target.config.hidden_size)
-    exact = head.logits(feats)
-    head.quantize_for_drafting(lib=lib)
-    q8 = head.logits(feats)
-    assert torch.equal(q8, kernels.q8_0_matmul_i8(lib, feats, *_q8_0(head.lm_rows)))
-    assert float((q8 - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    for packed in (False, True):
+        head = random_head(target)
+        exact = head.logits(feats)
+        head.quantize_for_drafting(lib=lib, packed=packed)
+        assert head._q8_packed == packed
+        q, d = _q8_0(head.lm_rows)
+        want = kernels.q8_0_rows_matmul_i8(lib, feats, q, kernels.q8_0_i8_pack(lib, q, d)) \
+            if packed else kernels.q8_0_matmul_i8(lib, feats, q, d)
+        q8 = head.logits(feats)
+        assert torch.equal(q8, want)
+        assert float((q8 - exact).abs().max()) < 0.02 * float(exact.abs().max())
 
 
 def test_head_cache_appends_in_place_and_equals_concatenation():
@@ -807,12 +819,15 @@ def test_the_heads_vocabulary_coverage_is_reported_and_shown():
     assert plain_lookup[-1].draft_vocab is None and plain_lookup[-1].draft_vocab_coverage is None
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["row-major", "packed"])
 @pytest.mark.parametrize("variant", ["ref", "avx2", "avx512"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
-def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make):
+def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make, packed):
     """Once its layers read Q8_0 copies, the head runs a chain of up to INT8_ROWS rows in one C
     call (csrc/head.c): the torch forward's features, logits and cache within float rounding,
-    on the same cache the torch forward (trees, wide catch-ups) keeps extending."""
+    on the same cache the torch forward (trees, wide catch-ups) keeps extending; with the
+    weights row-major or packed for the VNNI kernel (`q8_0_rows_matmul_i8`), both products
+    forced on any CPU."""
     from specchat.models.eagle import INT8_ROWS
     from specchat import kernels
     lib = kernels.load(variant)
@@ -821,8 +836,8 @@ def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make):
     target = make(0)
     head = random_head(target)
     head.cfg.logit_softcap = 30.0 if make is tiny_gemma3 else 0.0
-    head.quantize_for_drafting(lib=lib)
-    assert head._step is not None
+    head.quantize_for_drafting(lib=lib, packed=packed)
+    assert head._step is not None and head._q8_packed == packed
     d = target.config.hidden_size
 
     blocks = []  # the torch block's forwards
@@ -876,3 +891,7 @@ def test_the_head_drafts_on_the_kernels_it_is_handed():
         if want is None:
             pytest.skip("no C compiler: no kernels to hand over")
         assert drafter.head._q8_lib is want and drafter.head._step.lib is want
+        # packed for the VNNI kernel where the build runs it with VNNI (else row-major AVX2)
+        assert drafter.head._q8_packed == want.rows_i8_vnni
+        assert want.rows_i8_vnni == (want.variant != "ref"
+                                     and kernels.I8_KERNELS["vnni"] <= kernels.cpu_flags())

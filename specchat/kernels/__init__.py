@@ -135,6 +135,8 @@ class Kernels:
     # a step of the draft head on the Q8_0 product it is given (csrc/head.c)
     draft_head_forward: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
+    # whether q8_0_rows_matmul_i8 is the VNNI kernel (else its plain C reference)
+    rows_i8_vnni: bool = False
 
 
 @functools.cache
@@ -230,7 +232,7 @@ def _load(portable: bool, wide: bool, simd: bool = False, path: Path | None = No
     max_in.argtypes, max_in.restype = [], ctypes.c_int
     variant = ("avx512" if wide else "avx2") if simd else "ref"
     return Kernels(variant=variant, q8_width=16 if wide else 8, path=path, max_in=max_in,
-                   **functions)
+                   rows_i8_vnni=names["q8_0_rows_matmul_i8"].endswith("_vnni"), **functions)
 
 
 def symbols(wide: bool, simd: bool) -> dict[str, str]:
@@ -405,6 +407,9 @@ def nf4_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch
                       dw.data_ptr(), 0, table.data_ptr(), y.data_ptr(), out_features,
                       torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out_features)
+
+
+I8_ROWS = 16  # weight rows a group of `q8_0_i8_pack` holds (csrc/nf4_i8.c)
 
 
 def q8_0_i8_pack(lib: Kernels, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

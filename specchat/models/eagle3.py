@@ -175,19 +175,23 @@ class Eagle3Head(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
-    def quantize_for_drafting(self, wide_bf16: bool = False, lib=None) -> None:
+    def quantize_for_drafting(self, wide_bf16: bool = False, lib=None,
+                              packed: bool | None = None) -> None:
         """As `DraftHead.quantize_for_drafting`: on a CPU, every linear layer read through an
-        integer copy of its weight (`Int8Drafting`). Drafts move a little; verification stays
-        exact."""
+        integer copy of its weight (`Int8Drafting`), repacked for the VNNI kernel where
+        `packed` (None: where `lib` runs it with VNNI) and the layer's rows allow. Drafts move
+        a little; verification stays exact."""
         if isinstance(self.fc, Int8Drafting):
             return
-        self.fc = Int8Drafting(self.fc, wide_bf16, lib)
-        self.lm_head = Int8Drafting(self.lm_head, wide_bf16, lib)
+        if packed is None:
+            packed = lib is not None and lib.rows_i8_vnni
+        self.fc = Int8Drafting(self.fc, wide_bf16, lib, packed)
+        self.lm_head = Int8Drafting(self.lm_head, wide_bf16, lib, packed)
         att, mlp = self.midlayer.self_attn, self.midlayer.mlp
         for owner, names in ((att, ("q_proj", "k_proj", "v_proj", "o_proj")),
                              (mlp, ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
-                setattr(owner, name, Int8Drafting(getattr(owner, name), wide_bf16, lib))
+                setattr(owner, name, Int8Drafting(getattr(owner, name), wide_bf16, lib, packed))
 
 
 # -- the files ---------------------------------------------------------------------------------

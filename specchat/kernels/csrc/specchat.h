@@ -187,7 +187,8 @@ typedef struct {
     int64_t out, in;
 } q8_weight;
 
-// the Q8_0 integer product the head's modules call (`q8_0_matmul_i8` or a twin of it)
+// the Q8_0 integer product the head's modules call (`q8_0_matmul_i8` or a twin of it, or
+// `q8_0_rows_matmul_i8` on weights `q8_0_i8_pack` repacked)
 typedef void (*q8_product)(const float *x, int64_t n, int64_t in, const int8_t *q,
                            const uint16_t *d, float *y, int64_t out, float *maxima, int threads);
 

@@ -57,7 +57,8 @@ class HeadStep:
             inv_freq=floats(block.rope.inv_freq),
             fc=q8(*head.fc.q8), qkv=q8(*block.qkv.q8), o=q8(*block.o.q8),
             gate_up=q8(*block.gate_up.q8), down=q8(*block.down.q8), lm=q8(*head._int8_rows),
-            product=ctypes.cast(lib.q8_0_matmul_i8, ctypes.c_void_p).value)
+            product=ctypes.cast(lib.q8_0_rows_matmul_i8 if head._q8_packed else lib.q8_0_matmul_i8,
+                                ctypes.c_void_p).value)
         self.vocab = head._int8_rows[0].shape[0]
 
     def takes(self, feats: torch.Tensor, embeds: torch.Tensor, cache) -> bool:
