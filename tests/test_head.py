@@ -877,6 +877,44 @@ def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make, pack
     assert len(blocks) == len(chunks) + 1
 
 
+@pytest.mark.parametrize("c_step", [False, True], ids=["torch", "c-step"])
+def test_a_last_only_forward_is_the_full_forwards_last_row(c_step):
+    """With last_only, the rows before the last stop at the cache (their keys and values: fc
+    and the qkv product); the last row's prediction and logits are the full forward's, and so is
+    the cache: the same bits in the C step (row-exact products), within rounding in torch."""
+    from specchat.models.eagle import INT8_ROWS
+    from specchat import kernels
+    lib = kernels.load()
+    if lib is None and c_step:
+        pytest.skip("no kernels on this CPU")
+    target = tiny_gemma3(0)
+    head = random_head(target)
+    head.cfg.logit_softcap = 30.0
+    if lib is not None:
+        head.quantize_for_drafting(lib=lib)
+    if not c_step:
+        head._step = None
+    d = target.config.hidden_size
+    torch.manual_seed(3)
+    n = INT8_ROWS if c_step else 3 * INT8_ROWS
+    feats, embeds = torch.randn(1, n + 2, d), torch.randn(1, n + 2, d)
+    with torch.inference_mode():
+        runs = []
+        for last_only in (False, True):
+            _, _, cache = head(feats[:, :2], embeds[:, :2], torch.arange(2), None)
+            runs.append(head(feats[:, 2:], embeds[:, 2:], torch.arange(2, n + 2), cache,
+                             last_only=last_only))
+    (pred, logits, cache), (pred1, logits1, cache1) = runs
+    assert pred1.shape == (1, 1, d) and logits1.shape == (1, 1, logits.shape[-1])
+    pairs = [(pred[:, -1:], pred1), (logits[:, -1:], logits1), (cache[0], cache1[0]),
+             (cache[1], cache1[1])]
+    for full, last in pairs:
+        if c_step:
+            assert torch.equal(full, last)
+        else:
+            assert float((full - last).abs().max()) <= 0.02 * max(1.0, float(full.abs().max()))
+
+
 def test_the_head_drafts_on_the_kernels_it_is_handed():
     """The loader hands the head the kernels build its target's runtime runs on
     (`Runtime.kernels`); without one the head takes the default build."""

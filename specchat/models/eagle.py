@@ -169,14 +169,20 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
 
-    def forward(self, x, pos, cache=None, mask=None):
+    def forward(self, x, pos, cache=None, mask=None, last_only: bool = False):
         """x [B, T, d], pos [T] absolute positions; cache: (keys, values) [B, H, S, hd] of the
         S positions before pos[0], or None; mask [T, S + T] bool (True: attend), default causal.
-        Returns (y [B, T, d], new cache)."""
+        Returns (y [B, T, d], new cache); with `last_only` (no mask) y [B, 1, d], the last
+        position's: the others need only their keys and values."""
         B, T, d = x.shape
         q, k, v = (self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, d // self.n_heads)
                    .permute(2, 0, 3, 1, 4))  # each [B, H, T, hd]
-        q, k = self.rope(q, pos), self.rope(k, pos)
+        if last_only and mask is None and T > 1:  # the last query sees every key: no mask
+            q, x, T = q[:, :, -1:], x[:, -1:], 1
+            q_pos = pos[-1:]
+        else:
+            q_pos = pos
+        q, k = self.rope(q, q_pos), self.rope(k, pos)
         att, cache = attend(q, k, v, cache, mask)
         x = x + self.o(att.transpose(1, 2).reshape(B, T, d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -319,8 +325,9 @@ class DraftHead(nn.Module):
 
     def forward(self, feats, embeds, pos, cache=None, mask=None, last_only: bool = False):
         """feats, embeds [B, T, d] (f_t and embed(x_{t+1})), pos [T], mask: see Block.
-        Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N] (T = 1:
-        the last position's only, with last_only), cache)."""
+        Returns (predicted f_{t+1} [B, T, d], reduced logits for x_{t+2} [B, T, N], cache); with
+        last_only T = 1 in both, the last position's: the others only fill the cache (a
+        catch-up over a prompt runs the MLP for one row, not for every token)."""
         step = getattr(self, "_step", None)  # a chain of a few rows, drafting: one C call
         if step is not None and mask is None and not torch.is_grad_enabled() \
                 and step.takes(feats, embeds, cache):
@@ -330,14 +337,15 @@ class DraftHead(nn.Module):
                 cache = (empty, empty)
             cache = (extended(cache[0], n), extended(cache[1], n))
             return (*step(feats, embeds, pos, *cache, last_only), cache)
-        pred, cache = self.predict(feats, embeds, pos, cache, mask)
+        pred, cache = self.predict(feats, embeds, pos, cache, mask, last_only)
         return pred, self.logits(pred[:, -1:] if last_only else pred), cache
 
-    def predict(self, feats, embeds, pos, cache=None, mask=None):
-        """forward without the logits: (predicted f_{t+1} [B, T, d], cache). Training takes
-        the logits only where a position has a loss."""
+    def predict(self, feats, embeds, pos, cache=None, mask=None, last_only: bool = False):
+        """forward without the logits: (predicted f_{t+1} [B, T, d], cache); with `last_only`
+        the last position's [B, 1, d] (the others only fill the cache). Training takes the
+        logits only where a position has a loss."""
         x = self.fc(torch.cat([self.emb_norm(embeds), self.feat_norm(feats)], dim=-1))
-        h, cache = self.block(x, pos, cache, mask)
+        h, cache = self.block(x, pos, cache, mask, last_only)
         return rms_normalize(h, self.cfg.rms_eps) * self.norm_scale, cache  # [B, T, d]
 
     def quantize_for_drafting(self, wide_bf16: bool = False, lib=None,

@@ -6,7 +6,12 @@
 //   a = norm_a(x); q, k, v = a Wqkv; RoPE on q and k at the row's position; k, v to the cache;
 //   x += attention(q, the cache) Wo;   m = norm_m(x); g, u = m Wgu; x += (silu(g) u) Wd;
 //   pred = norm(x) * norm_scale;   logits = pred Wlm (the target's LM rows of the reduced
-//   vocabulary) for the last `logit_rows` rows, tanh-capped where the head has a softcap.
+//   vocabulary), tanh-capped where the head has a softcap.
+//
+// Only the last `out_rows` rows go past the cache: a row's keys and values need no more than
+// fc and the qkv product, and a catch-up over the tokens a verify accepted reads only its last
+// row's prediction, so the earlier rows skip attention, the MLP and the logits (the rows that
+// go on get the same bits either way: every product is row-exact).
 //
 // Each norm is F.rms_norm's: x * rsqrt(mean(x^2) + eps) * w. Every product is Q8_0 by integer
 // dot products, through the function the head's torch modules call (`product`), so the same
@@ -48,11 +53,12 @@ static void q8(const draft_head *m, const q8_weight *w, const float *x, int64_t 
 
 int draft_head_forward(const draft_head *m, const float *feats, const float *embeds, int64_t n,
                        const int64_t *pos, float *k_cache, float *v_cache, int64_t cap,
-                       int64_t start, float *pred, int64_t logit_rows, float *logits,
+                       int64_t start, float *pred, int64_t out_rows, float *logits,
                        int threads) {
     const int64_t d = m->hidden, H = m->heads, hd = d / H, I = m->inter, slots = start + n;
-    if (n <= 0 || start < 0 || slots > cap || d % H || logit_rows < 0 || logit_rows > n)
+    if (n <= 0 || start < 0 || slots > cap || d % H || out_rows < 0 || out_rows > n)
         return -1;
+    const int64_t first = n - out_rows;  // the first row that goes past the cache
     float *both = malloc(sizeof(float) * (size_t)(n * 2 * d));
     float *x = malloc(sizeof(float) * (size_t)(n * d));
     float *a = malloc(sizeof(float) * (size_t)(n * d));
@@ -81,8 +87,9 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
             memcpy(k_cache + (h * cap + start + r) * hd, k, sizeof(float) * (size_t)hd);
             memcpy(v_cache + (h * cap + start + r) * hd, v, sizeof(float) * (size_t)hd);
         }
+    if (!out_rows) goto finished;
     const float scale = 1.0f / sqrtf((float)hd);
-    for (int64_t r = 0; r < n; r++)  // attention, into a (the o product's input)
+    for (int64_t r = first; r < n; r++)  // attention, into a (the o product's input)
         for (int64_t h = 0; h < H; h++) {
             const float *q = qkv + r * 3 * d + h * hd;
             const float *keys = k_cache + h * cap * hd, *values = v_cache + h * cap * hd;
@@ -97,32 +104,35 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
                 top = scores[j] > top ? scores[j] : top;
             }
             for (int64_t j = 0; j < seen; j++) total += scores[j] = expf(scores[j] - top);
-            float *o = a + r * d + h * hd;
+            float *o = a + (r - first) * d + h * hd;
             for (int64_t c = 0; c < hd; c++) o[c] = 0.0f;
             for (int64_t j = 0; j < seen; j++)
                 for (int64_t c = 0; c < hd; c++) o[c] += scores[j] * values[j * hd + c];
             for (int64_t c = 0; c < hd; c++) o[c] /= total;
         }
-    q8(m, &m->o, a, n, both, threads);
-    for (int64_t i = 0; i < n * d; i++) x[i] += both[i];
+    float *xo = x + first * d;  // the rows that go on, from here [out_rows, d]
+    const int64_t n_out = out_rows;
+    q8(m, &m->o, a, n_out, both, threads);
+    for (int64_t i = 0; i < n_out * d; i++) xo[i] += both[i];
 
-    head_norm(x, n, d, m->mlp_norm, m->eps, a);
-    q8(m, &m->gate_up, a, n, gu, threads);
-    for (int64_t r = 0; r < n; r++)
+    head_norm(xo, n_out, d, m->mlp_norm, m->eps, a);
+    q8(m, &m->gate_up, a, n_out, gu, threads);
+    for (int64_t r = 0; r < n_out; r++)
         for (int64_t c = 0; c < I; c++) {
             const float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c];
             act[r * I + c] = g / (1.0f + expf(-g)) * u;
         }
-    q8(m, &m->down, act, n, both, threads);
-    for (int64_t i = 0; i < n * d; i++) x[i] += both[i];
+    q8(m, &m->down, act, n_out, both, threads);
+    for (int64_t i = 0; i < n_out * d; i++) xo[i] += both[i];
 
-    head_norm(x, n, d, NULL, m->eps, pred);
-    for (int64_t r = 0; r < n; r++)
+    head_norm(xo, n_out, d, NULL, m->eps, pred);
+    for (int64_t r = 0; r < n_out; r++)
         for (int64_t c = 0; c < d; c++) pred[r * d + c] *= m->norm_scale[c];
-    if (logit_rows) q8(m, &m->lm, pred + (n - logit_rows) * d, logit_rows, logits, threads);
+    q8(m, &m->lm, pred, n_out, logits, threads);
     if (m->softcap > 0.0f)
-        for (int64_t i = 0; i < logit_rows * m->lm.out; i++)
+        for (int64_t i = 0; i < n_out * m->lm.out; i++)
             logits[i] = tanhf(logits[i] / m->softcap) * m->softcap;
+finished:
     done = 0;
 out:
     free(both), free(x), free(a), free(qkv), free(gu), free(act), free(scores);

@@ -201,9 +201,11 @@ typedef struct {
     q8_product product;
 } draft_head;
 
+// n rows into the cache; pred [out_rows, hidden] and logits [out_rows, lm.out] of the last
+// out_rows of them
 int draft_head_forward(const draft_head *m, const float *feats, const float *embeds, int64_t n,
                        const int64_t *pos, float *k_cache, float *v_cache, int64_t cap,
-                       int64_t start, float *pred, int64_t logit_rows, float *logits,
+                       int64_t start, float *pred, int64_t out_rows, float *logits,
                        int threads);
 
 // ---- the sampler (sample.c): the mask, penalties and pick over a forward's rows; 0, or -1 ----

@@ -75,7 +75,8 @@ class HeadStep:
     def __call__(self, feats, embeds, pos, keys, values, last_only: bool):
         """The forward of rows feats, embeds [1, n, d] at positions pos [n]: keys and values
         [1, heads, start + n, head_dim] over buffers alike, slots start.. written here.
-        Returns (predicted features [1, n, d], logits [1, n or 1, vocab])."""
+        Returns (predicted features [1, m, d], logits [1, m, vocab]) of the last m rows: all n,
+        or with `last_only` the last (the others stop at the cache)."""
         n = feats.shape[1]
         start, cap = keys.shape[2] - n, keys.stride(1) // self.head_dim
         if values.stride() != keys.stride() or keys.stride(3) != 1 \
@@ -83,13 +84,13 @@ class HeadStep:
             raise ValueError("the draft head's keys and values must lie in buffers alike")
         feats, embeds = feats.contiguous(), embeds.contiguous()
         positions = pos.to(torch.int64).contiguous()
-        pred = torch.empty(1, n, self.hidden)
-        logit_rows = 1 if last_only else n
-        logits = torch.empty(1, logit_rows, self.vocab)
+        rows = 1 if last_only else n
+        pred = torch.empty(1, rows, self.hidden)
+        logits = torch.empty(1, rows, self.vocab)
         if self.lib.draft_head_forward(
                 ctypes.byref(self._struct), feats.data_ptr(), embeds.data_ptr(), n,
                 positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start,
-                pred.data_ptr(), logit_rows, logits.data_ptr(), torch.get_num_threads()):
+                pred.data_ptr(), rows, logits.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"the draft head's step could not run for {n} rows after "
                               f"{start} slots")
         return pred, logits
