@@ -881,8 +881,11 @@ def test_a_drafting_chain_in_one_c_call_is_the_torch_forward(variant, make, pack
 def test_a_last_only_forward_is_the_full_forwards_last_row(c_step):
     """With last_only, the rows before the last stop at the cache (their keys and values: fc
     and the qkv product); the last row's prediction and logits are the full forward's, and so is
-    the cache: the same bits in the C step (row-exact products), within rounding in torch."""
+    the cache. The C step takes a catch-up of any length so, in chunks (CATCH_UP_CHUNK), with
+    the same bits as its chain steps of up to INT8_ROWS rows (row-exact products); torch's
+    forward within rounding of its full one."""
     from specchat.models.eagle import INT8_ROWS
+    from specchat.runners.cpu.head_step import CATCH_UP_CHUNK
     from specchat import kernels
     lib = kernels.load()
     if lib is None and c_step:
@@ -896,14 +899,22 @@ def test_a_last_only_forward_is_the_full_forwards_last_row(c_step):
         head._step = None
     d = target.config.hidden_size
     torch.manual_seed(3)
-    n = INT8_ROWS if c_step else 3 * INT8_ROWS
+    n = 2 * CATCH_UP_CHUNK + 5 if c_step else 3 * INT8_ROWS
     feats, embeds = torch.randn(1, n + 2, d), torch.randn(1, n + 2, d)
+    blocks = []  # the torch block's forwards
+    head.block.register_forward_hook(lambda *_: blocks.append(1))
     with torch.inference_mode():
         runs = []
         for last_only in (False, True):
             _, _, cache = head(feats[:, :2], embeds[:, :2], torch.arange(2), None)
-            runs.append(head(feats[:, 2:], embeds[:, 2:], torch.arange(2, n + 2), cache,
-                             last_only=last_only))
+            # the full forward: in the C step, chains of INT8_ROWS rows at most
+            width = INT8_ROWS if c_step and not last_only else n
+            for at in range(2, n + 2, width):
+                end = min(at + width, n + 2)
+                pred, logits, cache = head(feats[:, at:end], embeds[:, at:end],
+                                           torch.arange(at, end), cache, last_only=last_only)
+            runs.append((pred, logits, cache))
+    assert bool(blocks) != c_step  # the C step ran every row of both
     (pred, logits, cache), (pred1, logits1, cache1) = runs
     assert pred1.shape == (1, 1, d) and logits1.shape == (1, 1, logits.shape[-1])
     pairs = [(pred[:, -1:], pred1), (logits[:, -1:], logits1), (cache[0], cache1[0]),

@@ -330,7 +330,7 @@ class DraftHead(nn.Module):
         catch-up over a prompt runs the MLP for one row, not for every token)."""
         step = getattr(self, "_step", None)  # a chain of a few rows, drafting: one C call
         if step is not None and mask is None and not torch.is_grad_enabled() \
-                and step.takes(feats, embeds, cache):
+                and step.takes(feats, embeds, cache, last_only):
             n = feats.shape[1]
             if cache is None:
                 empty = feats.new_empty(1, step.heads, 0, step.head_dim)

@@ -15,6 +15,9 @@ import torch
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
+# Rows a catch-up feeds the C step at a time (the buffers of a step grow with its rows)
+CATCH_UP_CHUNK = 64
+
 
 class _Q8Weight(ctypes.Structure):
     _fields_ = [("q", _ptr), ("d", _ptr), ("out", _i64), ("in_", _i64)]
@@ -61,11 +64,14 @@ class HeadStep:
                                 ctypes.c_void_p).value)
         self.vocab = head._int8_rows[0].shape[0]
 
-    def takes(self, feats: torch.Tensor, embeds: torch.Tensor, cache) -> bool:
-        """Whether this call is one the C step computes: float32 rows [1, n, d], n <= rows, and
-        a float32 cache of one sequence (or none), keys and values over buffers alike."""
+    def takes(self, feats: torch.Tensor, embeds: torch.Tensor, cache,
+              last_only: bool = False) -> bool:
+        """Whether this call is one the C step computes: float32 rows [1, n, d], n <= rows or
+        any n with `last_only` (a catch-up), and a float32 cache of one sequence (or none), keys
+        and values over buffers alike."""
         ok = feats.dtype == embeds.dtype == torch.float32 and feats.shape == embeds.shape \
-            and feats.dim() == 3 and feats.shape[0] == 1 and 0 < feats.shape[1] <= self.rows
+            and feats.dim() == 3 and feats.shape[0] == 1 \
+            and 0 < feats.shape[1] and (last_only or feats.shape[1] <= self.rows)
         if ok and cache is not None:
             k, v = cache
             ok = k.dtype == v.dtype == torch.float32 and k.shape == v.shape \
@@ -87,10 +93,16 @@ class HeadStep:
         rows = 1 if last_only else n
         pred = torch.empty(1, rows, self.hidden)
         logits = torch.empty(1, rows, self.vocab)
-        if self.lib.draft_head_forward(
-                ctypes.byref(self._struct), feats.data_ptr(), embeds.data_ptr(), n,
-                positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start,
-                pred.data_ptr(), rows, logits.data_ptr(), torch.get_num_threads()):
-            raise MemoryError(f"the draft head's step could not run for {n} rows after "
-                              f"{start} slots")
+        # A long catch-up in chunks: the rows before the last only fill the cache
+        chunk = CATCH_UP_CHUNK if last_only else n
+        for at in range(0, n, chunk):
+            m = min(chunk, n - at)
+            out = rows if at + m == n else 0
+            if self.lib.draft_head_forward(
+                    ctypes.byref(self._struct), feats[0, at:].data_ptr(),
+                    embeds[0, at:].data_ptr(), m, positions[at:].data_ptr(), keys.data_ptr(),
+                    values.data_ptr(), cap, start + at, pred.data_ptr(), out, logits.data_ptr(),
+                    torch.get_num_threads()):
+                raise MemoryError(f"the draft head's step could not run for {m} rows after "
+                                  f"{start + at} slots")
         return pred, logits
