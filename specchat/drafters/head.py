@@ -189,8 +189,14 @@ class HeadDrafter(Drafter):
             return bytes(len(tokens))
         return bytes(self.shaper.is_breaker(t) for t in tokens)
 
+    @torch.inference_mode()
     def begin(self, prompt_ids):
-        pass  # features and cache survive across requests: a chat's history is reused
+        """Catch up over the prompt now, right after its prefill: a cost of the request, like the
+        prefill, not of its first draft, which would otherwise price every draft of the reply
+        by the prompt's length (the draft-length policy measures drafts per token). Features
+        and cache survive across requests, so a chat's history is not run again."""
+        if len(prompt_ids) >= 2:
+            self._catch_up(list(prompt_ids))
 
     def observe(self, start: int, token_ids: list[int], features: torch.Tensor) -> None:
         """The target computed `features` [n, d] for context positions start..start+n-1
@@ -284,7 +290,12 @@ class HeadDrafter(Drafter):
                                                  self._lib))
             token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
             p_all *= p_token
-            if p_all < min_gain:
+            # The first draft is always proposed: the head has run already, and one draft
+            # costs only a verify one row wider (a tenth of a step on a CPU), which even the
+            # drafts the head gives under min_gain repay (docs/performance.md, "The head's
+            # stopping rules"); nor would the draft-length policy, which prices drafting per
+            # drafted token, see a head run with nothing to show for it.
+            if p_all < min_gain and i:
                 break
             ids.append(token)
             if q is not None:
