@@ -333,8 +333,9 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
     assert len(full) == k  # min_gain 0: every draft asked for
 
     # Replay the drafts with the head's probabilities: the gated drafter keeps exactly the
-    # prefix whose running product stays at or above min_gain, and does not run the head for
-    # the draft after one whose product fell under lookahead x min_gain.
+    # prefix whose running product stays at or above min_gain (and the first draft whatever its
+    # chance: it costs only a wider verify), and does not run the head for the draft after one
+    # whose product fell under lookahead x min_gain.
     ungated = drafter()
     chances = []
     spy = ungated._sample
@@ -351,8 +352,8 @@ def test_drafting_stops_where_the_heads_own_chance_of_passing_falls_below_min_ga
         hook.remove()
         keep = sum(r >= min_gain for r in running)
         ahead = 1 + sum(r >= lookahead * min_gain for r in running[:k - 1])
-        keep = min(keep, ahead)
-        assert 0 <= keep < k and drafts.tolist() == full[:keep].tolist() and q is None
+        keep = max(1, min(keep, ahead))
+        assert 1 <= keep < k and drafts.tolist() == full[:keep].tolist() and q is None
         assert len(forwards) == min(sum(r >= min_gain for r in running) + 1, ahead)
         fixed = drafter(min_gain)
         fixed.stop_early(False)  # a fixed-k request: every draft asked for
@@ -944,3 +945,45 @@ def test_the_head_drafts_on_the_kernels_it_is_handed():
         assert drafter.head._q8_packed == want.rows_i8_vnni
         assert want.rows_i8_vnni == (want.variant != "ref"
                                      and kernels.I8_KERNELS["vnni"] <= kernels.cpu_flags())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_looks_its_tokens_up_in_c_with_the_modules_bits(dtype):
+    """A Gemma 3 target's scaled embedding (float32 or bf16 table) is looked up in one C call
+    (`embed_rows`), checked against the module when the drafter is made: the same bits as the
+    module's lookup. Another module keeps its own lookup."""
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no kernels on this CPU")
+    target = tiny_gemma3(0).to(dtype)
+    drafter = HeadDrafter(random_head(target), target, len(TOK), lib=lib)
+    assert drafter._c_embed is not None
+    ids = [0, 5, 258, 77, 77]
+    want = drafter.embed(torch.tensor([ids])).float()
+    got = drafter._embed(ids)
+    assert got.shape == want.shape and torch.equal(got, want)
+    other = HeadDrafter(random_head(tiny_llama(0)), tiny_llama(0), len(TOK), lib=lib)
+    assert other._c_embed is None
+    assert torch.equal(other._embed(ids), other.embed(torch.tensor([ids])).float())
+
+
+def test_a_greedy_draft_by_the_kernels_row_top_is_torchs_argmax():
+    """Greedy, the head's draft and its chance come from one native call (`row_top`): the
+    first of the largest logits, as torch's argmax picks it, and its softmax probability
+    within float rounding."""
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no kernels on this CPU")
+    target = tiny_llama(0)
+    drafter = HeadDrafter(random_head(target), target, len(TOK), lib=lib)
+    gen = torch.Generator().manual_seed(0)
+    for r in range(20):
+        row = torch.randn(1, len(drafter.head.vocab_ids), generator=gen) * (r + 1)
+        if r % 4 == 0:
+            row[0, 3] = row[0, 7] = row.max() + 1  # a tie: the first id
+        native = drafter._sample(row, SamplingParams(0.0), None, 0)
+        lib_, drafter._lib = drafter._lib, None
+        plain = drafter._sample(row, SamplingParams(0.0), None, 0)
+        drafter._lib = lib_
+        assert native[0] == plain[0] and native[1] is plain[1] is None
+        assert native[2] == pytest.approx(plain[2], rel=1e-5)

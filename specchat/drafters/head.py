@@ -5,6 +5,8 @@ their next features and reduced-vocabulary logits."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
 from specchat.core.tree import DraftTree
 from specchat.models.eagle import DraftHead, target_features
 from specchat.models.runtime import cpu_kind
+from specchat.runners.cpu.embedding import c_embedding
 
 # Observed features kept before they are stored (`HeadDrafter.observe`)
 PENDING_FEATURES = 32
@@ -83,6 +86,9 @@ class HeadDrafter(Drafter):
         self.tree_min_score = tree_min_score
         self.target = target_model
         self.embed = head.embedder(target_model)
+        # its lookup in one C call where that gives the module's bits (Gemma 3's table)
+        self._c_embed = c_embedding(self._lib, self.embed, head.feature_width) \
+            if self._lib is not None and head.vocab_ids.device.type == "cpu" else None
         self.vocab_size = vocab_size  # width of the engine's target logits (and our q rows)
         # Stop drafting once the head's own estimate that this draft and every one before it
         # pass (the product of their probabilities under the head) falls below min_gain: a draft
@@ -246,6 +252,11 @@ class HeadDrafter(Drafter):
             self._store(0, target_features(self.target, prefix, self.feature_layers))
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
+        """The target's embedding rows of `ids`, float32 [1, len(ids), d]."""
+        if self._c_embed is not None and min(ids) >= 0 and max(ids) < self._c_embed.rows:
+            out = torch.empty(1, len(ids), self._c_embed.table.shape[1])
+            self._c_embed.lookup(self._lib, torch.tensor(ids, dtype=torch.int64), out)
+            return out
         emb_device = self.embed.weight.device
         return self.embed(torch.tensor([ids], device=emb_device)).to(self.device, torch.float32)
 
@@ -393,7 +404,12 @@ class HeadDrafter(Drafter):
         whenever the two races agree (Gumbel coupling), and the step verifies it as a one-hot
         draft: the emitted tokens are plain sampling's, whatever the head proposed."""
         if params.greedy:
-            p_top, index = torch.softmax(reduced_logits[0].float(), -1).max(-1)
+            row = reduced_logits[0].float()
+            if self._lib is not None and row.is_contiguous() and row.device.type == "cpu":
+                ids, values, lse = kernels.row_top(self._lib, row, 1)  # one call: a tenth
+                if ids:
+                    return int(self.head.vocab_ids[ids[0]]), None, math.exp(values[0] - lse)
+            p_top, index = torch.softmax(row, -1).max(-1)
             return int(self.head.vocab_ids[int(index)]), None, float(p_top)
         ids, probs = nucleus(reduced_logits[0], params)  # over the reduced vocabulary
         vocab_ids = self.head.vocab_ids.cpu()

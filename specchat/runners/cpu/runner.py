@@ -27,12 +27,12 @@ import torch
 from specchat import kernels
 from specchat.core.runner import Runner
 from specchat.core.tree import visibility
+from specchat.runners.cpu.embedding import c_embedding
 from specchat.runners.cpu.q8_head import Q8Head
 from specchat.runners.static import StaticCache, rope_tables, unsupported_config
 
 SLOTS = 256  # a cache's first slots, and the step it grows by (at least doubling)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_EMBED_F32, _EMBED_BF16_WIDE, _EMBED_BF16 = 0, 1, 2  # `embed_rows`' kinds (csrc/decoder.c)
 
 
 class _NF4Weight(ctypes.Structure):
@@ -258,31 +258,12 @@ class CpuRunner(Runner):
 
     def _c_embedding(self) -> tuple[int, int, int, float] | None:
         """(the table's address, its `embed_rows` kind, its rows, the scale) where `embed_rows`
-        gives the bits of the model's embedding (Gemma 3's scaled lookup, as the module or the
-        CPU path's float32 widening computes it), checked on ids across the vocabulary; else
-        None: the module runs."""
-        embed = self.embed
-        weight, scale = getattr(embed, "weight", None), getattr(embed, "embed_scale", None)
-        if type(embed).__name__ != "Gemma3TextScaledWordEmbedding" \
-                or not isinstance(weight, torch.Tensor) or not isinstance(scale, torch.Tensor) \
-                or weight.dtype not in (torch.float32, torch.bfloat16) \
-                or weight.device.type != "cpu" or not weight.is_contiguous() \
-                or weight.dim() != 2 or weight.shape[1] != self.hidden:
+        gives the bits of the model's embedding (`embedding.c_embedding`); else None: the
+        module runs."""
+        found = c_embedding(self.lib, self.embed, self.hidden)
+        if found is None:
             return None
-        rows = weight.shape[0]
-        ids = torch.cat([torch.linspace(0, rows - 1, 61).long(),
-                         torch.randint(0, rows, (67,), generator=torch.Generator().manual_seed(0))])
-        with torch.inference_mode():
-            expected = embed(ids).to(torch.float32).view(torch.int32)
-        got = torch.empty(len(ids), self.hidden, dtype=torch.float32)
-        kinds = [(_EMBED_F32, scale.float())] if weight.dtype == torch.float32 else \
-            [(_EMBED_BF16_WIDE, scale.float()), (_EMBED_BF16, scale.to(torch.bfloat16))]
-        for kind, factor in kinds:
-            self.lib.embed_rows(weight.data_ptr(), kind, self.hidden, ids.data_ptr(), len(ids),
-                                float(factor), got.data_ptr())
-            if torch.equal(got.view(torch.int32), expected):
-                return self._ptr(weight.detach()), kind, rows, float(factor)
-        return None
+        return self._ptr(found.table), found.kind, found.rows, found.scale
 
     # -- the seam ---------------------------------------------------------------------------
 
