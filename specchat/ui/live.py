@@ -183,7 +183,7 @@ LIVE_JS = """(announced) => {
     if (follow) log.scrollTop = log.scrollHeight;
   };
   // the page's own folder (a page served under a path keeps it, with or without its slash)
-  const folder = location.origin + location.pathname.replace(/\/?$/, '/');
+  const folder = location.origin + location.pathname.replace(/\\/?$/, '/');
   const source = new EventSource(folder + 'specchat/live/' + encodeURIComponent(feed.feed));
   window.scLiveFeed = source;
   source.onmessage = (message) => {
