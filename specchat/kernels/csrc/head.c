@@ -16,7 +16,10 @@
 // Each norm is F.rms_norm's: x * rsqrt(mean(x^2) + eps) * w. Every product is Q8_0 by integer
 // dot products, through the function the head's torch modules call (`product`), so the same
 // values a step of those modules gives; the rest is plain float C (RoPE's cos and sin from
-// libm), within rounding of torch's. Drafts only: verification stays exact whatever they are.
+// libm, the softmax's and SiLU's exp specchat's own, `exp_or_zero`), within rounding of
+// torch's. Drafts only: verification stays exact whatever they are. The attention runs a
+// (row, head) pair a task on the threads: over a chat's history of 600 slots a one-row step
+// took 0.32 ms, 0.18 so (warm, 2 threads, Zen 4), 0.52 and 0.24 over 1,200.
 //
 // Rows are a chain: row r (at position pos[r], cache slot start + r) attends to slots
 // 0 .. start + r. The cache: keys and values [heads, cap, head_dim] float32 each (torch's
@@ -65,7 +68,7 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
     float *qkv = malloc(sizeof(float) * (size_t)(n * 3 * d));
     float *gu = malloc(sizeof(float) * (size_t)(n * 2 * I));
     float *act = malloc(sizeof(float) * (size_t)(n * I));
-    float *scores = malloc(sizeof(float) * (size_t)slots);
+    float *scores = malloc(sizeof(float) * (size_t)((out_rows ? out_rows : 1) * H * slots));
     int done = -1;
     if (!both || !x || !a || !qkv || !gu || !act || !scores) goto out;
 
@@ -89,27 +92,39 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
         }
     if (!out_rows) goto finished;
     const float scale = 1.0f / sqrtf((float)hd);
-    for (int64_t r = first; r < n; r++)  // attention, into a (the o product's input)
-        for (int64_t h = 0; h < H; h++) {
-            const float *q = qkv + r * 3 * d + h * hd;
-            const float *keys = k_cache + h * cap * hd, *values = v_cache + h * cap * hd;
-            const int64_t seen = start + r + 1;
-            float top = -INFINITY, total = 0.0f;
-            for (int64_t j = 0; j < seen; j++) {
-                float acc[8] = {0};  // 8 partial sums: vectorized without reassociation
+    // attention, into a (the o product's input): each (row, head) pair its own task and
+    // scratch row, on the threads once the cache is long enough to be worth them (a chat's
+    // history: hundreds of slots, ten heads)
+    const int64_t pairs = out_rows * H;
+#pragma omp parallel for schedule(static) num_threads(threads) if (pairs * slots >= 1024)
+    for (int64_t t = 0; t < pairs; t++) {
+        const int64_t r = first + t / H, h = t % H;
+        float *s = scores + t * slots;
+        const float *q = qkv + r * 3 * d + h * hd;
+        const float *keys = k_cache + h * cap * hd, *values = v_cache + h * cap * hd;
+        const int64_t seen = start + r + 1;
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < seen; j++) {
+            float acc[8] = {0};  // 8 partial sums: vectorized without reassociation
+            const float *kj = keys + j * hd;
+            if (hd % 8 == 0) {  // (the same sums without the tail's test, which stops SIMD)
                 for (int64_t c = 0; c < hd; c += 8)
-                    for (int l = 0; l < 8 && c + l < hd; l++)
-                        acc[l] += q[c + l] * keys[j * hd + c + l];
-                scores[j] = sum_lanes8(acc) * scale;
-                top = scores[j] > top ? scores[j] : top;
+                    for (int l = 0; l < 8; l++) acc[l] += q[c + l] * kj[c + l];
+            } else {
+                for (int64_t c = 0; c < hd; c += 8)
+                    for (int l = 0; l < 8 && c + l < hd; l++) acc[l] += q[c + l] * kj[c + l];
             }
-            for (int64_t j = 0; j < seen; j++) total += scores[j] = expf(scores[j] - top);
-            float *o = a + (r - first) * d + h * hd;
-            for (int64_t c = 0; c < hd; c++) o[c] = 0.0f;
-            for (int64_t j = 0; j < seen; j++)
-                for (int64_t c = 0; c < hd; c++) o[c] += scores[j] * values[j * hd + c];
-            for (int64_t c = 0; c < hd; c++) o[c] /= total;
+            s[j] = sum_lanes8(acc) * scale;
+            top = s[j] > top ? s[j] : top;
         }
+        for (int64_t j = 0; j < seen; j++) s[j] = exp_or_zero(s[j] - top);  // specchat's exp
+        for (int64_t j = 0; j < seen; j++) total += s[j];
+        float *o = a + (r - first) * d + h * hd;
+        for (int64_t c = 0; c < hd; c++) o[c] = 0.0f;
+        for (int64_t j = 0; j < seen; j++)
+            for (int64_t c = 0; c < hd; c++) o[c] += s[j] * values[j * hd + c];
+        for (int64_t c = 0; c < hd; c++) o[c] /= total;
+    }
     float *xo = x + first * d;  // the rows that go on, from here [out_rows, d]
     const int64_t n_out = out_rows;
     q8(m, &m->o, a, n_out, both, threads);
@@ -120,7 +135,7 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
     for (int64_t r = 0; r < n_out; r++)
         for (int64_t c = 0; c < I; c++) {
             const float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c];
-            act[r * I + c] = g / (1.0f + expf(-g)) * u;
+            act[r * I + c] = g / (1.0f + exp_or_zero(fminf(-g, 88.0f))) * u;  // silu(g) u
         }
     q8(m, &m->down, act, n_out, both, threads);
     for (int64_t i = 0; i < n_out * d; i++) xo[i] += both[i];
