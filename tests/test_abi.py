@@ -85,6 +85,11 @@ FIELDS = {  # C struct -> (its ctypes mirror, its fields)
                    ["hidden", "heads", "inter", "eps", "softcap", "emb_norm", "feat_norm",
                     "attn_norm", "mlp_norm", "norm_scale", "fc_bias", "inv_freq", "fc", "qkv",
                     "o", "gate_up", "down", "lm", "product"]),
+    "head_chain": (head_step._HeadChain,
+                   ["table", "kind", "scale", "embed", "top", "vocab", "vocab_breaks",
+                    "min_gain", "lookahead", "shape", "places", "n_places", "seq", "breaks",
+                    "n_seq", "repeat", "frequency", "presence", "last_n", "dry_multiplier",
+                    "dry_base", "dry_allowed"]),
 }
 
 

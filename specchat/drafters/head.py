@@ -15,7 +15,7 @@ from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
 from specchat.core.events import TOP
 from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
 from specchat.core.tree import DraftTree
-from specchat.models.eagle import DraftHead, target_features
+from specchat.models.eagle import DraftHead, extended_pair, target_features
 from specchat.models.runtime import cpu_kind
 from specchat.runners.cpu.embedding import c_embedding
 
@@ -72,6 +72,7 @@ class HeadDrafter(Drafter):
         self.feature_layers = head.feature_layers  # the target features it reads
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
         self._vocab_list = head.vocab_ids.tolist()  # a place in it -> the token id
+        self._vocab_ids = head.vocab_ids.to("cpu", torch.int64).contiguous()
         self._lib = None  # the kernels its drafts' penalties run on (CPU), or None: Python's
         if head.vocab_ids.device.type == "cpu":
             # Wide drafting forwards through bf16 copies (`Int8Drafting`): by the CPU's own
@@ -122,6 +123,10 @@ class HeadDrafter(Drafter):
         self._pen_tokens: list[int] = []
         self._pen_seq = torch.zeros(0, dtype=torch.int64)
         self._pen_flags = torch.zeros(0, dtype=torch.uint8)
+        self._breaks_by: dict[tuple[str, ...], torch.Tensor] = {}  # `_vocab_breaks`
+        # a greedy chain in one C call (`_propose_chain`) where the head's step runs in C and
+        # the target's embedding is looked up there too
+        self.native_chain = True
 
     @property
     def label(self) -> str:
@@ -148,11 +153,7 @@ class HeadDrafter(Drafter):
                    extras: list[list[int]]) -> torch.Tensor:
         """Reduced-vocabulary logits [R, N] -> the same with the request's penalties, row r
         for the prefix context + extras[r]."""
-        if self._index is None:
-            ids = self.head.vocab_ids.cpu()
-            self._index = torch.full((max(self.vocab_size, int(ids.max()) + 1),), -1,
-                                     dtype=torch.long)
-            self._index[ids] = torch.arange(len(ids))
+        self._places()
         out = rows.clone() if rows.dtype is torch.float32 and rows.is_cpu else rows.float().cpu()
         if self._lib is not None:  # one native call a row: 0.07 ms a draft against 0.13-0.16
             n = self._sync_prefix(context, max(len(extra) for extra in extras))
@@ -169,6 +170,25 @@ class HeadDrafter(Drafter):
             prefix = np.concatenate([base, np.asarray(extra, dtype=np.int64)]) if extra else base
             self.shaper.shape_row(out[r], prefix, self._index)
         return out.to(rows.device)
+
+    def _places(self) -> torch.Tensor:
+        """token id -> its place in the reduced vocabulary (-1: none), made once."""
+        if self._index is None:
+            ids = self.head.vocab_ids.cpu()
+            self._index = torch.full((max(self.vocab_size, int(ids.max()) + 1),), -1,
+                                     dtype=torch.long)
+            self._index[ids] = torch.arange(len(ids))
+        return self._index
+
+    def _vocab_breaks(self) -> torch.Tensor:
+        """Whether each place's token holds one of the request's DRY breakers (uint8), kept per
+        set of breakers: a chain's drafts flag their own tokens in C."""
+        key = self.shaper.penalties.dry_sequence_breakers
+        flags = self._breaks_by.get(key)
+        if flags is None:
+            flags = self._breaks_by[key] = torch.tensor(
+                list(self._breaks_of(self._vocab_list)), dtype=torch.uint8)
+        return flags
 
     def _sync_prefix(self, context: list[int], room: int) -> int:
         """Make the first len(context) places of self._pen_seq and self._pen_flags the
@@ -291,6 +311,9 @@ class HeadDrafter(Drafter):
         L = len(context)
         if k <= 0 or L < 2:
             return NO_DRAFT, None
+        if params.greedy and self.native_chain and self._c_embed is not None \
+                and getattr(self.head, "_step", None) is not None and self.device.type == "cpu":
+            return self._propose_chain(context, k, params)
         pred, logits = self._catch_up(context)
         ids, rows = [], []
         min_gain = self.min_gain if self.early else 0.0
@@ -323,6 +346,37 @@ class HeadDrafter(Drafter):
         self._sync_cache(context)
         draft_ids = torch.tensor(ids, dtype=torch.long)
         return draft_ids, (torch.stack(rows) if rows else None)
+
+    def _propose_chain(self, context: list[int], k: int, params: SamplingParams):
+        """`propose`'s greedy chain in one C call (`HeadStep.chain`): the catch-up, then each
+        draft's penalties, its pick and the head's next step, with the same functions on the
+        same values as the loop above, so the same drafts, rows and cache; none of the loop's
+        dozens of torch calls a draft, each slow right after the target's forward."""
+        L, step = len(context), self.head._step
+        self._ensure_features(context[:-1])  # f_0 .. f_{L-2}
+        h = self._sync_cache(context[:-1])
+        n = L - 1 - h  # the catch-up's rows, then up to k - 1 drafts' slots
+        cache = self.cache
+        if cache is None:
+            empty = torch.empty(1, step.heads, 0, step.head_dim)
+            cache = (empty, empty)
+        keys, values = extended_pair(cache, n + k - 1)
+        pos = torch.from_numpy(np.arange(h, L - 1, dtype=np.int64))
+        pen = self.shaper.penalties if self.shaper else None
+        places = seq = breaks = vocab_breaks = None
+        n_seq = 0
+        if pen is not None:
+            places, n_seq = self._places(), self._sync_prefix(context, k)
+            seq, breaks = self._pen_seq, self._pen_flags
+            vocab_breaks = self._vocab_breaks() if pen.dry else None
+        min_gain = self.min_gain if self.early else 0.0
+        tokens, rows = step.chain(self.feats[h:L - 1][None], self._embed(context[h + 1:L]), pos,
+                                  keys, values, k, self._c_embed, self._vocab_ids, min_gain,
+                                  self.lookahead, pen, places, seq, breaks, n_seq, vocab_breaks)
+        self.cache, self.head_tokens = (keys, values), list(context)
+        self._sync_cache(context)  # the true positions only: the target supplies their features
+        self.last_top = [_TopLater(row, params, self.head.vocab_ids, self._lib) for row in rows]
+        return torch.tensor(tokens, dtype=torch.long), None
 
     @torch.inference_mode()
     def propose_tree(self, context, depth: int, params: SamplingParams, nodes: int):

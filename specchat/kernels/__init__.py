@@ -78,15 +78,18 @@ _ARGTYPES = {
     # a step of the draft head (csrc/head.c, `models.eagle.DraftHead`)
     "draft_head_forward": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64,
                            _ptr, _int],
+    # a greedy draft chain of it (csrc/head.c)
+    "draft_head_chain": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr,
+                         _ptr, _ptr, _int],
 }
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
-             "draft_head_forward": _int, "row_top": ctypes.c_float,
+             "draft_head_forward": _int, "draft_head_chain": _int, "row_top": ctypes.c_float,
              "shape_reduced": _int}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
-                    "draft_head_forward", "shape_reduced"})
+                    "draft_head_forward", "draft_head_chain", "shape_reduced"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
 I8_KERNELS = {"vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
@@ -132,8 +135,10 @@ class Kernels:
     # the CPU has it, else the reference (the same bits)
     q8_0_i8_pack: Callable[..., int]
     q8_0_rows_matmul_i8: Callable[..., None]
-    # a step of the draft head on the Q8_0 product it is given (csrc/head.c)
+    # a step of the draft head on the Q8_0 product it is given, and a greedy chain of them
+    # (csrc/head.c)
     draft_head_forward: Callable[..., int]
+    draft_head_chain: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
     # whether q8_0_rows_matmul_i8 is the VNNI kernel (else its plain C reference)
     rows_i8_vnni: bool = False

@@ -121,6 +121,17 @@ def extended(cached: torch.Tensor, T: int) -> torch.Tensor:
     return buffer[:, :, :S + T]
 
 
+def extended_pair(cache: tuple[torch.Tensor, torch.Tensor], T: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`extended` for a cache's keys and values, over buffers alike (one stride), as the C step
+    takes them: a torch forward's first values are a view of its qkv product, not a buffer's
+    prefix, and get a buffer of their own; then both are copied to buffers of one size."""
+    keys, values = extended(cache[0], T), extended(cache[1], T)
+    if keys.stride() != values.stride():  # two contiguous copies [B, H, S + T, hd]: alike
+        keys, values = (c.clone(memory_format=torch.contiguous_format) for c in (keys, values))
+    return keys, values
+
+
 def appended(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """cached [B, H, S, hd] followed by new [B, H, T, hd] along S, over `extended`'s buffer:
     a drafting step copies T slots, not the whole cache as `torch.cat` would at every
@@ -335,7 +346,7 @@ class DraftHead(nn.Module):
             if cache is None:
                 empty = feats.new_empty(1, step.heads, 0, step.head_dim)
                 cache = (empty, empty)
-            cache = (extended(cache[0], n), extended(cache[1], n))
+            cache = extended_pair(cache, n)
             return (*step(feats, embeds, pos, *cache, last_only), cache)
         pred, cache = self.predict(feats, embeds, pos, cache, mask, last_only)
         return pred, self.logits(pred[:, -1:] if last_only else pred), cache

@@ -153,3 +153,64 @@ out:
     free(both), free(x), free(a), free(qkv), free(gu), free(act), free(scores);
     return done;
 }
+
+// A greedy draft chain in one call (`HeadDrafter.propose` for a greedy request): the catch-up
+// over rows feats/embeds [n] (positions pos, cache slots start..), then drafts one at a time.
+// Draft i takes row i of `rows` [k, lm.out]: the logits the head's step wrote there, with the
+// request's penalties for the context seq[0 .. n_seq) and the drafts before it (`shape`, NULL:
+// none; draft i's token and breaker flag are written at seq[n_seq + i] and breaks[n_seq + i]),
+// then its largest value (`top`, the first of equal ones) and that value's probability, in
+// double, as Python's math.exp(value - log-sum-exp) gives it. The chain keeps draft i unless
+// the product of the probabilities so far fell under min_gain (the first is always kept), and
+// runs the head for the next one only while that product is at least lookahead * min_gain and
+// i < k - 1: the next step embeds the draft (`embed`) and feeds it with the last prediction at
+// position pos[n - 1] + 1 + i. What the Python loop does, the same calls on the same values,
+// so the same bits. Returns the rows examined (the drafts kept: `*kept`), or -1.
+int draft_head_chain(const draft_head *m, const head_chain *c, const float *feats,
+                     const float *embeds, int64_t n, const int64_t *pos, float *k_cache,
+                     float *v_cache, int64_t cap, int64_t start, int64_t k, int64_t *tokens,
+                     float *rows, int64_t *kept, int threads) {
+    const int64_t d = m->hidden, N = m->lm.out;
+    if (k <= 0 || start + n + k - 1 > cap) return -1;
+    float *pred = malloc(sizeof(float) * (size_t)d), *e = malloc(sizeof(float) * (size_t)d);
+    int64_t examined = -1, drafted = 0;
+    if (!pred || !e) goto out;
+    if (draft_head_forward(m, feats, embeds, n, pos, k_cache, v_cache, cap, start, pred, 1,
+                           rows, threads))
+        goto out;
+    double p_all = 1.0;
+    for (int64_t i = 0;; i++) {
+        float *row = rows + i * N;
+        examined = i + 1;
+        if (c->shape && c->shape(row, N, c->places, c->n_places, c->seq, c->breaks,
+                                 c->n_seq + i, c->repeat, c->frequency, c->presence, c->last_n,
+                                 c->dry_multiplier, c->dry_base, c->dry_allowed)) {
+            examined = -1;
+            goto out;
+        }
+        int64_t id, found = 0;
+        float value;
+        const float lse = c->top(row, N, 1, &id, &value, &found, threads);
+        if (!found) break;  // no finite logit: nothing to draft
+        p_all *= exp((double)value - (double)lse);
+        if (p_all < c->min_gain && i) break;
+        const int64_t token = c->vocab[id];
+        tokens[drafted++] = token;
+        if (i == k - 1 || p_all < c->lookahead * c->min_gain) break;
+        if (c->seq) {
+            c->seq[c->n_seq + i] = token;
+            c->breaks[c->n_seq + i] = c->vocab_breaks ? c->vocab_breaks[id] : 0;
+        }
+        const int64_t at = pos[n - 1] + 1 + i;
+        c->embed(c->table, (int)c->kind, d, &token, 1, c->scale, e);
+        if (draft_head_forward(m, pred, e, 1, &at, k_cache, v_cache, cap, start + n + i, pred,
+                               1, rows + (i + 1) * N, threads)) {
+            examined = -1;
+            goto out;
+        }
+    }
+out:
+    free(pred), free(e);
+    *kept = drafted;
+    return (int)examined;
+}

@@ -201,12 +201,48 @@ typedef struct {
     q8_product product;
 } draft_head;
 
+typedef float (*top_fn)(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
+                       int64_t *found, int threads);
+typedef void (*embed_fn)(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
+                         float scale, float *out);
+typedef int (*shape_fn)(float *row, int64_t width, const int64_t *places, int64_t n_places,
+                        const int64_t *seq, const uint8_t *breaks, int64_t n, float repeat,
+                        float frequency, float presence, int64_t last_n, double dry_multiplier,
+                        double dry_base, int64_t dry_allowed);
+
+// what a greedy draft chain needs beside the head (`draft_head_chain`)
+typedef struct {
+    const void *table;  // the target's embedding table, `embed_rows`' kind and scale
+    int64_t kind;
+    float scale;
+    embed_fn embed;
+    top_fn top;                // `row_top`
+    const int64_t *vocab;      // a place in the reduced vocabulary -> its token id
+    const uint8_t *vocab_breaks;  // whether each place's text holds a DRY breaker (or NULL)
+    double min_gain, lookahead;
+    shape_fn shape;            // `shape_reduced`, NULL: no penalties; its arguments:
+    const int64_t *places;     // token id -> place (-1: none), n_places of them
+    int64_t n_places;
+    int64_t *seq;              // the context's tokens, room for the drafts after them
+    uint8_t *breaks;           // their breaker flags, likewise
+    int64_t n_seq;
+    float repeat, frequency, presence;
+    int64_t last_n;
+    double dry_multiplier, dry_base;
+    int64_t dry_allowed;
+} head_chain;
+
 // n rows into the cache; pred [out_rows, hidden] and logits [out_rows, lm.out] of the last
 // out_rows of them
 int draft_head_forward(const draft_head *m, const float *feats, const float *embeds, int64_t n,
                        const int64_t *pos, float *k_cache, float *v_cache, int64_t cap,
                        int64_t start, float *pred, int64_t out_rows, float *logits,
                        int threads);
+// a greedy draft chain after a catch-up: the rows examined (-1: no memory), *kept drafts
+int draft_head_chain(const draft_head *m, const head_chain *c, const float *feats,
+                     const float *embeds, int64_t n, const int64_t *pos, float *k_cache,
+                     float *v_cache, int64_t cap, int64_t start, int64_t k, int64_t *tokens,
+                     float *rows, int64_t *kept, int threads);
 
 // ---- the sampler (sample.c): the mask, penalties and pick over a forward's rows; 0, or -1 ----
 

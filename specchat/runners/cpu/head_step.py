@@ -32,6 +32,21 @@ class _DraftHead(ctypes.Structure):
         [("product", _ptr)]
 
 
+class _HeadChain(ctypes.Structure):
+    _fields_ = [("table", _ptr), ("kind", _i64), ("scale", ctypes.c_float), ("embed", _ptr),
+                ("top", _ptr), ("vocab", _ptr), ("vocab_breaks", _ptr),
+                ("min_gain", ctypes.c_double), ("lookahead", ctypes.c_double),
+                ("shape", _ptr), ("places", _ptr), ("n_places", _i64), ("seq", _ptr),
+                ("breaks", _ptr), ("n_seq", _i64), ("repeat", ctypes.c_float),
+                ("frequency", ctypes.c_float), ("presence", ctypes.c_float), ("last_n", _i64),
+                ("dry_multiplier", ctypes.c_double), ("dry_base", ctypes.c_double),
+                ("dry_allowed", _i64)]
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 class HeadStep:
     """`DraftHead.forward` for chains of up to `rows` rows, in C. Holds every tensor whose
     address the C struct keeps."""
@@ -106,3 +121,51 @@ class HeadStep:
                 raise MemoryError(f"the draft head's step could not run for {m} rows after "
                                   f"{start + at} slots")
         return pred, logits
+
+    def chain(self, feats, embeds, pos, keys, values, k: int, embedding, vocab: torch.Tensor,
+              min_gain: float, lookahead: float, penalties=None, places=None, seq=None,
+              breaks=None, n_seq: int = 0, vocab_breaks=None) -> tuple[list[int], torch.Tensor]:
+        """A greedy draft chain in one C call (csrc/head.c, `draft_head_chain`): the catch-up
+        over feats, embeds [1, n, d] at positions pos [n] (keys and values [1, heads, start + n
+        + k - 1, head_dim] over buffers alike: room for the drafts' slots), then up to k drafts,
+        each the largest logit after the penalties (a `core.penalties.Penalties`, None: none;
+        `places`, `seq` with room for k more, `breaks` as `kernels.shape_reduced` takes them,
+        `n_seq` the context's tokens in seq; `vocab_breaks` uint8 [vocab] or None), kept and
+        continued as `HeadDrafter.propose` decides with min_gain and lookahead. `embedding`: a
+        `runners.cpu.embedding.CEmbedding` of the target. Returns (the drafts' token ids, the
+        rows examined [m, vocab], each after its penalties)."""
+        n = feats.shape[1]
+        start, cap = keys.shape[2] - n - (k - 1), keys.stride(1) // self.head_dim
+        if values.stride() != keys.stride() or keys.stride(3) != 1 \
+                or keys.stride(0) != self.heads * cap * self.head_dim:
+            raise ValueError("the draft head's keys and values must lie in buffers alike")
+        feats, embeds = feats.contiguous(), embeds.contiguous()
+        positions = pos.to(torch.int64).contiguous()
+        rows = torch.empty(k, self.vocab)
+        tokens = (ctypes.c_int64 * k)()
+        kept = _i64()
+        pen = penalties
+        chain = _HeadChain(
+            table=embedding.table.data_ptr(), kind=embedding.kind, scale=embedding.scale,
+            embed=_address(self.lib.embed_rows), top=_address(self.lib.row_top),
+            vocab=vocab.data_ptr(),
+            vocab_breaks=vocab_breaks.data_ptr() if vocab_breaks is not None else None,
+            min_gain=min_gain, lookahead=lookahead,
+            shape=_address(self.lib.shape_reduced) if pen is not None else None,
+            places=places.data_ptr() if pen is not None else None,
+            n_places=places.shape[0] if pen is not None else 0,
+            seq=seq.data_ptr() if pen is not None else None,
+            breaks=breaks.data_ptr() if pen is not None else None, n_seq=n_seq,
+            repeat=pen.repeat_penalty if pen else 1.0,
+            frequency=pen.frequency_penalty if pen else 0.0,
+            presence=pen.presence_penalty if pen else 0.0, last_n=pen.repeat_last_n if pen else 0,
+            dry_multiplier=pen.dry_multiplier if pen else 0.0, dry_base=pen.dry_base if pen else 0.0,
+            dry_allowed=pen.dry_allowed_length if pen else 0)
+        examined = self.lib.draft_head_chain(
+            ctypes.byref(self._struct), ctypes.byref(chain), feats.data_ptr(), embeds.data_ptr(),
+            n, positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start, k, tokens,
+            rows.data_ptr(), ctypes.byref(kept), torch.get_num_threads())
+        if examined < 0:
+            raise MemoryError(f"the draft head's chain could not run for {n} rows after "
+                              f"{start} slots")
+        return list(tokens[:kept.value]), rows[:examined]
