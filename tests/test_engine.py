@@ -391,6 +391,23 @@ def test_a_probes_catch_up_prices_the_probes_not_the_drafts():
     assert drafting > 500  # (plain with probes only: a dozen)
 
 
+def test_a_one_off_cost_in_the_first_draft_does_not_rest_a_drafter_for_good():
+    """The first proposal paid a one-off cost (thirty plain steps): drafting looks dear and the
+    class rests. Its probes cost what a draft costs; cheaper than the drafts' price, they bring
+    that price down until drafting pays again, as it does (drafts pass 90% of the time)."""
+    from specchat.core.policy import DraftLengthPolicy
+    policy, drafting = DraftLengthPolicy(), []
+    policy.update(1, 0.01, 0, 0, 0.0)
+    for i in range(600):
+        k = policy.choose(4)
+        draft_s = (0.3 if i == 0 else 0.0005 * k)
+        passed = k if i % 10 else max(k - 1, 0)
+        policy.update(k + 1, 0.01 * (1 + 0.05 * k), k, passed, draft_s, asked=k > 0)
+        drafting.append(k > 0)
+    assert not all(drafting[1:20])  # rested at first
+    assert sum(drafting[-100:]) > 90  # and drafting again
+
+
 def test_ngram_draft_class_is_the_match_length():
     drafter = NgramDrafter(max_n=3)
     ids = TOK(REPETITIVE)["input_ids"]

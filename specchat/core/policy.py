@@ -161,6 +161,12 @@ class DraftLengthPolicy:
         if probing and (drafted or draft_s > 0):
             sums = self._probe_sums.setdefault(cls, [0.0, 0.0])
             sums[0], sums[1] = decay * sums[0] + draft_s, decay * sums[1] + 1
+            if drafted and draft_s / drafted < self.draft_token_s(cls):
+                # A probe costs a draft at least (its catch-up on top): one that came cheaper
+                # than the drafts' price shows the price too high (a one-off cost, say, in the
+                # first proposal), which nothing else would correct while the class rests.
+                sums = self._draft_sums.setdefault(cls, [0.0, 0.0])
+                sums[0], sums[1] = decay * sums[0] + draft_s, decay * sums[1] + drafted
         elif drafted or (asked and draft_s > 0):
             # Seconds per drafted token, counting the steps where the drafter was asked and
             # proposed nothing (a head below its confidence bar has run all the same): drafting

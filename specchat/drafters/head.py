@@ -145,6 +145,10 @@ class HeadDrafter(Drafter):
     def use_penalties(self, shaper):
         self.shaper = shaper
         self._pen_tokens = []  # the breakers are the request's: flags written anew
+        if shaper is not None and shaper.penalties.dry and self._lib is not None:
+            # made now, with the request (tens of milliseconds the first time for a set of
+            # breakers): inside a proposal the draft-length policy would price drafts by them
+            self._vocab_breaks()
 
     def stop_early(self, on):
         self.early = on
