@@ -327,8 +327,8 @@ class HeadDrafter(Drafter):
             reduced_logits = logits[0, -1:]  # [1, N]
             if self.shaper:
                 reduced_logits = self._penalized(reduced_logits, context, [ids])
-            self.last_top.append(_TopLater(reduced_logits[0], params, self.head.vocab_ids,
-                                                 self._lib))
+            self.last_top.append(
+                _TopLater(reduced_logits[0], params, self.head.vocab_ids, self._lib))
             token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
             p_all *= p_token
             # The first draft is always proposed: the head has run already, and one draft

@@ -66,8 +66,9 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
     float *x = malloc(sizeof(float) * (size_t)(n * d));
     float *a = malloc(sizeof(float) * (size_t)(n * d));
     float *qkv = malloc(sizeof(float) * (size_t)(n * 3 * d));
-    float *gu = malloc(sizeof(float) * (size_t)(n * 2 * I));
-    float *act = malloc(sizeof(float) * (size_t)(n * I));
+    const int64_t mlp_rows = out_rows ? out_rows : 1;  // only the rows that go on take the MLP
+    float *gu = malloc(sizeof(float) * (size_t)(mlp_rows * 2 * I));
+    float *act = malloc(sizeof(float) * (size_t)(mlp_rows * I));
     float *scores = malloc(sizeof(float) * (size_t)((out_rows ? out_rows : 1) * H * slots));
     int done = -1;
     if (!both || !x || !a || !qkv || !gu || !act || !scores) goto out;
@@ -166,6 +167,8 @@ out:
 // i < k - 1: the next step embeds the draft (`embed`) and feeds it with the last prediction at
 // position pos[n - 1] + 1 + i. What the Python loop does, the same calls on the same values,
 // so the same bits. Returns the rows examined (the drafts kept: `*kept`), or -1.
+#define HEAD_CHUNK 64  // catch-up rows a step takes at a time (`CATCH_UP_CHUNK` in Python)
+
 int draft_head_chain(const draft_head *m, const head_chain *c, const float *feats,
                      const float *embeds, int64_t n, const int64_t *pos, float *k_cache,
                      float *v_cache, int64_t cap, int64_t start, int64_t k, int64_t *tokens,
@@ -175,9 +178,13 @@ int draft_head_chain(const draft_head *m, const head_chain *c, const float *feat
     float *pred = malloc(sizeof(float) * (size_t)d), *e = malloc(sizeof(float) * (size_t)d);
     int64_t examined = -1, drafted = 0;
     if (!pred || !e) goto out;
-    if (draft_head_forward(m, feats, embeds, n, pos, k_cache, v_cache, cap, start, pred, 1,
-                           rows, threads))
-        goto out;
+    for (int64_t at = 0; at < n; at += HEAD_CHUNK) {  // the catch-up, a chunk at a time
+        const int64_t rows_now = n - at < HEAD_CHUNK ? n - at : HEAD_CHUNK;
+        if (draft_head_forward(m, feats + at * d, embeds + at * d, rows_now, pos + at, k_cache,
+                               v_cache, cap, start + at, pred, at + rows_now == n, rows,
+                               threads))
+            goto out;
+    }
     double p_all = 1.0;
     for (int64_t i = 0;; i++) {
         float *row = rows + i * N;

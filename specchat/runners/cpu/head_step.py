@@ -15,7 +15,8 @@ import torch
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
-# Rows a catch-up feeds the C step at a time (the buffers of a step grow with its rows)
+# Rows a catch-up feeds the C step at a time (the buffers of a step grow with its rows;
+# csrc/head.c's HEAD_CHUNK for a chain's catch-up)
 CATCH_UP_CHUNK = 64
 
 
@@ -75,8 +76,8 @@ class HeadStep:
             inv_freq=floats(block.rope.inv_freq),
             fc=q8(*head.fc.q8), qkv=q8(*block.qkv.q8), o=q8(*block.o.q8),
             gate_up=q8(*block.gate_up.q8), down=q8(*block.down.q8), lm=q8(*head._int8_rows),
-            product=ctypes.cast(lib.q8_0_rows_matmul_i8 if head._q8_packed else lib.q8_0_matmul_i8,
-                                ctypes.c_void_p).value)
+            product=_address(lib.q8_0_rows_matmul_i8 if head._q8_packed
+                             else lib.q8_0_matmul_i8))
         self.vocab = head._int8_rows[0].shape[0]
 
     def takes(self, feats: torch.Tensor, embeds: torch.Tensor, cache,
@@ -145,22 +146,19 @@ class HeadStep:
         tokens = (ctypes.c_int64 * k)()
         kept = _i64()
         pen = penalties
+        shaping = {} if pen is None else {
+            "shape": _address(self.lib.shape_reduced), "places": places.data_ptr(),
+            "n_places": places.shape[0], "seq": seq.data_ptr(), "breaks": breaks.data_ptr(),
+            "n_seq": n_seq, "repeat": pen.repeat_penalty, "frequency": pen.frequency_penalty,
+            "presence": pen.presence_penalty, "last_n": pen.repeat_last_n,
+            "dry_multiplier": pen.dry_multiplier, "dry_base": pen.dry_base,
+            "dry_allowed": pen.dry_allowed_length}
         chain = _HeadChain(
             table=embedding.table.data_ptr(), kind=embedding.kind, scale=embedding.scale,
             embed=_address(self.lib.embed_rows), top=_address(self.lib.row_top),
             vocab=vocab.data_ptr(),
             vocab_breaks=vocab_breaks.data_ptr() if vocab_breaks is not None else None,
-            min_gain=min_gain, lookahead=lookahead,
-            shape=_address(self.lib.shape_reduced) if pen is not None else None,
-            places=places.data_ptr() if pen is not None else None,
-            n_places=places.shape[0] if pen is not None else 0,
-            seq=seq.data_ptr() if pen is not None else None,
-            breaks=breaks.data_ptr() if pen is not None else None, n_seq=n_seq,
-            repeat=pen.repeat_penalty if pen else 1.0,
-            frequency=pen.frequency_penalty if pen else 0.0,
-            presence=pen.presence_penalty if pen else 0.0, last_n=pen.repeat_last_n if pen else 0,
-            dry_multiplier=pen.dry_multiplier if pen else 0.0, dry_base=pen.dry_base if pen else 0.0,
-            dry_allowed=pen.dry_allowed_length if pen else 0)
+            min_gain=min_gain, lookahead=lookahead, **shaping)
         examined = self.lib.draft_head_chain(
             ctypes.byref(self._struct), ctypes.byref(chain), feats.data_ptr(), embeds.data_ptr(),
             n, positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start, k, tokens,
