@@ -294,19 +294,22 @@ class HeadDrafter(Drafter):
         self.head_tokens = self.head_tokens[:keep + 1] if keep else []
         return keep
 
-    def _catch_up(self, context):
-        """Run the head over the true positions it has not seen. Returns its predicted
-        feature f_{L-1} and logits for x_L at the last one ([1, 1, d], [1, 1, N])."""
+    def _catch_up_inputs(self, context):
+        """The true positions the head has not seen, h..L-2, as its inputs (f_t, x_{t+1}):
+        (features [1, n, d], embeddings [1, n, d], positions [n]), the cache cropped to h."""
         L = len(context)
         self._ensure_features(context[:-1])  # f_0 .. f_{L-2}
         h = self._sync_cache(context[:-1])  # at most L-2: always re-feed one true position
-        # Catch up on true positions h..L-2: inputs (f_t, x_{t+1}).
         # (numpy's arange: right after a forward, torch's costs some 40 microseconds)
         pos = torch.from_numpy(np.arange(h, L - 1, dtype=np.int64))
         pos = pos if self.device.type == "cpu" else pos.to(self.device)
-        pred, logits, self.cache = self.head(self.feats[h:L - 1][None],
-                                             self._embed(context[h + 1:L]), pos, self.cache,
-                                             last_only=True)
+        return self.feats[h:L - 1][None], self._embed(context[h + 1:L]), pos
+
+    def _catch_up(self, context):
+        """Run the head over the true positions it has not seen. Returns its predicted
+        feature f_{L-1} and logits for x_L at the last one ([1, 1, d], [1, 1, N])."""
+        feats, embeds, pos = self._catch_up_inputs(context)
+        pred, logits, self.cache = self.head(feats, embeds, pos, self.cache, last_only=True)
         self.head_tokens = list(context)
         return pred[:, -1:], logits[:, -1:]
 
@@ -356,16 +359,14 @@ class HeadDrafter(Drafter):
         draft's penalties, its pick and the head's next step, with the same functions on the
         same values as the loop above, so the same drafts, rows and cache; none of the loop's
         dozens of torch calls a draft, each slow right after the target's forward."""
-        L, step = len(context), self.head._step
-        self._ensure_features(context[:-1])  # f_0 .. f_{L-2}
-        h = self._sync_cache(context[:-1])
-        n = L - 1 - h  # the catch-up's rows, then up to k - 1 drafts' slots
+        step = self.head._step
+        feats, embeds, pos = self._catch_up_inputs(context)
+        n = feats.shape[1]  # the catch-up's rows, then up to k - 1 drafts' slots
         cache = self.cache
         if cache is None:
             empty = torch.empty(1, step.heads, 0, step.head_dim)
             cache = (empty, empty)
         keys, values = extended_pair(cache, n + k - 1)
-        pos = torch.from_numpy(np.arange(h, L - 1, dtype=np.int64))
         pen = self.shaper.penalties if self.shaper else None
         places = seq = breaks = vocab_breaks = None
         n_seq = 0
@@ -374,9 +375,9 @@ class HeadDrafter(Drafter):
             seq, breaks = self._pen_seq, self._pen_flags
             vocab_breaks = self._vocab_breaks() if pen.dry else None
         min_gain = self.min_gain if self.early else 0.0
-        tokens, rows = step.chain(self.feats[h:L - 1][None], self._embed(context[h + 1:L]), pos,
-                                  keys, values, k, self._c_embed, self._vocab_ids, min_gain,
-                                  self.lookahead, pen, places, seq, breaks, n_seq, vocab_breaks)
+        tokens, rows = step.chain(feats, embeds, pos, keys, values, k, self._c_embed,
+                                  self._vocab_ids, min_gain, self.lookahead, pen, places, seq,
+                                  breaks, n_seq, vocab_breaks)
         self.cache, self.head_tokens = (keys, values), list(context)
         self._sync_cache(context)  # the true positions only: the target supplies their features
         self.last_top = [_TopLater(row, params, self.head.vocab_ids, self._lib) for row in rows]
