@@ -17,6 +17,7 @@ from specchat.runners.cpu import runner as cpu_runner
 
 HEADER = kernels.CSRC / "specchat.h"
 C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float,
+           "uint32_t": ctypes.c_uint32,
            "double": ctypes.c_double}
 
 
@@ -89,7 +90,7 @@ FIELDS = {  # C struct -> (its ctypes mirror, its fields)
                    ["table", "kind", "scale", "embed", "top", "vocab", "vocab_breaks",
                     "min_gain", "lookahead", "shape", "places", "n_places", "seq", "breaks",
                     "n_seq", "repeat", "frequency", "presence", "last_n", "dry_multiplier",
-                    "dry_base", "dry_allowed"]),
+                    "dry_base", "dry_allowed", "pick", "t", "min_p", "keys"]),
 }
 
 

@@ -991,19 +991,22 @@ def test_a_greedy_draft_by_the_kernels_row_top_is_torchs_argmax():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["row-major", "packed"])
 @pytest.mark.parametrize("variant", ["ref", "avx2", "avx512"])
-def test_a_greedy_chain_in_one_c_call_is_the_python_loop(variant, packed):
-    """Greedy, a proposal is one C call (`HeadStep.chain`): the catch-up, each draft's
-    penalties (the context's and the drafts' own tokens, DRY's breakers among them), its pick
-    and the next step. The same drafts, the same rows for the inspector and the same cache as
-    the Python loop, with every stopping rule, on every kernel variant and both products."""
+def test_a_chain_in_one_c_call_is_the_python_loop(variant, packed):
+    """Greedy or drawn by min-p, a proposal is one C call (`HeadStep.chain`): the catch-up,
+    each draft's penalties (the context's and the drafts' own tokens, DRY's breakers among
+    them), its pick and the next step. The same drafts, the same rows for the inspector and the
+    same cache as the Python loop, with every stopping rule, on every kernel variant and both
+    products."""
     from specchat.core.penalties import Penalties, Shaper
     lib = kernels.load(variant)
     if lib is None:
         pytest.skip(f"no {variant} kernels on this CPU")
     target = tiny_gemma3(0)
     context = ids_of(TEXT + ": the *cat*\n the")
-    greedy = SamplingParams(0.0)
-    for vocab in (VOCAB_IDS, torch.arange(40, 56)):  # 16 tokens: confident, long chains
+    samplers = ((SamplingParams(0.0), None), (SamplingParams(0.8, min_p=0.05), Noise(3)),
+                (SamplingParams(1.5, min_p=0.3), Noise(4)))
+    for (params, noise), vocab in itertools.product(
+            samplers, (VOCAB_IDS, torch.arange(40, 56))):  # 16 tokens: long chains
         head = random_head(target, vocab_ids=vocab)
         head.quantize_for_drafting(lib=lib, packed=packed)
         for penalties in (None, Penalties(repeat_penalty=1.3, dry_multiplier=0.8),
@@ -1022,7 +1025,7 @@ def test_a_greedy_chain_in_one_c_call_is_the_python_loop(variant, packed):
                     head._step.chain = lambda *a, **kw: (calls.append(1), chain(*a, **kw))[1]
                     drafts = []
                     for grown in ([], [3, 4]):  # a fresh catch-up, then a context grown by two
-                        ids, q = drafter.propose(context + grown, k, greedy, None)
+                        ids, q = drafter.propose(context + grown, k, params, noise)
                         assert q is None
                         drafts.append((ids.tolist(), [list(t) for t in drafter.last_top],
                                        [c.clone() for c in drafter.cache]))
@@ -1030,6 +1033,6 @@ def test_a_greedy_chain_in_one_c_call_is_the_python_loop(variant, packed):
                     assert bool(calls) == native
                     runs.append(drafts)
                 for (ids, top, cache), (ids_p, top_p, cache_p) in zip(*runs):
-                    assert ids == ids_p and top == top_p, (penalties, min_gain, k)
+                    assert ids == ids_p and top == top_p, (params, penalties, min_gain, k)
                     assert all(torch.equal(a, b) for a, b in zip(cache, cache_p))
                     assert 1 <= len(ids) <= k and len(top) >= len(ids)

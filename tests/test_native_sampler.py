@@ -3,6 +3,7 @@ draw over a forward's rows in one call compute the bits of the Python definition
 (`Shaper`, `argmax`, `min_p_draw`), on every kernels build this machine runs; and the engine
 replies the same text with it as without it, plain and speculative."""
 
+import collections
 import dataclasses
 import itertools
 
@@ -295,3 +296,56 @@ def test_a_drafters_reduced_row_gets_the_python_penalties_bits():
         kernels.shape_reduced(lib, got, index, torch.from_numpy(seq), breaks, pen)
         assert torch.equal(got, want), (pen, repetitive)
         assert repetitive is False or not torch.equal(got, row)  # the penalties moved something
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_a_drafters_min_p_draw_over_its_vocabulary_is_the_python_definition(build):
+    """A drafter's min-p draw over a reduced vocabulary (`kernels.min_p_place`, the head's
+    sampled chain in C) gives `sampling.min_p_place`'s place and probability to the bit, on
+    rows of any width, with ties, -inf and a row with no finite logit; keyed by token id, so
+    over the whole vocabulary in order it is the target's own draw (`min_p_draw`)."""
+    from specchat.core.sampling import min_p_place
+    lib = BUILDS[build]
+    g = torch.Generator().manual_seed(5)
+    for width, (t, min_p) in itertools.product((16, 100, 1024, 8192),
+                                               ((0.7, 0.05), (1.5, 1e-3), (0.2, 0.5), (1.0, 1.0))):
+        ids = torch.randperm(262_144, generator=g)[:width].to(torch.int64)
+        row = torch.randn(width, generator=g) * 3
+        row[::7] = -torch.inf
+        row[1] = row[2] = row.max()  # a tie at the top
+        params = SamplingParams(t, min_p=min_p)
+        for position in range(6):
+            noise = Noise(width + position)
+            want = min_p_place(row, params, noise, position, ids.tolist())
+            got = kernels.min_p_place(lib, row, ids, t, min_p, noise.keys(position, DRAW))
+            assert got == want and want[0] >= 0 and row[want[0]] > -torch.inf
+        whole = torch.arange(width, dtype=torch.int64)
+        if width % 512 == 0 and width >= 2048:  # rows `min_p_draw` takes
+            for position in range(6):
+                noise = Noise(position)
+                assert min_p_place(row, params, noise, position, whole.tolist())[0] == \
+                    min_p_draw(row, params, noise, position)
+    dead = torch.full((64,), -torch.inf)
+    ids = torch.arange(64, dtype=torch.int64)
+    assert kernels.min_p_place(lib, dead, ids, 0.7, 0.05, (1, 2)) is None
+    assert min_p_place(dead, SamplingParams(0.7, min_p=0.05), Noise(0), 0, ids.tolist()) is None
+
+
+def test_a_drafters_min_p_draw_follows_min_p_distribution():
+    """Over many positions, the draw picks each candidate as often as min-p's distribution
+    says (the truncated softmax at the temperature), and never a token outside it."""
+    from specchat.core.sampling import min_p_place, nucleus
+    row = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -3.0, -8.0, 0.9])
+    ids = [11, 5, 900, 3, 70_000, 42, 8, 1]
+    params = SamplingParams(0.8, min_p=0.1)
+    kept, probs = nucleus(row, params)
+    expected = dict(zip(kept.tolist(), probs.tolist()))
+    counts = collections.Counter()
+    n = 20_000
+    for position in range(n):
+        place, prob = min_p_place(row, params, Noise(9), position, ids)
+        assert prob == pytest.approx(expected[place], rel=1e-6)
+        counts[place] += 1
+    assert set(counts) == set(expected)
+    for place, p in expected.items():  # within 4.5 standard deviations
+        assert abs(counts[place] / n - p) < 4.5 * (p * (1 - p) / n) ** 0.5, (place, p)

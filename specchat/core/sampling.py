@@ -152,6 +152,35 @@ def min_p_draw(logits: torch.Tensor, params: SamplingParams, noise: Noise,
     return best
 
 
+def min_p_place(logits: torch.Tensor, params: SamplingParams, noise: Noise, position: int,
+                ids: list[int]) -> tuple[int, float] | None:
+    """min-p's draw over a drafter's reduced vocabulary: logits [width] (a CPU row) where
+    logits[j] is the logit of token ids[j]. The same race as `min_p_draw`'s, each candidate
+    keyed by its token id as the target's draw keys it, so a drafter drawing here proposes the
+    target's token whenever the two distributions' races agree (Gumbel coupling). Returns
+    (the winner's place, its probability among the candidates: its weight over their sum in
+    place order), or None where the row holds no finite logit. csrc/sample.c's `min_p_place`
+    computes the same bits."""
+    temperature = np.float32(max(params.temperature, 1e-5))
+    v = logits.float().numpy()
+    v_max = v.max()
+    if not math.isfinite(float(v_max)):
+        return None
+    top = v_max / temperature
+    floor = np.float32(float(top) + math.log(params.min_p))
+    x = v / temperature
+    places = np.flatnonzero(x >= floor)  # ascending
+    weights = [math.exp(d) for d in (x[places] - top).tolist()]
+    k1, k2 = noise.keys(position, DRAW)
+    best, best_time, total = -1, math.inf, 0.0
+    for place, w in zip(places.tolist(), weights):
+        total += w
+        time = -math.log(_uniform(ids[place] & _M32, k1, k2)) / w
+        if best < 0 or time < best_time:
+            best, best_time, best_w = place, time, w
+    return best, best_w / total
+
+
 def blocked(logits: torch.Tensor) -> bool:
     """A CPU row that `argmax` and `_min_p_only` take in blocks."""
     vocab = logits.shape[-1]

@@ -13,7 +13,14 @@ import torch
 from specchat import kernels
 from specchat.core.drafter import NO_DRAFT, Drafter, common_prefix_len
 from specchat.core.events import TOP
-from specchat.core.sampling import SamplingParams, nucleus, race, top_candidates
+from specchat.core.sampling import (
+    DRAW,
+    SamplingParams,
+    min_p_place,
+    nucleus,
+    race,
+    top_candidates,
+)
 from specchat.core.tree import DraftTree
 from specchat.models.eagle import DraftHead, extended_pair, target_features
 from specchat.models.runtime import cpu_kind
@@ -318,9 +325,10 @@ class HeadDrafter(Drafter):
         L = len(context)
         if k <= 0 or L < 2:
             return NO_DRAFT, None
-        if params.greedy and self.native_chain and self._c_embed is not None \
-                and getattr(self.head, "_step", None) is not None and self.device.type == "cpu":
-            return self._propose_chain(context, k, params)
+        if (params.greedy or self._min_p_drawn(params)) and self.native_chain \
+                and self._c_embed is not None and getattr(self.head, "_step", None) is not None \
+                and self.device.type == "cpu":
+            return self._propose_chain(context, k, params, noise)
         pred, logits = self._catch_up(context)
         ids, rows = [], []
         min_gain = self.min_gain if self.early else 0.0
@@ -332,7 +340,10 @@ class HeadDrafter(Drafter):
                 reduced_logits = self._penalized(reduced_logits, context, [ids])
             self.last_top.append(
                 _TopLater(reduced_logits[0], params, self.head.vocab_ids, self._lib))
-            token, q, p_token = self._sample(reduced_logits, params, noise, L + i)
+            drawn = self._sample(reduced_logits, params, noise, L + i)
+            if drawn is None:  # no finite logit: nothing to draft
+                break
+            token, q, p_token = drawn
             p_all *= p_token
             # The first draft is always proposed: the head has run already, and one draft
             # costs only a verify one row wider (a tenth of a step on a CPU), which even the
@@ -354,11 +365,12 @@ class HeadDrafter(Drafter):
         draft_ids = torch.tensor(ids, dtype=torch.long)
         return draft_ids, (torch.stack(rows) if rows else None)
 
-    def _propose_chain(self, context: list[int], k: int, params: SamplingParams):
-        """`propose`'s greedy chain in one C call (`HeadStep.chain`): the catch-up, then each
-        draft's penalties, its pick and the head's next step, with the same functions on the
-        same values as the loop above, so the same drafts, rows and cache; none of the loop's
-        dozens of torch calls a draft, each slow right after the target's forward."""
+    def _propose_chain(self, context: list[int], k: int, params: SamplingParams, noise):
+        """`propose`'s chain in one C call (`HeadStep.chain`), greedy or drawn by min-p
+        (`_min_p_drawn`): the catch-up, then each draft's penalties, its pick and the head's
+        next step, with the same functions on the same values as the loop above, so the same
+        drafts, rows and cache; none of the loop's dozens of torch calls a draft, each slow
+        right after the target's forward."""
         step = self.head._step
         feats, embeds, pos = self._catch_up_inputs(context)
         n = feats.shape[1]  # the catch-up's rows, then up to k - 1 drafts' slots
@@ -375,9 +387,15 @@ class HeadDrafter(Drafter):
             seq, breaks = self._pen_seq, self._pen_flags
             vocab_breaks = self._vocab_breaks() if pen.dry else None
         min_gain = self.min_gain if self.early else 0.0
+        sampled = None
+        if not params.greedy:  # each draft position's keys, as the target's draw reads them
+            L = len(context)
+            sampled = (params.temperature, params.min_p,
+                       torch.tensor([noise.keys(L + i, DRAW) for i in range(k)],
+                                    dtype=torch.int64))
         tokens, rows = step.chain(feats, embeds, pos, keys, values, k, self._c_embed,
                                   self._vocab_ids, min_gain, self.lookahead, pen, places, seq,
-                                  breaks, n_seq, vocab_breaks)
+                                  breaks, n_seq, vocab_breaks, sampled)
         self.cache, self.head_tokens = (keys, values), list(context)
         self._sync_cache(context)  # the true positions only: the target supplies their features
         self.last_top = [_TopLater(row, params, self.head.vocab_ids, self._lib) for row in rows]
@@ -457,14 +475,30 @@ class HeadDrafter(Drafter):
         ids = self.head.vocab_ids[torch.tensor([tokens[i] for i in best])].cpu()
         return DraftTree(ids, [new_index[parents[i]] if parents[i] >= 0 else -1 for i in best])
 
+    def _min_p_drawn(self, params: SamplingParams) -> bool:
+        """Whether a sampled draft is min-p's draw over the reduced vocabulary
+        (`sampling.min_p_place`, in C where the kernels are): min-p without top-p or top-k,
+        the examples' samplers, drafts verified one-hot."""
+        return not params.greedy and self.coupled and params.min_p > 0 \
+            and params.top_p >= 1.0 and not 0 < params.top_k < len(self._vocab_list)
+
     def _sample(self, reduced_logits, params: SamplingParams, noise, position: int):
         """-> (full-vocab token id, its q row [vocab] or None for a one-hot draft, the token's
-        probability under the head: at temperature 1 when greedy, else under q).
+        probability under the head: at temperature 1 when greedy, else under q), or None where
+        the row holds no finite logit.
 
-        Sampled with the target's own keyed random numbers for this position (`sampling.race`):
-        the target's draw there is the same race over p, so the draft is the target's token
+        Sampled with the target's own keyed random numbers for this position (`sampling.race`,
+        or with min-p alone `min_p_place`, the target's min-p draw keyed the same way): the
+        target's draw there is the same race over p, so the draft is the target's token
         whenever the two races agree (Gumbel coupling), and the step verifies it as a one-hot
         draft: the emitted tokens are plain sampling's, whatever the head proposed."""
+        if self._min_p_drawn(params):
+            row = reduced_logits[0].float().cpu().contiguous()
+            drawn = kernels.min_p_place(self._lib, row, self._vocab_ids, params.temperature,
+                                        params.min_p, noise.keys(position, DRAW)) \
+                if self._lib is not None else \
+                min_p_place(row, params, noise, position, self._vocab_list)
+            return None if drawn is None else (self._vocab_list[drawn[0]], None, drawn[1])
         if params.greedy:
             row = reduced_logits[0].float()
             if self._lib is not None and row.is_contiguous() and row.device.type == "cpu":

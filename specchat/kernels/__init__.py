@@ -64,6 +64,8 @@ _ARGTYPES = {
                    ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
     "embed_rows": [_ptr, _int, _i64, _ptr, _i64, ctypes.c_float, _ptr],
     "row_top": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int],
+    "min_p_place": [_ptr, _i64, _ptr, ctypes.c_float, ctypes.c_double, ctypes.c_uint32,
+                    ctypes.c_uint32, _ptr],
     "shape_reduced": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_float,
                       ctypes.c_float, _i64, ctypes.c_double, ctypes.c_double, _i64],
     # the integer NF4 product (csrc/nf4_i8.c), the decoder stack on it, and its packing
@@ -86,7 +88,7 @@ _ARGTYPES = {
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
              "draft_head_forward": _int, "draft_head_chain": _int, "row_top": ctypes.c_float,
-             "shape_reduced": _int}
+             "shape_reduced": _int, "min_p_place": _i64}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced"})
@@ -123,6 +125,8 @@ class Kernels:
     row_top: Callable[..., float]
     # the request's penalties on a row of a drafter's reduced vocabulary (csrc/sample.c)
     shape_reduced: Callable[..., int]
+    # min-p's draw over a drafter's reduced vocabulary, keyed by token id (csrc/sample.c)
+    min_p_place: Callable[..., int]
     # an LM head's logits past the sampled ids set to -inf, their block maxima mended
     logits_cut: Callable[..., None]
     # NF4 by integer dot products (csrc/nf4_i8.c), on weights packed by `nf4_i8_pack`, and the
@@ -567,6 +571,25 @@ def row_top(lib: Kernels, row: torch.Tensor, n: int) -> tuple[list[int], list[fl
     lse = lib.row_top(row.data_ptr(), row.shape[0], n, ids, values, ctypes.byref(found),
                       torch.get_num_threads())
     return list(ids[:found.value]), list(values[:found.value]), lse
+
+
+def min_p_place(lib: Kernels, row: torch.Tensor, ids: torch.Tensor, temperature: float,
+                min_p: float, keys: tuple[int, int]) -> tuple[int, float] | None:
+    """min-p's draw over a drafter's reduced vocabulary (csrc/sample.c): row [width] a
+    contiguous float32 CPU row whose place j holds token ids[j] (int64), `keys` the position's
+    two noise keys (`Noise.keys`). -> (the winner's place, its probability among the
+    candidates), or None where the row holds no finite logit: the bits of
+    `sampling.min_p_place`."""
+    if row.dtype is not torch.float32 or row.dim() != 1 or not row.is_contiguous() \
+            or row.device.type != "cpu" or ids.dtype is not torch.int64 \
+            or not ids.is_contiguous() or ids.shape[0] < row.shape[0]:
+        raise ValueError("min_p_place takes a contiguous float32 CPU row and an int64 id a place")
+    if not 0 < min_p <= 1:
+        raise ValueError(f"min_p_place draws with 0 < min_p <= 1, not {min_p}")
+    prob = ctypes.c_double()
+    place = lib.min_p_place(row.data_ptr(), row.shape[0], ids.data_ptr(),
+                            max(temperature, 1e-5), min_p, keys[0], keys[1], ctypes.byref(prob))
+    return None if place < 0 else (place, prob.value)
 
 
 def shape_reduced(lib: Kernels, row: torch.Tensor, places: torch.Tensor, seq: torch.Tensor,

@@ -155,13 +155,14 @@ out:
     return done;
 }
 
-// A greedy draft chain in one call (`HeadDrafter.propose` for a greedy request): the catch-up
-// over rows feats/embeds [n] (positions pos, cache slots start..), then drafts one at a time.
-// Draft i takes row i of `rows` [k, lm.out]: the logits the head's step wrote there, with the
-// request's penalties for the context seq[0 .. n_seq) and the drafts before it (`shape`, NULL:
-// none; draft i's token and breaker flag are written at seq[n_seq + i] and breaks[n_seq + i]),
-// then its largest value (`top`, the first of equal ones) and that value's probability, in
-// double, as Python's math.exp(value - log-sum-exp) gives it. The chain keeps draft i unless
+// A draft chain in one call (`HeadDrafter.propose`): the catch-up over rows feats/embeds [n]
+// (positions pos, cache slots start..), then drafts one at a time. Draft i takes row i of
+// `rows` [k, lm.out]: the logits the head's step wrote there, with the request's penalties for
+// the context seq[0 .. n_seq) and the drafts before it (`shape`, NULL: none; draft i's token
+// and breaker flag are written at seq[n_seq + i] and breaks[n_seq + i]), then, greedy, its
+// largest value (`top`, the first of equal ones) and that value's probability, in double, as
+// Python's math.exp(value - log-sum-exp) gives it; sampled (`pick`), min-p's draw at the
+// draft's position and the winner's probability among the candidates. The chain keeps draft i unless
 // the product of the probabilities so far fell under min_gain (the first is always kept), and
 // runs the head for the next one only while that product is at least lookahead * min_gain and
 // i < k - 1: the next step embeds the draft (`embed`) and feeds it with the last prediction at
@@ -196,10 +197,18 @@ int draft_head_chain(const draft_head *m, const head_chain *c, const float *feat
             goto out;
         }
         int64_t id, found = 0;
-        float value;
-        const float lse = c->top(row, N, 1, &id, &value, &found, threads);
-        if (!found) break;  // no finite logit: nothing to draft
-        p_all *= exp((double)value - (double)lse);
+        if (c->pick) {
+            double prob;
+            id = c->pick(row, N, c->vocab, c->t, c->min_p, (uint32_t)c->keys[2 * i],
+                         (uint32_t)c->keys[2 * i + 1], &prob);
+            if (id < 0) break;  // no finite logit: nothing to draft
+            p_all *= prob;
+        } else {
+            float value;
+            const float lse = c->top(row, N, 1, &id, &value, &found, threads);
+            if (!found) break;
+            p_all *= exp((double)value - (double)lse);
+        }
         if (p_all < c->min_gain && i) break;
         const int64_t token = c->vocab[id];
         tokens[drafted++] = token;

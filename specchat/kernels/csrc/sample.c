@@ -262,14 +262,16 @@ static float max_parts(const float *v, int64_t width, const scans_t *scan, int t
 
 // The race among v[lo, hi)'s candidates (v >= low): its winner, and its time in *time_out
 // (-1 and +inf when none).
+// `ids`: each place's token id, which keys its uniform (NULL: the place is the id).
 static int64_t race_range(const float *v, int64_t lo, int64_t hi, float low, float t, float top,
-                          uint32_t k1, uint32_t k2, const scans_t *scan, double *time_out) {
+                          uint32_t k1, uint32_t k2, const int64_t *ids, const scans_t *scan,
+                          double *time_out) {
     int64_t best = -1;
     double best_time = INFINITY;
     for (int64_t i = lo + scan->first_at(v + lo, hi - lo, low); i >= lo && i < hi;) {
         float x = v[i] / t;
         double z = exp((double)(x - top));
-        double time = -log(keyed_uniform((uint32_t)i, k1, k2)) / z;
+        double time = -log(keyed_uniform((uint32_t)(ids ? ids[i] : i), k1, k2)) / z;
         if (best < 0 || time < best_time) best = i, best_time = time;
         int64_t next = scan->first_at(v + i + 1, hi - i - 1, low);
         i = next < 0 ? -1 : i + 1 + next;
@@ -303,7 +305,7 @@ static int64_t min_p_draw(const float *v, int64_t width, float t, double log_min
 #pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
     for (int k = 0; k < parts; k++)
         at[k] = race_range(v, part_start(width, parts, k), part_start(width, parts, k + 1), low,
-                           t, top, k1, k2, scan, &times[k]);
+                           t, top, k1, k2, NULL, scan, &times[k]);
     int64_t best = at[0];
     double best_time = times[0];
     for (int k = 1; k < parts; k++)  // in order: the smallest id wins a tie
@@ -342,11 +344,49 @@ static int64_t min_p_blocks(const float *v, int64_t width, const float *mx, int6
         if (!(mx[b] >= low)) continue;
         int64_t lo = b * HEAD_BLOCK, hi = lo + HEAD_BLOCK < width ? lo + HEAD_BLOCK : width;
         double time;
-        int64_t at = race_range(v, lo, hi, low, t, top, k1, k2, scan, &time);
+        int64_t at = race_range(v, lo, hi, low, t, top, k1, k2, NULL, scan, &time);
         if (at >= 0 && (best < 0 || time < best_time)) best = at, best_time = time;
     }
     return best;
 }
+
+// min-p's draw over a drafter's reduced vocabulary (`sampling.min_p_place`): v[j] is the logit
+// of token ids[j]. The race keys each candidate by its token id, as the target's draw keys it
+// (`min_p_draw`), so the draft is the target's token whenever the two races agree. Returns the
+// winner's place and its probability among the candidates (*prob: its weight over theirs,
+// summed in place order), or -1 where the row holds no finite logit (or a NaN).
+static int64_t min_p_place_impl(const float *v, int64_t width, const int64_t *ids, float t,
+                                double min_p, uint32_t k1, uint32_t k2, double *prob,
+                                const scans_t *scan) {
+    const float v_max = scan->max(v, width);
+    if (!(v_max > -INFINITY) || v_max != v_max || v_max == INFINITY) return -1;
+    float low, top = min_p_floor(v_max, t, log(min_p), &low);
+    double time, total = 0.0;
+    const int64_t best = race_range(v, 0, width, low, t, top, k1, k2, ids, scan, &time);
+    for (int64_t i = scan->first_at(v, width, low); i >= 0 && i < width;) {
+        total += exp((double)(v[i] / t - top));
+        const int64_t next = scan->first_at(v + i + 1, width - i - 1, low);
+        i = next < 0 ? -1 : i + 1 + next;
+    }
+    *prob = exp((double)(v[best] / t - top)) / total;
+    return best;
+}
+
+#define MIN_P_PLACE_ARGS                                                                       \
+    const float *v, int64_t width, const int64_t *ids, float t, double min_p, uint32_t k1,    \
+        uint32_t k2, double *prob
+
+int64_t min_p_place_ref(MIN_P_PLACE_ARGS) {
+    static const scans_t scan = {row_max_ref, first_at_ref, argmax_ref};
+    return min_p_place_impl(v, width, ids, t, min_p, k1, k2, prob, &scan);
+}
+
+#if SPECCHAT_SIMD
+int64_t min_p_place(MIN_P_PLACE_ARGS) {
+    static const scans_t scan = {row_max_simd, first_at_simd, argmax_simd};
+    return min_p_place_impl(v, width, ids, t, min_p, k1, k2, prob, &scan);
+}
+#endif
 
 // The exported call. `args` holds, as int64: the runs' [start, end) pairs (n_runs of them),
 // each row's prefix length (rows), each row's two noise keys (2 * rows, for mode 2), and room

@@ -209,8 +209,10 @@ typedef int (*shape_fn)(float *row, int64_t width, const int64_t *places, int64_
                         const int64_t *seq, const uint8_t *breaks, int64_t n, float repeat,
                         float frequency, float presence, int64_t last_n, double dry_multiplier,
                         double dry_base, int64_t dry_allowed);
+typedef int64_t (*pick_fn)(const float *v, int64_t width, const int64_t *ids, float t,
+                          double min_p, uint32_t k1, uint32_t k2, double *prob);
 
-// what a greedy draft chain needs beside the head (`draft_head_chain`)
+// what a draft chain needs beside the head (`draft_head_chain`)
 typedef struct {
     const void *table;  // the target's embedding table, `embed_rows`' kind and scale
     int64_t kind;
@@ -230,6 +232,12 @@ typedef struct {
     int64_t last_n;
     double dry_multiplier, dry_base;
     int64_t dry_allowed;
+    // a sampled chain: each draft min-p's draw (`pick`: `min_p_place`) at temperature t, keyed
+    // by keys[2 i], keys[2 i + 1] for draft i; pick NULL: each the largest logit (`top`)
+    pick_fn pick;
+    float t;
+    double min_p;
+    const int64_t *keys;
 } head_chain;
 
 // n rows into the cache; pred [out_rows, hidden] and logits [out_rows, lm.out] of the last
@@ -238,7 +246,7 @@ int draft_head_forward(const draft_head *m, const float *feats, const float *emb
                        const int64_t *pos, float *k_cache, float *v_cache, int64_t cap,
                        int64_t start, float *pred, int64_t out_rows, float *logits,
                        int threads);
-// a greedy draft chain after a catch-up: the rows examined (-1: no memory), *kept drafts
+// a draft chain after a catch-up: the rows examined (-1: no memory), *kept drafts
 int draft_head_chain(const draft_head *m, const head_chain *c, const float *feats,
                      const float *embeds, int64_t n, const int64_t *pos, float *k_cache,
                      float *v_cache, int64_t cap, int64_t start, int64_t k, int64_t *tokens,
@@ -267,5 +275,10 @@ float row_top(const float *v, int64_t width, int64_t n, int64_t *ids, float *val
               int64_t *found, int threads);
 float row_top_ref(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
                   int64_t *found, int threads);
+// min-p's draw over a reduced vocabulary, keyed by token id: the place, or -1 (csrc/sample.c)
+int64_t min_p_place(const float *v, int64_t width, const int64_t *ids, float t, double min_p,
+                    uint32_t k1, uint32_t k2, double *prob);
+int64_t min_p_place_ref(const float *v, int64_t width, const int64_t *ids, float t,
+                        double min_p, uint32_t k1, uint32_t k2, double *prob);
 
 #endif  // SPECCHAT_ABI_H

@@ -41,7 +41,8 @@ class _HeadChain(ctypes.Structure):
                 ("breaks", _ptr), ("n_seq", _i64), ("repeat", ctypes.c_float),
                 ("frequency", ctypes.c_float), ("presence", ctypes.c_float), ("last_n", _i64),
                 ("dry_multiplier", ctypes.c_double), ("dry_base", ctypes.c_double),
-                ("dry_allowed", _i64)]
+                ("dry_allowed", _i64), ("pick", _ptr), ("t", ctypes.c_float),
+                ("min_p", ctypes.c_double), ("keys", _ptr)]
 
 
 def _address(function) -> int:
@@ -125,11 +126,14 @@ class HeadStep:
 
     def chain(self, feats, embeds, pos, keys, values, k: int, embedding, vocab: torch.Tensor,
               min_gain: float, lookahead: float, penalties=None, places=None, seq=None,
-              breaks=None, n_seq: int = 0, vocab_breaks=None) -> tuple[list[int], torch.Tensor]:
-        """A greedy draft chain in one C call (csrc/head.c, `draft_head_chain`): the catch-up
+              breaks=None, n_seq: int = 0, vocab_breaks=None, sampled=None
+              ) -> tuple[list[int], torch.Tensor]:
+        """A draft chain in one C call (csrc/head.c, `draft_head_chain`): the catch-up
         over feats, embeds [1, n, d] at positions pos [n] (keys and values [1, heads, start + n
         + k - 1, head_dim] over buffers alike: room for the drafts' slots), then up to k drafts,
-        each the largest logit after the penalties (a `core.penalties.Penalties`, None: none;
+        each the largest logit after the penalties, or with `sampled` = (temperature, min_p,
+        keys: int64 [k, 2], each draft position's `Noise.keys`) min-p's draw
+        (`sampling.min_p_place`) (penalties: a `core.penalties.Penalties`, None: none;
         `places`, `seq` with room for k more, `breaks` as `kernels.shape_reduced` takes them,
         `n_seq` the context's tokens in seq; `vocab_breaks` uint8 [vocab] or None), kept and
         continued as `HeadDrafter.propose` decides with min_gain and lookahead. `embedding`: a
@@ -159,6 +163,13 @@ class HeadStep:
             vocab=vocab.data_ptr(),
             vocab_breaks=vocab_breaks.data_ptr() if vocab_breaks is not None else None,
             min_gain=min_gain, lookahead=lookahead, **shaping)
+        if sampled is not None:
+            temperature, min_p, keys_of = sampled
+            keys_of = keys_of.to(torch.int64).contiguous()
+            if keys_of.shape != (k, 2):
+                raise ValueError(f"a sampled chain of {k} drafts takes [{k}, 2] keys")
+            chain.pick, chain.keys = _address(self.lib.min_p_place), keys_of.data_ptr()
+            chain.t, chain.min_p = max(temperature, 1e-5), min_p
         examined = self.lib.draft_head_chain(
             ctypes.byref(self._struct), ctypes.byref(chain), feats.data_ptr(), embeds.data_ptr(),
             n, positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start, k, tokens,
