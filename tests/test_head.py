@@ -447,6 +447,40 @@ def test_tiny_training_run_lowers_the_loss_and_saves_a_loadable_head(tmp_path):
     assert sum(isinstance(e, TokenEvent) for e in events) == 8
 
 
+def test_the_target_invents_prompts_from_training_prompts_only(tmp_path):
+    """`train-draft --invent N`: the target writes N distinct one-line prompts, each after a
+    few of the prompt set's training prompts (never a held-out one), kept in the work
+    directory: a resumed run keeps them and writes only the missing ones; every tenth is held
+    out, as in a prompt file."""
+    from specchat.train import invent
+    model = tiny_llama(2).eval()
+    newline = TOK("\n", add_special_tokens=False)["input_ids"][-1]
+    # a target that ends its lines: a few dozen characters on average
+    model.lm_head.register_forward_hook(
+        lambda m, args, out: out.index_add(-1, torch.tensor([newline]),
+                                           torch.full((*out.shape[:-1], 1), 2.0)))
+    target = loaded(model, TOK)
+    prompts = train_data.load_prompts([tiny_prompts(tmp_path)])
+    held = {p["prompt"] for p in prompts if p["heldout"]}
+    pool = invent.example_pool(prompts)
+    assert held and not held & set(pool) and len(pool) == len(prompts) - len(held)
+    shown = invent.examples_text(pool, 3, seed=0)
+    assert shown == invent.examples_text(pool, 3, seed=0) != invent.examples_text(pool, 4, 0)
+    assert shown.startswith(invent.HEADER) and shown.endswith("\n-") and not any(
+        h in shown for h in held)
+    cfg = train_config.TrainConfig(out=tmp_path / "run", gen_batch=4)
+    cfg.out.mkdir()
+    made = invent.invent_prompts(target, prompts, 6, cfg, deadline=float("inf"))
+    assert [r["key"] for r in made] == [f"invented:{i}" for i in range(6)]
+    texts = [r["prompt"] for r in made]
+    assert len(set(texts)) == 6 and not set(texts) & {p["prompt"] for p in prompts}
+    assert all("\n" not in t and len(t) >= invent.MIN_PROMPT_CHARS for t in texts)
+    more = invent.invent_prompts(target, prompts, 11, cfg, deadline=float("inf"))
+    assert more[:6] == made and len(more) == 11
+    assert [r["heldout"] for r in more] == [i % 10 == 9 for i in range(11)]
+    assert invent.invent_prompts(target, prompts, 4, cfg, deadline=0.0) == made[:4]
+
+
 def test_both_generation_paths_give_the_same_greedy_replies(tmp_path, monkeypatch):
     """train-draft's phase 1: the batched loop with features (sdpa, eager) and transformers'
     `generate` (other attention) write the same greedy replies; only the loop's are in the

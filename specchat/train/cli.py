@@ -8,7 +8,8 @@ by default next to the target's cache, where the app finds the head):
 
 1. generate  the target answers a prompt set the project wrote (train/prompts/, never the
              benchmark questions): self-distillation, so the head learns the target's own text.
-             Files given with --data add prompts ({"prompt": ...} lines) or plain text.
+             Files given with --data add prompts ({"prompt": ...} lines) or plain text;
+             --invent N has the target write N more prompts first (train/invent.py).
 2. extract   teacher-forced target forwards over every sequence: the features f_t (output of the
              final norm; for EAGLE-3 also the hidden states entering three decoder layers) and
              the target's top-1 token at every position, in shards.
@@ -51,6 +52,7 @@ from specchat.train.data import (
 )
 from specchat.train.features import extract_features, load_features
 from specchat.train.fit import train_head
+from specchat.train.invent import invent_prompts
 from specchat.train.replies import generate_replies
 
 # -- the command --------------------------------------------------------------------------------
@@ -70,6 +72,10 @@ def run(target, cfg: TrainConfig, progress=print) -> tuple[Path, dict]:
     extra_prompts, texts = load_data(cfg.data)
     prompts = (load_prompts(cfg.prompt_files) if cfg.generate else []) + extra_prompts
     prompts = apart_from_bench(prompts, "prompt", progress)
+    if cfg.invent and cfg.generate:  # within the generation's share of the budget
+        invented = invent_prompts(target, prompts, cfg.invent, cfg,
+                                  t0 + cfg.gen_share * cfg.minutes * 60)
+        prompts += apart_from_bench(invented, "prompt", progress)
     texts = apart_from_bench(texts, "text", progress)
     if prompts and cfg.generate:
         generate_replies(target, with_samples(prompts, cfg.samples), cfg,
@@ -206,7 +212,8 @@ def cmd_train_draft(args) -> int:
                       gen_share=args.gen_share, max_new_tokens=args.max_new_tokens,
                       stop_at_turn_end=args.stop_at_turn_end,
                       formats=args.formats,
-                      gen_batch=args.gen_batch, samples=args.samples, seq_len=args.seq_len,
+                      gen_batch=args.gen_batch, samples=args.samples, invent=args.invent,
+                      seq_len=args.seq_len,
                       draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
                       batch_tokens=args.batch_tokens, lr=args.lr,
                       ce_weight=args.ce_weight, feature_weight=args.feature_weight,
@@ -297,6 +304,11 @@ def _add_generation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=3, metavar="N",
                    help="replies per prompt (the extra ones sampled): more text from the same "
                         "prompts")
+    p.add_argument("--invent", type=int, default=0, metavar="N",
+                   help="first have the target write N more prompts, each after a few of the "
+                        "prompt set's training prompts (self-instruct), and answer them too: "
+                        "varied text, where a few hundred prompts' replies are learnt by heart "
+                        "(default: 0, none)")
 
 
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:

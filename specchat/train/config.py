@@ -35,6 +35,9 @@ class TrainConfig:
     gen_batch: int = 0  # prompts generated together (left padded); 0: `gen_batch`'s default
     gen_temperature: float = 0.7  # odd prompts are sampled at this temperature, even ones greedy
     samples: int = 3  # replies per prompt: the first as above, the others sampled (more text)
+    # prompts the target writes itself before answering them (`invent.py`: self-instruct),
+    # beside the prompt set's; 0: none
+    invent: int = 0
     seq_len: int = 512  # tokens per training sequence (longer ones are cut in windows)
     extract_batch_tokens: int = 4096  # tokens per teacher-forced target forward
     top1_tokens: int = 5000  # training positions that get the target's full-vocabulary top-1
