@@ -5,6 +5,7 @@ their next features and reduced-vocabulary logits."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -34,22 +35,22 @@ class _TopLater:
     """A draft position's most likely tokens [(id, prob)] (`Drafter.last_top`), computed when
     first read: the inspector reads one position a step (the first refused), while a top-k
     over the head's row at every draft, right after the target's forward, cost about 0.3 ms.
-    `row`: the head's reduced-vocabulary logits there, a tensor nothing writes to later; `lib`:
+    `rows`, `r`: the head's reduced-vocabulary logits there, row r of a tensor nothing writes
+    to later (taken from it only when read); `vocab`: a place -> its token id (a list); `lib`:
     the kernels the head runs on, or None."""
 
-    def __init__(self, row: torch.Tensor, params: SamplingParams, vocab_ids: torch.Tensor,
+    def __init__(self, rows: torch.Tensor, r: int, params: SamplingParams, vocab: list[int],
                  lib=None):
-        self._args, self._top = (row, params, vocab_ids, lib), None
+        self._args, self._top = (rows, r, params, vocab, lib), None
 
     def __iter__(self):
         if self._top is None:
-            row, params, vocab_ids, lib = self._args
+            rows, r, params, vocab, lib = self._args
             # the kernels' own top and log-sum-exp where the head runs on them: a tenth of
             # torch's topk and logsumexp, which cost about 0.4 ms right after a forward
             native = (lambda x, n: kernels.row_top(lib, x, n)) if lib is not None else None
-            top, _ = top_candidates(row, params, TOP, native=native)
-            ids = vocab_ids.cpu()[[j for j, _ in top]].tolist()
-            self._top, self._args = [(i, q) for i, (_, q) in zip(ids, top)], None
+            top, _ = top_candidates(rows[r], params, TOP, native=native)
+            self._top, self._args = [(vocab[j], q) for j, q in top], None
         return iter(self._top)
 
 
@@ -98,6 +99,12 @@ class HeadDrafter(Drafter):
         # its lookup in one C call where that gives the module's bits (Gemma 3's table)
         self._c_embed = c_embedding(self._lib, self.embed, head.feature_width) \
             if self._lib is not None and head.vocab_ids.device.type == "cpu" else None
+        self._c_embed_at = self._c_embed.table.data_ptr() if self._c_embed is not None else 0
+        # the C chain's inputs (`_chain_inputs`): its tokens, their embeddings, positions 0..
+        self._chain_ids = np.zeros(0, dtype=np.int64)
+        self._chain_ids_view, self._chain_ids_at = memoryview(self._chain_ids), 0
+        self._chain_embeds = torch.empty(0, head.feature_width)
+        self._positions = torch.arange(0)
         self.vocab_size = vocab_size  # width of the engine's target logits (and our q rows)
         # Stop drafting once the head's own estimate that this draft and every one before it
         # pass (the product of their probabilities under the head) falls below min_gain: a draft
@@ -215,10 +222,10 @@ class HeadDrafter(Drafter):
             self._pen_seq = torch.zeros(size, dtype=torch.int64)
             self._pen_flags = torch.zeros(size, dtype=torch.uint8)
             keep, added = 0, context
-        if added:
-            self._pen_seq[keep:len(context)] = torch.tensor(added, dtype=torch.int64)
-            self._pen_flags[keep:len(context)] = torch.tensor(list(self._breaks_of(added)),
-                                                              dtype=torch.uint8)
+        if added:  # through numpy: a torch call per write costs tens of microseconds here
+            self._pen_seq.numpy()[keep:len(context)] = added
+            self._pen_flags.numpy()[keep:len(context)] = np.frombuffer(self._breaks_of(added),
+                                                                       dtype=np.uint8)
         return len(context)
 
     def _breaks_of(self, tokens: list[int]) -> bytes:
@@ -267,10 +274,11 @@ class HeadDrafter(Drafter):
             grown[:start] = self.feats[:start]
             self.feats = grown
         if self.feats.device.type == "cpu" and features.device.type == "cpu" \
-                and features.dtype == torch.float32:
-            # through numpy: at every step, right after a forward, a torch indexing call costs
+                and features.dtype == torch.float32 and features.is_contiguous():
+            # one memmove: at every step, right after a forward, a torch indexing call costs
             # several times the copy of one row
-            self.feats.numpy()[start:end] = features.numpy()
+            ctypes.memmove(self.feats.data_ptr() + 4 * start * self.feats.shape[1],
+                           features.data_ptr(), 4 * features.numel())
         else:
             self.feats[start:end] = features.to(self.device, torch.float32)
 
@@ -312,6 +320,34 @@ class HeadDrafter(Drafter):
         pos = pos if self.device.type == "cpu" else pos.to(self.device)
         return self.feats[h:L - 1][None], self._embed(context[h + 1:L]), pos
 
+    def _chain_inputs(self, context: list[int]) -> tuple[int, int, int, int]:
+        """`_catch_up_inputs` for the C chain, as (the features' address, the embeddings'
+        address, their rows n, the positions' address): rows of the drafter's own buffers,
+        the embeddings looked up by one `embed_rows` call, with no torch call (each costs tens
+        of microseconds right after the target's forward, with cold caches)."""
+        L = len(context)
+        self._ensure_features(context[:-1])  # f_0 .. f_{L-2}
+        h = self._sync_cache(context[:-1])  # at most L-2: always re-feed one true position
+        n, d = L - 1 - h, self.feats.shape[1]
+        ids = context[h + 1:L]
+        if n > len(self._chain_ids):
+            self._chain_ids = np.zeros(max(n, 2 * len(self._chain_ids), 64), dtype=np.int64)
+            self._chain_ids_view = memoryview(self._chain_ids)
+            self._chain_ids_at = self._chain_ids.ctypes.data
+            self._chain_embeds = torch.empty(len(self._chain_ids), d)
+        if L - 1 > len(self._positions):
+            self._positions = torch.arange(max(L - 1, 2 * len(self._positions), 256))
+        if min(ids) < 0 or max(ids) >= self._c_embed.rows:
+            raise IndexError(f"token ids must lie in [0, {self._c_embed.rows}): {ids}")
+        view = self._chain_ids_view  # element writes: a step's one or two ids
+        for i, t in enumerate(ids):
+            view[i] = t
+        _, kind, scale = self._c_embed
+        embeds = self._chain_embeds.data_ptr()
+        self._lib.embed_rows(self._c_embed_at, kind, d, self._chain_ids_at, n, scale, embeds)
+        return (self.feats.data_ptr() + 4 * h * d, embeds, n,
+                self._positions.data_ptr() + 8 * h)
+
     def _catch_up(self, context):
         """Run the head over the true positions it has not seen. Returns its predicted
         feature f_{L-1} and logits for x_L at the last one ([1, 1, d], [1, 1, N])."""
@@ -339,7 +375,7 @@ class HeadDrafter(Drafter):
             if self.shaper:
                 reduced_logits = self._penalized(reduced_logits, context, [ids])
             self.last_top.append(
-                _TopLater(reduced_logits[0], params, self.head.vocab_ids, self._lib))
+                _TopLater(reduced_logits, 0, params, self._vocab_list, self._lib))
             drawn = self._sample(reduced_logits, params, noise, L + i)
             if drawn is None:  # no finite logit: nothing to draft
                 break
@@ -372,13 +408,12 @@ class HeadDrafter(Drafter):
         drafts, rows and cache; none of the loop's dozens of torch calls a draft, each slow
         right after the target's forward."""
         step = self.head._step
-        feats, embeds, pos = self._catch_up_inputs(context)
-        n = feats.shape[1]  # the catch-up's rows, then up to k - 1 drafts' slots
+        feats, embeds, n, pos = self._chain_inputs(context)  # n: the catch-up's rows
         cache = self.cache
         if cache is None:
             empty = torch.empty(1, step.heads, 0, step.head_dim)
             cache = (empty, empty)
-        keys, values = extended_pair(cache, n + k - 1)
+        keys, values = extended_pair(cache, n + k - 1)  # then up to k - 1 drafts' slots
         pen = self.shaper.penalties if self.shaper else None
         places = seq = breaks = vocab_breaks = None
         n_seq = 0
@@ -393,13 +428,14 @@ class HeadDrafter(Drafter):
             sampled = (params.temperature, params.min_p,
                        torch.tensor([noise.keys(L + i, DRAW) for i in range(k)],
                                     dtype=torch.int64))
-        tokens, rows = step.chain(feats, embeds, pos, keys, values, k, self._c_embed,
+        tokens, rows = step.chain(feats, embeds, n, pos, keys, values, k, self._c_embed,
                                   self._vocab_ids, min_gain, self.lookahead, pen, places, seq,
                                   breaks, n_seq, vocab_breaks, sampled)
         self.cache, self.head_tokens = (keys, values), list(context)
         self._sync_cache(context)  # the true positions only: the target supplies their features
-        self.last_top = [_TopLater(row, params, self.head.vocab_ids, self._lib) for row in rows]
-        return torch.tensor(tokens, dtype=torch.long), None
+        self.last_top = [_TopLater(rows, r, params, self._vocab_list, self._lib)
+                         for r in range(len(rows))]
+        return tokens, None
 
     @torch.inference_mode()
     def propose_tree(self, context, depth: int, params: SamplingParams, nodes: int):

@@ -80,6 +80,9 @@ class HeadStep:
             product=_address(lib.q8_0_rows_matmul_i8 if head._q8_packed
                              else lib.q8_0_matmul_i8))
         self.vocab = head._int8_rows[0].shape[0]
+        # the C functions a chain calls back, by address (a ctypes cast each call costs more)
+        self._functions = {name: _address(getattr(lib, name)) for name in
+                           ("shape_reduced", "embed_rows", "row_top", "min_p_place")}
 
     def takes(self, feats: torch.Tensor, embeds: torch.Tensor, cache,
               last_only: bool = False) -> bool:
@@ -124,34 +127,34 @@ class HeadStep:
                                   f"{start + at} slots")
         return pred, logits
 
-    def chain(self, feats, embeds, pos, keys, values, k: int, embedding, vocab: torch.Tensor,
-              min_gain: float, lookahead: float, penalties=None, places=None, seq=None,
-              breaks=None, n_seq: int = 0, vocab_breaks=None, sampled=None
-              ) -> tuple[list[int], torch.Tensor]:
+    def chain(self, feats: int, embeds: int, n: int, pos: int, keys, values, k: int, embedding,
+              vocab: torch.Tensor, min_gain: float, lookahead: float, penalties=None,
+              places=None, seq=None, breaks=None, n_seq: int = 0, vocab_breaks=None,
+              sampled=None) -> tuple[list[int], torch.Tensor]:
         """A draft chain in one C call (csrc/head.c, `draft_head_chain`): the catch-up
-        over feats, embeds [1, n, d] at positions pos [n] (keys and values [1, heads, start + n
-        + k - 1, head_dim] over buffers alike: room for the drafts' slots), then up to k drafts,
+        over n rows of features and embeddings (float32 [n, d] at the addresses feats and
+        embeds) at positions pos (int64 [n] at that address; addresses, not tensors: the drafter
+        hands over its own buffers' rows without a torch call, each slow right after the
+        target's forward) (keys and values [1, heads, start + n + k - 1, head_dim] over buffers
+        alike: room for the drafts' slots), then up to k drafts,
         each the largest logit after the penalties, or with `sampled` = (temperature, min_p,
         keys: int64 [k, 2], each draft position's `Noise.keys`) min-p's draw
         (`sampling.min_p_place`) (penalties: a `core.penalties.Penalties`, None: none;
         `places`, `seq` with room for k more, `breaks` as `kernels.shape_reduced` takes them,
         `n_seq` the context's tokens in seq; `vocab_breaks` uint8 [vocab] or None), kept and
         continued as `HeadDrafter.propose` decides with min_gain and lookahead. `embedding`: a
-        `runners.cpu.embedding.CEmbedding` of the target. Returns (the drafts' token ids, the
-        rows examined [m, vocab], each after its penalties)."""
-        n = feats.shape[1]
+        `runners.cpu.embedding.CEmbedding` of the target. Returns (the drafts' token ids, int64
+        [kept], the rows examined [m, vocab], each after its penalties)."""
         start, cap = keys.shape[2] - n - (k - 1), keys.stride(1) // self.head_dim
         if values.stride() != keys.stride() or keys.stride(3) != 1 \
                 or keys.stride(0) != self.heads * cap * self.head_dim:
             raise ValueError("the draft head's keys and values must lie in buffers alike")
-        feats, embeds = feats.contiguous(), embeds.contiguous()
-        positions = pos.to(torch.int64).contiguous()
         rows = torch.empty(k, self.vocab)
-        tokens = (ctypes.c_int64 * k)()
+        tokens = torch.empty(k, dtype=torch.int64)
         kept = _i64()
         pen = penalties
         shaping = {} if pen is None else {
-            "shape": _address(self.lib.shape_reduced), "places": places.data_ptr(),
+            "shape": self._functions["shape_reduced"], "places": places.data_ptr(),
             "n_places": places.shape[0], "seq": seq.data_ptr(), "breaks": breaks.data_ptr(),
             "n_seq": n_seq, "repeat": pen.repeat_penalty, "frequency": pen.frequency_penalty,
             "presence": pen.presence_penalty, "last_n": pen.repeat_last_n,
@@ -159,7 +162,7 @@ class HeadStep:
             "dry_allowed": pen.dry_allowed_length}
         chain = _HeadChain(
             table=embedding.table.data_ptr(), kind=embedding.kind, scale=embedding.scale,
-            embed=_address(self.lib.embed_rows), top=_address(self.lib.row_top),
+            embed=self._functions["embed_rows"], top=self._functions["row_top"],
             vocab=vocab.data_ptr(),
             vocab_breaks=vocab_breaks.data_ptr() if vocab_breaks is not None else None,
             min_gain=min_gain, lookahead=lookahead, **shaping)
@@ -168,13 +171,13 @@ class HeadStep:
             keys_of = keys_of.to(torch.int64).contiguous()
             if keys_of.shape != (k, 2):
                 raise ValueError(f"a sampled chain of {k} drafts takes [{k}, 2] keys")
-            chain.pick, chain.keys = _address(self.lib.min_p_place), keys_of.data_ptr()
+            chain.pick, chain.keys = self._functions["min_p_place"], keys_of.data_ptr()
             chain.t, chain.min_p = max(temperature, 1e-5), min_p
         examined = self.lib.draft_head_chain(
-            ctypes.byref(self._struct), ctypes.byref(chain), feats.data_ptr(), embeds.data_ptr(),
-            n, positions.data_ptr(), keys.data_ptr(), values.data_ptr(), cap, start, k, tokens,
+            ctypes.byref(self._struct), ctypes.byref(chain), feats, embeds, n, pos,
+            keys.data_ptr(), values.data_ptr(), cap, start, k, tokens.data_ptr(),
             rows.data_ptr(), ctypes.byref(kept), torch.get_num_threads())
         if examined < 0:
             raise MemoryError(f"the draft head's chain could not run for {n} rows after "
                               f"{start} slots")
-        return list(tokens[:kept.value]), rows[:examined]
+        return tokens[:kept.value], rows[:examined]
