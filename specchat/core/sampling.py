@@ -118,38 +118,58 @@ def _min_p_only(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     return torch.from_numpy(ids), torch.tensor(weights, dtype=torch.float64) / total
 
 
+def _min_p_floor(top, params: SamplingParams) -> np.float32:
+    """min-p's bar on scaled logits x: a token is kept when x >= float32(top + log(min_p)),
+    top the largest x."""
+    return np.float32(float(top) + math.log(params.min_p))
+
+
+def _min_p_weights(kept: np.ndarray, top) -> list[float]:
+    """The kept scaled logits' weights exp(x - top), as Python floats (the float32 differences
+    are exact as doubles)."""
+    return [math.exp(d) for d in (kept - top).tolist()]
+
+
+def _keyed_race(keys: list[int], weights: list[float], noise: Noise, position: int
+                ) -> tuple[int, float]:
+    """The race of min-p's draws: candidate i takes -log(u) / weights[i], u the position's
+    keyed uniform for keys[i] (a token id); the least time wins (the earlier candidate on a
+    tie). -> (the winner's index, the weights' sum in candidate order)."""
+    k1, k2 = noise.keys(position, DRAW)
+    best, best_time, total = -1, math.inf, 0.0
+    for i, (key, w) in enumerate(zip(keys, weights)):
+        total += w
+        time = -math.log(_uniform(key & _M32, k1, k2)) / w
+        if best < 0 or time < best_time:
+            best, best_time = i, time
+    return best, total
+
+
 def _min_p_candidates(logits: torch.Tensor, params: SamplingParams
                       ) -> tuple[np.ndarray, list[float]]:
     """min-p's candidates of a blocked CPU row: (ids in increasing order, their weights
-    exp(x - top) as Python floats). x = logit / temperature in float32; a token is kept when
-    x >= floor = float32(top + log(min_p)), top the largest x."""
+    `_min_p_weights`), x = logit / temperature in float32, kept as `_min_p_floor` says."""
     temperature = np.float32(max(params.temperature, 1e-5))
     blocks = logits.float().numpy().reshape(-1, ARGMAX_BLOCK)  # [B, 512]
     # x / t rounds monotonically: a block's largest scaled logit is its largest logit's
     peaks = blocks.max(1) / temperature  # [B]
     top = peaks.max()
-    floor = np.float32(float(top) + math.log(params.min_p))
+    floor = _min_p_floor(top, params)
     chosen = np.flatnonzero(peaks >= floor)  # the blocks holding a kept token
     x = blocks[chosen] / temperature  # [m, 512]
     rows, cols = np.nonzero(x >= floor)  # in order: ids ascend
-    shifted = (x[rows, cols] - top).tolist()  # float32 differences, exact as Python floats
-    return chosen[rows] * ARGMAX_BLOCK + cols, [math.exp(d) for d in shifted]
+    return chosen[rows] * ARGMAX_BLOCK + cols, _min_p_weights(x[rows, cols], top)
 
 
 def min_p_draw(logits: torch.Tensor, params: SamplingParams, noise: Noise,
                position: int) -> int:
-    """min-p's draw on a blocked CPU row: the candidates of `_min_p_candidates` race, each
-    taking -log(u) / weight from the position's keyed uniforms u; the least time wins (the
-    smallest id on a tie). One definition in double-precision scalars (Python's math, the C
-    library's exp and log), which the native sampler (csrc/sample.c) computes to the bit."""
+    """min-p's draw on a blocked CPU row: the candidates of `_min_p_candidates` race
+    (`_keyed_race`, each keyed by its id). One definition in double-precision scalars
+    (Python's math, the C library's exp and log), which the native sampler (csrc/sample.c)
+    computes to the bit."""
     ids, weights = _min_p_candidates(logits, params)
-    k1, k2 = noise.keys(position, DRAW)
-    best, best_time = -1, math.inf
-    for token, w in zip(ids.tolist(), weights):
-        time = -math.log(_uniform(token & _M32, k1, k2)) / w
-        if best < 0 or time < best_time:
-            best, best_time = token, time
-    return best
+    ids = ids.tolist()
+    return ids[_keyed_race(ids, weights, noise, position)[0]]
 
 
 def min_p_place(logits: torch.Tensor, params: SamplingParams, noise: Noise, position: int,
@@ -167,18 +187,11 @@ def min_p_place(logits: torch.Tensor, params: SamplingParams, noise: Noise, posi
     if not math.isfinite(float(v_max)):
         return None
     top = v_max / temperature
-    floor = np.float32(float(top) + math.log(params.min_p))
     x = v / temperature
-    places = np.flatnonzero(x >= floor)  # ascending
-    weights = [math.exp(d) for d in (x[places] - top).tolist()]
-    k1, k2 = noise.keys(position, DRAW)
-    best, best_time, total = -1, math.inf, 0.0
-    for place, w in zip(places.tolist(), weights):
-        total += w
-        time = -math.log(_uniform(ids[place] & _M32, k1, k2)) / w
-        if best < 0 or time < best_time:
-            best, best_time, best_w = place, time, w
-    return best, best_w / total
+    places = np.flatnonzero(x >= _min_p_floor(top, params)).tolist()  # ascending
+    weights = _min_p_weights(x[places], top)
+    best, total = _keyed_race([ids[place] for place in places], weights, noise, position)
+    return places[best], weights[best] / total
 
 
 def blocked(logits: torch.Tensor) -> bool:
