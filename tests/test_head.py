@@ -1058,7 +1058,9 @@ def test_a_chain_in_one_c_call_is_the_python_loop(variant, packed):
                     chain = head._step.chain
                     head._step.chain = lambda *a, **kw: (calls.append(1), chain(*a, **kw))[1]
                     drafts = []
-                    for grown in ([], [3, 4]):  # a fresh catch-up, then a context grown by two
+                    # a fresh catch-up, a context grown by two, then by more than the
+                    # drafter's buffers for the chain's inputs hold
+                    for grown in ([], [3, 4], [3, 4] + context * 2):
                         ids, q = drafter.propose(context + grown, k, params, noise)
                         assert q is None
                         drafts.append((ids.tolist(), [list(t) for t in drafter.last_top],
