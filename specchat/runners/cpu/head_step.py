@@ -130,7 +130,7 @@ class HeadStep:
     def chain(self, feats: int, embeds: int, n: int, pos: int, keys, values, k: int, embedding,
               vocab: torch.Tensor, min_gain: float, lookahead: float, penalties=None,
               places=None, seq=None, breaks=None, n_seq: int = 0, vocab_breaks=None,
-              sampled=None) -> tuple[list[int], torch.Tensor]:
+              sampled=None) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft chain in one C call (csrc/head.c, `draft_head_chain`): the catch-up
         over n rows of features and embeddings (float32 [n, d] at the addresses feats and
         embeds) at positions pos (int64 [n] at that address; addresses, not tensors: the drafter
