@@ -192,7 +192,8 @@ def config_from_args(args, report):
     build theirs); raises InputError for a drafter that is not loaded."""
     values = {**values_from_args(args), "speculation": args.speculation == "on",
               "drafter": args.drafter, "adaptive": not args.fixed_draft_len}
-    cfg, notes = build_config(values, list(report.engine.drafters), names=flag_names())
+    cfg, notes = build_config(values, list(report.engine.drafters), names=flag_names(),
+                              greedy_trees=report.engine.greedy_trees)
     for note in notes:
         print(f"specchat: {note}", file=sys.stderr)
     return cfg

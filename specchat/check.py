@@ -172,7 +172,7 @@ def _drafters(ctx: Context, name: str) -> dict:
     for mode, sampling in modes.items():
         plain = [_reply(engine, p, speculation=False, **sampling)[0] for p in PROMPTS]
         for drafter in ("ngram", "model", "head", "combined"):
-            # Trees are the head's greedy default: check them where the target takes tree masks.
+            # The head's greedy trees are checked wherever the target takes tree masks.
             trees = 6 if drafter == "head" and mode == "greedy" and engine.trees_ok else 0
             same, kinds, drafted, accepted = 0, set(), 0, 0
             for prompt, want in zip(PROMPTS, plain):

@@ -584,6 +584,7 @@ def test_sampled_tree_speculation_replays_plain_sampling(make, sampling):
 def test_trees_by_default_only_for_the_head_alone_when_greedy():
     assert default_tree_nodes(0.0, "head") == TREE_NODES
     assert default_tree_nodes(0.0, "combined") == default_tree_nodes(0.7, "head") == 0
+    assert default_tree_nodes(0.0, "head", greedy_trees=()) == 0  # where chains are faster
 
 
 def test_prompt_past_the_context_window_is_refused_and_replies_stop_at_it():

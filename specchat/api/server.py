@@ -334,7 +334,8 @@ class Api:
                       dry_sequence_breakers=body.get("dry_sequence_breakers"))
         try:
             cfg, _ = build_config(values, list(self.engine.drafters),
-                                  max_new_cap=self.max_tokens_cap, names=names)
+                                  max_new_cap=self.max_tokens_cap, names=names,
+                                  greedy_trees=self.engine.greedy_trees)
         except InputError as e:
             raise ApiError(400, str(e)) from None
         return cfg

@@ -25,7 +25,8 @@ default that does nothing.
     draft_class(context)                   names the kind of proposal coming next (the n-gram
                                            match length) so the engine sizes k per kind
     supports_trees / propose_tree(context, depth, params, nodes) -> DraftTree or a chain
-                                           a draft tree verified in one forward (the head)
+                                           a draft tree verified in one forward (the head);
+                                           prefers_trees: greedy replies draft trees by default
     needs_features / observe(start, ids, features)
                                            the target's hidden states of accepted positions,
                                            for drafters that read them (the EAGLE head):
@@ -74,6 +75,9 @@ class Drafter:
     feature_layers: tuple[int, ...] | None = None
     # The drafter implements `propose_tree`.
     supports_trees: bool = False
+    # Its greedy replies draft trees unless a request says otherwise (`Engine.greedy_trees`):
+    # where its trees were measured faster than its chains.
+    prefers_trees: bool = False
     # Set by `propose` where the drafter has a distribution: per draft position, its
     # [(id, prob)] (or an iterable of them computed when read).
     last_top: list[Iterable[tuple[int, float]]] = []

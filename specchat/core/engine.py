@@ -202,6 +202,16 @@ class Engine:
         self._native_sampler = self.runner.shape_pick if self.runner.owned_logits else None
         self._row_top = self.runner.row_top if self.runner.owned_logits else None
 
+    @property
+    def greedy_trees(self) -> tuple[str, ...]:
+        """The drafters whose greedy replies draft trees unless a request gives tree_nodes
+        (`core.settings.build_config`): those that prefer trees where they run, if the target
+        takes tree masks at all."""
+        if not self.trees_ok:
+            return ()
+        return tuple(name for name, d in self.drafters.items()
+                     if d.supports_trees and d.prefers_trees)
+
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).
 

@@ -17,11 +17,14 @@ from specchat.core.sampling import SamplingParams
 TREE_NODES = 10
 
 
-def default_tree_nodes(temperature: float, drafter: str = "head") -> int:
-    """Trees for the head alone when greedy, chains otherwise: in the bench
-    (docs/performance.md) greedy trees help the head alone, while `combined` is as fast or
-    faster with chains, the simpler, and sampled replies gain nothing from trees."""
-    return TREE_NODES if temperature <= 0 and drafter == "head" else 0
+def default_tree_nodes(temperature: float, drafter: str = "head",
+                       greedy_trees: tuple[str, ...] = ("head",)) -> int:
+    """Trees for a drafter of `greedy_trees` when greedy, chains otherwise. The engine names
+    the drafters whose trees pay where they run (`Engine.greedy_trees`): in the bench
+    (docs/performance.md) greedy trees help the head alone where each of its drafts is a torch
+    forward, its chains win where they run in one C call, `combined` is as fast or faster with
+    chains, the simpler, and sampled replies gain nothing from trees."""
+    return TREE_NODES if temperature <= 0 and drafter in greedy_trees else 0
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,20 @@ class HeadDrafter(Drafter):
         self.native_chain = True
 
     @property
+    def chains_in_c(self) -> bool:
+        """Greedy (and min-p drawn) chains run in one C call (`_propose_chain`): the head's step
+        runs in C and the target's embedding is looked up there too."""
+        return self.native_chain and self._c_embed is not None \
+            and getattr(self.head, "_step", None) is not None and self.device.type == "cpu"
+
+    @property
+    def prefers_trees(self) -> bool:
+        """Greedy trees by default only where each draft is a torch forward: where the chain
+        runs in one C call, a chain's drafts cost a third of a tree level's and its verifies
+        are narrower, and chains were faster (docs/performance.md, "Fewer calls after the forward")."""
+        return not self.chains_in_c
+
+    @property
     def label(self) -> str:
         """What the page calls this head: its kind, and where an EAGLE-3 head came from."""
         if self.feature_layers is None:
@@ -361,9 +375,7 @@ class HeadDrafter(Drafter):
         L = len(context)
         if k <= 0 or L < 2:
             return NO_DRAFT, None
-        if (params.greedy or self._min_p_drawn(params)) and self.native_chain \
-                and self._c_embed is not None and getattr(self.head, "_step", None) is not None \
-                and self.device.type == "cpu":
+        if (params.greedy or self._min_p_drawn(params)) and self.chains_in_c:
             return self._propose_chain(context, k, params, noise)
         pred, logits = self._catch_up(context)
         ids, rows = [], []

@@ -138,6 +138,11 @@ class ChatApp:
         if history is not None:
             history.forget(owner)
 
+    def greedy_trees(self) -> tuple[str, ...]:
+        """The loaded drafters that draft trees when greedy by default (`Engine.greedy_trees`)."""
+        engine = self.slot.engine
+        return () if engine is None else engine.greedy_trees
+
     def drafters(self) -> list[str]:
         """Loaded drafters, best first."""
         engine = self.slot.engine
@@ -155,7 +160,8 @@ class ChatApp:
         # page goes on with the best loaded one and says so.
         drafter = s.drafter if s.drafter in available else ""
         values.update(speculation=s.speculation, drafter=drafter, adaptive=s.adaptive)
-        cfg, notes = build_config(values, available, max_new_cap=self.limits.max_new_tokens_cap)
+        cfg, notes = build_config(values, available, max_new_cap=self.limits.max_new_tokens_cap,
+                                  greedy_trees=self.greedy_trees())
         if s.drafter and s.drafter != drafter and cfg.speculation:
             notes.insert(0, f"Drafter {DRAFTER_LABELS.get(s.drafter, s.drafter)!r} is not "
                             f"loaded: using {DRAFTER_LABELS.get(cfg.drafter, cfg.drafter)}.")
