@@ -82,17 +82,17 @@ def _q8(out: int, inp: int, g: torch.Generator):
     return q, d
 
 
-def _attention_inputs(dtype, dim: int, g: torch.Generator):
+def _attention_inputs(dtype, dim: int, g: torch.Generator, rows: int = 16):
     """GQA (6 query heads on 2 key/value heads), batch 2 with a mask each, keys and values as
     views of a wider cache buffer, a causal mask with random holes (every row keeps a slot)."""
     batch, heads, kv_heads, slots = 2, 6, 2, 90
     buffer = torch.randn(batch, kv_heads, 128, dim, generator=g).to(dtype)
     key = buffer[:, :, :slots]
     value = (torch.randn(batch, kv_heads, 128, dim, generator=g) * 2).to(dtype)[:, :, :slots]
-    query = torch.randn(batch, heads, 16, dim, generator=g)
-    position = torch.arange(slots - 16, slots)[:, None]
+    query = torch.randn(batch, heads, rows, dim, generator=g)
+    position = torch.arange(slots - rows, slots)[:, None]
     causal = torch.arange(slots)[None, :] <= position
-    holes = torch.rand(batch, 1, 16, slots, generator=g) < 0.3
+    holes = torch.rand(batch, 1, rows, slots, generator=g) < 0.3
     mask = causal & ~holes
     mask[..., 0] = True
     return query, key, value, mask
@@ -163,8 +163,10 @@ def test_q8_0_reference_widens_every_fp16_scale_as_f16c_does():
 def test_attention_kernel_is_its_reference(dtype, dim):
     lib, refs = _simd()
     g = torch.Generator().manual_seed(dim)
-    query, key, value, mask = _attention_inputs(dtype, dim, g)
-    for n in ROWS:
+    query, key, value, mask = _attention_inputs(dtype, dim, g, rows=40)
+    # a verify's rows (the kernel splits their keys and values by slot and dimension) and a
+    # prompt's (by group of rows): 3 query heads a key/value head, so up to 120 rows
+    for n in (*ROWS, 24, 40):
         q, m = query[:, :, :n], mask[:, :, :n]
         got = kernels.attend(lib, q, key, value, m, 0.11)
         for ref in refs:

@@ -67,6 +67,8 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
 // accumulators stay in registers.
 #define ATTEND_ROWS 8  // rows a pass over a key takes (8 accumulators of 8 floats)
 #define VALUE_ROWS 4   // rows a pass over a value takes, 16 dimensions each (8 accumulators)
+#define FEW_GROUPS 2   // groups of ATTEND_ROWS rows whose queries share the L1 (16 KB at 256 dims)
+#define FEW_VALUE_GROUPS 16  // groups of VALUE_ROWS rows: a verify of 16 tokens of 4 query heads
 
 // scores[r][j] for the nr rows from r0 at slot j (the rows its mask rows allow)
 static inline __attribute__((always_inline)) void scores_of(
@@ -180,9 +182,15 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
         // a group of rows against every slot in turn: the group's queries stay in L1 while
         // the keys stream past (with the slots outer, every group's queries, 32 KB at 8 rows
         // of 4 query heads, were reread for each key)
+        // A few groups (a verify's rows) go the other way round, each slot against every
+        // group: each thread then reads its share of the keys once, where split by group each
+        // read them all (the keys, not the queries, are what a decoding step waits for).
+        const int64_t kgroups = (rows + ATTEND_ROWS - 1) / ATTEND_ROWS;
+        const int slots_outer = kgroups <= FEW_GROUPS;
 #pragma omp for schedule(static) collapse(2)
-        for (int64_t r0 = 0; r0 < rows; r0 += ATTEND_ROWS)
-            for (int64_t j = 0; j < slots; j++) {
+        for (int64_t a = 0; a < (slots_outer ? slots : kgroups); a++)
+            for (int64_t b = 0; b < (slots_outer ? kgroups : slots); b++) {
+                const int64_t j = slots_outer ? a : b, r0 = (slots_outer ? b : a) * ATTEND_ROWS;
                 const char *kj = (const char *)k + j * kstride * es;
                 const int nr = rows - r0 < ATTEND_ROWS ? (int)(rows - r0) : ATTEND_ROWS;
                 int seen = 0;
@@ -199,9 +207,15 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             totals[r] = softmax8(scores + r * slots, masks[r], slots);
+        // A verify's groups go dimensions outer: each thread takes a share of the dimensions
+        // for every group, so it reads its share of the values once, a group after another
+        // from its cache (split by group, each thread read every value). A prompt's many
+        // groups stay split by group, each group's probabilities in the L1.
+        const int dims_outer = groups <= FEW_VALUE_GROUPS;
 #pragma omp for schedule(static) collapse(2)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t w = 0; w < wide; w++) {
+        for (int64_t a = 0; a < (dims_outer ? wide : groups); a++)
+            for (int64_t b = 0; b < (dims_outer ? groups : wide); b++) {
+                const int64_t g = dims_outer ? b : a, w = dims_outer ? a : b;
                 const int64_t r0 = g * VALUE_ROWS, c = 16 * w;
                 const int nr = rows - r0 < VALUE_ROWS ? (int)(rows - r0) : VALUE_ROWS;
 #define VALUES(NR, BF16) \
