@@ -271,7 +271,9 @@ def test_probes_back_off_while_drafts_keep_failing_and_return_when_they_pay():
         policy.update(1, 0.01, 0, 0, 0.0)
     policy.update(2, 0.013, 1, 1, 0.002)
     assert policy.probe_gap() == policy.probe_every
-    for _ in range(80):  # and so do the drafts after it
+    # and so do the drafts after it: the probes' passes outweigh the failures' decayed weight
+    # (ALPHA_DECAY) within about fifteen probes, then the drafts' own
+    for _ in range(160):
         k = policy.choose(4)
         policy.update(k + 1, 0.01 * (1 + 0.3 * k), k, k, 0.002 * k)
     assert policy.choose(4) > 0
@@ -425,12 +427,12 @@ def test_draft_length_policy_does_not_draft_for_a_marginal_gain():
     policy = DraftLengthPolicy(probe_every=1000, margin=0.05)
     for _ in range(30):
         policy.update(1, 0.10, 0, 0, 0.0)
-        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")  # 1 draft, 20% dearer, ~1 in 6 accepted
-        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
-        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
-        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
-        policy.update(2, 0.12, 1, 0, 0.0, cls="weak")
-        policy.update(2, 0.12, 1, 1, 0.0, cls="weak")
+        policy.update(2, 0.118, 1, 0, 0.0, cls="weak")  # 1 draft, 18% dearer, ~1 in 6 accepted
+        policy.update(2, 0.118, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.118, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.118, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.118, 1, 0, 0.0, cls="weak")
+        policy.update(2, 0.118, 1, 1, 0.0, cls="weak")
     gain = policy.expected_rate(1, "weak") / policy.expected_rate(0, "weak")
     assert 1.0 < gain < 1.05  # drafting would pay, but barely
     assert policy.choose(4, cls="weak") == 0

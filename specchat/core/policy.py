@@ -34,13 +34,19 @@ class DraftLengthPolicy:
 
     PROBE_BUDGET = 0.01  # the share of plain decoding's time that probes may lose, expected
     MAX_COST_GAP = 256  # the most plain steps between probes that PROBE_BUDGET asks for
+    # Alpha's memory: each test's weight decays by this a test (about twenty tests). A shorter
+    # one (0.9) let a short patch of failures rest a drafter whose drafts pay, and resting
+    # wrongly costs more than drafting wrongly: a failed draft costs a verify one row wider and
+    # a draft, a tenth or two of a step, where a passed one saves a step (docs/performance.md,
+    # "The draft-length policy's memory").
+    ALPHA_DECAY = 0.95
 
-    def __init__(self, probe_every: int = 8, margin: float = 0.05, max_probe_gap: int = 32):
+    def __init__(self, probe_every: int = 8, margin: float = 0.02, max_probe_gap: int = 32):
         self.probe_every = probe_every
         self.max_probe_gap = max(max_probe_gap, probe_every)
-        # Draft only when that is expected to beat plain decoding by this fraction: estimates are
-        # noisy, and a draft that merely breaks even costs more than the model sees (the lookup,
-        # a wider sampling step), so a marginal gain is not worth the risk of a loss.
+        # Draft only when that is expected to beat plain decoding by this fraction: a draft that
+        # merely breaks even costs more than the model sees (the lookup, a wider sampling step).
+        # Kept small: resting wrongly costs more than drafting wrongly (see ALPHA_DECAY).
         self.margin = margin
         self._tests: dict[object, list[float]] = {}  # class -> [successes, failures]
         # Verify cost for m > 1 tokens fed: step_s * (1 + fixed + slope * (m - 1)). A wider
@@ -156,8 +162,8 @@ class DraftLengthPolicy:
         if drafted:
             # Per-position tests: `accepted` successes, then one failure unless all passed.
             tests = self._tests.setdefault(cls, [2.0, 1.0])
-            tests[0] = decay * tests[0] + accepted
-            tests[1] = decay * tests[1] + (1 if accepted < drafted else 0)
+            tests[0] = self.ALPHA_DECAY * tests[0] + accepted
+            tests[1] = self.ALPHA_DECAY * tests[1] + (1 if accepted < drafted else 0)
         if probing and (drafted or draft_s > 0):
             sums = self._probe_sums.setdefault(cls, [0.0, 0.0])
             sums[0], sums[1] = decay * sums[0] + draft_s, decay * sums[1] + 1
