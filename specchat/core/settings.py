@@ -121,7 +121,8 @@ _ROWS = (
             MAX_DRAFT_LEN, api=("draft_len",), group="speculation"),
     Setting("tree_nodes", "Tree nodes", None, "the head drafts a tree of up to this many tokens, "
             "verified in one forward; 0: a chain (default: 10 for the head alone when greedy "
-            "where its trees pay, else 0)", True, 0, MAX_TREE_NODES, api=("tree_nodes",), group="speculation"),
+            "where its trees pay, else 0)", True, 0, MAX_TREE_NODES, api=("tree_nodes",),
+            group="speculation"),
 )
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ROWS}
 PENALTIES = [s.name for s in _ROWS if s.group == "penalties"]

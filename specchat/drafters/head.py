@@ -153,7 +153,8 @@ class HeadDrafter(Drafter):
     def prefers_trees(self) -> bool:
         """Greedy trees by default only where each draft is a torch forward: where the chain
         runs in one C call, a chain's drafts cost a third of a tree level's and its verifies
-        are narrower, and chains were faster (docs/performance.md, "Fewer calls after the forward")."""
+        are narrower, and chains were faster (docs/performance.md, "Fewer calls after the
+        forward")."""
         return not self.chains_in_c
 
     @property
