@@ -14,7 +14,9 @@ from tiny import with_kernel
 
 from specchat import kernels
 
-ROWS = (1, 2, 3, 4, 8, 16, 64)
+# the row counts a verify or a prompt feeds; 24, 40 and 100 take the AMX kernel's part-filled
+# tiles of 16 and its passes of up to 32 rows
+ROWS = (1, 2, 3, 4, 8, 16, 24, 40, 64, 100)
 SHAPES = ((40, 64), (100, 192), (33, 640), (256, 2048))  # (out, in): odd groups, long rows
 # NF4's codebook (bitsandbytes' `nf4` table)
 NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -38,8 +40,8 @@ def _kernels() -> dict:
     found = {"ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        for name, needs in kernels.I8_KERNELS.items():
-            if needs <= kernels._cpu_flags():
+        for name in kernels.I8_KERNELS:
+            if kernels.i8_runs(name):
                 found[f"simd-{name}"] = with_kernel(simd, "nf4_matmul_i8",
                                                     f"nf4_matmul_i8_{name}")
     assert None not in found.values()
@@ -146,7 +148,7 @@ def _q8_kernels() -> dict:
     found = {"ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        names = ["ref"] + (["vnni"] if kernels.I8_KERNELS["vnni"] <= kernels._cpu_flags() else [])
+        names = ["ref"] + [name for name in ("vnni", "amx") if kernels.i8_runs(name)]
         for name in names:
             found[f"simd-{name}"] = with_kernel(simd, "q8_0_rows_matmul_i8",
                                                 f"q8_0_rows_matmul_i8_{name}")
@@ -178,8 +180,9 @@ def test_the_q8_0_head_repacked_in_place_gives_one_set_of_bits_its_maxima_and_it
         want = kernels.q8_0_rows_matmul_i8(found["ref"], x, head.q, head.dw, None, maxima)
         assert torch.equal(maxima, want.view(n, -1, 64).amax(-1))
         for name, lib in found.items():
-            got = kernels.q8_0_rows_matmul_i8(lib, x, head.q, head.dw)
-            assert torch.equal(got, want), (name, n)
+            got_maxima = torch.empty_like(maxima)
+            got = kernels.q8_0_rows_matmul_i8(lib, x, head.q, head.dw, None, got_maxima)
+            assert torch.equal(got, want) and torch.equal(got_maxima, maxima), (name, n)
         exact = x.double() @ values.double().T
         bound = activation_error(x, values).double() * 1.01 + 1e-5 * exact.abs().max()
         assert ((want.double() - exact).abs() <= bound).all()
@@ -192,3 +195,23 @@ def test_the_q8_0_head_repacked_in_place_gives_one_set_of_bits_its_maxima_and_it
                  found["ref"])
     assert not odd.pack_rows(found["ref"]) and odd.dw is None  # not groups of 16: unchanged
     assert torch.equal(odd.q, q[:40])
+
+
+@pytest.mark.parametrize("inn", (32, 96))
+def test_the_q8_0_head_kernels_agree_on_one_block_and_an_odd_number_of_blocks(inn):
+    """Rows of one block of 32 inputs, and of three: the AMX kernel's two-deep pipeline over
+    the blocks at its shortest and with its tile sets out of step."""
+    from specchat.runners.cpu.q8_head import Q8Head
+
+    found = _q8_kernels()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-128, 128, (64, inn), dtype=torch.int8, generator=g)
+    d = (torch.rand(64, inn // 32, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    head = Q8Head(torch.nn.Linear(inn, 64, bias=False), q, d, found["ref"])
+    assert head.pack_rows(found["ref"])
+    for n in (1, 5, 17, 40):
+        x = torch.randn(n, inn, generator=g)
+        want = kernels.q8_0_rows_matmul_i8(found["ref"], x, head.q, head.dw)
+        for name, lib in found.items():
+            assert torch.equal(kernels.q8_0_rows_matmul_i8(lib, x, head.q, head.dw), want), \
+                (name, n)

@@ -103,7 +103,7 @@ def i8_kernels() -> dict:
     found = {"portable-ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        for name, needs in kernels.I8_KERNELS.items():
-            if needs <= kernels._cpu_flags():
+        for name in kernels.I8_KERNELS:
+            if kernels.i8_runs(name):
                 found[name] = with_kernel(simd, "decoder_forward_i8", f"decoder_forward_i8_{name}")
     return {name: lib for name, lib in found.items() if lib is not None}

@@ -94,8 +94,9 @@ _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
-I8_KERNELS = {"vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
-              "avx2": _NEEDS["avx2"], "ref": frozenset()}
+_VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+I8_KERNELS = {"amx": _VNNI | {"amx_tile", "amx_int8"}, "vnni": _VNNI, "avx2": _NEEDS["avx2"],
+              "ref": frozenset()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +145,8 @@ class Kernels:
     draft_head_forward: Callable[..., int]
     draft_head_chain: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
-    # whether q8_0_rows_matmul_i8 is the VNNI kernel (else its plain C reference)
+    # whether q8_0_rows_matmul_i8 is the VNNI or the AMX kernel, which read the head's rows
+    # repacked (else its plain C reference)
     rows_i8_vnni: bool = False
 
 
@@ -241,7 +243,8 @@ def _load(portable: bool, wide: bool, simd: bool = False, path: Path | None = No
     max_in.argtypes, max_in.restype = [], ctypes.c_int
     variant = ("avx512" if wide else "avx2") if simd else "ref"
     return Kernels(variant=variant, q8_width=16 if wide else 8, path=path, max_in=max_in,
-                   rows_i8_vnni=names["q8_0_rows_matmul_i8"].endswith("_vnni"), **functions)
+                   rows_i8_vnni=names["q8_0_rows_matmul_i8"].endswith(("_vnni", "_amx")),
+                   **functions)
 
 
 def symbols(wide: bool, simd: bool) -> dict[str, str]:
@@ -250,8 +253,11 @@ def symbols(wide: bool, simd: bool) -> dict[str, str]:
     names = {name: name if simd or name in _PLAIN else f"{name}_ref" for name in _ARGTYPES}
     for name in ("nf4_matmul_i8", "decoder_forward_i8"):
         names[name] = f"{name}_{i8_kernel()}" if simd else f"{name}_ref"
-    names["q8_0_rows_matmul_i8"] = "q8_0_rows_matmul_i8_vnni" \
-        if simd and I8_KERNELS["vnni"] <= _cpu_flags() else "q8_0_rows_matmul_i8_ref"
+    # the Q8_0 head's integer product: AMX's where the NF4 one is AMX's, else VNNI's where the
+    # CPU has it, else the reference
+    rows = "amx" if simd and i8_kernel() == "amx" else \
+        "vnni" if simd and I8_KERNELS["vnni"] <= _cpu_flags() else "ref"
+    names["q8_0_rows_matmul_i8"] = f"q8_0_rows_matmul_i8_{rows}"
     if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
         names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
         names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
@@ -261,13 +267,34 @@ def symbols(wide: bool, simd: bool) -> dict[str, str]:
 
 
 def i8_kernel() -> str:
-    """The integer NF4 kernel the SIMD build runs here: "vnni" (AVX-512 VNNI) where the CPU
+    """The integer NF4 kernel the SIMD build runs here: "amx" (AMX-INT8 tiles) where the CPU
+    has them and Linux grants them (`amx_granted`), else "vnni" (AVX-512 VNNI) where the CPU
     has it, else "avx2"; `SPECCHAT_I8_KERNEL` names another that runs here (all give the same
     bits)."""
     forced = os.environ.get("SPECCHAT_I8_KERNEL")
-    if forced and forced in I8_KERNELS and forced != "ref" and I8_KERNELS[forced] <= _cpu_flags():
+    if forced and forced in I8_KERNELS and forced != "ref" and i8_runs(forced):
         return forced
-    return "vnni" if I8_KERNELS["vnni"] <= _cpu_flags() else "avx2"
+    return next(name for name in ("amx", "vnni", "avx2") if i8_runs(name))
+
+
+def i8_runs(name: str) -> bool:
+    """Whether the integer kernel `name` (an I8_KERNELS key) runs on this CPU."""
+    return I8_KERNELS[name] <= _cpu_flags() and (name != "amx" or amx_granted())
+
+
+@functools.cache
+def amx_granted() -> bool:
+    """Whether this process may use AMX's tiles: Linux hands their state only on request
+    (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), once for every thread; without it
+    the first tile instruction kills the process. False off Linux x86-64 or where refused (a
+    kernel before 5.16, a sandbox that filters the call): the VNNI kernel runs instead."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_long(18)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def i8_avx512() -> str:

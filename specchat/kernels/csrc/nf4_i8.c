@@ -26,11 +26,17 @@
 // padding) have code 0 and scale 0: they add nothing and are never stored.
 #include "common.h"
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #define I8_ROWS 16       // weight rows of a group
 #define I8_BLOCK 32      // inputs of a block
 #define I8_BYTES 256     // packed bytes of a group's block
 #define I8_OFFSET 128    // VNNI: the weights as unsigned bytes, w8 + 128
 #define I8_SCALE 112.0f  // NF4 value v -> round(I8_SCALE v); the block scale absmax / I8_SCALE
+#define I8_PAD (16 * 32)  // bytes after a call's quantized rows: one tile's rows of a block
 
 // the table's int8 values: round(I8_SCALE * v), ties to even
 static inline void i8_table(const float *table, int8_t w8[16]) {
@@ -126,7 +132,10 @@ static inline float i8_d(const i8_rows *r, int64_t j, int64_t b) { return r->d[b
 static int i8_rows_new(const float *x, int64_t n, int64_t in, i8_rows *r, float *y,
                        int64_t out) {
     const int64_t nb = in / I8_BLOCK;
-    r->q = aligned_alloc(64, (size_t)((n * in + 63) / 64 * 64));
+    // room past the last block for a whole tile of rows (the AMX kernel loads 16 rows of a
+    // block at a time; the rows past n add nothing that is stored)
+    const size_t bytes = (size_t)((n * in + I8_PAD + 63) / 64 * 64);
+    r->q = aligned_alloc(64, bytes);
     r->d = malloc(sizeof(float) * (size_t)(n * nb));
     r->bias = malloc(sizeof(int32_t) * (size_t)(n * nb));
     r->n = n;
@@ -136,6 +145,7 @@ static int i8_rows_new(const float *x, int64_t n, int64_t in, i8_rows *r, float 
         return 0;
     }
     i8_quantize(x, n, in, r->q, r->d, r->bias);
+    memset(r->q + n * in, 0, bytes - (size_t)(n * in));
     return 1;
 }
 
@@ -465,5 +475,243 @@ I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
     }
     i8_rows_free(&r);
 }
+
+// ---- AMX-INT8: 16 activation rows by 16 weight rows in one instruction -------------------------
+// One tile product multiplies 16 activation rows of a block (tile A: 32 signed bytes a row) by
+// 16 weight rows (tile B) into their int32 sums (tile C: 16 x 16), exactly. B is a group's
+// block as the VNNI kernel's 8 vectors hold it (16 weight rows x 4 consecutive inputs each),
+// which is AMX's own layout for B (K / 4 rows of N x 4 bytes): the Q8_0 head's packed blocks
+// load as they lie (unsigned, w8 + 128: tdpbsud, then each sum plus the row's bias, as VNNI's),
+// and an NF4 block is decoded by the signed table into 512 bytes first (tdpbssd: no bias).
+// C goes through memory to the VNNI kernel's epilogue, the same operations in the same block
+// order: the same bits. Per-32 block sums keep a tile product to half its depth (K = 32 of
+// 64), and the epilogue (convert, scale, add: a vector op each per row and block) is most of
+// the work. A thread configures its tiles once a call (`amx_tiles`); the process needs the
+// kernel's permission first (`amx_ready`). Fewer rows than AMX_MIN_ROWS go to the VNNI kernel.
+#define I8_AMX \
+    __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define AMX_ROWS 16      // activation rows of a tile
+#define AMX_SET 32       // activation rows a pass over the weights serves: two tiles
+#define AMX_MIN_ROWS 10  // fewer rows: the VNNI kernel (faster up to 8 rows, measured)
+
+// Linux hands a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction kills the process. 1 where granted
+// (once a process; the grant covers every thread), else 0 and the kernels below run VNNI's.
+int amx_ready(void) {
+    static int state;  // 0: not asked yet, 1: granted, -1: refused
+#if defined(__linux__)
+    if (!state) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+#else
+    state = -1;
+#endif
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+// Two sets of tiles, one for even blocks and one for odd (so that a block's loads and products
+// need not wait for the last block's to finish with a tile): B (8 rows x 64 bytes) in 0 and 1,
+// A (`rows` rows x 32 bytes) in 2 and 3, and the C of two tiles of rows (`rows` rows x 64
+// bytes) in 4, 5 and 6, 7. `rows`: 16, or a call's fewer rows (less to store).
+I8_AMX static void amx_tiles(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 2 ? 8 : (uint8_t)rows;
+        c.colsb[t] = t == 2 || t == 3 ? I8_BLOCK : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+// The sums of block b's tiles of rows (stored in c, `rows` rows a tile) into the accumulators
+// of rows 0 .. J
+I8_AMX static inline __attribute__((always_inline)) void amx_epilogue(
+    int BYTES, const int32_t *c, int64_t J, int rows, const i8_rows *r, int64_t j0, int64_t b,
+    __m512 dwv, float *acc) {
+    const float *dx = r->d + b * r->n + j0;
+    const int32_t *bias = r->bias + b * r->n + j0;
+    for (int64_t t = 0, j = 0; j < J; t++)  // tile t's sums at c + t 256, a row each 16
+        for (int64_t i = 0; i < rows && j < J; i++, j++) {
+            __m512i isum = _mm512_load_si512((const void *)(c + (t * AMX_ROWS + i) * 16));
+            if (BYTES) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(bias[j]));
+            const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(dx[j]));
+            _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale,
+                                                          _mm512_load_ps(acc + 16 * j)));
+        }
+}
+
+// A group's block of NF4 codes decoded into B's layout (512 bytes: the VNNI kernel's 8 vectors)
+I8_AMX static inline __attribute__((always_inline)) void amx_decode(const uint8_t *blk,
+                                                                     __m512i tbl, uint8_t *wt) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int p = 0; p < 4; p++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * p));
+        _mm512_store_si512((void *)(wt + 128 * p),
+                           _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, low)));
+        _mm512_store_si512((void *)(wt + 128 * p + 64), _mm512_shuffle_epi8(
+                               tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), low)));
+    }
+}
+
+// Block b's products into its set of tiles (B tile BT, A tile AT, C tiles C0 and C1: literal
+// numbers, as the intrinsics take them)
+#define AMX_PRODUCTS(BT, AT, C0, C1)                                                       \
+    do {                                                                                   \
+        _tile_loadd(BT, BYTES ? blk : wt[b & 1], 64);                                      \
+        _tile_zero(C0);                                                                    \
+        _tile_loadd(AT, qx, I8_BLOCK);                                                     \
+        if (BYTES)                                                                         \
+            _tile_dpbsud(C0, AT, BT);                                                      \
+        else                                                                               \
+            _tile_dpbssd(C0, AT, BT);                                                      \
+        if (tiles > 1) {                                                                   \
+            _tile_zero(C1);                                                                \
+            _tile_loadd(AT, qx + rows * I8_BLOCK, I8_BLOCK);                               \
+            if (BYTES)                                                                     \
+                _tile_dpbsud(C1, AT, BT);                                                  \
+            else                                                                           \
+                _tile_dpbssd(C1, AT, BT);                                                  \
+        }                                                                                  \
+    } while (0)
+// C tiles C0 and C1's sums into memory at `sums`
+#define AMX_STORE(C0, C1)                                                                  \
+    do {                                                                                   \
+        _tile_stored(C0, sums, 64);                                                        \
+        if (tiles > 1) _tile_stored(C1, sums + AMX_ROWS * 16, 64);                         \
+    } while (0)
+
+// block b's weight scales
+#define AMX_DW(b)                                                                               \
+    (BYTES ? _mm512_cvtph_ps(_mm256_loadu_si256(                                                \
+                 (const __m256i *)((const uint16_t *)dw + (b) * I8_ROWS)))                      \
+           : _mm512_loadu_ps((const float *)dw + (b) * I8_ROWS))
+
+// One group of 16 weight rows (`out_rows` of them stored) for activation rows j0 .. j0 + J (J
+// at most AMX_SET: one or two tiles of `rows`), over every block. Pipelined two blocks deep,
+// so that nothing waits on a result just asked for: block b + 1's codes are decoded while
+// block b's products run, block b - 1's sums go to memory once block b's products are under
+// way, and block b - 2's epilogue reads them from there. The epilogues still run in block
+// order. BYTES as `i8_tile_vnni`'s.
+I8_AMX static inline __attribute__((always_inline)) void i8_group_amx(
+    int BYTES, const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl, const i8_rows *r,
+    int64_t j0, int64_t J, int rows, float *y, int64_t out, int out_rows) {
+    __attribute__((aligned(64))) uint8_t wt[2][8 * 64];
+    __attribute__((aligned(64))) int32_t c[2][2 * AMX_ROWS * 16];
+    __attribute__((aligned(64))) float acc[AMX_SET * 16];
+    memset(acc, 0, sizeof(float) * 16 * (size_t)J);
+    const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;
+    const int tiles = J > rows ? 2 : 1;
+    if (!BYTES) amx_decode(packed, tbl, wt[0]);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = packed + b * stride;
+        // into L2 far ahead, and into L1 two blocks ahead: a tile load waits for its lines,
+        // and the tile instructions after it wait with it
+        for (int64_t l = 0; l < stride; l += 64) {
+            _mm_prefetch((const char *)blk + I8_AHEAD + l, _MM_HINT_T1);
+            _mm_prefetch((const char *)blk + 2 * stride + l, _MM_HINT_T0);
+        }
+        if (!BYTES && b + 1 < nb) amx_decode(blk + stride, tbl, wt[(b + 1) & 1]);
+        const int8_t *qx = i8_q(r, j0, b);
+        int32_t *sums = c[(b - 1) & 1];
+        if (b & 1) {
+            AMX_PRODUCTS(1, 3, 6, 7);
+            AMX_STORE(4, 5);  // block b - 1's (b >= 1 here)
+        } else {
+            AMX_PRODUCTS(0, 2, 4, 5);
+            if (b) AMX_STORE(6, 7);
+        }
+        if (b >= 2) amx_epilogue(BYTES, c[b & 1], J, rows, r, j0, b - 2, AMX_DW(b - 2), acc);
+    }
+    int32_t *sums = c[(nb - 1) & 1];  // the last block's sums, then the last two epilogues
+    if ((nb - 1) & 1)
+        AMX_STORE(6, 7);
+    else
+        AMX_STORE(4, 5);
+    if (nb >= 2) amx_epilogue(BYTES, c[nb & 1], J, rows, r, j0, nb - 2, AMX_DW(nb - 2), acc);
+    amx_epilogue(BYTES, c[(nb - 1) & 1], J, rows, r, j0, nb - 1, AMX_DW(nb - 1), acc);
+    const __mmask16 keep =
+        out_rows == 16 ? (__mmask16)0xffff : (__mmask16)((1u << out_rows) - 1);
+    for (int64_t j = 0; j < J; j++)
+        _mm512_mask_storeu_ps(y + (j0 + j) * out, keep, _mm512_load_ps(acc + 16 * j));
+}
+#undef AMX_PRODUCTS
+#undef AMX_STORE
+#undef AMX_DW
+
+I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                              const float *dw, int64_t blocksize, const float *table, float *y,
+                              int64_t out, int threads) {
+    if (n < AMX_MIN_ROWS || !amx_ready()) {
+        nf4_matmul_i8_vnni(x, n, in, packed, dw, blocksize, table, y, out, threads);
+        return;
+    }
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    int8_t w8[16];  // signed: tdpbssd, and no bias to add
+    i8_table(table, w8);
+    const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w8));
+    const int64_t nb = in / I8_BLOCK, groups = (out + I8_ROWS - 1) / I8_ROWS;
+    const int64_t sets = (n + AMX_SET - 1) / AMX_SET, per = (n + sets - 1) / sets;
+    const int rows = n < AMX_ROWS ? (int)n : AMX_ROWS;  // a tile's rows
+#pragma omp parallel num_threads(threads)
+    {
+        amx_tiles(rows);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t o0 = g * I8_ROWS;
+            const int out_rows = out - o0 < I8_ROWS ? (int)(out - o0) : I8_ROWS;
+            for (int64_t j0 = 0; j0 < n; j0 += per)
+                i8_group_amx(0, packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r,
+                             j0, n - j0 < per ? n - j0 : per, rows, y + o0, out, out_rows);
+        }
+        _tile_release();
+    }
+    i8_rows_free(&r);
+}
+
+I8_AMX void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in,
+                                    const uint8_t *packed, const uint16_t *dw, float *y,
+                                    int64_t out, float *maxima, int threads) {
+    if (n < AMX_MIN_ROWS || !amx_ready()) {
+        q8_0_rows_matmul_i8_vnni(x, n, in, packed, dw, y, out, maxima, threads);
+        return;
+    }
+    maxima_unknown(maxima, n, out);
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    const int64_t nb = in / I8_BLOCK;
+    const int64_t sets = (n + AMX_SET - 1) / AMX_SET, per = (n + sets - 1) / sets;
+    const int rows = n < AMX_ROWS ? (int)n : AMX_ROWS;  // a tile's rows
+    const __m512i unused = _mm512_setzero_si512();
+#pragma omp parallel num_threads(threads)
+    {
+        amx_tiles(rows);
+#pragma omp for schedule(static)
+        for (int64_t b0 = 0; b0 < out; b0 += HEAD_BLOCK) {
+            const int64_t b1 = out - b0 < HEAD_BLOCK ? out : b0 + HEAD_BLOCK;
+            for (int64_t o0 = b0; o0 < b1; o0 += I8_ROWS) {
+                const int64_t g = o0 / I8_ROWS;
+                const int out_rows = b1 - o0 < I8_ROWS ? (int)(b1 - o0) : I8_ROWS;
+                for (int64_t j0 = 0; j0 < n; j0 += per)
+                    i8_group_amx(1, packed + g * nb * 2 * I8_BYTES, dw + g * nb * I8_ROWS, nb,
+                                 unused, &r, j0, n - j0 < per ? n - j0 : per, rows, y + o0, out,
+                                 out_rows);
+            }
+            if (maxima)
+                block_maxima(y, n, out, b0, b1, maxima, (out + HEAD_BLOCK - 1) / HEAD_BLOCK);
+        }
+        _tile_release();
+    }
+    i8_rows_free(&r);
+}
+#undef I8_AMX
 #undef I8_512
 #endif  // SPECCHAT_SIMD

@@ -60,7 +60,7 @@ void nf4_matmul16_ref(const float *x, int64_t n, int64_t in, const uint8_t *code
 
 // NF4 by integer dot products (nf4_i8.c): the codes repacked at load (`nf4_i8_pack`: packed
 // codes and per-block scales dw in place of codes and absmax), activations quantized to int8
-// per block of 32; the reference, AVX2 and AVX-512 VNNI give the same bits
+// per block of 32; the reference, AVX2, AVX-512 VNNI and AMX give the same bits
 int64_t nf4_i8_packed_bytes(int64_t out, int64_t in);
 int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t in,
                 int64_t blocksize, uint8_t *packed, float *dw);
@@ -73,9 +73,15 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                         const float *dw, int64_t blocksize, const float *table, float *y,
                         int64_t out, int threads);
+void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                       const float *dw, int64_t blocksize, const float *table, float *y,
+                       int64_t out, int threads);
+// AMX's tile state granted to this process (Linux asks once): 1, else 0 (the AMX kernels then
+// run the VNNI ones)
+int amx_ready(void);
 
 // the Q8_0 LM head by the same arithmetic (nf4_i8.c): repacked in place, the same bits from
-// the reference and the VNNI kernel
+// the reference and the VNNI and AMX kernels
 int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, uint16_t *dw);
 void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                              const uint16_t *dw, float *y, int64_t out, float *maxima,
@@ -83,6 +89,9 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                               const uint16_t *dw, float *y, int64_t out, float *maxima,
                               int threads);
+void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                             const uint16_t *dw, float *y, int64_t out, float *maxima,
+                             int threads);
 
 // bf16 weights (bf16.c); the longest weight row the products take
 void bf16_matmul(const float *x, int64_t n, int64_t in, const uint16_t *weight, float *y,
@@ -156,7 +165,7 @@ int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64
                           const float *const *rope_tables, float *out, double *clock,
                           int threads);
 // The same stack on the integer NF4 product (`cpu-int8`): the model's weights packed by
-// `nf4_i8_pack`; the reference and the AVX2 and VNNI kernels give the same bits
+// `nf4_i8_pack`; the reference and the AVX2, VNNI and AMX kernels give the same bits
 int decoder_forward_i8_ref(const decoder_model *m, const float *embeddings, int64_t n,
                            const int64_t *pos, int64_t start, const uint8_t *visible,
                            float *k_cache, float *v_cache, int64_t slots,
@@ -172,6 +181,11 @@ int decoder_forward_i8_vnni(const decoder_model *m, const float *embeddings, int
                             float *k_cache, float *v_cache, int64_t slots,
                             const float *const *rope_tables, float *out, double *clock,
                             int threads);
+int decoder_forward_i8_amx(const decoder_model *m, const float *embeddings, int64_t n,
+                           const int64_t *pos, int64_t start, const uint8_t *visible,
+                           float *k_cache, float *v_cache, int64_t slots,
+                           const float *const *rope_tables, float *out, double *clock,
+                           int threads);
 // an embedding table's rows for n ids, each value times `scale` (`kind`: EMBED_* in decoder.c)
 void embed_rows(const void *table, int kind, int64_t dim, const int64_t *ids, int64_t n,
                 float scale, float *out);
