@@ -215,3 +215,29 @@ def test_the_q8_0_head_kernels_agree_on_one_block_and_an_odd_number_of_blocks(in
         for name, lib in found.items():
             assert torch.equal(kernels.q8_0_rows_matmul_i8(lib, x, head.q, head.dw), want), \
                 (name, n)
+
+
+def test_the_kernel_taken_is_amx_where_granted_else_vnni_and_a_forced_one_wins(monkeypatch):
+    """AMX's tiles need the CPU's flags and Linux's grant; refused, the VNNI kernel runs (the
+    same bits), for the decoder's products and the head's alike; SPECCHAT_I8_KERNEL names
+    another kernel this CPU runs."""
+    flags = kernels.I8_KERNELS["amx"] | kernels._NEEDS["avx512"]
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.delenv("SPECCHAT_I8_KERNEL", raising=False)
+    for granted, want in ((True, "amx"), (False, "vnni")):
+        monkeypatch.setattr(kernels, "amx_granted", lambda granted=granted: granted)
+        names = kernels.symbols(wide=True, simd=True)
+        assert kernels.i8_kernel() == want
+        assert names["nf4_matmul_i8"] == f"nf4_matmul_i8_{want}"
+        assert names["decoder_forward_i8"] == f"decoder_forward_i8_{want}"
+        assert names["q8_0_rows_matmul_i8"] == f"q8_0_rows_matmul_i8_{want}"
+    monkeypatch.setattr(kernels, "amx_granted", lambda: True)
+    monkeypatch.setenv("SPECCHAT_I8_KERNEL", "avx2")
+    names = kernels.symbols(wide=True, simd=True)
+    assert names["nf4_matmul_i8"] == "nf4_matmul_i8_avx2"
+    assert names["q8_0_rows_matmul_i8"] == "q8_0_rows_matmul_i8_vnni"  # the head keeps VNNI
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: kernels._NEEDS["avx2"])
+    monkeypatch.setenv("SPECCHAT_I8_KERNEL", "amx")  # not on this CPU: the best that runs
+    assert kernels.i8_kernel() == "avx2"
+    assert kernels.symbols(wide=False, simd=True)["q8_0_rows_matmul_i8"] == \
+        "q8_0_rows_matmul_i8_ref"

@@ -39,6 +39,8 @@ def test_each_cpu_kind_gets_its_paths_best_first():
     # with native bf16), then the bf16 path.
     assert names(AVX512_BF16)[:3] == ["cpu-int8", "cpu-fp32-avx512", "cpu-bf16-native"]
     assert names(AMX)[:3] == ["cpu-int8", "cpu-fp32-avx512", "cpu-bf16-native"]
+    assert cpu_kind(set(AMX.split()), "x86_64").describe() == \
+        "x86_64 AVX2 AVX-512 VNNI AMX-INT8 native bf16"
     no_vnni = AVX512_NO_BF16.replace(" avx512_vnni", "")  # Skylake-SP: AVX-512 without VNNI
     assert names(no_vnni)[0] == "cpu-fp32-avx512"
     assert names(AVX2_ONLY) == ["cpu-fp32-avx2", "cpu-fp32-ref", "cpu-fp32-dense"]

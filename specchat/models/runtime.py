@@ -39,6 +39,7 @@ AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
 VNNI = frozenset({"avx512_vnni", "avx_vnni"})
+AMX_INT8 = frozenset({"amx_tile", "amx_int8"})
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ class CpuKind:
         return self.avx512 and "avx512_vnni" in self.flags
 
     @property
+    def amx_int8(self) -> bool:
+        """AMX's int8 tiles beside AVX-512 VNNI: the `cpu-int8` path's products from 10 rows."""
+        return self.avx512_vnni and AMX_INT8 <= self.flags
+
+    @property
     def vnni(self) -> bool:
         return self.x86 and bool(VNNI & self.flags)
 
@@ -82,6 +88,7 @@ class CpuKind:
         if not self.avx2:
             return f"{self.machine} without AVX2"
         has = ["AVX2"] + (["AVX-512"] if self.avx512 else []) + (["VNNI"] if self.vnni else []) \
+            + (["AMX-INT8"] if self.amx_int8 else []) \
             + (["native bf16"] if self.native_bf16 else [])
         lacks = ([] if self.avx512 else ["AVX-512"]) + ([] if self.native_bf16 else ["native bf16"])
         return f"{self.machine} {' '.join(has)}" + (f" (no {', no '.join(lacks)})" if lacks else "")
