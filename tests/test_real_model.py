@@ -148,8 +148,8 @@ INTEGER_REPLY = [669, 2668, 529, 506, 2069, 659, 49597, 236761, 107, 2887, 23678
 @pytest.mark.ci
 def test_the_integer_path_gives_the_recorded_reply_on_every_kernel(embedded):
     """`cpu-int8`'s decoder stack on each integer kernel this CPU runs (AMX, VNNI, AVX2; the
-    portable reference where no SIMD kernel runs), forced whatever this CPU would pick: greedy decoding
-    gives the reply recorded above, on whatever CPU kind runs the test."""
+    portable reference where no SIMD kernel runs), forced whatever this CPU would pick: greedy
+    decoding gives the reply recorded above, on whatever CPU kind runs the test."""
     from tiny import i8_kernels
 
     ids, _ = chat_prompt(embedded.tokenizer, PROMPT)
