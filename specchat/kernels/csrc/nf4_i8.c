@@ -491,7 +491,6 @@ I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
 #define I8_AMX \
     __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define AMX_ROWS 16      // activation rows of a tile
-#define AMX_SET 32       // activation rows a pass over the weights serves: two tiles
 #define AMX_MIN_ROWS 10  // fewer rows: the VNNI kernel (faster up to 8 rows, measured)
 
 // Linux hands a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
@@ -514,36 +513,19 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) amx_config;
 
-// Two sets of tiles, one for even blocks and one for odd (so that a block's loads and products
-// need not wait for the last block's to finish with a tile): B (8 rows x 64 bytes) in 0 and 1,
-// A (`rows` rows x 32 bytes) in 2 and 3, and the C of two tiles of rows (`rows` rows x 64
-// bytes) in 4, 5 and 6, 7. `rows`: 16, or a call's fewer rows (less to store).
+// Two sets of tiles, one for even blocks and one for odd, so that a block's loads and product
+// need not wait for the last block's to finish with a tile: B (8 rows x 64 bytes) in 0 and 1,
+// A (`rows` rows x 32 bytes) in 2 and 3, C (`rows` rows x 64 bytes) in 4 and 5. `rows`: 16, or
+// a call's fewer rows (less to load and store).
 I8_AMX static void amx_tiles(int rows) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 8; t++) {
+    for (int t = 0; t < 6; t++) {
         c.rows[t] = t < 2 ? 8 : (uint8_t)rows;
         c.colsb[t] = t == 2 || t == 3 ? I8_BLOCK : 64;
     }
     _tile_loadconfig(&c);
-}
-
-// The sums of block b's tiles of rows (stored in c, `rows` rows a tile) into the accumulators
-// of rows 0 .. J
-I8_AMX static inline __attribute__((always_inline)) void amx_epilogue(
-    int BYTES, const int32_t *c, int64_t J, int rows, const i8_rows *r, int64_t j0, int64_t b,
-    __m512 dwv, float *acc) {
-    const float *dx = r->d + b * r->n + j0;
-    const int32_t *bias = r->bias + b * r->n + j0;
-    for (int64_t t = 0, j = 0; j < J; t++)  // tile t's sums at c + t 256, a row each 16
-        for (int64_t i = 0; i < rows && j < J; i++, j++) {
-            __m512i isum = _mm512_load_si512((const void *)(c + (t * AMX_ROWS + i) * 16));
-            if (BYTES) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(bias[j]));
-            const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(dx[j]));
-            _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale,
-                                                          _mm512_load_ps(acc + 16 * j)));
-        }
 }
 
 // A group's block of NF4 codes decoded into B's layout (512 bytes: the VNNI kernel's 8 vectors)
@@ -559,31 +541,34 @@ I8_AMX static inline __attribute__((always_inline)) void amx_decode(const uint8_
     }
 }
 
-// Block b's products into its set of tiles (B tile BT, A tile AT, C tiles C0 and C1: literal
-// numbers, as the intrinsics take them)
-#define AMX_PRODUCTS(BT, AT, C0, C1)                                                       \
+// Block b's sums (stored at c, a row each 16) into the accumulators of its J rows: the VNNI
+// kernel's epilogue
+I8_AMX static inline __attribute__((always_inline)) void amx_epilogue(
+    int BYTES, const int32_t *c, int64_t J, const i8_rows *r, int64_t j0, int64_t b, __m512 dwv,
+    __m512 *acc) {
+    const float *dx = r->d + b * r->n + j0;
+    const int32_t *bias = r->bias + b * r->n + j0;
+#pragma GCC unroll 16
+    for (int j = 0; j < AMX_ROWS; j++)  // unrolled: the accumulators stay in registers
+        if (j < J) {
+            __m512i isum = _mm512_load_si512((const void *)(c + j * 16));
+            if (BYTES) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(bias[j]));
+            const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(dx[j]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[j]);
+        }
+}
+
+// Block b's product into its set of tiles (B tile BT, A tile AT, C tile CT: literal numbers, as
+// the intrinsics take them): signed by unsigned bytes for Q8_0, signed by signed for NF4
+#define AMX_PRODUCT(BT, AT, CT)                                                            \
     do {                                                                                   \
         _tile_loadd(BT, BYTES ? blk : wt[b & 1], 64);                                      \
-        _tile_zero(C0);                                                                    \
-        _tile_loadd(AT, qx, I8_BLOCK);                                                     \
+        _tile_zero(CT);                                                                    \
+        _tile_loadd(AT, i8_q(r, j0, b), I8_BLOCK);                                         \
         if (BYTES)                                                                         \
-            _tile_dpbsud(C0, AT, BT);                                                      \
+            _tile_dpbsud(CT, AT, BT);                                                      \
         else                                                                               \
-            _tile_dpbssd(C0, AT, BT);                                                      \
-        if (tiles > 1) {                                                                   \
-            _tile_zero(C1);                                                                \
-            _tile_loadd(AT, qx + rows * I8_BLOCK, I8_BLOCK);                               \
-            if (BYTES)                                                                     \
-                _tile_dpbsud(C1, AT, BT);                                                  \
-            else                                                                           \
-                _tile_dpbssd(C1, AT, BT);                                                  \
-        }                                                                                  \
-    } while (0)
-// C tiles C0 and C1's sums into memory at `sums`
-#define AMX_STORE(C0, C1)                                                                  \
-    do {                                                                                   \
-        _tile_stored(C0, sums, 64);                                                        \
-        if (tiles > 1) _tile_stored(C1, sums + AMX_ROWS * 16, 64);                         \
+            _tile_dpbssd(CT, AT, BT);                                                      \
     } while (0)
 
 // block b's weight scales
@@ -593,20 +578,19 @@ I8_AMX static inline __attribute__((always_inline)) void amx_decode(const uint8_
            : _mm512_loadu_ps((const float *)dw + (b) * I8_ROWS))
 
 // One group of 16 weight rows (`out_rows` of them stored) for activation rows j0 .. j0 + J (J
-// at most AMX_SET: one or two tiles of `rows`), over every block. Pipelined two blocks deep,
-// so that nothing waits on a result just asked for: block b + 1's codes are decoded while
-// block b's products run, block b - 1's sums go to memory once block b's products are under
-// way, and block b - 2's epilogue reads them from there. The epilogues still run in block
-// order. BYTES as `i8_tile_vnni`'s.
+// at most 16: one tile, their accumulators in registers), over every block. Pipelined two
+// blocks deep, so that nothing waits on a result just asked for: block b + 1's codes are
+// decoded while block b's product runs, block b - 1's sums go to memory once block b's product
+// is under way, and block b - 2's epilogue reads them from there. The epilogues still run in
+// block order. BYTES as `i8_tile_vnni`'s.
 I8_AMX static inline __attribute__((always_inline)) void i8_group_amx(
     int BYTES, const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl, const i8_rows *r,
-    int64_t j0, int64_t J, int rows, float *y, int64_t out, int out_rows) {
+    int64_t j0, int64_t J, float *y, int64_t out, int out_rows) {
     __attribute__((aligned(64))) uint8_t wt[2][8 * 64];
-    __attribute__((aligned(64))) int32_t c[2][2 * AMX_ROWS * 16];
-    __attribute__((aligned(64))) float acc[AMX_SET * 16];
-    memset(acc, 0, sizeof(float) * 16 * (size_t)J);
+    __attribute__((aligned(64))) int32_t c[2][AMX_ROWS * 16];
+    __m512 acc[AMX_ROWS];
+    for (int j = 0; j < AMX_ROWS; j++) acc[j] = _mm512_setzero_ps();
     const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;
-    const int tiles = J > rows ? 2 : 1;
     if (!BYTES) amx_decode(packed, tbl, wt[0]);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = packed + b * stride;
@@ -617,31 +601,28 @@ I8_AMX static inline __attribute__((always_inline)) void i8_group_amx(
             _mm_prefetch((const char *)blk + 2 * stride + l, _MM_HINT_T0);
         }
         if (!BYTES && b + 1 < nb) amx_decode(blk + stride, tbl, wt[(b + 1) & 1]);
-        const int8_t *qx = i8_q(r, j0, b);
-        int32_t *sums = c[(b - 1) & 1];
         if (b & 1) {
-            AMX_PRODUCTS(1, 3, 6, 7);
-            AMX_STORE(4, 5);  // block b - 1's (b >= 1 here)
+            AMX_PRODUCT(1, 3, 5);
+            _tile_stored(4, c[0], 64);  // block b - 1's
         } else {
-            AMX_PRODUCTS(0, 2, 4, 5);
-            if (b) AMX_STORE(6, 7);
+            AMX_PRODUCT(0, 2, 4);
+            if (b) _tile_stored(5, c[1], 64);
         }
-        if (b >= 2) amx_epilogue(BYTES, c[b & 1], J, rows, r, j0, b - 2, AMX_DW(b - 2), acc);
+        if (b >= 2) amx_epilogue(BYTES, c[b & 1], J, r, j0, b - 2, AMX_DW(b - 2), acc);
     }
-    int32_t *sums = c[(nb - 1) & 1];  // the last block's sums, then the last two epilogues
-    if ((nb - 1) & 1)
-        AMX_STORE(6, 7);
+    if ((nb - 1) & 1)  // the last block's sums, then the last two epilogues
+        _tile_stored(5, c[1], 64);
     else
-        AMX_STORE(4, 5);
-    if (nb >= 2) amx_epilogue(BYTES, c[nb & 1], J, rows, r, j0, nb - 2, AMX_DW(nb - 2), acc);
-    amx_epilogue(BYTES, c[(nb - 1) & 1], J, rows, r, j0, nb - 1, AMX_DW(nb - 1), acc);
+        _tile_stored(4, c[0], 64);
+    if (nb >= 2) amx_epilogue(BYTES, c[nb & 1], J, r, j0, nb - 2, AMX_DW(nb - 2), acc);
+    amx_epilogue(BYTES, c[(nb - 1) & 1], J, r, j0, nb - 1, AMX_DW(nb - 1), acc);
     const __mmask16 keep =
         out_rows == 16 ? (__mmask16)0xffff : (__mmask16)((1u << out_rows) - 1);
-    for (int64_t j = 0; j < J; j++)
-        _mm512_mask_storeu_ps(y + (j0 + j) * out, keep, _mm512_load_ps(acc + 16 * j));
+#pragma GCC unroll 16
+    for (int j = 0; j < AMX_ROWS; j++)
+        if (j < J) _mm512_mask_storeu_ps(y + (j0 + j) * out, keep, acc[j]);
 }
-#undef AMX_PRODUCTS
-#undef AMX_STORE
+#undef AMX_PRODUCT
 #undef AMX_DW
 
 I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *packed,
@@ -658,8 +639,9 @@ I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8
     i8_table(table, w8);
     const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w8));
     const int64_t nb = in / I8_BLOCK, groups = (out + I8_ROWS - 1) / I8_ROWS;
-    const int64_t sets = (n + AMX_SET - 1) / AMX_SET, per = (n + sets - 1) / sets;
-    const int rows = n < AMX_ROWS ? (int)n : AMX_ROWS;  // a tile's rows
+    // rows in as few tiles as fit, of sizes as equal as can be
+    const int64_t tiles = (n + AMX_ROWS - 1) / AMX_ROWS, per = (n + tiles - 1) / tiles;
+    const int rows = (int)per;  // a tile's rows
 #pragma omp parallel num_threads(threads)
     {
         amx_tiles(rows);
@@ -667,9 +649,9 @@ I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8
         for (int64_t g = 0; g < groups; g++) {
             const int64_t o0 = g * I8_ROWS;
             const int out_rows = out - o0 < I8_ROWS ? (int)(out - o0) : I8_ROWS;
-            for (int64_t j0 = 0; j0 < n; j0 += per)
+            for (int64_t j0 = 0; j0 < n; j0 += per)  // the group's weights stay in the cache
                 i8_group_amx(0, packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r,
-                             j0, n - j0 < per ? n - j0 : per, rows, y + o0, out, out_rows);
+                             j0, n - j0 < per ? n - j0 : per, y + o0, out, out_rows);
         }
         _tile_release();
     }
@@ -688,8 +670,9 @@ I8_AMX void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in,
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     const int64_t nb = in / I8_BLOCK;
-    const int64_t sets = (n + AMX_SET - 1) / AMX_SET, per = (n + sets - 1) / sets;
-    const int rows = n < AMX_ROWS ? (int)n : AMX_ROWS;  // a tile's rows
+    // rows in as few tiles as fit, of sizes as equal as can be
+    const int64_t tiles = (n + AMX_ROWS - 1) / AMX_ROWS, per = (n + tiles - 1) / tiles;
+    const int rows = (int)per;  // a tile's rows
     const __m512i unused = _mm512_setzero_si512();
 #pragma omp parallel num_threads(threads)
     {
@@ -702,7 +685,7 @@ I8_AMX void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in,
                 const int out_rows = b1 - o0 < I8_ROWS ? (int)(b1 - o0) : I8_ROWS;
                 for (int64_t j0 = 0; j0 < n; j0 += per)
                     i8_group_amx(1, packed + g * nb * 2 * I8_BYTES, dw + g * nb * I8_ROWS, nb,
-                                 unused, &r, j0, n - j0 < per ? n - j0 : per, rows, y + o0, out,
+                                 unused, &r, j0, n - j0 < per ? n - j0 : per, y + o0, out,
                                  out_rows);
             }
             if (maxima)
