@@ -74,7 +74,7 @@ class CpuKind:
 
     @property
     def amx_int8(self) -> bool:
-        """AMX's int8 tiles beside AVX-512 VNNI: the `cpu-int8` path's products from 10 rows."""
+        """AMX's int8 tiles beside AVX-512 VNNI: the `cpu-int8` path's products from 8 rows."""
         return self.avx512_vnni and AMX_INT8 <= self.flags
 
     @property
