@@ -773,3 +773,21 @@ def test_the_kernels_ab_reads_a_revisions_sources_from_git(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         kernels_ab.main(["--help"])
     assert done.value.code == 0 and "--base" in capsys.readouterr().out
+
+
+def test_the_kernels_ab_takes_two_integer_kernels_this_cpu_runs(capsys):
+    """`--kernels A,B` forces two integer kernels of one build; anything else is refused with
+    the kernels it takes, before a model loads."""
+    from specchat import kernels
+    from specchat.bench import kernels_ab
+
+    if not kernels.runs_here("avx2"):
+        pytest.skip("the A/B needs the SIMD build")
+    for bad in ("vnni", "vnni,ref", "vnni,nope"):
+        assert kernels_ab.main(["--kernels", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--kernels takes two of" in err and repr(bad) in err
+    lib = kernels.load("avx2")
+    forced = kernels.with_i8_kernel(lib, "avx2")
+    assert forced.decoder_forward_i8.__name__ == "decoder_forward_i8_avx2"
+    assert forced.q8_0_rows_matmul_i8 is lib.q8_0_rows_matmul_i8  # AVX2 has no head kernel

@@ -85,13 +85,9 @@ def bnb_cpu_repack(model, on: bool, now: bool = False) -> list:
 def with_kernel(lib, field: str, symbol: str):
     """`lib` (a `kernels.Kernels`) with its function `field` replaced by the C function `symbol`
     of the same library: one kernel variant forced, whatever this CPU would pick."""
-    import ctypes
-    import dataclasses
+    from specchat import kernels
 
-    function = ctypes.CDLL(str(lib.path))[symbol]
-    bound = getattr(lib, field)
-    function.argtypes, function.restype = bound.argtypes, bound.restype
-    return dataclasses.replace(lib, **{field: function})
+    return kernels.with_function(lib, field, symbol)
 
 
 def i8_kernels() -> dict:

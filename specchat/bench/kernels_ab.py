@@ -7,6 +7,9 @@ alternated call by call so that the machine's drift hits both alike, with the bi
 A kernel change that should not change a bit must print `same bits`; its speed is the ratio of
 the medians (B/A: the working tree over the base). Timing one build after the other, minutes
 apart, measures the machine more than the change on a shared CPU.
+
+`--kernels vnni,amx` compares two integer kernels of the working tree's build instead (A, B:
+the NF4 products and the LM head's, forced; `kernels.I8_KERNELS`), on one model and cache.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,8,16", help="rows a forward feeds (default: 1,4,8,16)")
     p.add_argument("--repeats", type=int, default=21, help="forwards of each build and width")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", metavar="A,B",
+                   help="two integer kernels of the working tree's build instead (vnni,amx)")
     args = p.parse_args(argv)
     if not kernels.runs_here("avx2"):
         print("the A/B needs the SIMD build (AVX2, FMA, F16C)", file=sys.stderr)
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    if args.kernels:
+        return _kernels_ab(args, rows)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "base").mkdir()
@@ -93,6 +100,48 @@ def main(argv: list[str] | None = None) -> int:
         a, b = (statistics.median(times[k, n]) * 1000 for k in ("A", "B"))
         same = "same bits" if torch.equal(outs["A", n], outs["B", n]) else "BITS DIFFER"
         print(f"  {n:3} rows: A {a:7.2f} ms  B {b:7.2f} ms  B/A {b / a:.3f}  {same}")
+    return 0
+
+
+def _kernels_ab(args, rows: list[int]) -> int:
+    """Two integer kernels of one build, alternated forward by forward on one runner: its
+    decoder stack's function and its LM head's library swapped between calls."""
+    from specchat.loader import load_engine
+
+    names = args.kernels.split(",")
+    if len(names) != 2 or any(n not in kernels.I8_KERNELS or n == "ref" or not kernels.i8_runs(n)
+                              for n in names):
+        print(f"--kernels takes two of {', '.join(n for n in kernels.I8_KERNELS if n != 'ref')} "
+              f"that this CPU runs, not {args.kernels!r}", file=sys.stderr)
+        return 2
+    engine = load_engine("embedded", progress=lambda *a: None).engine
+    runner = engine.runner
+    if not getattr(runner, "int8", False):
+        print(f"--kernels needs the cpu-int8 path; this model runs {engine.target.runtime.path}",
+              file=sys.stderr)
+        return 2
+    head = vars(runner.head)["forward"]
+    libs = {k: kernels.with_i8_kernel(runner.lib, name) for k, name in zip("AB", names)}
+    ids, _ = engine.text_prompt(PROMPT)
+    cache = runner.new_cache()
+    runner.forward(cache, ids, 0, 1)
+    start, times, outs = len(ids), {}, {}
+    for rep in range(args.repeats):
+        for n in rows:
+            for k in ("AB" if rep % 2 == 0 else "BA"):
+                runner._decoder, head.lib = libs[k].decoder_forward_i8, libs[k]
+                began = time.perf_counter()
+                outs[k, n] = runner.forward(cache, [ids[-1]] * n, start, n).clone()
+                times.setdefault((k, n), []).append(time.perf_counter() - began)
+                runner.crop(cache, start + n, start)
+    print(f"decoder forward after a {start}-token prompt, {args.threads} threads, "
+          f"median of {args.repeats} (A: {names[0]}, B: {names[1]})")
+    one = {k: statistics.median(times[k, rows[0]]) for k in "AB"}
+    for n in rows:
+        a, b = (statistics.median(times[k, n]) for k in "AB")
+        same = "same bits" if torch.equal(outs["A", n], outs["B", n]) else "BITS DIFFER"
+        print(f"  {n:3} rows: A {a * 1000:7.2f} ms  B {b * 1000:7.2f} ms  B/A {b / a:.3f}  "
+              f"x {rows[0]} rows: A {a / one['A']:.2f} B {b / one['B']:.2f}  {same}")
     return 0
 
 

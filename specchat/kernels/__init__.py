@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -275,6 +276,25 @@ def i8_kernel() -> str:
     if forced and forced in I8_KERNELS and forced != "ref" and i8_runs(forced):
         return forced
     return next(name for name in ("amx", "vnni", "avx2") if i8_runs(name))
+
+
+def with_function(lib: Kernels, field: str, symbol: str) -> Kernels:
+    """`lib` with its function `field` bound to the C function `symbol` of the same library (a
+    kernel variant forced, whatever this CPU would pick; tests and A/Bs)."""
+    function = ctypes.CDLL(str(lib.path))[symbol]
+    bound = getattr(lib, field)
+    function.argtypes, function.restype = bound.argtypes, bound.restype
+    return dataclasses.replace(lib, **{field: function})
+
+
+def with_i8_kernel(lib: Kernels, name: str) -> Kernels:
+    """`lib` (a SIMD build) with the integer kernel `name` (an I8_KERNELS key but "ref") in the
+    NF4 product, the decoder stack on it and, for "amx" and "vnni", the Q8_0 head's product."""
+    for field in ("nf4_matmul_i8", "decoder_forward_i8"):
+        lib = with_function(lib, field, f"{field}_{name}")
+    if name in ("amx", "vnni"):
+        lib = with_function(lib, "q8_0_rows_matmul_i8", f"q8_0_rows_matmul_i8_{name}")
+    return lib
 
 
 def i8_runs(name: str) -> bool:
