@@ -14,9 +14,15 @@ whose library is already loaded. Two builds of the same files (`build_flags`):
 
 `load(variant)` gives one variant's functions under the plain names: "avx512" (the SIMD build,
 its NF4 and Q8_0 products 16 lanes wide, the decoder stack on them, the integer Q8_0 product by
-AVX-512 VNNI where the CPU has it), "avx2"
-(the SIMD build, 8 wide) or "ref" (the portable build, computing the bits "avx2" computes). `reference(variant)` gives the references of "avx2" or "avx512". Where a
-variant cannot be built or run here, its `load` returns None and the caller keeps its other path.
+AVX-512 VNNI where the CPU has it), "avx2" (the SIMD build, 8 wide) or "ref" (the portable
+build, computing the bits "avx2" computes). `reference(variant)` gives the references of "avx2"
+or "avx512". Where a variant cannot be built or run here, its `load` returns None and the
+caller keeps its other path.
+
+The `cpu-int8` path's integer kernels (csrc/nf4_i8.c) all give their reference's bits, so the
+fastest that runs here is bound (`i8_kernel`): AMX-INT8 tiles where the CPU has them and Linux
+grants them (`amx_granted`), else AVX-512 VNNI, else AVX2; `SPECCHAT_I8_KERNEL` forces one, and
+`with_i8_kernel` binds one for a test or an A/B.
 """
 
 from __future__ import annotations
