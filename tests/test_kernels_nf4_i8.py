@@ -241,3 +241,26 @@ def test_the_kernel_taken_is_amx_where_granted_else_vnni_and_a_forced_one_wins(m
     assert kernels.i8_kernel() == "avx2"
     assert kernels.symbols(wide=False, simd=True)["q8_0_rows_matmul_i8"] == \
         "q8_0_rows_matmul_i8_ref"
+
+
+def test_a_block_with_nan_inf_or_negative_zero_quantizes_alike_on_every_kernel():
+    """The activations' block maxima (SIMD where the build has it, plain C in the portable
+    build) skip a NaN and take an infinity the same way: every kernel the same bits, NaNs
+    included."""
+    found = _kernels()
+    out, inn = 48, 128
+    codes, absmax = _weight(out, inn, seed=3)
+    packed, dw = kernels.nf4_i8_pack(found["ref"], codes, absmax, out, inn, 64)
+    x = torch.randn(16, inn)
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    x[3, 70] = -float("inf")
+    x[4, :32] = -0.0
+    x[5, 96:] = 0.0
+    x[6, 3] = float("nan")
+    x[6, 4] = float("inf")
+    want = kernels.nf4_matmul_i8(found["ref"], x, packed, dw, NF4, out).view(torch.int32)
+    for name, lib in found.items():
+        got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out).view(torch.int32)
+        assert torch.equal(got, want), name
+    assert torch.isfinite(kernels.nf4_matmul_i8(found["ref"], x[7:], packed, dw, NF4, out)).all()

@@ -84,6 +84,27 @@ int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t 
     return 0;
 }
 
+// The largest |v| of a block of 32 (`a > m ? a : m` from 0: a NaN never wins; max is exact in
+// any order, so the SIMD form gives the plain one's value)
+static inline float block_amax(const float *v) {
+#if SPECCHAT_SIMD
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int t = 0; t < I8_BLOCK; t += 8)  // max_ps(a, m): m where a is NaN
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + t)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+#else
+    float amax = 0.0f;
+    for (int t = 0; t < I8_BLOCK; t++) {
+        const float a = fabsf(v[t]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+#endif
+}
+
 // Activation rows x [n, in] -> q int8, d (the blocks' scales) and bias (-128 times the blocks'
 // sums of q, VNNI's starting sums), block-major so that a block's rows lie side by side: block
 // b of row j at q + (b n + j) 32, d[b n + j], bias[b n + j]. One function for every kernel: the
@@ -95,12 +116,7 @@ static void i8_quantize(const float *x, int64_t n, int64_t in, int8_t *q, float 
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + j * in + b * I8_BLOCK;
             int8_t *o = q + (b * n + j) * I8_BLOCK;
-            float amax = 0.0f;
-            for (int t = 0; t < I8_BLOCK; t++) {
-                const float a = fabsf(v[t]);
-                amax = a > amax ? a : amax;
-            }
-            const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            const float dd = block_amax(v) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
             int32_t sum = 0;
             for (int t = 0; t < I8_BLOCK; t++) {
                 // to nearest, ties to even (|v| < 2^22: adding 1.5 * 2^23 leaves no fraction)
