@@ -504,6 +504,14 @@ I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
 // 64), and the epilogue (convert, scale, add: a vector op each per row and block) is most of
 // the work. A thread configures its tiles once a call (`amx_tiles`); the process needs the
 // kernel's permission first (`amx_ready`). Fewer rows than AMX_MIN_ROWS go to the VNNI kernel.
+// Compilers before GCC 11 and Clang 12 know no AMX intrinsics: there the AMX kernels are the
+// VNNI ones under their names (the same bits), and the rest of the build still compiles.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define SPECCHAT_AMX 1
+#else
+#define SPECCHAT_AMX 0
+#endif
+#if SPECCHAT_AMX
 #define I8_AMX \
     __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define AMX_ROWS 16      // activation rows of a tile
@@ -712,5 +720,18 @@ I8_AMX void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in,
     i8_rows_free(&r);
 }
 #undef I8_AMX
+#else   // no AMX in this compiler
+int amx_ready(void) { return 0; }
+void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                       const float *dw, int64_t blocksize, const float *table, float *y,
+                       int64_t out, int threads) {
+    nf4_matmul_i8_vnni(x, n, in, packed, dw, blocksize, table, y, out, threads);
+}
+void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                             const uint16_t *dw, float *y, int64_t out, float *maxima,
+                             int threads) {
+    q8_0_rows_matmul_i8_vnni(x, n, in, packed, dw, y, out, maxima, threads);
+}
+#endif  // SPECCHAT_AMX
 #undef I8_512
 #endif  // SPECCHAT_SIMD
