@@ -531,7 +531,7 @@ class TopKTreeDrafter(Drafter):
         raise AssertionError("asked for trees: the engine calls propose_tree")
 
     @torch.inference_mode()
-    def propose_tree(self, context, k, params, nodes):
+    def propose_tree(self, context, k, params, nodes, noise=None):
         tokens, parents, frontier = [], [], [(-1, [])]
         for _ in range(min(k, self.depth)):
             grown = []
@@ -808,7 +808,7 @@ class _Always(Drafter):
     def propose(self, context, k, params, noise):
         return torch.tensor(self.tokens[:k]), None
 
-    def propose_tree(self, context, depth, params, nodes):
+    def propose_tree(self, context, depth, params, nodes, noise=None):
         n = min(depth, len(self.tokens))
         return DraftTree(torch.tensor(self.tokens[:n]), list(range(-1, n - 1)))
 
@@ -859,3 +859,15 @@ def test_non_text_tokens_are_never_sampled_nor_drafted():
         assert spec == plain and stats.drafted == 0  # a draft is cut at its first non-text token
     sampled, _ = reply(speculation=False, temperature=1.0, seed=3)
     assert marker not in sampled and max(sampled) < len(tok)
+
+
+def test_a_spine_is_a_chain_from_the_root_with_only_leaves_beside_it():
+    """The trees the engine verifies on the native sampler (`Engine._verify_spine`): nodes
+    0..m-1 a chain from the root, every other node a leaf of the root or of a chain node."""
+    from specchat.core.engine import _spine
+    assert _spine([-1, 0, 1]) == 3  # a chain
+    assert _spine([-1, 0, 1, -1, 0, 1]) == 3  # leaves beside each draft
+    assert _spine([-1, -1, -1]) == 1  # siblings of the first
+    assert _spine([-1, 0, -1, 2]) == 0  # a leaf with a child: another tree
+    assert _spine([-1, 0, 0, 1, 2]) == 0  # a node below a leaf
+    assert _spine([]) == 0

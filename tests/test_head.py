@@ -612,10 +612,56 @@ def test_a_one_wide_tree_is_the_greedy_chain():
     head = random_head(target, vocab_ids=torch.arange(40, 44))
     context, k = ids_of(TEXT), 6
     chain, _ = HeadDrafter(head, target, len(TOK)).propose(context, k, SamplingParams(0.0), None)
-    tree = HeadDrafter(head, target, len(TOK), tree_width=1, tree_beam=1,
-                       tree_min_score=0.0).propose_tree(context, k, SamplingParams(0.0), k)
+    drafter = HeadDrafter(head, target, len(TOK), tree_width=1, tree_beam=1, tree_min_score=0.0)
+    drafter.native_chain = False  # EAGLE-2's tree, a torch forward a level
+    tree = drafter.propose_tree(context, k, SamplingParams(0.0), k)
     assert tree.parents == list(range(-1, k - 1))
     assert tree.tokens.tolist() == chain.tolist()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "min-p"])
+@pytest.mark.parametrize("width, min_score, nodes", [(3, 0.0, 20), (2, 0.05, 20), (3, 0.0, 5),
+                                                     (0, 0.0, 20)])
+def test_a_fan_is_the_c_chain_with_the_heads_next_likeliest_tokens_beside_it(
+        sampled, width, min_score, nodes):
+    """Where the chain runs in C, a tree is that chain (the same drafts, the same cache after)
+    with leaves: at each draft, the head's next likeliest tokens there, each scored by the
+    head's probability of the chain before it and its own; at most `width` a level, none under
+    `min_score`, the best `nodes` in all, level by level."""
+    target = tiny_gemma3(0)
+    head = random_head(target, vocab_ids=torch.arange(40, 56))
+    with torch.no_grad():  # flatter rows: leaves at every level
+        head.fc.weight.mul_(0.05)
+    context, k = ids_of(TEXT), 4
+    params = SamplingParams(0.8, min_p=0.01) if sampled else SamplingParams(0.0)
+    noise = Noise(3) if sampled else None
+    chain_drafter = HeadDrafter(head, target, len(TOK), 0.0, lib=kernels.load("ref"))
+    chain, _ = chain_drafter.propose(context, k, params, noise)
+    rows = [torch.log_softmax(row.float(), -1) for row in chain_drafter._chain(
+        context, k, params, noise)[1]]
+    drafter = HeadDrafter(head, target, len(TOK), 0.0, lib=kernels.load("ref"),
+                          fan_width=width, fan_min_score=min_score)
+    assert drafter.chains_in_c
+    tree = drafter.propose_tree(context, k, params, nodes, noise)
+    m = len(chain)
+    assert tree.tokens[:m].tolist() == chain.tolist() and tree.parents[:m] == list(range(-1, m - 1))
+    assert all(torch.equal(a, b) for a, b in zip(drafter.cache, chain_drafter.cache))
+    place = {int(t): i for i, t in enumerate(head.vocab_ids)}
+    want, reach = [], 1.0
+    for level, token in enumerate(chain.tolist()):
+        p = rows[level].exp()
+        alts = sorted((t for t in range(40, 56) if t != token), key=lambda t: -p[place[t]])
+        for t in alts[:width]:
+            if reach * p[place[t]] < min_score:
+                break
+            want.append((float(reach * p[place[t]]), level, t))
+        reach *= float(p[place[token]])
+    want = sorted(want, reverse=True)[:max(0, nodes - m)]
+    want.sort(key=lambda leaf: (leaf[1], -leaf[0]))
+    leaves = list(zip(tree.tokens[m:].tolist(), tree.parents[m:]))
+    assert leaves == [(t, level - 1) for _, level, t in want]
+    if width and min_score == 0.0 and nodes >= m * (width + 1):
+        assert len({parent for _, parent in leaves}) == m  # flat rows: leaves at every level
 
 
 @pytest.mark.parametrize("nodes", [1, 5, 12])

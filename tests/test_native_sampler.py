@@ -349,3 +349,55 @@ def test_a_drafters_min_p_draw_follows_min_p_distribution():
     assert set(counts) == set(expected)
     for place, p in expected.items():  # within 4.5 standard deviations
         assert abs(counts[place] / n - p) < 4.5 * (p * (1 - p) / n) ** 0.5, (place, p)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fan_trees_reply_plain_texts_with_the_native_sampler_and_without(checkpoint,
+                                                                         monkeypatch):
+    """The head's C chain with leaves beside it (`HeadDrafter._fan`), verified on the native
+    sampler (the chain's rows in one call, a leaf's row where the walk reaches it, each from
+    the head's block maxima) and on the Python definitions: plain decoding's reply, greedy and
+    drawn by min-p, and leaves pass. The head's vocabulary is the tokens the target writes (as
+    a trained head's is), so that its random guesses are sometimes the target's."""
+    from specchat.core.events import StepRecord
+    from specchat.drafters.head import HeadDrafter
+    from specchat.models.eagle import DraftHead, HeadConfig
+    loaded = load_model(str(checkpoint), "nf4", "cpu", progress=lambda *a: None)
+    target = loaded.model
+    prompt = list(b"abcabcabcabd abcabcabcabd abcabc")
+    examples = dict(repeat_penalty=1.1, repeat_last_n=64, dry_multiplier=0.8)
+    plain_engine = Engine(loaded, {})
+    samplings = (dict(temperature=0.0), dict(temperature=0.8, min_p=0.05, seed=5))
+    plain = [[e.id for e in plain_engine.stream(prompt, GenerateConfig(
+        max_new_tokens=40, speculation=False, **examples, **s)) if isinstance(e, TokenEvent)]
+        for s in samplings]
+    torch.manual_seed(0)
+    written = sorted(set(plain[0] + plain[1]))
+    head = DraftHead(HeadConfig.for_target(target, len(written)))
+    head.vocab_ids = torch.tensor(written)
+    drafter = HeadDrafter(head.attach(target).eval(), target, 2048, fan_width=8,
+                          fan_min_score=0.0)
+    assert drafter.chains_in_c
+    engine = Engine(loaded, {"head": drafter})
+    walks, native = [], engine._verify_spine
+    monkeypatch.setattr(engine, "_verify_spine", lambda *a: (walks.append(1), native(*a))[1])
+    leaves = 0
+    for sampling, want in zip(samplings, plain):
+        for with_native in (True, False):
+            monkeypatch.setattr(engine, "_native_sampler",
+                                engine.runner.shape_pick if with_native else None)
+            walks.clear()
+            for tree_nodes in (0, 12):
+                events = list(engine.stream(prompt, GenerateConfig(
+                    max_new_tokens=40, drafter="head", draft_len=3, adaptive=False,
+                    tree_nodes=tree_nodes, **examples, **sampling)))
+                assert [e.id for e in events if isinstance(e, TokenEvent)] == want, \
+                    (sampling, with_native, tree_nodes)
+                for step in (e for e in events if isinstance(e, StepRecord)):
+                    if step.parents:  # a tree: the chain first, each node the child of the one before
+                        spine = next((i for i, p in enumerate(step.parents) if p != i - 1),
+                                     len(step.parents))
+                        assert all(p < spine for p in step.parents)
+                        leaves += any(node >= spine for node in step.path)
+            assert bool(walks) == with_native
+    assert leaves > 0

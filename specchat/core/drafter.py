@@ -24,7 +24,7 @@ default that does nothing.
     feedback(n_drafted, n_accepted)        called after each verification
     draft_class(context)                   names the kind of proposal coming next (the n-gram
                                            match length) so the engine sizes k per kind
-    supports_trees / propose_tree(context, depth, params, nodes) -> DraftTree or a chain
+    supports_trees / propose_tree(context, depth, params, nodes, noise) -> DraftTree or a chain
                                            a draft tree verified in one forward (the head);
                                            prefers_trees: greedy replies draft trees by default
     needs_features / observe(start, ids, features)
@@ -103,9 +103,10 @@ class Drafter:
                 noise: Noise | None) -> Chain:
         raise NotImplementedError
 
-    def propose_tree(self, context: list[int], depth: int, params: SamplingParams, nodes: int):
+    def propose_tree(self, context: list[int], depth: int, params: SamplingParams, nodes: int,
+                     noise: Noise | None = None):
         """A `tree.DraftTree` of at most `nodes` nodes and `depth` levels, or a chain as
-        `propose` returns it (the engine verifies either)."""
+        `propose` returns it (the engine verifies either); `noise` as `propose` takes it."""
         raise NotImplementedError(f"{type(self).__name__} drafts no trees")
 
     def draft_class(self, context: list[int]) -> object:

@@ -55,7 +55,7 @@ from specchat.core.text import (
     raw_prompt,
     tokens_until_stop,
 )
-from specchat.core.tree import DraftTree, verify_tree
+from specchat.core.tree import DraftTree, TreeVerdict, verify_tree
 
 # The longest prompt a request may bring by default, in tokens: what a 2-core CPU encodes in
 # about 10 s on the embedded target, so one request cannot hold the engine for minutes.
@@ -246,7 +246,7 @@ class Engine:
         vocab]."""
         logits = self.runner.forward_tree(self._cache, ids, parents, len(self._cache_ids))
         self._cache_ids.extend(ids)
-        return logits[:, :self.vocab_size]
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size]
 
     def _prefill(self, prompt_ids: list[int], wants: list,
                  stop_event: threading.Event | None = None) -> tuple[torch.Tensor | None, int]:
@@ -366,15 +366,46 @@ class Engine:
         context, tree = run.context, draft.tree
         ids = [context[-1], *tree.tokens.tolist()]
         logits = self._forward_tree(ids, tree.parents)
-        # a node's row continues the context and the node's path
-        logits = self._distribution(run, logits, context, tree.paths())
-        v = verify_tree(tree, logits, run.params, run.noise, len(context))
+        spine = _spine(tree.parents)
+        if spine and self._native_sampler is not None and logits.dtype == torch.float32 \
+                and logits.is_contiguous() and self._native_mode(run, logits) is not None:
+            v = self._verify_spine(run, logits, tree, spine)
+        else:
+            # a node's row continues the context and the node's path
+            logits = self._distribution(run, logits, context, tree.paths())
+            v = verify_tree(tree, logits, run.params, run.noise, len(context))
         keep = [0] + [1 + i for i in v.path]  # the root and the accepted path
         self.runner.keep_fed(self._cache, len(ids), len(self._cache_ids) - len(ids), keep)
         self._cache_ids = self._cache_ids[:-len(ids)] + [ids[j] for j in keep]
         self._observe(run.wants, len(context) - 1, [ids[j] for j in keep], keep)
         refused = int(tree.tokens[v.refused[0]]) if v.refused else None
         return Verified(list(v.path), v.next_token, v.bonus, refused, None, None, logits[keep])
+
+    def _verify_spine(self, run: _Request, logits: torch.Tensor, tree: DraftTree,
+                      spine: int) -> TreeVerdict:
+        """`verify_tree` for a chain of nodes 0..spine-1 with leaves beside it (the head's
+        `_fan`), on the native sampler: the chain's rows shaped and drawn in one call, a leaf's
+        row only where the walk reaches it. The draws `verify_tree` makes on `_distribution`'s
+        rows, and those rows, where the walk goes."""
+        tokens = tree.tokens.tolist()
+        chain = tokens[:spine]
+        _, picks = self._chain_distribution(run, logits[:spine + 1], chain, True)
+        children: dict[int, dict[int, int]] = {}
+        for i, (token, parent) in enumerate(zip(tokens, tree.parents)):
+            children.setdefault(parent, {})[token] = i
+        node, path = -1, []
+        while True:
+            if node < spine:  # the root or the chain: row node + 1 is drawn already
+                y = picks[node + 1]
+            else:  # a leaf beside chain node len(path) - 2: its row continues its own path
+                leaf = logits[node + 1:node + 2]
+                y = self._chain_distribution(run, leaf, chain[:len(path) - 1] + [tokens[node]],
+                                             True, first=len(path))[1][0]
+            kids = children.get(node)
+            if not kids or y not in kids:
+                return TreeVerdict(path, y, bonus=not kids, refused=list((kids or {}).values()))
+            node = kids[y]
+            path.append(node)
 
     def _distribution(self, run: _Request, logits: torch.Tensor, context: list[int],
                       extras: list[list[int]]) -> torch.Tensor:
@@ -397,28 +428,37 @@ class Engine:
         return out
 
     def _chain_distribution(self, run: _Request, logits: torch.Tensor, drafted: list[int],
-                            pick: bool) -> tuple[torch.Tensor, list[int] | None]:
+                            pick: bool, first: int = 0) -> tuple[torch.Tensor, list[int] | None]:
         """`_distribution` for a chain's rows (row i continues the context and drafts
-        0..i-1; plain decoding's one row), and with `pick` each row's draw where the runner's
-        native sampler makes it: (logits, the draws or None). The native sampler does the mask,
-        the penalties and the draw in one call, to the bits of the Python definitions."""
+        0..first+i-1; plain decoding's one row), and with `pick` each row's draw where the
+        runner's native sampler makes it: (logits, the draws or None). The native sampler does
+        the mask, the penalties and the draw in one call, to the bits of the Python
+        definitions."""
         sampler = self._native_sampler
         if sampler is None or logits.dtype != torch.float32 or not logits.is_contiguous():
-            extras = [drafted[:i] for i in range(len(drafted) + 1)]
+            extras = [drafted[:i] for i in range(first, len(drafted) + 1)]
             return self._distribution(run, logits, run.context, extras), None
-        mode, params = None, run.params
-        if pick and params.greedy:
-            mode = "greedy"
-        elif pick and params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] \
-                and params.min_p > 0 and blocked(logits):
-            mode = "min_p"
-        n, rows = len(run.context), len(drafted) + 1
+        mode, params = self._native_mode(run, logits) if pick else None, run.params
+        n, rows = len(run.context), len(drafted) + 1 - first
         seq, breaks = run.sequence(drafted)
-        keys = [run.noise.keys(n + i, DRAW) for i in range(rows)] if mode == "min_p" else None
-        picks = sampler(logits, self._mask_runs_for(logits), seq, breaks,
-                        [n + i for i in range(rows)], run.shaper.penalties if run.shaper else None,
-                        mode, params.temperature, params.min_p, keys)
+        at = [n + first + i for i in range(rows)]  # each row's prefix length: its position
+        keys = [run.noise.keys(i, DRAW) for i in at] if mode == "min_p" else None
+        picks = sampler(logits, self._mask_runs_for(logits), seq, breaks, at,
+                        run.shaper.penalties if run.shaper else None, mode, params.temperature,
+                        params.min_p, keys)
         return logits, picks
+
+    @staticmethod
+    def _native_mode(run: _Request, logits: torch.Tensor) -> str | None:
+        """The draw the native sampler makes for this request: "greedy", "min_p" (min-p alone
+        over rows it takes in blocks), or None (it shapes the rows, Python draws)."""
+        params = run.params
+        if params.greedy:
+            return "greedy"
+        if params.top_p >= 1.0 and not 0 < params.top_k < logits.shape[-1] \
+                and params.min_p > 0 and blocked(logits):
+            return "min_p"
+        return None
 
     def _mask_(self, logits: torch.Tensor) -> None:
         """Mask, in place, what no reply holds: the non-text tokens, and the rows past the
@@ -465,7 +505,7 @@ class Engine:
             return Draft.empty(), cls, 0
         if run.trees:
             nodes = min(cfg.tree_nodes, self.page - 2)
-            tree = drafter.propose_tree(run.context, k, run.params, nodes)
+            tree = drafter.propose_tree(run.context, k, run.params, nodes, run.noise)
             if isinstance(tree, DraftTree):
                 tree = tree.without(self._non_text_set)
                 tree = tree if len(tree) else (NO_DRAFT, None)
@@ -686,6 +726,15 @@ def _until_stop(tokenizer, context, draft, stops):
     if keep == len(draft_ids):
         return draft
     return draft_ids[:keep], (draft_probs[:keep] if draft_probs is not None else None)
+
+
+def _spine(parents: list[int]) -> int:
+    """m where a tree's nodes 0..m-1 are a chain from the root (each the child of the one
+    before) and every other node is a leaf beside it; 0 for any other tree."""
+    m = 0
+    while m < len(parents) and parents[m] == m - 1:
+        m += 1
+    return m if all(p < m for p in parents) else 0
 
 
 def _text_only(draft, non_text: frozenset[int]):

@@ -64,10 +64,13 @@ class CombinedDrafter(Drafter):
         self.last_top = self.head.last_top
         return draft
 
-    def propose_tree(self, context, depth, params, nodes):
+    def propose_tree(self, context, depth, params, nodes, noise=None):
         if self.draft_class(context) != "head":
-            return self.ngram.propose(context, depth, params, None)
-        return self.head.propose_tree(context, depth, params, nodes)
+            self.last_top = []
+            return self.ngram.propose(context, depth, params, noise)
+        tree = self.head.propose_tree(context, depth, params, nodes, noise)
+        self.last_top = self.head.last_top
+        return tree
 
     def feedback(self, n_drafted, n_accepted):
         self.ngram.feedback(n_drafted, n_accepted)

@@ -75,7 +75,8 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0,
                  tree_width: int = 4, tree_beam: int = 4,
-                 tree_min_score: float = 0.2, wide_bf16: bool | None = None, lib=None):
+                 tree_min_score: float = 0.2, wide_bf16: bool | None = None, lib=None,
+                 fan_width: int = 3, fan_min_score: float = 0.03):
         self.head = head.eval()
         self.feature_layers = head.feature_layers  # the target features it reads
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
@@ -94,6 +95,11 @@ class HeadDrafter(Drafter):
         # the least score (the head's chance of acceptance) a node needs.
         self.tree_width, self.tree_beam = tree_width, tree_beam
         self.tree_min_score = tree_min_score
+        # Where the chain runs in C, a tree is that chain with leaves beside its drafts
+        # (`_fan`): at each draft, up to `fan_width` of the head's next likeliest tokens whose
+        # chance of passing (the head's probability of the path to them) is at least
+        # `fan_min_score`.
+        self.fan_width, self.fan_min_score = fan_width, fan_min_score
         self.target = target_model
         self.embed = head.embedder(target_model)
         # its lookup in one C call where that gives the module's bits (Gemma 3's table)
@@ -415,6 +421,10 @@ class HeadDrafter(Drafter):
         return draft_ids, (torch.stack(rows) if rows else None)
 
     def _propose_chain(self, context: list[int], k: int, params: SamplingParams, noise):
+        return self._chain(context, k, params, noise)[0], None
+
+    def _chain(self, context: list[int], k: int, params: SamplingParams, noise
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """`propose`'s chain in one C call (`HeadStep.chain`), greedy or drawn by min-p
         (`_min_p_drawn`): the catch-up, then each draft's penalties, its pick and the head's
         next step, with the same functions on the same values as the loop above, so the same
@@ -448,12 +458,50 @@ class HeadDrafter(Drafter):
         self._sync_cache(context)  # the true positions only: the target supplies their features
         self.last_top = [_TopLater(rows, r, params, self._vocab_list, self._lib)
                          for r in range(len(rows))]
-        return tokens, None
+        return tokens, rows  # the drafts, and the head's rows there after their penalties
+
+    def _fan(self, context: list[int], depth: int, params: SamplingParams, nodes: int, noise
+             ) -> DraftTree | tuple:
+        """A tree at the cost of a chain: the C chain of up to `depth` drafts, and beside each
+        draft, as leaves of the same parent, the head's next likeliest tokens there (up to
+        `fan_width`, each scored by the head's probability of the chain before it and of the
+        token, at temperature 1; at least `fan_min_score`, the best `nodes` in all). A leaf
+        takes no head step, only a verify row: it passes where the target's token is the head's
+        second or third choice, about a sixth of the steps on the embedded target
+        (docs/performance.md, "Leaves beside the chain"). Nodes: the chain's first, each the
+        child of the one before, then the leaves, level by level."""
+        chain, rows = self._chain(context, depth, params, noise)
+        ids = chain.tolist()
+        if not ids:
+            return NO_DRAFT, None
+        places = self._places()
+        leaves: list[tuple[float, int, int]] = []  # (score, level, token)
+        reach = 1.0  # the head's probability that the chain passes up to this level
+        for level, token in enumerate(ids):
+            row = rows[level]
+            top, values, lse = kernels.row_top(self._lib, row, self.fan_width + 1)
+            kept = 0
+            for place, value in zip(top, values):
+                alt = self._vocab_list[place]
+                score = reach * math.exp(value - lse)
+                if alt == token:
+                    continue
+                if score < self.fan_min_score or kept == self.fan_width:
+                    break
+                leaves.append((score, level, alt))
+                kept += 1
+            reach *= math.exp(float(row[places[token]]) - lse)
+        leaves = sorted(leaves, reverse=True)[:max(0, nodes - len(ids))]
+        leaves.sort(key=lambda leaf: (leaf[1], -leaf[0]))
+        return DraftTree(torch.tensor(ids + [t for _, _, t in leaves], dtype=torch.long),
+                         list(range(-1, len(ids) - 1)) + [level - 1 for _, level, _ in leaves])
 
     @torch.inference_mode()
-    def propose_tree(self, context, depth: int, params: SamplingParams, nodes: int):
-        """A draft tree of at most `nodes` nodes and `depth` levels (EAGLE-2's dynamic
-        tree). A node's score is the product of the head's probabilities along its path, the
+    def propose_tree(self, context, depth: int, params: SamplingParams, nodes: int,
+                     noise=None):
+        """A draft tree of at most `nodes` nodes and `depth` levels. Where the chain runs in C
+        (greedy, or min-p's draw with the request's `noise`): that chain with leaves (`_fan`).
+        Elsewhere EAGLE-2's dynamic tree: a node's score is the product of the head's probabilities along its path, the
         head's estimate that the target accepts it; nodes under `tree_min_score` are not worth
         their share of the wider verify. Each level, the `tree_beam` best new nodes are expanded
         with one head forward (their rows see the context and their own ancestors) and each
@@ -463,6 +511,9 @@ class HeadDrafter(Drafter):
         L = len(context)
         if depth <= 0 or nodes <= 0 or L < 2:
             return NO_DRAFT, None
+        if self.chains_in_c and (params.greedy or noise is not None
+                                 and self._min_p_drawn(params)):
+            return self._fan(context, depth, params, nodes, noise)
         feat, logits = self._catch_up(context)
         temperature = 1.0 if params.greedy else params.temperature
         base = self.cache[0].shape[2]  # head cache slots of the true positions

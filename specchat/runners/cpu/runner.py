@@ -156,9 +156,10 @@ class CpuRunner(Runner):
         # `skip_logits_from`; module hooks see the other calls), summed while `clock` is set
         self.head_seconds = 0.0
         self._logits_upto: int | None = None  # ids from here on come out -inf (`skip_logits_from`)
-        # (the latest logits, their block maxima) from the GGUF's Q8_0 head, until `shape_pick`
-        # takes them: it then reads only the blocks it needs (csrc/sample.c)
-        self._maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (the latest logits, their block maxima, whether each row is still unshaped) from the
+        # GGUF's Q8_0 head: `shape_pick` reads only the blocks it needs of a row not yet shaped
+        # (csrc/sample.c)
+        self._maxima: tuple[torch.Tensor, torch.Tensor, list[bool]] | None = None
         # a forward's token ids and positions (`_ints`)
         self._int_buffers: list[torch.Tensor | None] = [None, None]
         self._int_views: list[memoryview] = [memoryview(b""), memoryview(b"")]
@@ -237,10 +238,11 @@ class CpuRunner(Runner):
             maxima = torch.empty(n_logits, kernels.head_blocks(head.q.shape[0]))
             logits = head.leading(out[n - n_logits:] if n_logits < n else out,
                                   self._logits_upto, maxima)
-            self._maxima = (logits, maxima)
+            self._maxima = (logits, maxima, [True] * n_logits)
             if self.clock is not None:
                 self.head_seconds += time.perf_counter() - started
             return logits
+        self._maxima = None
         with torch.inference_mode():
             logits = self.head(out[n - n_logits:])
         return logits if logits.dtype == torch.float32 else logits.float()
@@ -306,15 +308,27 @@ class CpuRunner(Runner):
         (`core.sampling.min_p_draw` with the row's noise keys). The bits of the Python
         definitions. -> the draws, or None without a mode."""
         mode_id = _PICKS[mode]
-        # the head's block maxima, where these are the latest forward's logits, untouched since
-        made, maxima = self._maxima or (None, None)
-        self._maxima = None
-        if made is not logits and (made is None or made.data_ptr() != logits.data_ptr()
-                                   or made.shape != logits.shape):
-            maxima = None
+        maxima = self._fresh_maxima(logits)
         picks = kernels.shape_pick(self.lib, logits, runs, seq, breaks, lengths, penalties,
                                    mode_id, temperature, min_p, keys, maxima)
         return picks if mode is not None else None
+
+    def _fresh_maxima(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The head's block maxima of `logits` where they are rows of the latest forward's
+        logits (all of them, or some in a row: a draft tree's chain, then one leaf), none of
+        them shaped since; those rows count as shaped from now on. None otherwise."""
+        if self._maxima is None:
+            return None
+        made, maxima, fresh = self._maxima
+        width = made.shape[-1]
+        if logits.dim() != 2 or logits.shape[-1] != width:
+            return None
+        first, rest = divmod(logits.data_ptr() - made.data_ptr(), 4 * width)
+        last = first + logits.shape[0]
+        if rest or first < 0 or last > made.shape[0] or not all(fresh[first:last]):
+            return None
+        fresh[first:last] = [False] * (last - first)
+        return maxima[first:last]
 
     def row_top(self, row: torch.Tensor, n: int) -> tuple[list[int], list[float], float]:
         """A float32 row's n largest logits (ids, values) and its log-sum-exp, in one native
