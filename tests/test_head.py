@@ -1120,27 +1120,35 @@ def test_a_chain_in_one_c_call_is_the_python_loop(variant, packed):
                     assert 1 <= len(ids) <= k and len(top) >= len(ids)
 
 
-def test_the_head_drafts_chains_by_default_where_they_run_in_c():
-    """Greedy trees are the head's default only where each of its drafts is a torch forward:
-    where its chain is one C call, chains were faster, and the page, the API and the CLI build
-    requests with chains (`Engine.greedy_trees` -> `build_config`)."""
+def test_the_heads_trees_are_the_default_where_they_pay():
+    """Greedy replies of the head draft trees by default: fans where its chain is one C call
+    (`HeadDrafter._fan`), EAGLE-2's trees where each draft is a torch forward; `combined` and
+    replies drawn by min-p alone draft trees only where they are fans. The page, the API and
+    the CLI build their requests so (`Engine.greedy_trees`, `Engine.drawn_trees` ->
+    `build_config`)."""
     from specchat.core.request import TREE_NODES
     from specchat.core.settings import build_config
     target = tiny_gemma3(0)
     drafter = HeadDrafter(random_head(target), target, len(TOK), lib=kernels.load("ref"))
     engine = Engine(loaded(target, TOK), {"head": drafter, "ngram": NgramDrafter(),
                                           "combined": CombinedDrafter(NgramDrafter(), drafter)})
-    assert engine.trees_ok and drafter.chains_in_c and not drafter.prefers_trees
-    assert engine.greedy_trees == ()
-    values = {"drafter": "head", "temperature": 0}
-    cfg, _ = build_config(values, list(engine.drafters), greedy_trees=engine.greedy_trees)
-    assert cfg.tree_nodes == 0
+    assert engine.trees_ok and drafter.chains_in_c
+
+    def nodes(**values):
+        cfg, _ = build_config({"drafter": "head", "temperature": 0, **values},
+                              list(engine.drafters), greedy_trees=engine.greedy_trees,
+                              drawn_trees=engine.drawn_trees)
+        return cfg.tree_nodes
+
+    assert engine.greedy_trees == engine.drawn_trees == ("head", "combined")
+    assert nodes() == nodes(drafter="combined") == TREE_NODES
+    assert nodes(temperature=0.7, min_p=0.05) == TREE_NODES
+    assert nodes(temperature=0.7, min_p=0.05, top_p=0.9) == 0  # not min-p's draw alone
+    assert nodes(temperature=0.7) == nodes(drafter="ngram") == 0
     drafter.native_chain = False  # the Python loop: a torch forward per draft
-    assert drafter.prefers_trees and engine.greedy_trees == ("head",)
-    cfg, _ = build_config(values, list(engine.drafters), greedy_trees=engine.greedy_trees)
-    assert cfg.tree_nodes == TREE_NODES
-    cfg, _ = build_config({**values, "temperature": 0.7}, list(engine.drafters),
-                          greedy_trees=engine.greedy_trees)
-    assert cfg.tree_nodes == 0
-    cfg, _ = build_config({**values, "tree_nodes": 6}, list(engine.drafters), greedy_trees=())
+    assert engine.greedy_trees == ("head",) and engine.drawn_trees == ()
+    assert nodes() == TREE_NODES
+    assert nodes(drafter="combined") == nodes(temperature=0.7, min_p=0.05) == 0
+    cfg, _ = build_config({"drafter": "head", "tree_nodes": 6}, list(engine.drafters),
+                          greedy_trees=())
     assert cfg.tree_nodes == 6  # asked for: trees wherever the drafter has them

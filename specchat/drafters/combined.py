@@ -64,6 +64,14 @@ class CombinedDrafter(Drafter):
         self.last_top = self.head.last_top
         return draft
 
+    @property
+    def prefers_trees(self) -> bool:
+        """Trees where the head's are fans (`HeadDrafter._fan`), greedy or drawn by min-p:
+        EAGLE-2's trees lost to chains here."""
+        return self.head.prefers_drawn_trees
+
+    prefers_drawn_trees = prefers_trees
+
     def propose_tree(self, context, depth, params, nodes, noise=None):
         if self.draft_class(context) != "head":
             self.last_top = []

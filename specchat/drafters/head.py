@@ -155,13 +155,16 @@ class HeadDrafter(Drafter):
         return self.native_chain and self._c_embed is not None \
             and getattr(self.head, "_step", None) is not None and self.device.type == "cpu"
 
+    # Greedy trees by default: where each draft is a torch forward, EAGLE-2's trees; where the
+    # chain runs in one C call, that chain with leaves (`_fan`), a chain's cost and a few
+    # verify rows more (docs/performance.md, "Leaves beside the chain").
+    prefers_trees = True
+
     @property
-    def prefers_trees(self) -> bool:
-        """Greedy trees by default only where each draft is a torch forward: where the chain
-        runs in one C call, a chain's drafts cost a third of a tree level's and its verifies
-        are narrower, and chains were faster (docs/performance.md, "Fewer calls after the
-        forward")."""
-        return not self.chains_in_c
+    def prefers_drawn_trees(self) -> bool:
+        """Trees for replies drawn by min-p alone where they are fans (`_fan`): EAGLE-2's
+        sampled trees gained nothing."""
+        return self.chains_in_c
 
     @property
     def label(self) -> str:
