@@ -120,8 +120,9 @@ _ROWS = (
     Setting("draft_len", "Draft length k", _D["draft_len"], "k: the most draft tokens per step", True, 1,
             MAX_DRAFT_LEN, api=("draft_len",), group="speculation"),
     Setting("tree_nodes", "Tree nodes", None, "the head drafts a tree of up to this many tokens, "
-            "verified in one forward; 0: a chain (default: 10 for the head alone when greedy "
-            "where its trees pay, else 0)", True, 0, MAX_TREE_NODES, api=("tree_nodes",),
+            "verified in one forward; 0: a chain (default: 10 where the head's trees pay: "
+            "greedy, and with min-p alone where its chain runs in C; else 0)", True, 0,
+            MAX_TREE_NODES, api=("tree_nodes",),
             group="speculation"),
 )
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ROWS}
