@@ -75,6 +75,8 @@ class StaticCache:
     def keep(self, start: int, rows: list[int]) -> None:
         """Move the fed tokens at start + rows (increasing) to start, start + 1, ...: a draft
         tree's accepted path, kept as a chain."""
+        if rows[-1] == len(rows) - 1:  # already in place (a path down a fan's chain)
+            return
         src = torch.tensor([start + r for r in rows], device=self.k.device)
         dst = torch.arange(start, start + len(rows), device=self.k.device)
         for t in (self.k, self.v):
