@@ -360,7 +360,6 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
 #define I8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define I8_J16 12  // activation rows per tile: 8 weight vectors and 2 per row within 32 registers
 #define I8_AHEAD 8192       // bytes prefetched ahead of a group's block: 16 Q8_0 blocks, 32 NF4
-#define I8_PREFETCH_ALL 4   // rows a tile from which every line is prefetched
 
 // BYTES 0: a group's block of NF4 codes (256 bytes, decoded by the table); 1: of Q8_0 values
 // already unsigned (512 bytes, `q8_0_i8_pack`: vector v at 64 v)
@@ -373,14 +372,11 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
     const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = packed + b * stride;
-        // ahead into L2: from 4 rows a tile, every line (the arithmetic leaves the hardware's
-        // prefetcher behind); below, one line in four, which the hardware's follows
-        if (J >= I8_PREFETCH_ALL)
-            for (int64_t l = 0; l < stride; l += 64)
-                _mm_prefetch((const char *)blk + I8_AHEAD + l, _MM_HINT_T1);
-        else
-            for (int64_t l = 0; l < stride; l += 256)
-                _mm_prefetch((const char *)blk + I8_AHEAD + l, _MM_HINT_T1);
+        // every line ahead into L2, at any rows a tile: with one line in four below 4 rows
+        // (which Zen 4's hardware prefetcher followed) the AMX Xeon's forward of 1 row took 7%
+        // longer and of 2 and 3 rows 16% (docs/performance.md)
+        for (int64_t l = 0; l < stride; l += 64)
+            _mm_prefetch((const char *)blk + I8_AHEAD + l, _MM_HINT_T1);
         __m512i w[8];
         if (BYTES) {
             for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512((const void *)(blk + 64 * v));
