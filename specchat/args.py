@@ -193,8 +193,7 @@ def config_from_args(args, report):
     values = {**values_from_args(args), "speculation": args.speculation == "on",
               "drafter": args.drafter, "adaptive": not args.fixed_draft_len}
     cfg, notes = build_config(values, list(report.engine.drafters), names=flag_names(),
-                              greedy_trees=report.engine.greedy_trees,
-                              drawn_trees=report.engine.drawn_trees)
+                              greedy_trees=report.engine.greedy_trees)
     for note in notes:
         print(f"specchat: {note}", file=sys.stderr)
     return cfg

@@ -583,15 +583,12 @@ def test_sampled_tree_speculation_replays_plain_sampling(make, sampling):
     assert collections.Counter(t.kind for t in spec)["accepted"] > 0
 
 
-def test_trees_by_default_for_the_drafters_the_engine_names():
+def test_trees_by_default_for_the_drafters_the_engine_names_when_greedy():
     assert default_tree_nodes(0.0, "head") == TREE_NODES
     assert default_tree_nodes(0.0, "combined") == default_tree_nodes(0.7, "head") == 0
     assert default_tree_nodes(0.0, "head", greedy_trees=()) == 0  # where chains are faster
-    fans = dict(greedy_trees=("head", "combined"), drawn_trees=("head", "combined"))
-    assert default_tree_nodes(0.0, "combined", **fans) == TREE_NODES
-    assert default_tree_nodes(0.7, "combined", **fans, min_p_drawn=True) == TREE_NODES
-    assert default_tree_nodes(0.7, "combined", **fans, min_p_drawn=False) == 0
-    assert default_tree_nodes(0.7, "ngram", **fans, min_p_drawn=True) == 0
+    assert default_tree_nodes(0.0, "combined", greedy_trees=("head", "combined")) == TREE_NODES
+    assert default_tree_nodes(0.7, "combined", greedy_trees=("head", "combined")) == 0
 
 
 def test_prompt_past_the_context_window_is_refused_and_replies_stop_at_it():

@@ -1122,10 +1122,9 @@ def test_a_chain_in_one_c_call_is_the_python_loop(variant, packed):
 
 def test_the_heads_trees_are_the_default_where_they_pay():
     """Greedy replies of the head draft trees by default: fans where its chain is one C call
-    (`HeadDrafter._fan`), EAGLE-2's trees where each draft is a torch forward; `combined` and
-    replies drawn by min-p alone draft trees only where they are fans. The page, the API and
-    the CLI build their requests so (`Engine.greedy_trees`, `Engine.drawn_trees` ->
-    `build_config`)."""
+    (`HeadDrafter._fan`), EAGLE-2's trees where each draft is a torch forward; `combined`'s
+    only where they are fans; sampled replies draft chains. The page, the API and the CLI build
+    their requests so (`Engine.greedy_trees` -> `build_config`)."""
     from specchat.core.request import TREE_NODES
     from specchat.core.settings import build_config
     target = tiny_gemma3(0)
@@ -1136,19 +1135,15 @@ def test_the_heads_trees_are_the_default_where_they_pay():
 
     def nodes(**values):
         cfg, _ = build_config({"drafter": "head", "temperature": 0, **values},
-                              list(engine.drafters), greedy_trees=engine.greedy_trees,
-                              drawn_trees=engine.drawn_trees)
+                              list(engine.drafters), greedy_trees=engine.greedy_trees)
         return cfg.tree_nodes
 
-    assert engine.greedy_trees == engine.drawn_trees == ("head", "combined")
+    assert engine.greedy_trees == ("head", "combined")
     assert nodes() == nodes(drafter="combined") == TREE_NODES
-    assert nodes(temperature=0.7, min_p=0.05) == TREE_NODES
-    assert nodes(temperature=0.7, min_p=0.05, top_p=0.9) == 0  # not min-p's draw alone
-    assert nodes(temperature=0.7) == nodes(drafter="ngram") == 0
+    assert nodes(temperature=0.7, min_p=0.05) == nodes(drafter="ngram") == 0
     drafter.native_chain = False  # the Python loop: a torch forward per draft
-    assert engine.greedy_trees == ("head",) and engine.drawn_trees == ()
-    assert nodes() == TREE_NODES
-    assert nodes(drafter="combined") == nodes(temperature=0.7, min_p=0.05) == 0
+    assert engine.greedy_trees == ("head",)
+    assert nodes() == TREE_NODES and nodes(drafter="combined") == 0
     cfg, _ = build_config({"drafter": "head", "tree_nodes": 6}, list(engine.drafters),
                           greedy_trees=())
     assert cfg.tree_nodes == 6  # asked for: trees wherever the drafter has them

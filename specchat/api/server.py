@@ -335,8 +335,7 @@ class Api:
         try:
             cfg, _ = build_config(values, list(self.engine.drafters),
                                   max_new_cap=self.max_tokens_cap, names=names,
-                                  greedy_trees=self.engine.greedy_trees,
-                                  drawn_trees=self.engine.drawn_trees)
+                                  greedy_trees=self.engine.greedy_trees)
         except InputError as e:
             raise ApiError(400, str(e)) from None
         return cfg

@@ -127,7 +127,7 @@ class RemoteEngine:
     row_exact = False
     tokenizer = None
     chats = True  # the server applies its own chat template
-    greedy_trees = drawn_trees = ()  # `Engine.greedy_trees`: the server drafts as launched
+    greedy_trees = ()  # `Engine.greedy_trees`: the server drafts as it was launched to
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  plain_url: str | None = None, timeout: float = 600.0):

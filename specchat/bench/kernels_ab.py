@@ -1,5 +1,5 @@
-"""Two builds of specchat's C kernels, side by side in one process: the decoder forward of n rows
-(`cpu-int8`'s, on the embedded target) by the working tree's sources and by a git revision's,
+"""Two builds of specchat's C kernels, side by side in one process: the forward of n rows
+(`cpu-int8`'s decoder stack and LM head, on the embedded target) by the working tree's sources and by a git revision's,
 alternated call by call so that the machine's drift hits both alike, with the bits compared.
 
     python -m specchat.bench.kernels_ab --base HEAD~1 --rows 1,4,8,16 --repeats 21
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_engine("embedded", progress=lambda *a: None).engine
         ids, _ = engine.text_prompt(PROMPT)
         runners = {k: CpuRunner(engine.model, lib, int8=True) for k, lib in libs.items()}
+        # one LM head module serves both runners: its integer product takes each build's
+        # library in turn, as the decoder stacks do
+        head = vars(engine.model.get_output_embeddings()).get("forward")
         caches = {}
         for k, runner in runners.items():
             caches[k] = runner.new_cache()
@@ -90,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             for n in rows:
                 order = list(runners) if rep % 2 == 0 else list(reversed(runners))
                 for k in order:
+                    if head is not None:
+                        head.lib = libs[k]
                     began = time.perf_counter()
                     outs[k, n] = runners[k].forward(caches[k], [ids[-1]] * n, start, n).clone()
                     times.setdefault((k, n), []).append(time.perf_counter() - began)
                     runners[k].crop(caches[k], start + n, start)
-    print(f"decoder forward after a {start}-token prompt, {args.threads} threads, "
-          f"median of {args.repeats} (A: {args.base}, B: the working tree)")
+    print(f"forward (decoder and LM head) after a {start}-token prompt, {args.threads} "
+          f"threads, median of {args.repeats} (A: {args.base}, B: the working tree)")
     for n in rows:
         a, b = (statistics.median(times[k, n]) * 1000 for k in ("A", "B"))
         same = "same bits" if torch.equal(outs["A", n], outs["B", n]) else "BITS DIFFER"

@@ -75,11 +75,9 @@ class Drafter:
     feature_layers: tuple[int, ...] | None = None
     # The drafter implements `propose_tree`.
     supports_trees: bool = False
-    # Its greedy replies draft trees unless a request says otherwise (`Engine.greedy_trees`),
-    # and its replies drawn by min-p alone (`Engine.drawn_trees`): where its trees were
-    # measured faster than its chains.
+    # Its greedy replies draft trees unless a request says otherwise (`Engine.greedy_trees`):
+    # where its trees were measured faster than its chains.
     prefers_trees: bool = False
-    prefers_drawn_trees: bool = False
     # Set by `propose` where the drafter has a distribution: per draft position, its
     # [(id, prob)] (or an iterable of them computed when read).
     last_top: list[Iterable[tuple[int, float]]] = []

@@ -207,18 +207,10 @@ class Engine:
         """The drafters whose greedy replies draft trees unless a request gives tree_nodes
         (`core.settings.build_config`): those that prefer trees where they run, if the target
         takes tree masks at all."""
-        return self._trees_of("prefers_trees")
-
-    @property
-    def drawn_trees(self) -> tuple[str, ...]:
-        """The same for replies drawn by min-p alone (`HeadDrafter._fan`'s)."""
-        return self._trees_of("prefers_drawn_trees")
-
-    def _trees_of(self, preference: str) -> tuple[str, ...]:
         if not self.trees_ok:
             return ()
         return tuple(name for name, d in self.drafters.items()
-                     if d.supports_trees and getattr(d, preference))
+                     if d.supports_trees and d.prefers_trees)
 
     # -- prompts ------------------------------------------------------------------------------
     # What `stream` continues, built the same way for a remote engine (backends/remote.py).

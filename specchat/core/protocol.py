@@ -20,10 +20,9 @@ class StreamingEngine(Protocol):
     drafters: dict  # name -> drafter; its keys are what `GenerateConfig.drafter` may name
     lock: threading.Lock  # held for a whole reply: one generation at a time
     row_exact: bool  # greedy and seeded replies with speculation are plain decoding's, bit for bit
-    # the drafters whose greedy replies, and whose replies drawn by min-p alone, draft trees
-    # unless a request gives tree_nodes (`core.settings.build_config`); () where none does
+    # the drafters whose greedy replies draft trees unless a request gives tree_nodes
+    # (`core.settings.build_config`); () where none does
     greedy_trees: tuple[str, ...]
-    drawn_trees: tuple[str, ...]
 
     @property
     def chats(self) -> bool:

@@ -18,19 +18,14 @@ TREE_NODES = 10
 
 
 def default_tree_nodes(temperature: float, drafter: str = "head",
-                       greedy_trees: tuple[str, ...] = ("head",),
-                       drawn_trees: tuple[str, ...] = (), min_p_drawn: bool = False) -> int:
-    """Trees for a drafter of `greedy_trees` when greedy, and of `drawn_trees` when drawn by
-    min-p alone (`min_p_drawn`: min-p without top-p or top-k, the examples' samplers); chains
-    otherwise. The engine names the drafters whose trees pay where they run
-    (`Engine.greedy_trees`, `Engine.drawn_trees`): in the bench (docs/performance.md) the
-    head's trees beat its chains where each of its drafts is a torch forward, greedy; where its
-    chain is one C call, that chain with leaves beside it (`HeadDrafter._fan`) beats the chain
-    for `head` and `combined`, greedy and drawn by min-p; other sampled replies gain nothing
-    from trees."""
-    if drafter in greedy_trees and temperature <= 0 or drafter in drawn_trees and min_p_drawn:
-        return TREE_NODES
-    return 0
+                       greedy_trees: tuple[str, ...] = ("head",)) -> int:
+    """Trees for a drafter of `greedy_trees` when greedy, chains otherwise. The engine names
+    the drafters whose trees pay where they run (`Engine.greedy_trees`): in the bench
+    (docs/performance.md) the head's greedy trees beat its chains where each of its drafts is a
+    torch forward; where its chain is one C call, that chain with leaves beside it
+    (`HeadDrafter._fan`) beats the chain, greedy, for `head` and `combined`; sampled replies
+    gained nothing from either kind of tree."""
+    return TREE_NODES if temperature <= 0 and drafter in greedy_trees else 0
 
 
 @dataclass(frozen=True)

@@ -120,9 +120,8 @@ _ROWS = (
     Setting("draft_len", "Draft length k", _D["draft_len"], "k: the most draft tokens per step", True, 1,
             MAX_DRAFT_LEN, api=("draft_len",), group="speculation"),
     Setting("tree_nodes", "Tree nodes", None, "the head drafts a tree of up to this many tokens, "
-            "verified in one forward; 0: a chain (default: 10 where the head's trees pay: "
-            "greedy, and with min-p alone where its chain runs in C; else 0)", True, 0,
-            MAX_TREE_NODES, api=("tree_nodes",),
+            "verified in one forward; 0: a chain (default: 10 when greedy where the head's "
+            "trees pay, else 0)", True, 0, MAX_TREE_NODES, api=("tree_nodes",),
             group="speculation"),
 )
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ROWS}
@@ -200,15 +199,13 @@ def resolve_drafter(asked: str | None, loaded: Sequence[str]) -> str:
 
 def build_config(values: Mapping, drafters: Sequence[str], *, max_new_cap: int | None = None,
                  names: Mapping[str, str] | None = None,
-                 greedy_trees: tuple[str, ...] = ("head",), drawn_trees: tuple[str, ...] = ()
-                 ) -> tuple[GenerateConfig, list[str]]:
+                 greedy_trees: tuple[str, ...] = ("head",)) -> tuple[GenerateConfig, list[str]]:
     """User settings -> (GenerateConfig, notes on what was capped or changed).
 
     `values` holds any of SETTINGS' names (raw; missing or None: the default) and `speculation`,
     `drafter`, `adaptive`, `stop`, `dry_sequence_breakers`. `drafters` are the loaded ones;
-    `max_new_cap` is the server's cap on max_new_tokens; `greedy_trees` and `drawn_trees`, the
-    drafters that draft trees when greedy and when drawn by min-p alone unless tree_nodes is
-    given (`Engine.greedy_trees`, `Engine.drawn_trees`)."""
+    `max_new_cap` is the server's cap on max_new_tokens; `greedy_trees`, the drafters that
+    draft trees when greedy unless tree_nodes is given (`Engine.greedy_trees`)."""
     v = check({name: values.get(name) for name in SETTINGS}, names)
     notes = []
     if max_new_cap is not None and v["max_new_tokens"] > max_new_cap:
@@ -226,9 +223,7 @@ def build_config(values: Mapping, drafters: Sequence[str], *, max_new_cap: int |
     drafter = resolve_drafter(values.get("drafter"), list(drafters)) if speculation \
         else (values.get("drafter") or "ngram")
     if v["tree_nodes"] is None:
-        min_p_drawn = v["min_p"] > 0 and v["top_p"] >= 1.0 and not v["top_k"]
-        v["tree_nodes"] = default_tree_nodes(v["temperature"], drafter, greedy_trees,
-                                             drawn_trees, min_p_drawn)
+        v["tree_nodes"] = default_tree_nodes(v["temperature"], drafter, greedy_trees)
     adaptive = values.get("adaptive")
     cfg = GenerateConfig(**v, speculation=speculation, drafter=drafter,
                          adaptive=True if adaptive is None else bool(adaptive),

@@ -66,11 +66,9 @@ class CombinedDrafter(Drafter):
 
     @property
     def prefers_trees(self) -> bool:
-        """Trees where the head's are fans (`HeadDrafter._fan`), greedy or drawn by min-p:
-        EAGLE-2's trees lost to chains here."""
-        return self.head.prefers_drawn_trees
-
-    prefers_drawn_trees = prefers_trees
+        """Greedy trees where the head's are fans (`HeadDrafter._fan`): EAGLE-2's trees lost to
+        chains here."""
+        return self.head.chains_in_c
 
     def propose_tree(self, context, depth, params, nodes, noise=None):
         if self.draft_class(context) != "head":

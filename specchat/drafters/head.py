@@ -76,7 +76,7 @@ class HeadDrafter(Drafter):
     def __init__(self, head: DraftHead, target_model, vocab_size: int, min_gain: float = 0.0,
                  tree_width: int = 4, tree_beam: int = 4,
                  tree_min_score: float = 0.2, wide_bf16: bool | None = None, lib=None,
-                 fan_width: int = 3, fan_min_score: float = 0.03):
+                 fan_width: int = 3, fan_min_score: float = 0.1):
         self.head = head.eval()
         self.feature_layers = head.feature_layers  # the target features it reads
         self.vocabulary = frozenset(head.vocab_ids.tolist())  # it drafts only these tokens
@@ -159,12 +159,6 @@ class HeadDrafter(Drafter):
     # chain runs in one C call, that chain with leaves (`_fan`), a chain's cost and a few
     # verify rows more (docs/performance.md, "Leaves beside the chain").
     prefers_trees = True
-
-    @property
-    def prefers_drawn_trees(self) -> bool:
-        """Trees for replies drawn by min-p alone where they are fans (`_fan`): EAGLE-2's
-        sampled trees gained nothing."""
-        return self.chains_in_c
 
     @property
     def label(self) -> str:
@@ -470,7 +464,7 @@ class HeadDrafter(Drafter):
         `fan_width`, each scored by the head's probability of the chain before it and of the
         token, at temperature 1; at least `fan_min_score`, the best `nodes` in all). A leaf
         takes no head step, only a verify row: it passes where the target's token is the head's
-        second or third choice, about a sixth of the steps on the embedded target
+        second or third choice, about a sixth of the greedy steps on the embedded target
         (docs/performance.md, "Leaves beside the chain"). Nodes: the chain's first, each the
         child of the one before, then the leaves, level by level."""
         chain, rows = self._chain(context, depth, params, noise)

@@ -138,14 +138,10 @@ class ChatApp:
         if history is not None:
             history.forget(owner)
 
-    def tree_drafters(self) -> dict:
-        """The loaded drafters that draft trees by default, greedy and drawn by min-p alone
-        (`Engine.greedy_trees`, `Engine.drawn_trees`), as `build_config` takes them."""
+    def greedy_trees(self) -> tuple[str, ...]:
+        """The loaded drafters that draft trees when greedy by default (`Engine.greedy_trees`)."""
         engine = self.slot.engine
-        if engine is None:
-            return {"greedy_trees": (), "drawn_trees": ()}
-        return {"greedy_trees": engine.greedy_trees,
-                "drawn_trees": engine.drawn_trees}
+        return () if engine is None else engine.greedy_trees
 
     def drafters(self) -> list[str]:
         """Loaded drafters, best first."""
@@ -165,7 +161,7 @@ class ChatApp:
         drafter = s.drafter if s.drafter in available else ""
         values.update(speculation=s.speculation, drafter=drafter, adaptive=s.adaptive)
         cfg, notes = build_config(values, available, max_new_cap=self.limits.max_new_tokens_cap,
-                                  **self.tree_drafters())
+                                  greedy_trees=self.greedy_trees())
         if s.drafter and s.drafter != drafter and cfg.speculation:
             notes.insert(0, f"Drafter {DRAFTER_LABELS.get(s.drafter, s.drafter)!r} is not "
                             f"loaded: using {DRAFTER_LABELS.get(cfg.drafter, cfg.drafter)}.")
