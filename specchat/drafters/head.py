@@ -418,6 +418,7 @@ class HeadDrafter(Drafter):
         return draft_ids, (torch.stack(rows) if rows else None)
 
     def _propose_chain(self, context: list[int], k: int, params: SamplingParams, noise):
+        """`propose`'s chain in one C call (`_chain`), as `propose` returns it."""
         return self._chain(context, k, params, noise)[0], None
 
     def _chain(self, context: list[int], k: int, params: SamplingParams, noise
@@ -498,8 +499,8 @@ class HeadDrafter(Drafter):
                      noise=None):
         """A draft tree of at most `nodes` nodes and `depth` levels. Where the chain runs in C
         (greedy, or min-p's draw with the request's `noise`): that chain with leaves (`_fan`).
-        Elsewhere EAGLE-2's dynamic tree: a node's score is the product of the head's probabilities along its path, the
-        head's estimate that the target accepts it; nodes under `tree_min_score` are not worth
+        Elsewhere EAGLE-2's dynamic tree: a node's score is the product of the head's
+        probabilities along its path, the head's estimate that the target accepts it; nodes under `tree_min_score` are not worth
         their share of the wider verify. Each level, the `tree_beam` best new nodes are expanded
         with one head forward (their rows see the context and their own ancestors) and each
         gets its `tree_width` likeliest tokens as children. The tree is the `nodes` best
