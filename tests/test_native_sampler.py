@@ -398,6 +398,9 @@ def test_fan_trees_reply_plain_texts_with_the_native_sampler_and_without(checkpo
                         spine = next((i for i, p in enumerate(step.parents) if p != i - 1),
                                      len(step.parents))
                         assert all(p < spine for p in step.parents)
-                        leaves += any(node >= spine for node in step.path)
+                        off = any(node >= spine for node in step.path)
+                        leaves += off
+                        # past a leaf the head's rows (its chain's) say nothing: none shown
+                        assert not (off and step.evidence and step.evidence.draft_top)
             assert bool(walks) == with_native
     assert leaves > 0

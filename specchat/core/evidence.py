@@ -58,6 +58,8 @@ def explain(step: StepResult, record: StepRecord, params: SamplingParams, sample
     if not ids:
         return
     position, refused = len(step.path), step.refused
+    # the drafter's rows follow its chain: a tree's path that left it (a fan's leaf) has none
+    on_chain = draft.tree is None or step.path == list(range(position))
     top, p_refused = top_candidates(step.row, params, TOP, refused, row_top)
     if refused is None:
         p = q = None
@@ -73,5 +75,5 @@ def explain(step: StepResult, record: StepRecord, params: SamplingParams, sample
         min(1.0, p / q) if q and p is not None else None, params.greedy,
         [Candidate(i, text(i), pr) for i, pr in top],
         [Candidate(i, text(i), pr) for i, pr in drafter_top[position]]
-        if position < len(drafter_top) else [], samplers,
+        if position < len(drafter_top) and on_chain else [], samplers,
         None if vocabulary is None else step.next_token in vocabulary)
