@@ -6,6 +6,7 @@ replies the same text with it as without it, plain and speculative."""
 import collections
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -271,6 +272,48 @@ def test_row_top_is_the_rows_largest_logits_and_its_log_sum_exp(threads):
     assert kernels.row_top(BUILDS[next(iter(BUILDS))], all_masked, 3) == ([], [], -np.inf)
     with pytest.raises(ValueError, match="at most 16"):
         kernels.row_top(BUILDS[next(iter(BUILDS))], rows[0], 17)
+
+
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
+def test_row_evidence_is_row_top_at_the_temperature_with_a_tokens_probability(threads):
+    """The inspector's evidence in one native call: `row_top` of row / t (torch's float32
+    division) and a token's probability at t and under min-p, the probabilities sampling
+    gives (`prob_of`) within a hundred-thousandth; every build the same bits; the evidence's
+    numbers with it those without it."""
+    from specchat.core.evidence import _decisive
+    from specchat.core.sampling import prob_of, top_candidates
+    rows = _rows(70_000, torch.Generator().manual_seed(6))
+    first = BUILDS[next(iter(BUILDS))]
+    for row, t, min_p in itertools.product(rows, (1.0, 0.7, 1.3), (0.0, 0.05, 0.3)):
+        scaled = row / t
+        order = torch.sort(row, descending=True, stable=True).indices[:kernels.TOP_MAX]
+        live = int(row.isfinite().sum())
+        for also in (int(order[0]), int(order[3]), 17, int(row.argmin())):
+            found = [kernels.row_evidence(lib, row, kernels.TOP_MAX, t, min_p, also)
+                     for lib in BUILDS.values()]
+            ids, values, lse, p_at, p_kept = found[0]
+            assert all(f == found[0] for f in found[1:])
+            assert ids == order[:live].tolist() and values == scaled[ids].tolist()
+            assert lse == pytest.approx(float(torch.logsumexp(scaled.double(), -1)), rel=1e-5)
+            assert p_at == pytest.approx(math.exp(float(scaled[also]) - lse), rel=1e-5,
+                                         abs=1e-30)
+            params = SamplingParams(t, min_p=min_p)
+            assert p_kept == pytest.approx(prob_of(row, params, also), rel=1e-5, abs=1e-30)
+            for params in (params, SamplingParams(0.0), SamplingParams(t, top_p=0.9)):
+                native = _decisive(row, params, also, lambda *a: kernels.row_evidence(first, *a))
+                plain = _decisive(row, params, also, None)
+                assert [p for _, p in native[0]] == pytest.approx([p for _, p in plain[0]],
+                                                                  rel=1e-5)
+                assert native[1] == pytest.approx(plain[1], rel=1e-5, abs=1e-30)
+                if params.top_p < 1:  # top-p leaves the sampled probability to `prob_of`
+                    assert native[2] is None
+                else:
+                    assert native[2] == pytest.approx(
+                        native[1] if params.greedy else prob_of(row, params, also), rel=1e-5,
+                        abs=1e-30)
+    assert kernels.row_evidence(first, rows[0], 3, 0.7, 0.05, None)[3:] == (None, None)
+    with pytest.raises(ValueError, match="temperature"):
+        kernels.row_evidence(first, rows[0], 3, 0.0, 0.05, 1)
 
 
 def test_a_drafters_reduced_row_gets_the_python_penalties_bits():

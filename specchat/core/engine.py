@@ -200,7 +200,7 @@ class Engine:
         # The runner's native sampler (`shape_pick`), for the new float32 CPU logits it hands
         # over each forward (`owned_logits`); None: the Python sampler.
         self._native_sampler = self.runner.shape_pick if self.runner.owned_logits else None
-        self._row_top = self.runner.row_top if self.runner.owned_logits else None
+        self._row_evidence = self.runner.row_evidence if self.runner.owned_logits else None
 
     @property
     def greedy_trees(self) -> tuple[str, ...]:
@@ -542,7 +542,7 @@ class Engine:
                             levels if step.draft.tree is not None else 0)
         if run.drafter:
             explain(step, record, run.params, run.stats.samplers, run.drafter.last_top,
-                    self._token_text, run.drafter.vocabulary, self._row_top)
+                    self._token_text, run.drafter.vocabulary, self._row_evidence)
             if run.cfg.adaptive:
                 record.alpha = run.policy.alpha(step.cls)
                 plain = run.policy.expected_rate(0, step.cls)

@@ -38,9 +38,9 @@ class Runner:
     # A native sampler over its own logits (`CpuRunner.shape_pick`, csrc/sample.c), for runners
     # with `owned_logits`; None: the engine's Python sampler.
     shape_pick = None
-    # `row_top(row, n)`: one row of its own logits' n largest values and log-sum-exp, natively
-    # (`CpuRunner.row_top`), for what the inspector shows of a step; None: torch's.
-    row_top = None
+    # `row_evidence(row, n, temperature, min_p, also)`: what the inspector shows of a step's
+    # decisive row of its own logits, natively (`CpuRunner.row_evidence`); None: torch's.
+    row_evidence = None
     # `watch_features(layers)` with layers: the hidden states entering chosen decoder layers
     # (an EAGLE-3 head's features). False: only the final norm's output.
     layer_features: bool = False

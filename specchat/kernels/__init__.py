@@ -71,6 +71,8 @@ _ARGTYPES = {
                    ctypes.c_float, ctypes.c_double, _ptr, _i64, _int],
     "embed_rows": [_ptr, _int, _i64, _ptr, _i64, ctypes.c_float, _ptr],
     "row_top": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int],
+    "row_evidence": [_ptr, _i64, _i64, ctypes.c_float, ctypes.c_double, _i64, _ptr, _ptr, _ptr,
+                     _ptr, _int],
     "min_p_place": [_ptr, _i64, _ptr, ctypes.c_float, ctypes.c_double, ctypes.c_uint32,
                     ctypes.c_uint32, _ptr],
     "shape_reduced": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, ctypes.c_float, ctypes.c_float,
@@ -95,7 +97,7 @@ _ARGTYPES = {
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
              "draft_head_forward": _int, "draft_head_chain": _int, "row_top": ctypes.c_float,
-             "shape_reduced": _int, "min_p_place": _i64}
+             "row_evidence": ctypes.c_float,              "shape_reduced": _int, "min_p_place": _i64}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced"})
@@ -131,6 +133,9 @@ class Kernels:
     embed_rows: Callable[..., None]
     # a row's largest logits and its log-sum-exp (csrc/sample.c, `row_top`)
     row_top: Callable[..., float]
+    # the same at a sampling temperature, with one token's probability there and under min-p
+    # (csrc/sample.c, `row_evidence`): the inspector's evidence
+    row_evidence: Callable[..., float]
     # the request's penalties on a row of a drafter's reduced vocabulary (csrc/sample.c)
     shape_reduced: Callable[..., int]
     # min-p's draw over a drafter's reduced vocabulary, keyed by token id (csrc/sample.c)
@@ -624,6 +629,30 @@ def row_top(lib: Kernels, row: torch.Tensor, n: int) -> tuple[list[int], list[fl
     lse = lib.row_top(row.data_ptr(), row.shape[0], n, ids, values, ctypes.byref(found),
                       torch.get_num_threads())
     return list(ids[:found.value]), list(values[:found.value]), lse
+
+
+def row_evidence(lib: Kernels, row: torch.Tensor, n: int, temperature: float, min_p: float,
+                 also: int | None) -> tuple[list[int], list[float], float, float | None,
+                                            float | None]:
+    """`row_top` of one row as sampling at `temperature` sees it (row / temperature, torch's
+    float32 division; 1: the row itself): (ids, scaled values, log-sum-exp, and of token
+    `also` its probability at that temperature and among min-p's candidates (`min_p` 0: the
+    same; 0 outside them), None without `also`), in one native call (csrc/sample.c)."""
+    if row.dtype is not torch.float32 or row.dim() != 1 or not row.is_contiguous() \
+            or row.device.type != "cpu":
+        raise ValueError("row_evidence takes one contiguous float32 CPU row")
+    if not 0 <= n <= TOP_MAX:
+        raise ValueError(f"row_evidence returns at most {TOP_MAX} values")
+    if not temperature > 0 or not 0 <= min_p <= 1:
+        raise ValueError(f"row_evidence: temperature {temperature} must be > 0 and min_p "
+                         f"{min_p} in [0, 1]")
+    ids, values, found = (ctypes.c_int64 * TOP_MAX)(), (ctypes.c_float * TOP_MAX)(), _i64()
+    p_also = (ctypes.c_double * 2)()
+    lse = lib.row_evidence(row.data_ptr(), row.shape[0], n, temperature, min_p,
+                           -1 if also is None else also, ids, values, ctypes.byref(found),
+                           p_also, torch.get_num_threads())
+    p_at, p_kept = (None, None) if also is None else (p_also[0], p_also[1])
+    return list(ids[:found.value]), list(values[:found.value]), lse, p_at, p_kept
 
 
 def min_p_place(lib: Kernels, row: torch.Tensor, ids: torch.Tensor, temperature: float,

@@ -330,10 +330,12 @@ class CpuRunner(Runner):
         fresh[first:last] = [False] * (last - first)
         return maxima[first:last]
 
-    def row_top(self, row: torch.Tensor, n: int) -> tuple[list[int], list[float], float]:
-        """A float32 row's n largest logits (ids, values) and its log-sum-exp, in one native
-        call (`kernels.row_top`: a sixth of torch's time)."""
-        return kernels.row_top(self.lib, row, n)
+    def row_evidence(self, row: torch.Tensor, n: int, temperature: float, min_p: float,
+                     also: int | None):
+        """A float32 row's n largest logits at `temperature` (ids, values), its log-sum-exp
+        and token `also`'s probability at it and under min-p, in one native call
+        (`kernels.row_evidence`)."""
+        return kernels.row_evidence(self.lib, row, n, temperature, min_p, also)
 
     def crop(self, cache, cached: int, keep: int) -> bool:
         return True  # the slots past `keep` are rewritten before any row reads them
