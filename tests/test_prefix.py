@@ -4,6 +4,7 @@ is reused only where this prompt would have computed it the same way. Forced on 
 this machine runs whose verifies are row-exact, with prompts longer than a page."""
 
 import pytest
+import torch
 
 from specchat.core.engine import Engine
 from specchat.core.events import TokenEvent
@@ -38,12 +39,15 @@ def _engine(checkpoint, path: str, monkeypatch) -> Engine:
     return Engine(target, {"ngram": NgramDrafter()})
 
 
-def _record_widths(engine: Engine, then=None) -> list[int]:
-    """The rows of each target forward from now on (`then()` runs after each is recorded)."""
+def _record_widths(engine: Engine, then=None, asked: list | None = None) -> list[int]:
+    """The rows of each target forward from now on (`then()` runs after each is recorded;
+    `asked`: the logits' rows each asked for)."""
     widths, forward = [], engine._forward
 
     def record(ids, n):
         widths.append(len(ids))
+        if asked is not None:
+            asked.append(n)
         if then is not None:
             then()
         return forward(ids, n)
@@ -92,10 +96,12 @@ def test_a_conversation_continued_reads_as_if_encoded_fresh(checkpoint, path, mo
 
 def test_prompts_are_encoded_in_whole_pages_then_narrow_forwards(checkpoint, monkeypatch):
     engine = _engine(checkpoint, PATHS[0], monkeypatch)
-    widths = _record_widths(engine)
+    asked = []
+    widths = _record_widths(engine, asked=asked)
     ids = engine.text_prompt(STORY * 3)[0][:178]  # two pages, then 50
     list(engine.stream(ids, GenerateConfig(max_new_tokens=1, speculation=False)))
     assert widths == [64, 64, 50]
+    assert asked == [0, 0, 1]  # the last forward's logits only
     # The same prompt again: the pages are kept, the last token re-fed, as a fresh run of the
     # last 50 would compute it.
     widths.clear()
@@ -106,6 +112,21 @@ def test_prompts_are_encoded_in_whole_pages_then_narrow_forwards(checkpoint, mon
     longer = engine.text_prompt(STORY * 3)[0][:208]
     list(engine.stream(longer, GenerateConfig(max_new_tokens=1, speculation=False)))
     assert widths == [64, 16]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_page_whose_logits_nobody_reads_gets_none_and_changes_nothing_else(checkpoint, path,
+                                                                              monkeypatch):
+    """A prompt's pages before its last forward ask for no logits (`Runner.forward`'s
+    n_logits 0: the CPU runner skips its LM head); the cache they leave is the same."""
+    runner = _engine(checkpoint, path, monkeypatch).runner
+    ids = list(range(3, 83))
+    after = []
+    for n in (0, 1):
+        cache = runner.new_cache()
+        assert runner.forward(cache, ids[:64], 0, n).shape[0] == n
+        after.append(runner.forward(cache, ids[64:], 64, 3))
+    assert torch.equal(after[0], after[1])
 
 
 def test_verifies_stay_narrower_than_a_page(checkpoint, monkeypatch):

@@ -280,7 +280,9 @@ class Engine:
                 logits = None
                 break
             end = at + self.page if at < wide_end else min(len(prompt_ids), at + self.page - 1)
-            logits = self._forward(prompt_ids[at:end], 1)
+            # the last forward's logits only: a page's LM head row before it is read by none
+            # (one row of the embedded target's head costs about half a plain step)
+            logits = self._forward(prompt_ids[at:end], 1 if end == len(prompt_ids) else 0)
             features = self._observe(wants, at, prompt_ids[at:end])
             if features is not None and end - at == self.page:
                 pages[at] = features

@@ -58,7 +58,9 @@ class Runner:
 
     def forward(self, cache: Any, ids: list[int], start: int, n_logits: int) -> torch.Tensor:
         """Feed `ids` at positions start.. after the `start` tokens the cache holds; the logits
-        of the last n_logits rows [n_logits, vocab or wider], on the target's device. The
+        of the last n_logits rows [n_logits, vocab or wider], on the target's device (n_logits
+        0: none, [0, vocab or wider], for a prompt's page whose logits nobody reads: a runner
+        may skip its LM head there, which changes nothing else). The
         engine calls it outside autograd's inference mode: a runner whose forward would
         otherwise record autograd's graph (a module's parameters) enters the mode itself."""
         raise NotImplementedError

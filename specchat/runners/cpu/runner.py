@@ -232,6 +232,9 @@ class CpuRunner(Runner):
             raise MemoryError(f"specchat's CPU forward could not allocate its buffers for "
                               f"{n} rows after {start} tokens")
         self.last_hidden, self._last_rows = out, n
+        if n_logits == 0:  # a prompt's page whose logits nobody reads: no LM head
+            self._maxima = None
+            return torch.empty(0, self.head.weight.shape[0])
         head = vars(self.head).get("forward")
         if isinstance(head, Q8Head):  # with the block maxima, for `shape_pick`
             started = time.perf_counter()

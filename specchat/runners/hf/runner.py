@@ -40,9 +40,10 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, cache, ids: list[int], start: int, n_logits: int) -> torch.Tensor:
+        # (transformers reads logits_to_keep 0 as every row)
         out = self.model(torch.tensor([ids], device=self.device), past_key_values=cache,
-                         use_cache=True, logits_to_keep=n_logits)
-        return out.logits[0]
+                         use_cache=True, logits_to_keep=max(n_logits, 1))
+        return out.logits[0, out.logits.shape[1] - n_logits:]
 
     @torch.inference_mode()
     def forward_tree(self, cache, ids: list[int], parents: list[int],
