@@ -44,6 +44,22 @@ def test_reject_middle(params):
     assert (v.n_accepted, v.next_token, v.bonus) == (1, 2, False)
 
 
+def test_a_refused_one_hot_drafts_p_is_left_to_the_caller_when_it_asks():
+    """`refused_p=False` (the engine, whose evidence computes p natively): the same verdict
+    with p None; by default the refused draft's p under sampling, q 1."""
+    from specchat.core.sampling import prob_of
+    drafts, logits = torch.tensor([3, 1, 4]), peaked([3, 2, 4, 5]) * 0.1
+    params = SamplingParams(temperature=0.8, min_p=0.05)
+    for picks in (None, [3, 2, 4, 5]):
+        kept = verify(drafts, None, logits, params, Noise(0), picks=picks)
+        left = verify(drafts, None, logits, params, Noise(0), picks=picks, refused_p=False)
+        assert (left.n_accepted, left.next_token, left.bonus) == \
+            (kept.n_accepted, kept.next_token, kept.bonus)
+        assert left.p is None and left.q == kept.q == 1.0
+        n = kept.n_accepted
+        assert n < 3 and kept.p == prob_of(logits[n], params, int(drafts[n]))
+
+
 def test_no_drafts_is_plain_sampling():
     v = verify(torch.zeros(0, dtype=torch.long), None, peaked([7]), T1, Noise(0))
     assert (v.n_accepted, v.next_token) == (0, 7)

@@ -352,7 +352,10 @@ class Engine:
         logits = self._forward([context[-1], *drafted], k + 1)
         # row i continues the context and drafts 0..i-1
         logits, picks = self._chain_distribution(run, logits, drafted, draft.probs is None)
-        v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context), picks)
+        # a refused one-hot draft's p is the inspector's alone: `explain` computes it with the
+        # row's top candidates, in one native call where the runner has one
+        v = verify(draft.tokens, draft.probs, logits, run.params, run.noise, len(context), picks,
+                   refused_p=False)
         n = v.n_accepted
         # Every token but the newest is in the cache: drop the rejected drafts.
         if n < k:

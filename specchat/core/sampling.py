@@ -438,7 +438,8 @@ class Verdict:
 
 def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
            target_logits: torch.Tensor, params: SamplingParams, noise: Noise | None,
-           position: int = 0, picks: list[int] | None = None) -> Verdict:
+           position: int = 0, picks: list[int] | None = None,
+           refused_p: bool = True) -> Verdict:
     """One speculative step over k draft positions (k = 0: plain decoding).
 
     draft_ids:     [k]            tokens the drafter proposed, for reply positions position..
@@ -448,6 +449,9 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     noise:         the request's keyed random numbers (unused when greedy)
     picks:         [k + 1] plain decoding's draw at each row, where the caller made them already
                    (the engine's native sampler: the same tokens), else None
+    refused_p:     whether a refused one-hot draft's Verdict.p is computed (a pass over its
+                   row; False: None, for a caller that computes it later, as the engine's
+                   evidence does in the same native call as the row's top candidates)
     """
     if picks is not None and len(picks) == 1 and (params.greedy or draft_probs is None):
         return Verdict(0, picks[0], bonus=True)  # plain decoding (no torch call: a step's cost)
@@ -457,7 +461,8 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
         n = next((i for i in range(k) if drafted[i] != picks[i]), k)
         if n == k or params.greedy:
             return Verdict(n, picks[n], bonus=n == k)
-        return Verdict(n, picks[n], False, prob_of(target_logits[n], params, drafted[n]), 1.0)
+        return Verdict(n, picks[n], False,
+                       prob_of(target_logits[n], params, drafted[n]) if refused_p else None, 1.0)
     if params.greedy and k == 0:  # plain decoding: the argmax
         return Verdict(0, argmax_row(target_logits), bonus=True)
     if params.greedy:  # argmax where the logits are (GPU or CPU); move k + 1 ids, not k+1 rows
@@ -473,7 +478,8 @@ def verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                 return Verdict(i, token, bonus=True)
             if token != int(draft_ids[i]):  # x passed with probability p(x): q(x) = 1
                 return Verdict(i, token, False, prob_of(target_logits[i], params,
-                                                       int(draft_ids[i])), 1.0)
+                                                       int(draft_ids[i])) if refused_p else None,
+                               1.0)
 
     # Sampled drafts: row by row, so a step pays for the target rows it reaches, not all k + 1.
     vocab = target_logits.shape[-1]
