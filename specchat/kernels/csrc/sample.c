@@ -657,7 +657,7 @@ static float row_evidence_impl(const float *v, int64_t width, int64_t n, float t
         const float x = v[also] / t;
         const double e = exp_or_zero(x - top);
         p_also[0] = e / total;
-        p_also[1] = x >= floor && in > 0 ? e / in : 0.0;
+        p_also[1] = min_p <= 0 ? p_also[0] : x >= floor && in > 0 ? e / in : 0.0;
     }
     return (float)(top + log(total));
 }
@@ -712,8 +712,11 @@ float row_top(const float *v, int64_t width, int64_t n, int64_t *ids, float *val
     return row_top_impl(v, width, n, ids, values, found, exp_sum_simd, part_top_simd, threads);
 }
 
-static double exp_sums_simd(const float *v, int64_t n, float t, float top, float floor,
-                            double *kept) {
+// SCALED: t is not 1 (the division); KEPT: a min-p floor (the kept sums); each combination
+// its own loop, for the row's 262,144 values
+static inline __attribute__((always_inline)) double exp_sums_simd_as(
+    const float *v, int64_t n, float t, float top, float floor, double *kept, const int SCALED,
+    const int KEPT) {
     const __m256 tv = _mm256_set1_ps(top), dv = _mm256_set1_ps(t), fv = _mm256_set1_ps(floor);
     const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     __m256 nan = _mm256_setzero_ps();
@@ -723,13 +726,15 @@ static double exp_sums_simd(const float *v, int64_t n, float t, float top, float
     for (; i + 8 <= n; i += 8) {
         const __m256 raw = _mm256_loadu_ps(v + i);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(raw, raw, _CMP_UNORD_Q));
-        const __m256 x = _mm256_div_ps(raw, dv);
+        const __m256 x = SCALED ? _mm256_div_ps(raw, dv) : raw;
         const __m256 e = exp_or_zero8(_mm256_sub_ps(x, tv), all);
-        const __m256 k = _mm256_and_ps(e, _mm256_cmp_ps(x, fv, _CMP_GE_OQ));
         lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
         hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-        klo = _mm256_add_pd(klo, _mm256_cvtps_pd(_mm256_castps256_ps128(k)));
-        khi = _mm256_add_pd(khi, _mm256_cvtps_pd(_mm256_extractf128_ps(k, 1)));
+        if (KEPT) {
+            const __m256 k = _mm256_and_ps(e, _mm256_cmp_ps(x, fv, _CMP_GE_OQ));
+            klo = _mm256_add_pd(klo, _mm256_cvtps_pd(_mm256_castps256_ps128(k)));
+            khi = _mm256_add_pd(khi, _mm256_cvtps_pd(_mm256_extractf128_ps(k, 1)));
+        }
     }
     if (_mm256_movemask_ps(nan)) return *kept = __builtin_nan("");
     double lanes[8], in[8];
@@ -746,6 +751,17 @@ static double exp_sums_simd(const float *v, int64_t n, float t, float top, float
     }
     *kept = sum_lanes8d(in);
     return sum_lanes8d(lanes);
+}
+
+// `exp_sums_ref`'s sums (v / 1 is v; no floor, no value is kept)
+static double exp_sums_simd(const float *v, int64_t n, float t, float top, float floor,
+                            double *kept) {
+    const int scaled = t != 1.0f, with_floor = floor > -INFINITY;
+    if (scaled)
+        return with_floor ? exp_sums_simd_as(v, n, t, top, floor, kept, 1, 1)
+                          : exp_sums_simd_as(v, n, t, top, floor, kept, 1, 0);
+    return with_floor ? exp_sums_simd_as(v, n, t, top, floor, kept, 0, 1)
+                      : exp_sums_simd_as(v, n, t, top, floor, kept, 0, 0);
 }
 
 float row_evidence(ROW_EVIDENCE_ARGS) {
