@@ -533,37 +533,35 @@ static inline void top_offer(top_t *t, int n, float x, int64_t at) {
     t->v[k] = x, t->at[k] = at;
 }
 
-typedef double (*part_sum_fn)(const float *, int64_t, float);
-typedef void (*part_top_fn)(const float *, int64_t, int64_t, int, top_t *);
-
 static inline double sum_lanes8d(const double v[8]) {  // `sum_lanes8`'s order
     const double s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
     return (s0 + s2) + (s1 + s3);
 }
 
-static double exp_sum_ref(const float *v, int64_t n, float top) {
-    double lanes[8] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        if (v[i] != v[i]) return v[i];
-        lanes[i % 8] += exp_or_zero(v[i] - top);
-    }
-    return sum_lanes8d(lanes);
-}
-
-// `exp_sum_ref` of the scaled values x = v / t, and in `kept` the same sum over the x at least
-// `floor` (min-p's candidates), lane by lane alike
-typedef double (*part_sums_fn)(const float *, int64_t, float, float, float, double *);
-
-static double exp_sums_ref(const float *v, int64_t n, float t, float top, float floor,
-                           double *kept) {
-    double lanes[8] = {0}, in[8] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        if (v[i] != v[i]) return *kept = v[i];
+// The scaled values x = v / t, e^(x - top) of each by specchat's own exp (`exp_or_zero`: -inf
+// adds 0), value i into lane i % 8 of `lanes` and, where x is at least `floor` (min-p's
+// candidates), of `in`: values from..n-1. Returns 1 at a NaN (the sums are then NaN), else 0.
+static int exp_sums_add(const float *v, int64_t from, int64_t n, float t, float top,
+                        float floor, double lanes[8], double in[8]) {
+    for (int64_t i = from; i < n; i++) {
+        if (v[i] != v[i]) return 1;
         const float x = v[i] / t;
         const float e = exp_or_zero(x - top);
         lanes[i % 8] += e;
         if (x >= floor) in[i % 8] += e;
     }
+    return 0;
+}
+
+// a part's two sums (`exp_sums_add` from 0, the lanes joined): all values' and, in *kept,
+// those at least floor
+typedef double (*part_sums_fn)(const float *, int64_t, float, float, float, double *);
+typedef void (*part_top_fn)(const float *, int64_t, int64_t, int, top_t *);
+
+static double exp_sums_ref(const float *v, int64_t n, float t, float top, float floor,
+                           double *kept) {
+    double lanes[8] = {0}, in[8] = {0};
+    if (exp_sums_add(v, 0, n, t, top, floor, lanes, in)) return *kept = __builtin_nan("");
     *kept = sum_lanes8d(in);
     return sum_lanes8d(lanes);
 }
@@ -572,52 +570,13 @@ static void part_top_ref(const float *v, int64_t lo, int64_t hi, int n, top_t *t
     for (int64_t i = lo; i < hi; i++) top_offer(t, n, v[i], i);
 }
 
-static float row_top_impl(const float *v, int64_t width, int64_t n, int64_t *ids,
-                          float *values, int64_t *found, part_sum_fn part_sum,
-                          part_top_fn part_top, int threads) {
-    *found = 0;
-    if (width <= 0) return -INFINITY;
-    n = n < 0 ? 0 : n > TOP_MAX ? TOP_MAX : n;
-    const int parts = parts_for(width, threads);
-    top_t tops[MAX_PARTS];
-    double sums[MAX_PARTS];
-#pragma omp parallel for schedule(static) num_threads(parts)
-    for (int k = 0; k < parts; k++) {
-        const int64_t lo = part_start(width, parts, k), hi = part_start(width, parts, k + 1);
-        tops[k].count = 0;
-        part_top(v, lo, hi, n ? (int)n : 1, &tops[k]);
-    }
-    top_t all = {0};
-    for (int k = 0; k < parts; k++)  // in index order: equal values keep the earlier index
-        for (int i = 0; i < tops[k].count; i++) top_offer(&all, n ? (int)n : 1, tops[k].v[i],
-                                                           tops[k].at[i]);
-    if (!all.count) return -INFINITY;
-    const float top = all.v[0];
-    if (top == INFINITY) return top;
-    for (int i = 0; i < all.count && i < n; i++) ids[i] = all.at[i], values[i] = all.v[i];
-    *found = all.count < n ? all.count : n;
-#pragma omp parallel for schedule(static) num_threads(parts)
-    for (int k = 0; k < parts; k++) {
-        const int64_t lo = part_start(width, parts, k), hi = part_start(width, parts, k + 1);
-        sums[k] = part_sum(v + lo, hi - lo, top);
-    }
-    double total = 0.0;
-    for (int k = 0; k < parts; k++) total += sums[k];
-    return (float)(top + log(total));
-}
-
-float row_top_ref(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
-                  int64_t *found, int threads) {
-    return row_top_impl(v, width, n, ids, values, found, exp_sum_ref, part_top_ref, threads);
-}
-
-// `row_top` of the row as sampling at temperature t sees it, the scaled values x = v / t (the
-// float32 division of torch's `logits / t`; t 1: the row itself), for the inspector's evidence
-// in one call (torch's division and min-p's candidates in numpy took 0.2 ms a step): the n
-// largest x and their ids, log(sum e^x), and of the value at `also` (-1: none) its probability
-// at t (p_also[0]) and among min-p's candidates (p_also[1]: the x at least float32(top +
-// log(min_p)), `sampling._min_p_floor`; 0 where `also` is not one of them; min_p 0: the whole
-// row). Both sums are `row_top`'s, lane by lane and part by part.
+// The above of the row as sampling at temperature t sees it, the scaled values x = v / t (the
+// float32 division of torch's `logits / t`; t 1: the row itself): the n largest x and their
+// ids, log(sum e^x), and of the value at `also` (-1: none) its probability at t (p_also[0])
+// and among min-p's candidates (p_also[1]: the x at least float32(top + log(min_p)),
+// `sampling._min_p_floor`; 0 where `also` is not one of them; min_p 0: p_also[0]). The
+// inspector's evidence in one call (torch's division and min-p's candidates in numpy took
+// 0.2 ms a step more); `row_top` is t = 1 without min-p or a token.
 static float row_evidence_impl(const float *v, int64_t width, int64_t n, float t, double min_p,
                                int64_t also, int64_t *ids, float *values, int64_t *found,
                                double *p_also, part_sums_fn part_sums, part_top_fn part_top,
@@ -636,7 +595,7 @@ static float row_evidence_impl(const float *v, int64_t width, int64_t n, float t
         part_top(v, lo, hi, n ? (int)n : 1, &tops[k]);
     }
     top_t all = {0};
-    for (int k = 0; k < parts; k++)
+    for (int k = 0; k < parts; k++)  // in index order: equal values keep the earlier index
         for (int i = 0; i < tops[k].count; i++) top_offer(&all, n ? (int)n : 1, tops[k].v[i],
                                                            tops[k].at[i]);
     if (!all.count) return -INFINITY;
@@ -667,30 +626,14 @@ float row_evidence_ref(ROW_EVIDENCE_ARGS) {
                              exp_sums_ref, part_top_ref, threads);
 }
 
-#if SPECCHAT_SIMD
-static double exp_sum_simd(const float *v, int64_t n, float top) {
-    const __m256 tv = _mm256_set1_ps(top), all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    __m256 nan = _mm256_setzero_ps();
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  // lanes 0-3, 4-7
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(v + i);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-        const __m256 e = exp_or_zero8(_mm256_sub_ps(x, tv), all);
-        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-    }
-    if (_mm256_movemask_ps(nan)) return __builtin_nan("");
-    double lanes[8];
-    _mm256_storeu_pd(lanes, lo);
-    _mm256_storeu_pd(lanes + 4, hi);
-    for (; i < n; i++) {
-        if (v[i] != v[i]) return v[i];
-        lanes[i % 8] += exp_or_zero(v[i] - top);
-    }
-    return sum_lanes8d(lanes);
+float row_top_ref(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
+                  int64_t *found, int threads) {
+    double unused[2];
+    return row_evidence_impl(v, width, n, 1.0f, 0.0, -1, ids, values, found, unused,
+                             exp_sums_ref, part_top_ref, threads);
 }
 
+#if SPECCHAT_SIMD
 // `part_top_ref`, 8 values a compare: only those above the list's last are offered
 static void part_top_simd(const float *v, int64_t lo, int64_t hi, int n, top_t *t) {
     int64_t i = lo;
@@ -707,10 +650,6 @@ static void part_top_simd(const float *v, int64_t lo, int64_t hi, int n, top_t *
     part_top_ref(v, i, hi, n, t);
 }
 
-float row_top(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
-              int64_t *found, int threads) {
-    return row_top_impl(v, width, n, ids, values, found, exp_sum_simd, part_top_simd, threads);
-}
 
 // SCALED: t is not 1 (the division); KEPT: a min-p floor (the kept sums); each combination
 // its own loop, for the row's 262,144 values
@@ -737,23 +676,17 @@ static inline __attribute__((always_inline)) double exp_sums_simd_as(
         }
     }
     if (_mm256_movemask_ps(nan)) return *kept = __builtin_nan("");
-    double lanes[8], in[8];
+    double lanes[8], in[8];  // the vectors' lanes, then the tail as the reference adds it
     _mm256_storeu_pd(lanes, lo);
     _mm256_storeu_pd(lanes + 4, hi);
     _mm256_storeu_pd(in, klo);
     _mm256_storeu_pd(in + 4, khi);
-    for (; i < n; i++) {
-        if (v[i] != v[i]) return *kept = v[i];
-        const float x = v[i] / t;
-        const float e = exp_or_zero(x - top);
-        lanes[i % 8] += e;
-        if (x >= floor) in[i % 8] += e;
-    }
+    if (exp_sums_add(v, i, n, t, top, floor, lanes, in)) return *kept = __builtin_nan("");
     *kept = sum_lanes8d(in);
     return sum_lanes8d(lanes);
 }
 
-// `exp_sums_ref`'s sums (v / 1 is v; no floor, no value is kept)
+// `exp_sums_ref`'s sums (v / 1 is v; without a floor *kept is not the kept sum: unread)
 static double exp_sums_simd(const float *v, int64_t n, float t, float top, float floor,
                             double *kept) {
     const int scaled = t != 1.0f, with_floor = floor > -INFINITY;
@@ -766,6 +699,13 @@ static double exp_sums_simd(const float *v, int64_t n, float t, float top, float
 
 float row_evidence(ROW_EVIDENCE_ARGS) {
     return row_evidence_impl(v, width, n, t, min_p, also, ids, values, found, p_also,
+                             exp_sums_simd, part_top_simd, threads);
+}
+
+float row_top(const float *v, int64_t width, int64_t n, int64_t *ids, float *values,
+              int64_t *found, int threads) {
+    double unused[2];
+    return row_evidence_impl(v, width, n, 1.0f, 0.0, -1, ids, values, found, unused,
                              exp_sums_simd, part_top_simd, threads);
 }
 #endif
