@@ -621,7 +621,9 @@ static float row_evidence_impl(const float *v, int64_t width, int64_t n, float t
     return (float)(top + log(total));
 }
 
-float row_evidence_ref(ROW_EVIDENCE_ARGS) {
+float row_evidence_ref(const float *v, int64_t width, int64_t n, float t, double min_p,
+                       int64_t also, int64_t *ids, float *values, int64_t *found,
+                       double *p_also, int threads) {
     return row_evidence_impl(v, width, n, t, min_p, also, ids, values, found, p_also,
                              exp_sums_ref, part_top_ref, threads);
 }
@@ -697,7 +699,8 @@ static double exp_sums_simd(const float *v, int64_t n, float t, float top, float
                       : exp_sums_simd_as(v, n, t, top, floor, kept, 0, 0);
 }
 
-float row_evidence(ROW_EVIDENCE_ARGS) {
+float row_evidence(const float *v, int64_t width, int64_t n, float t, double min_p, int64_t also,
+                   int64_t *ids, float *values, int64_t *found, double *p_also, int threads) {
     return row_evidence_impl(v, width, n, t, min_p, also, ids, values, found, p_also,
                              exp_sums_simd, part_top_simd, threads);
 }

@@ -291,11 +291,11 @@ float row_top_ref(const float *v, int64_t width, int64_t n, int64_t *ids, float 
                   int64_t *found, int threads);
 // `row_top` at a sampling temperature, with one token's probability at it and under min-p:
 // what the inspector shows of a step (csrc/sample.c)
-#define ROW_EVIDENCE_ARGS                                                                      \
-    const float *v, int64_t width, int64_t n, float t, double min_p, int64_t also,            \
-        int64_t *ids, float *values, int64_t *found, double *p_also, int threads
-float row_evidence(ROW_EVIDENCE_ARGS);
-float row_evidence_ref(ROW_EVIDENCE_ARGS);
+float row_evidence(const float *v, int64_t width, int64_t n, float t, double min_p, int64_t also,
+                   int64_t *ids, float *values, int64_t *found, double *p_also, int threads);
+float row_evidence_ref(const float *v, int64_t width, int64_t n, float t, double min_p,
+                       int64_t also, int64_t *ids, float *values, int64_t *found,
+                       double *p_also, int threads);
 // min-p's draw over a reduced vocabulary, keyed by token id: the place, or -1 (csrc/sample.c)
 int64_t min_p_place(const float *v, int64_t width, const int64_t *ids, float t, double min_p,
                     uint32_t k1, uint32_t k2, double *prob);
