@@ -97,7 +97,7 @@ _ARGTYPES = {
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
              "draft_head_forward": _int, "draft_head_chain": _int, "row_top": ctypes.c_float,
-             "row_evidence": ctypes.c_float,              "shape_reduced": _int, "min_p_place": _i64}
+             "row_evidence": ctypes.c_float, "shape_reduced": _int, "min_p_place": _i64}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced"})
