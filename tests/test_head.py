@@ -1021,10 +1021,11 @@ def test_the_head_drafts_on_the_kernels_it_is_handed():
         if want is None:
             pytest.skip("no C compiler: no kernels to hand over")
         assert drafter.head._q8_lib is want and drafter.head._step.lib is want
-        # packed for the VNNI kernel where the build runs it with VNNI (else row-major AVX2)
+        # packed for the VNNI kernel where the build runs one (AVX-512's or AVX-VNNI's; else
+        # row-major AVX2)
         assert drafter.head._q8_packed == want.rows_i8_vnni
         assert want.rows_i8_vnni == (want.variant != "ref"
-                                     and kernels.I8_KERNELS["vnni"] <= kernels.cpu_flags())
+                                     and kernels.i8_kernel(want.variant == "avx512") != "avx2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -142,13 +142,14 @@ def test_sizes_it_does_not_take_give_nan_and_a_refused_packing():
 
 def _q8_kernels() -> dict:
     """{name: Kernels whose q8_0_rows_matmul_i8 is that kernel}: the references of both builds
-    and, where the CPU has it, the VNNI kernel."""
+    and every SIMD kernel the CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI, AMX)."""
     if not _compiler():
         pytest.skip("no C compiler")
     found = {"ref": kernels.load("ref")}
     simd = kernels.load("avx2")
     if simd is not None:
-        names = ["ref"] + [name for name in ("vnni", "amx") if kernels.i8_runs(name)]
+        names = ["ref"] + [name for name in kernels.I8_KERNELS
+                           if name != "ref" and kernels.i8_runs(name)]
         for name in names:
             found[f"simd-{name}"] = with_kernel(simd, "q8_0_rows_matmul_i8",
                                                 f"q8_0_rows_matmul_i8_{name}")
@@ -219,27 +220,31 @@ def test_the_q8_0_head_kernels_agree_on_one_block_and_an_odd_number_of_blocks(in
 
 def test_the_kernel_taken_is_amx_where_granted_else_vnni_and_a_forced_one_wins(monkeypatch):
     """AMX's tiles need the CPU's flags and Linux's grant; refused, the VNNI kernel runs (the
-    same bits), for the decoder's products and the head's alike; SPECCHAT_I8_KERNEL names
+    same bits), for the decoder's products and the head's alike; the "avx2" variant
+    (`cpu-int8-avx2`) takes AVX-VNNI where the CPU has it, else AVX2; SPECCHAT_I8_KERNEL names
     another kernel this CPU runs."""
-    flags = kernels.I8_KERNELS["amx"] | kernels._NEEDS["avx512"]
+    flags = kernels.I8_KERNELS["amx"] | kernels._NEEDS["avx512"] | {"avx_vnni"}
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
     monkeypatch.delenv("SPECCHAT_I8_KERNEL", raising=False)
     for granted, want in ((True, "amx"), (False, "vnni")):
         monkeypatch.setattr(kernels, "amx_granted", lambda granted=granted: granted)
         names = kernels.symbols(wide=True, simd=True)
         assert kernels.i8_kernel() == want
-        assert names["nf4_matmul_i8"] == f"nf4_matmul_i8_{want}"
-        assert names["decoder_forward_i8"] == f"decoder_forward_i8_{want}"
-        assert names["q8_0_rows_matmul_i8"] == f"q8_0_rows_matmul_i8_{want}"
+        for name in ("nf4_matmul_i8", "decoder_forward_i8", "q8_0_rows_matmul_i8"):
+            assert names[name] == f"{name}_{want}"
+        assert kernels.symbols(wide=False, simd=True)["decoder_forward_i8"] == \
+            "decoder_forward_i8_avxvnni"
     monkeypatch.setattr(kernels, "amx_granted", lambda: True)
     monkeypatch.setenv("SPECCHAT_I8_KERNEL", "avx2")
     names = kernels.symbols(wide=True, simd=True)
     assert names["nf4_matmul_i8"] == "nf4_matmul_i8_avx2"
-    assert names["q8_0_rows_matmul_i8"] == "q8_0_rows_matmul_i8_vnni"  # the head keeps VNNI
+    assert names["q8_0_rows_matmul_i8"] == "q8_0_rows_matmul_i8_avx2"
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: kernels._NEEDS["avx2"])
     monkeypatch.setenv("SPECCHAT_I8_KERNEL", "amx")  # not on this CPU: the best that runs
-    assert kernels.i8_kernel() == "avx2"
+    assert kernels.i8_kernel() == kernels.i8_kernel(wide=False) == "avx2"
     assert kernels.symbols(wide=False, simd=True)["q8_0_rows_matmul_i8"] == \
+        "q8_0_rows_matmul_i8_avx2"
+    assert kernels.symbols(wide=False, simd=False)["q8_0_rows_matmul_i8"] == \
         "q8_0_rows_matmul_i8_ref"
 
 

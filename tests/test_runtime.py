@@ -12,6 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 X86 = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx"
 AVX2_ONLY = f"{X86} avx2 fma f16c bmi2"  # AMD EPYC Zen 3, Intel Haswell..Comet Lake
+AVX_VNNI = f"{AVX2_ONLY} avx_vnni"  # Intel Alder Lake and later client cores
 AVX512_NO_BF16 = f"{AVX2_ONLY} avx512f avx512bw avx512vl avx512dq avx512cd avx512_vnni"  # Xeon SP
 AVX512_BF16 = f"{AVX512_NO_BF16} avx512_bf16 avx512_vbmi"  # AMD Zen 4/5, Cooper Lake
 AMX = f"{AVX512_NO_BF16} amx_bf16 amx_tile amx_int8"  # Sapphire Rapids
@@ -27,8 +28,8 @@ def test_avx512_without_native_bf16_computes_in_float32():
     make bf16 native. Without them every path computes in float32."""
     cpu = cpu_kind(set(AVX512_NO_BF16.split()), "x86_64")
     assert cpu.avx512 and cpu.vnni and not cpu.native_bf16
-    assert names(AVX512_NO_BF16) == ["cpu-int8", "cpu-fp32-avx512", "cpu-fp32-avx2",
-                                     "cpu-fp32-ref", "cpu-fp32-dense"]
+    assert names(AVX512_NO_BF16) == ["cpu-int8", "cpu-fp32-avx512", "cpu-int8-avx2",
+                                     "cpu-fp32-avx2", "cpu-fp32-ref", "cpu-fp32-dense"]
     assert all(p.compute == torch.float32 for p in candidates(cpu, forced=""))
     assert cpu.describe() == "x86_64 AVX2 AVX-512 VNNI (no native bf16)"
 
@@ -43,7 +44,13 @@ def test_each_cpu_kind_gets_its_paths_best_first():
         "x86_64 AVX2 AVX-512 VNNI AMX-INT8 native bf16"
     no_vnni = AVX512_NO_BF16.replace(" avx512_vnni", "")  # Skylake-SP: AVX-512 without VNNI
     assert names(no_vnni)[0] == "cpu-fp32-avx512"
-    assert names(AVX2_ONLY) == ["cpu-fp32-avx2", "cpu-fp32-ref", "cpu-fp32-dense"]
+    # Without AVX-512 the integer products on 256 bits first (AVX-VNNI's where the CPU has it:
+    # Alder Lake's and later client cores; else AVX2's), then the float32 forward
+    assert names(AVX2_ONLY) == ["cpu-int8-avx2", "cpu-fp32-avx2", "cpu-fp32-ref",
+                                "cpu-fp32-dense"]
+    assert names(AVX_VNNI) == names(AVX2_ONLY)
+    assert cpu_kind(set(AVX_VNNI.split()), "x86_64").describe() == \
+        "x86_64 AVX2 VNNI (no AVX-512, no native bf16)"
     assert names(X86) == ["cpu-fp32-ref", "cpu-fp32-dense"]  # no AVX2: the plain C kernels
     assert names(ARM, "aarch64") == ["cpu-fp32-ref", "cpu-fp32-dense"]  # its bf16 flag is no x86's
     assert cpu_kind(set(AVX2_ONLY.split()), "x86_64").describe() == \

@@ -1,6 +1,7 @@
-"""What `cpu-int8`'s integer products cost in quality: the bench's questions, each answered
-greedily by the float path (`cpu-fp32-avx512`, or `cpu-fp32-avx2` where the CPU has no AVX-512),
-then the question and that reply teacher-forced through both paths on the same loaded model.
+"""What the integer products cost in quality: the bench's questions, each answered greedily by
+the float path (`cpu-fp32-avx512`; `cpu-fp32-avx2` where the CPU has no AVX-512, against
+`cpu-int8-avx2`: every integer kernel gives the same bits), then the question and that reply
+teacher-forced through both paths on the same loaded model.
 Over the reply's positions: how often the two paths' top tokens agree, and the KL divergence
 of the integer path's next-token distribution from the float path's (in nats: llama.cpp's
 `perplexity --kl-divergence` reads the same two figures against its float model). Also: how
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             positions, agree, kl_sum = positions + len(reply), agree + same, kl_sum + total
             kls += each
     kls.sort()
-    print(f"cpu-int8 against cpu-fp32-{float_variant}, the embedded target, {len(questions)} "
+    integer_path = "cpu-int8" if float_variant == "avx512" else "cpu-int8-avx2"
+    print(f"{integer_path} against cpu-fp32-{float_variant}, the embedded target, {len(questions)} "
           f"questions (the chat format, stop strings on), the float path's greedy replies of "
           f"at most {args.max_new_tokens} tokens, teacher-forced ({time.perf_counter() - began:.0f} s)")
     print(f"  positions               {positions}")

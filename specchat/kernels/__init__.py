@@ -19,10 +19,11 @@ build, computing the bits "avx2" computes). `reference(variant)` gives the refer
 or "avx512". Where a variant cannot be built or run here, its `load` returns None and the
 caller keeps its other path.
 
-The `cpu-int8` path's integer kernels (csrc/nf4_i8.c) all give their reference's bits, so the
-fastest that runs here is bound (`i8_kernel`): AMX-INT8 tiles where the CPU has them and Linux
-grants them (`amx_granted`), else AVX-512 VNNI, else AVX2; `SPECCHAT_I8_KERNEL` forces one, and
-`with_i8_kernel` binds one for a test or an A/B.
+The integer paths' kernels (csrc/nf4_i8.c) all give their reference's bits, so the fastest
+that runs here is bound (`i8_kernel`): for `cpu-int8` (the "avx512" variant) AMX-INT8 tiles
+where the CPU has them and Linux grants them (`amx_granted`), else AVX-512 VNNI; for
+`cpu-int8-avx2` (the "avx2" variant) AVX-VNNI's 256-bit VNNI where the CPU has it, else AVX2.
+`SPECCHAT_I8_KERNEL` forces one, and `with_i8_kernel` binds one for a test or an A/B.
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
 _VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
-I8_KERNELS = {"amx": _VNNI | {"amx_tile", "amx_int8"}, "vnni": _VNNI, "avx2": _NEEDS["avx2"],
+I8_KERNELS = {"amx": _VNNI | {"amx_tile", "amx_int8"}, "vnni": _VNNI,
+              "avxvnni": _NEEDS["avx2"] | {"avx_vnni"}, "avx2": _NEEDS["avx2"],
               "ref": frozenset()}
+# best first, for each SIMD variant's integer path
+_I8_ORDER = {True: ("amx", "vnni", "avxvnni", "avx2"), False: ("avxvnni", "avx2")}
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,8 +161,9 @@ class Kernels:
     draft_head_forward: Callable[..., int]
     draft_head_chain: Callable[..., int]
     max_in: Callable[[], int]  # the longest weight row (inputs) the products take
-    # whether q8_0_rows_matmul_i8 is the VNNI or the AMX kernel, which read the head's rows
-    # repacked (else its plain C reference)
+    # whether q8_0_rows_matmul_i8 is a VNNI kernel (AVX-512's, AVX-VNNI's) or the AMX one, which
+    # read a draft head's rows repacked faster than its row-major product; else the AVX2 kernel
+    # or the plain C reference
     rows_i8_vnni: bool = False
 
 
@@ -255,7 +260,8 @@ def _load(portable: bool, wide: bool, simd: bool = False, path: Path | None = No
     max_in.argtypes, max_in.restype = [], ctypes.c_int
     variant = ("avx512" if wide else "avx2") if simd else "ref"
     return Kernels(variant=variant, q8_width=16 if wide else 8, path=path, max_in=max_in,
-                   rows_i8_vnni=names["q8_0_rows_matmul_i8"].endswith(("_vnni", "_amx")),
+                   rows_i8_vnni=names["q8_0_rows_matmul_i8"].endswith(
+                       ("_vnni", "_avxvnni", "_amx")),
                    **functions)
 
 
@@ -263,13 +269,9 @@ def symbols(wide: bool, simd: bool) -> dict[str, str]:
     """The C function (csrc/specchat.h) behind each of `Kernels`' names: the SIMD kernel or
     its reference (`simd`), 16 lanes wide where there is such a twin (`wide`)."""
     names = {name: name if simd or name in _PLAIN else f"{name}_ref" for name in _ARGTYPES}
-    for name in ("nf4_matmul_i8", "decoder_forward_i8"):
-        names[name] = f"{name}_{i8_kernel()}" if simd else f"{name}_ref"
-    # the Q8_0 head's integer product: AMX's where the NF4 one is AMX's, else VNNI's where the
-    # CPU has it, else the reference
-    rows = "amx" if simd and i8_kernel() == "amx" else \
-        "vnni" if simd and I8_KERNELS["vnni"] <= _cpu_flags() else "ref"
-    names["q8_0_rows_matmul_i8"] = f"q8_0_rows_matmul_i8_{rows}"
+    # the integer products, the NF4 layers' and the Q8_0 head's, on one kernel
+    for name in ("nf4_matmul_i8", "decoder_forward_i8", "q8_0_rows_matmul_i8"):
+        names[name] = f"{name}_{i8_kernel(wide)}" if simd else f"{name}_ref"
     if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
         names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
         names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
@@ -278,15 +280,16 @@ def symbols(wide: bool, simd: bool) -> dict[str, str]:
     return names
 
 
-def i8_kernel() -> str:
-    """The integer NF4 kernel the SIMD build runs here: "amx" (AMX-INT8 tiles) where the CPU
-    has them and Linux grants them (`amx_granted`), else "vnni" (AVX-512 VNNI) where the CPU
-    has it, else "avx2"; `SPECCHAT_I8_KERNEL` names another that runs here (all give the same
-    bits)."""
+def i8_kernel(wide: bool = True) -> str:
+    """The integer kernel a SIMD variant runs here. `wide` (the "avx512" variant, `cpu-int8`):
+    "amx" (AMX-INT8 tiles) where the CPU has them and Linux grants them (`amx_granted`), else
+    "vnni" (AVX-512 VNNI) where the CPU has it; else, and for the "avx2" variant
+    (`cpu-int8-avx2`), "avxvnni" (VNNI on 256 bits) where the CPU has it, else "avx2".
+    `SPECCHAT_I8_KERNEL` names another that runs here (all give the same bits)."""
     forced = os.environ.get("SPECCHAT_I8_KERNEL")
     if forced and forced in I8_KERNELS and forced != "ref" and i8_runs(forced):
         return forced
-    return next(name for name in ("amx", "vnni", "avx2") if i8_runs(name))
+    return next(name for name in _I8_ORDER[wide] if i8_runs(name))
 
 
 def with_function(lib: Kernels, field: str, symbol: str) -> Kernels:
@@ -300,12 +303,10 @@ def with_function(lib: Kernels, field: str, symbol: str) -> Kernels:
 
 def with_i8_kernel(lib: Kernels, name: str) -> Kernels:
     """`lib` (a SIMD build) with the integer kernel `name` (an I8_KERNELS key but "ref") in the
-    NF4 product, the decoder stack on it and, for "amx" and "vnni", the Q8_0 head's product."""
-    for field in ("nf4_matmul_i8", "decoder_forward_i8"):
+    NF4 product, the decoder stack on it and the Q8_0 head's product."""
+    for field in ("nf4_matmul_i8", "decoder_forward_i8", "q8_0_rows_matmul_i8"):
         lib = with_function(lib, field, f"{field}_{name}")
-    if name in ("amx", "vnni"):
-        lib = with_function(lib, "q8_0_rows_matmul_i8", f"q8_0_rows_matmul_i8_{name}")
-    return lib
+    return dataclasses.replace(lib, rows_i8_vnni=name != "avx2")
 
 
 def i8_runs(name: str) -> bool:

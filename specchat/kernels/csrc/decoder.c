@@ -330,6 +330,16 @@ int decoder_forward_i8_avx2(const decoder_model *m, const float *embeddings, int
                    rope_tables, out, clock, threads);
 }
 
+int decoder_forward_i8_avxvnni(const decoder_model *m, const float *embeddings, int64_t n,
+                               const int64_t *pos, int64_t start, const uint8_t *visible,
+                               float *k_cache, float *v_cache, int64_t slots,
+                               const float *const *rope_tables, float *out, double *clock,
+                               int threads) {
+    const kernels f = {nf4_matmul_i8_avxvnni, attend, rms_norm, gelu_mul};
+    return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
+                   rope_tables, out, clock, threads);
+}
+
 int decoder_forward_i8_vnni(const decoder_model *m, const float *embeddings, int64_t n,
                             const int64_t *pos, int64_t start, const uint8_t *visible,
                             float *k_cache, float *v_cache, int64_t slots,

@@ -271,59 +271,132 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
 }
 
 #if SPECCHAT_SIMD
-// ---- AVX2: 8 weight rows a vector ---------------------------------------------------------------
-// vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums: the weights'
-// magnitudes |w8| times the activations given the weights' signs (vpsignb), whose pair sums
-// stay within 2 * 127 * 127. Then vpmaddwd sums the pairs into the 8 lanes' int32.
+// ---- 256 bits: 8 weight rows a vector (AVX2, AVX-VNNI) ------------------------------------------
+// A group's half (8 of its 16 rows) at a time: in both layouts the 32 bytes at 64 v + 32 h of a
+// block hold rows 8 h .. 8 h + 7, 4 consecutive inputs each. Two ways to the int32 sums:
+// - AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums: the
+//   weights' magnitudes |w8| times the activations given the weights' signs (vpsignb), whose
+//   pair sums stay within 2 * 128 * 127; then vpmaddwd sums the pairs into the 8 lanes' int32.
+// - AVX-VNNI (Intel's client cores from Alder Lake, Zen 5): vpdpbusd on 256 bits, the AVX-512
+//   VNNI kernel's arithmetic below: the weights as unsigned bytes w8 + 128, each lane's sum
+//   starting at the block's bias.
+// The float epilogue is every kernel's: the same bits.
 #define I8_J2 4  // activation rows per tile (the weights are decoded once per tile)
+#define I8_AHEAD 8192  // bytes prefetched ahead of a group's block: 16 Q8_0 blocks, 32 NF4
 
-static inline __attribute__((always_inline)) void i8_tile_avx2(
-    int J, const uint8_t *packed, const float *dw, int64_t nb, int half, __m256i tbl,
-    const i8_rows *r, int64_t j0, float *acc_out) {
-    __m256 acc[I8_J2];
-    for (int j = 0; j < J; j++) acc[j] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = packed + b * I8_BYTES + 32 * half;
-        __m256i isum[I8_J2];
-        for (int j = 0; j < J; j++) isum[j] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 64 * p));
-            const __m256i w[2] = {
-                _mm256_shuffle_epi8(tbl, _mm256_and_si256(c, low)),
-                _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(c, 4), low))};
-            for (int h = 0; h < 2; h++) {
-                const __m256i mag = _mm256_abs_epi8(w[h]);
-                for (int j = 0; j < J; j++) {
-                    int32_t x4;
-                    memcpy(&x4, i8_q(r, j0 + j, b) + 8 * p + 4 * h, 4);
-                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), w[h]);
-                    isum[j] = _mm256_add_epi32(
-                        isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
-                }
+// Tiles of one instruction set: BYTES 0 a group's block of NF4 codes (256 bytes, decoded by the
+// table `tbl`: signed for AVX2, unsigned for AVX-VNNI), 1 of Q8_0 values as packed (512 bytes,
+// unsigned). dw: float scales (NF4) or fp16 (Q8_0), [blocks, 16] of the group. Writes the tile's
+// rows' 8 outputs to acc_out[8 j ..].
+#define I8_TILE256(NAME, TARGET, VNNI)                                                             \
+    TARGET static inline __attribute__((always_inline)) void NAME(                                \
+        int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, int half,            \
+        __m256i tbl, const i8_rows *r, int64_t j0, float *acc_out) {                              \
+        __m256 acc[I8_J2];                                                                        \
+        for (int j = 0; j < J; j++) acc[j] = _mm256_setzero_ps();                                 \
+        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                    \
+        const __m256i flip = _mm256_set1_epi8((char)0x80);                                        \
+        const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;                                   \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            const uint8_t *blk = packed + b * stride;                                             \
+            if (!half) /* every line ahead, once a group (as the AVX-512 kernel) */               \
+                for (int64_t l = 0; l < stride; l += 64)                                          \
+                    _mm_prefetch((const char *)blk + I8_AHEAD + l, _MM_HINT_T1);                  \
+            const int32_t *qx = (const int32_t *)i8_q(r, j0, b);                                  \
+            const int32_t *bias = r->bias + b * r->n + j0;                                        \
+            __m256i isum[I8_J2][1];                                                               \
+            for (int j = 0; j < J; j++)                                                           \
+                isum[j][0] = VNNI ? _mm256_set1_epi32(bias[j]) : _mm256_setzero_si256();          \
+            for (int p = 0; p < 4; p++) { /* vectors 2p and 2p + 1: inputs 8p .. 8p + 7 */       \
+                __m256i w[2];                                                                     \
+                if (BYTES) {                                                                      \
+                    for (int h = 0; h < 2; h++) {                                                 \
+                        w[h] = _mm256_loadu_si256(                                                \
+                            (const __m256i *)(blk + 64 * (2 * p + h) + 32 * half));               \
+                        if (!VNNI) w[h] = _mm256_xor_si256(w[h], flip); /* signed again */        \
+                    }                                                                             \
+                } else {                                                                          \
+                    const __m256i c =                                                             \
+                        _mm256_loadu_si256((const __m256i *)(blk + 64 * p + 32 * half));          \
+                    w[0] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(c, low));                    \
+                    w[1] = _mm256_shuffle_epi8(tbl,                                               \
+                                               _mm256_and_si256(_mm256_srli_epi16(c, 4), low));   \
+                }                                                                                 \
+                for (int h = 0; h < 2; h++) {                                                     \
+                    const __m256i mag = _mm256_abs_epi8(w[h]);                                    \
+                    for (int j = 0; j < J; j++) {                                                 \
+                        const __m256i x4 = _mm256_set1_epi32(qx[8 * j + 2 * p + h]);              \
+                        isum[j][0] = VNNI ? I8_DPBUSD256(isum[j][0], w[h], x4)                    \
+                                          : _mm256_add_epi32(isum[j][0], _mm256_madd_epi16(       \
+                                                _mm256_maddubs_epi16(                             \
+                                                    mag, _mm256_sign_epi8(x4, w[h])),             \
+                                                ones));                                           \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            const __m256 dwv =                                                                    \
+                BYTES ? _mm256_cvtph_ps(_mm_loadu_si128(                                          \
+                            (const __m128i *)((const uint16_t *)dw + b * I8_ROWS + 8 * half)))    \
+                      : _mm256_loadu_ps((const float *)dw + b * I8_ROWS + 8 * half);              \
+            const float *dx = r->d + b * r->n + j0;                                               \
+            for (int j = 0; j < J; j++) {                                                         \
+                const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[j]));                   \
+                const __m256i sum = isum[j][0];                     \
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[j]);                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int j = 0; j < J; j++) _mm256_storeu_ps(acc_out + 8 * j, acc[j]);                    \
+    }
+
+typedef void (*i8_tile256_fn)(const uint8_t *, const void *, int64_t, int, __m256i,
+                              const i8_rows *, int64_t, float *);
+#define I8_TILE256_J(TILE, TARGET, KIND, BYTES, JJ)                                               \
+    TARGET __attribute__((noinline)) static void TILE##_##KIND##_##JJ(                            \
+        const uint8_t *packed, const void *dw, int64_t nb, int half, __m256i tbl,                 \
+        const i8_rows *r, int64_t j0, float *acc_out) {                                          \
+        TILE(JJ, BYTES, packed, dw, nb, half, tbl, r, j0, acc_out);                               \
+    }
+#define I8_TILES256(TILE, TARGET, KIND, BYTES)                                                    \
+    I8_TILE256_J(TILE, TARGET, KIND, BYTES, 1) I8_TILE256_J(TILE, TARGET, KIND, BYTES, 2)         \
+    I8_TILE256_J(TILE, TARGET, KIND, BYTES, 3) I8_TILE256_J(TILE, TARGET, KIND, BYTES, 4)         \
+    static const i8_tile256_fn TILE##_##KIND[I8_J2] = {TILE##_##KIND##_1, TILE##_##KIND##_2,      \
+                                                       TILE##_##KIND##_3, TILE##_##KIND##_4};
+
+// The 256-bit kernels' driver: n activation rows in as few tiles as fit (of sizes as equal as
+// can be) over each group's two halves, BYTES as above; for the Q8_0 head (BYTES 1) a block of
+// maxima at a time, while its outputs are in the cache.
+static void i8_matmul256(const i8_tile256_fn tiles[I8_J2], int BYTES, const i8_rows *r,
+                         int64_t in, const uint8_t *packed, const void *dw, __m256i tbl,
+                         float *y, int64_t out, float *maxima, int threads) {
+    const int64_t n = r->n, nb = in / I8_BLOCK;
+    const int64_t tiles_n = (n + I8_J2 - 1) / I8_J2, per = (n + tiles_n - 1) / tiles_n;
+    const int64_t span = BYTES ? HEAD_BLOCK : I8_ROWS;  // outputs a thread's step takes
+    const int64_t stride = BYTES ? 2 * I8_BYTES : I8_BYTES;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b0 = 0; b0 < out; b0 += span) {
+        const int64_t b1 = out - b0 < span ? out : b0 + span;
+        float acc[8 * I8_J2];
+        for (int64_t o0 = b0; o0 < b1; o0 += 8) {
+            const int64_t g = o0 / I8_ROWS;
+            const int rows = b1 - o0 < 8 ? (int)(b1 - o0) : 8, half = (int)(o0 / 8 % 2);
+            for (int64_t j0 = 0; j0 < n; j0 += per) {
+                const int J = n - j0 < per ? (int)(n - j0) : (int)per;
+                const void *scales = BYTES ? (const void *)((const uint16_t *)dw + g * nb * I8_ROWS)
+                                           : (const void *)((const float *)dw + g * nb * I8_ROWS);
+                tiles[J - 1](packed + g * nb * stride, scales, nb, half, tbl, r, j0, acc);
+                for (int j = 0; j < J; j++)
+                    memcpy(y + (j0 + j) * out + o0, acc + 8 * j, sizeof(float) * (size_t)rows);
             }
         }
-        const __m256 dwv = _mm256_loadu_ps(dw + b * I8_ROWS + 8 * half);
-        for (int j = 0; j < J; j++) {
-            const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(i8_d(r, j0 + j, b)));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), scale, acc[j]);
-        }
+        if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + HEAD_BLOCK - 1) / HEAD_BLOCK);
     }
-    for (int j = 0; j < J; j++) _mm256_storeu_ps(acc_out + 8 * j, acc[j]);
 }
 
-#define I8_TILE2(JJ)                                                                      \
-    __attribute__((noinline)) static void i8_tile_avx2_##JJ(                              \
-        const uint8_t *packed, const float *dw, int64_t nb, int half, __m256i tbl,        \
-        const i8_rows *r, int64_t j0, float *acc_out) {                                  \
-        i8_tile_avx2(JJ, packed, dw, nb, half, tbl, r, j0, acc_out);                      \
-    }
-I8_TILE2(1) I8_TILE2(2) I8_TILE2(3) I8_TILE2(4)
-#undef I8_TILE2
-typedef void (*i8_tile2_fn)(const uint8_t *, const float *, int64_t, int, __m256i,
-                            const i8_rows *, int64_t, float *);
-static const i8_tile2_fn i8_tiles2[I8_J2] = {i8_tile_avx2_1, i8_tile_avx2_2, i8_tile_avx2_3,
-                                             i8_tile_avx2_4};
+#define I8_DPBUSD256(acc, w, x) (acc)  // AVX2: not used (VNNI 0)
+I8_TILE256(i8_tile_avx2, , 0)
+#undef I8_DPBUSD256
+I8_TILES256(i8_tile_avx2, , nf4, 0)
+I8_TILES256(i8_tile_avx2, , q8, 1)
 
 void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                         const float *dw, int64_t blocksize, const float *table, float *y,
@@ -335,22 +408,75 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
     int8_t w8[16];
     i8_table(table, w8);
     const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w8));
-    const int64_t nb = in / I8_BLOCK, halves = (out + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t h = 0; h < halves; h++) {
-        const int64_t g = h / 2, o0 = 8 * h;
-        const int rows = out - o0 < 8 ? (int)(out - o0) : 8;
-        float acc[8 * I8_J2];
-        for (int64_t j0 = 0; j0 < n; j0 += I8_J2) {
-            const int J = n - j0 < I8_J2 ? (int)(n - j0) : I8_J2;
-            i8_tiles2[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, (int)(h % 2),
-                             tbl, &r, j0, acc);
-            for (int j = 0; j < J; j++)
-                memcpy(y + (j0 + j) * out + o0, acc + 8 * j, sizeof(float) * (size_t)rows);
-        }
-    }
+    i8_matmul256(i8_tile_avx2_nf4, 0, &r, in, packed, dw, tbl, y, out, NULL, threads);
     i8_rows_free(&r);
 }
+
+void q8_0_rows_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                              const uint16_t *dw, float *y, int64_t out, float *maxima,
+                              int threads) {
+    maxima_unknown(maxima, n, out);
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    i8_matmul256(i8_tile_avx2_q8, 1, &r, in, packed, dw, _mm256_setzero_si256(), y, out, maxima,
+                 threads);
+    i8_rows_free(&r);
+}
+
+// AVX-VNNI's intrinsics came with GCC 11 and Clang 12: before them the AVX-VNNI kernels are the
+// AVX2 ones under their names (the same bits)
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define I8_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define I8_DPBUSD256(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+I8_TILE256(i8_tile_avxvnni, I8_AVXVNNI, 1)
+#undef I8_DPBUSD256
+I8_TILES256(i8_tile_avxvnni, I8_AVXVNNI, nf4, 0)
+I8_TILES256(i8_tile_avxvnni, I8_AVXVNNI, q8, 1)
+
+void nf4_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                           const float *dw, int64_t blocksize, const float *table, float *y,
+                           int64_t out, int threads) {
+    (void)blocksize;
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    int8_t w8[16];
+    i8_table(table, w8);
+    uint8_t u8[16];
+    for (int c = 0; c < 16; c++) u8[c] = (uint8_t)(w8[c] + I8_OFFSET);
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)u8));
+    i8_matmul256(i8_tile_avxvnni_nf4, 0, &r, in, packed, dw, tbl, y, out, NULL, threads);
+    i8_rows_free(&r);
+}
+
+void q8_0_rows_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                                 const uint16_t *dw, float *y, int64_t out, float *maxima,
+                                 int threads) {
+    maxima_unknown(maxima, n, out);
+    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    i8_rows r;
+    if (!i8_rows_new(x, n, in, &r, y, out)) return;
+    i8_matmul256(i8_tile_avxvnni_q8, 1, &r, in, packed, dw, _mm256_setzero_si256(), y, out,
+                 maxima, threads);
+    i8_rows_free(&r);
+}
+#undef I8_AVXVNNI
+#else
+void nf4_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                           const float *dw, int64_t blocksize, const float *table, float *y,
+                           int64_t out, int threads) {
+    nf4_matmul_i8_avx2(x, n, in, packed, dw, blocksize, table, y, out, threads);
+}
+void q8_0_rows_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                                 const uint16_t *dw, float *y, int64_t out, float *maxima,
+                                 int threads) {
+    q8_0_rows_matmul_i8_avx2(x, n, in, packed, dw, y, out, maxima, threads);
+}
+#endif
+#undef I8_TILES256
+#undef I8_TILE256_J
+#undef I8_TILE256
 
 // ---- AVX-512 VNNI: 16 weight rows a vector --------------------------------------------------------
 // vpdpbusd multiplies unsigned by signed bytes into int32 lanes without saturation: the weights
@@ -359,7 +485,6 @@ void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *pa
 // for every activation row of a tile.
 #define I8_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define I8_J16 12  // activation rows per tile: 8 weight vectors and 2 per row within 32 registers
-#define I8_AHEAD 8192       // bytes prefetched ahead of a group's block: 16 Q8_0 blocks, 32 NF4
 
 // BYTES 0: a group's block of NF4 codes (256 bytes, decoded by the table); 1: of Q8_0 values
 // already unsigned (512 bytes, `q8_0_i8_pack`: vector v at 64 v)

@@ -60,7 +60,7 @@ void nf4_matmul16_ref(const float *x, int64_t n, int64_t in, const uint8_t *code
 
 // NF4 by integer dot products (nf4_i8.c): the codes repacked at load (`nf4_i8_pack`: packed
 // codes and per-block scales dw in place of codes and absmax), activations quantized to int8
-// per block of 32; the reference, AVX2, AVX-512 VNNI and AMX give the same bits
+// per block of 32; the reference, AVX2, AVX-VNNI, AVX-512 VNNI and AMX give the same bits
 int64_t nf4_i8_packed_bytes(int64_t out, int64_t in);
 int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t in,
                 int64_t blocksize, uint8_t *packed, float *dw);
@@ -70,6 +70,9 @@ void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *pac
 void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                         const float *dw, int64_t blocksize, const float *table, float *y,
                         int64_t out, int threads);
+void nf4_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                           const float *dw, int64_t blocksize, const float *table, float *y,
+                           int64_t out, int threads);
 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                         const float *dw, int64_t blocksize, const float *table, float *y,
                         int64_t out, int threads);
@@ -81,11 +84,17 @@ void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8_t *pac
 int amx_ready(void);
 
 // the Q8_0 LM head by the same arithmetic (nf4_i8.c): repacked in place, the same bits from
-// the reference and the VNNI and AMX kernels
+// the reference and the AVX2, AVX-VNNI, VNNI and AMX kernels
 int q8_0_i8_pack(int8_t *q, const uint16_t *d, int64_t out, int64_t in, uint16_t *dw);
 void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                              const uint16_t *dw, float *y, int64_t out, float *maxima,
                              int threads);
+void q8_0_rows_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                              const uint16_t *dw, float *y, int64_t out, float *maxima,
+                              int threads);
+void q8_0_rows_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                                 const uint16_t *dw, float *y, int64_t out, float *maxima,
+                                 int threads);
 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                               const uint16_t *dw, float *y, int64_t out, float *maxima,
                               int threads);
@@ -165,7 +174,7 @@ int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64
                           const float *const *rope_tables, float *out, double *clock,
                           int threads);
 // The same stack on the integer NF4 product (`cpu-int8`): the model's weights packed by
-// `nf4_i8_pack`; the reference and the AVX2, VNNI and AMX kernels give the same bits
+// `nf4_i8_pack`; the reference and the AVX2, AVX-VNNI, VNNI and AMX kernels give the same bits
 int decoder_forward_i8_ref(const decoder_model *m, const float *embeddings, int64_t n,
                            const int64_t *pos, int64_t start, const uint8_t *visible,
                            float *k_cache, float *v_cache, int64_t slots,
@@ -176,6 +185,11 @@ int decoder_forward_i8_avx2(const decoder_model *m, const float *embeddings, int
                             float *k_cache, float *v_cache, int64_t slots,
                             const float *const *rope_tables, float *out, double *clock,
                             int threads);
+int decoder_forward_i8_avxvnni(const decoder_model *m, const float *embeddings, int64_t n,
+                               const int64_t *pos, int64_t start, const uint8_t *visible,
+                               float *k_cache, float *v_cache, int64_t slots,
+                               const float *const *rope_tables, float *out, double *clock,
+                               int threads);
 int decoder_forward_i8_vnni(const decoder_model *m, const float *embeddings, int64_t n,
                             const int64_t *pos, int64_t start, const uint8_t *visible,
                             float *k_cache, float *v_cache, int64_t slots,
