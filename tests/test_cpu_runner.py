@@ -66,6 +66,11 @@ def test_the_decoder_forward_computes_what_transformers_computes(checkpoint, pat
     ours = load(checkpoint, path, monkeypatch)
     assert isinstance(ours.runner, cpu_runner.CpuRunner)
     assert "decoder forward" in ours.label and ours.runtime.row_exact, ours.runtime.proof
+    # an integer path names its kernel (the one this CPU runs for the path's build)
+    if runtime.BY_NAME[path].int8:
+        kernel = cpu_runner.I8_KERNEL_NAMES[kernels.i8_kernel(runtime.BY_NAME[path].kernels
+                                                              == "avx512")]
+        assert f"decoder forward (integer products: {kernel})" in ours.label, ours.label
     theirs = load(checkpoint, path, monkeypatch, runner="transformers")
     assert isinstance(theirs.runner, HFRunner) and "decoder forward" not in theirs.label
     got, cache = logits_in_pages(ours.runner, IDS)

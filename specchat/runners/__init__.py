@@ -20,6 +20,9 @@ CPU_RUNNER_ENV = "SPECCHAT_CPU_RUNNER"  # "transformers": the CPU paths run tran
 CUDA_RUNTIME_ENV = "SPECCHAT_CUDA_RUNTIME"  # "transformers": transformers' forward on CUDA
 
 
+DECODER_FORWARD = "specchat's decoder forward"  # the label's part that names the runner
+
+
 def use_cpu_runner(loaded, lib, int8: bool = False) -> None:
     """Give a CPU model (a `LoadedModel`) specchat's own forward (`cpu.runner.CpuRunner`, one C
     call a forward) where its path left every layer on specchat's kernels (`lib`) and the runner
@@ -31,7 +34,8 @@ def use_cpu_runner(loaded, lib, int8: bool = False) -> None:
             or runner.unsupported(loaded.model):
         return
     loaded.runner_ = runner.CpuRunner(loaded.model, lib, int8=int8)
-    loaded.compute = ", ".join(filter(None, [loaded.compute, "specchat's decoder forward"]))
+    loaded.compute = ", ".join(filter(None, [loaded.compute, DECODER_FORWARD + (
+        f" (integer products: {runner.integer_kernel(lib)})" if int8 else "")]))
 
 
 def use_cuda_runtime(loaded, progress) -> tuple[str, tuple[str, ...]]:
@@ -64,4 +68,4 @@ def use_transformers_forward(loaded) -> None:
     kernels keep running under the modules."""
     loaded.runner_ = None
     loaded.compute = ", ".join(part for part in loaded.compute.split(", ")
-                               if part and part != "specchat's decoder forward")
+                               if part and not part.startswith(DECODER_FORWARD))

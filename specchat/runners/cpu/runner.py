@@ -58,6 +58,17 @@ ROPES = ("sliding_attention", "full_attention")  # the forward's RoPE tables, in
 CLOCK_ROWS = ("products", "attention", "norms", "activation", "rest")
 
 
+# the integer kernels (`kernels.I8_KERNELS`) in words
+I8_KERNEL_NAMES = {"amx": "AMX-INT8 from 8 rows", "vnni": "AVX-512 VNNI",
+                   "avxvnni": "AVX-VNNI", "avx2": "AVX2", "ref": "plain C"}
+
+
+def integer_kernel(lib) -> str:
+    """The integer kernel `lib`'s decoder stack runs (`decoder_forward_i8_<name>`), in words."""
+    name = getattr(lib.decoder_forward_i8, "__name__", "").rsplit("_", 1)[-1]
+    return I8_KERNEL_NAMES.get(name, name)
+
+
 def unsupported(model) -> str | None:
     """Why this runner cannot run `model` (as its CPU path left it), or None."""
     from specchat.runners.hf.cpu import NF4KernelForward
