@@ -392,37 +392,40 @@ static void i8_matmul256(const i8_tile256_fn tiles[I8_J2], int BYTES, const i8_r
     }
 }
 
-#define I8_DPBUSD256(acc, w, x) (acc)  // AVX2: not used (VNNI 0)
-I8_TILE256(i8_tile_avx2, , 0)
-#undef I8_DPBUSD256
-I8_TILES256(i8_tile_avx2, , nf4, 0)
-I8_TILES256(i8_tile_avx2, , q8, 1)
-
-void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                        const float *dw, int64_t blocksize, const float *table, float *y,
-                        int64_t out, int threads) {
-    (void)blocksize;
+// The 256-bit entry points of a kernel's tiles: the activation rows quantized once, then the
+// driver. NF4's table as the tiles read it: `offset` 0 (AVX2's signed values) or I8_OFFSET
+// (AVX-VNNI's unsigned ones).
+static void nf4_i8_256(const i8_tile256_fn tiles[I8_J2], int offset, const float *x, int64_t n,
+                       int64_t in, const uint8_t *packed, const float *dw, const float *table,
+                       float *y, int64_t out, int threads) {
     if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
     i8_table(table, w8);
-    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w8));
-    i8_matmul256(i8_tile_avx2_nf4, 0, &r, in, packed, dw, tbl, y, out, NULL, threads);
+    uint8_t t8[16];
+    for (int c = 0; c < 16; c++) t8[c] = (uint8_t)(w8[c] + offset);
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t8));
+    i8_matmul256(tiles, 0, &r, in, packed, dw, tbl, y, out, NULL, threads);
     i8_rows_free(&r);
 }
 
-void q8_0_rows_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                              const uint16_t *dw, float *y, int64_t out, float *maxima,
-                              int threads) {
+static void q8_rows_256(const i8_tile256_fn tiles[I8_J2], const float *x, int64_t n, int64_t in,
+                        const uint8_t *packed, const uint16_t *dw, float *y, int64_t out,
+                        float *maxima, int threads) {
     maxima_unknown(maxima, n, out);
     if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
-    i8_matmul256(i8_tile_avx2_q8, 1, &r, in, packed, dw, _mm256_setzero_si256(), y, out, maxima,
-                 threads);
+    i8_matmul256(tiles, 1, &r, in, packed, dw, _mm256_setzero_si256(), y, out, maxima, threads);
     i8_rows_free(&r);
 }
+
+#define I8_DPBUSD256(acc, w, x) (acc)  // AVX2: not used (VNNI 0)
+I8_TILE256(i8_tile_avx2, , 0)
+#undef I8_DPBUSD256
+I8_TILES256(i8_tile_avx2, , nf4, 0)
+I8_TILES256(i8_tile_avx2, , q8, 1)
 
 // AVX-VNNI's intrinsics came with GCC 11 and Clang 12: before them the AVX-VNNI kernels are the
 // AVX2 ones under their names (the same bits)
@@ -433,47 +436,38 @@ I8_TILE256(i8_tile_avxvnni, I8_AVXVNNI, 1)
 #undef I8_DPBUSD256
 I8_TILES256(i8_tile_avxvnni, I8_AVXVNNI, nf4, 0)
 I8_TILES256(i8_tile_avxvnni, I8_AVXVNNI, q8, 1)
+#undef I8_AVXVNNI
+#define I8_AVXVNNI_NF4 i8_tile_avxvnni_nf4, I8_OFFSET
+#define I8_AVXVNNI_Q8 i8_tile_avxvnni_q8
+#else
+#define I8_AVXVNNI_NF4 i8_tile_avx2_nf4, 0
+#define I8_AVXVNNI_Q8 i8_tile_avx2_q8
+#endif
 
+void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                        const float *dw, int64_t blocksize, const float *table, float *y,
+                        int64_t out, int threads) {
+    (void)blocksize;
+    nf4_i8_256(i8_tile_avx2_nf4, 0, x, n, in, packed, dw, table, y, out, threads);
+}
 void nf4_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                            const float *dw, int64_t blocksize, const float *table, float *y,
                            int64_t out, int threads) {
     (void)blocksize;
-    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
-    i8_rows r;
-    if (!i8_rows_new(x, n, in, &r, y, out)) return;
-    int8_t w8[16];
-    i8_table(table, w8);
-    uint8_t u8[16];
-    for (int c = 0; c < 16; c++) u8[c] = (uint8_t)(w8[c] + I8_OFFSET);
-    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)u8));
-    i8_matmul256(i8_tile_avxvnni_nf4, 0, &r, in, packed, dw, tbl, y, out, NULL, threads);
-    i8_rows_free(&r);
+    nf4_i8_256(I8_AVXVNNI_NF4, x, n, in, packed, dw, table, y, out, threads);
 }
-
-void q8_0_rows_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                                 const uint16_t *dw, float *y, int64_t out, float *maxima,
-                                 int threads) {
-    maxima_unknown(maxima, n, out);
-    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
-    i8_rows r;
-    if (!i8_rows_new(x, n, in, &r, y, out)) return;
-    i8_matmul256(i8_tile_avxvnni_q8, 1, &r, in, packed, dw, _mm256_setzero_si256(), y, out,
-                 maxima, threads);
-    i8_rows_free(&r);
-}
-#undef I8_AVXVNNI
-#else
-void nf4_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
-                           const float *dw, int64_t blocksize, const float *table, float *y,
-                           int64_t out, int threads) {
-    nf4_matmul_i8_avx2(x, n, in, packed, dw, blocksize, table, y, out, threads);
+void q8_0_rows_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                              const uint16_t *dw, float *y, int64_t out, float *maxima,
+                              int threads) {
+    q8_rows_256(i8_tile_avx2_q8, x, n, in, packed, dw, y, out, maxima, threads);
 }
 void q8_0_rows_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                                  const uint16_t *dw, float *y, int64_t out, float *maxima,
                                  int threads) {
-    q8_0_rows_matmul_i8_avx2(x, n, in, packed, dw, y, out, maxima, threads);
+    q8_rows_256(I8_AVXVNNI_Q8, x, n, in, packed, dw, y, out, maxima, threads);
 }
-#endif
+#undef I8_AVXVNNI_NF4
+#undef I8_AVXVNNI_Q8
 #undef I8_TILES256
 #undef I8_TILE256_J
 #undef I8_TILE256
