@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=21, help="forwards of each build and width")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernels", metavar="A,B",
-                   help="two integer kernels of the working tree's build instead (vnni,amx)")
+                   help="two integer kernels of the working tree's build instead, of amx, "
+                        "vnni, avxvnni and avx2 (vnni,amx)")
     args = p.parse_args(argv)
     if not kernels.runs_here("avx2"):
         print("the A/B needs the SIMD build (AVX2, FMA, F16C)", file=sys.stderr)
