@@ -287,7 +287,8 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
 // Tiles of one instruction set: BYTES 0 a group's block of NF4 codes (256 bytes, decoded by the
 // table `tbl`: signed for AVX2, unsigned for AVX-VNNI), 1 of Q8_0 values as packed (512 bytes,
 // unsigned). dw: float scales (NF4) or fp16 (Q8_0), [blocks, 16] of the group. Writes the tile's
-// rows' 8 outputs to acc_out[8 j ..].
+// rows' 8 outputs to acc_out[8 j ..]. A macro, instantiated once per instruction set: a body
+// holding AVX-VNNI's intrinsic must carry that target, which AVX2's callers may not inline.
 #define I8_TILE256(NAME, TARGET, VNNI)                                                             \
     TARGET static inline __attribute__((always_inline)) void NAME(                                \
         int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, int half,            \
