@@ -1148,3 +1148,40 @@ def test_the_heads_trees_are_the_default_where_they_pay():
     cfg, _ = build_config({"drafter": "head", "tree_nodes": 6}, list(engine.drafters),
                           greedy_trees=())
     assert cfg.tree_nodes == 6  # asked for: trees wherever the drafter has them
+
+
+@pytest.mark.parametrize("lib", ["ref", None], ids=["c-step", "torch"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "min-p"])
+def test_a_fresh_drafters_first_prompt_of_two_tokens_gets_a_cache_that_holds_its_slots(
+        lib, sampled):
+    """A zero-slot tensor has the strides of a one-slot one over an empty storage: a fresh
+    drafter whose first catch-up is one row (a prompt of two tokens) must not take those strides
+    for room. Its drafts are then a warm drafter's."""
+    target = tiny_gemma3(0)
+    head = random_head(target, vocab_ids=torch.arange(40, 56))
+    params = SamplingParams(0.8, min_p=0.01) if sampled else SamplingParams(0.0)
+    prompt = ids_of("Hi")
+    assert len(prompt) == 2
+    fresh = HeadDrafter(head, target, len(TOK), 0.0, lib=kernels.load(lib) if lib else None)
+    fresh.begin(prompt)
+    drafts = [fresh.propose(prompt, k, params, Noise(3) if sampled else None)[0].tolist()
+              for k in (1, 3)]
+    warm = HeadDrafter(head, target, len(TOK), 0.0, lib=kernels.load(lib) if lib else None)
+    warm.begin(ids_of(TEXT))
+    warm.begin(prompt)
+    assert drafts == [warm.propose(prompt, k, params, Noise(3) if sampled else None)[0].tolist()
+                      for k in (1, 3)]
+    keys, values = fresh.cache
+    assert keys.untyped_storage().nbytes() >= keys.numel() * keys.element_size()
+
+
+def test_a_cache_takes_in_place_only_the_slots_its_storage_holds():
+    from specchat.models.eagle import extended, slots_held
+    empty = torch.empty(1, 2, 0, 16)
+    assert empty.stride(1) // 16 == 1 and slots_held(empty) == 0  # strides claim a slot
+    assert extended(empty, 1).untyped_storage().nbytes() > 0
+    buffer = torch.empty(1, 2, 8, 16)
+    assert slots_held(buffer[:, :, :3]) == 8
+    assert extended(buffer[:, :, :3], 5).data_ptr() == buffer.data_ptr()  # in place
+    assert extended(buffer[:, :, :3], 6).data_ptr() != buffer.data_ptr()  # a new buffer
+    assert slots_held(buffer[:, 1:]) == 0  # not a buffer's prefix

@@ -106,15 +106,30 @@ class Rope:
 CACHE_GROW = 256  # head KV cache slots added at a time
 
 
+def slots_held(cached: torch.Tensor) -> int:
+    """How many slots along S `cached` [B, H, S, hd] may take in place: the capacity its
+    strides describe when it is the first S slots of a buffer [B, H, cap, hd] (one made by
+    `extended`), bounded by what its storage really holds. torch gives a tensor with S = 0 the
+    strides of one with S = 1, over an empty storage too: only the storage's size tells the
+    room. 0 when `cached` is no such buffer's prefix."""
+    B, H, S, hd = cached.shape
+    if not (B and H and hd) or cached.storage_offset() != 0:
+        return 0
+    cap = cached.stride(1) // hd
+    if cached.stride() != (H * cap * hd, cap * hd, hd, 1):
+        return 0
+    held = cached.untyped_storage().nbytes() // cached.element_size()
+    last_row = (B - 1) * cached.stride(0) + (H - 1) * cached.stride(1)  # its first element
+    return max(0, min(cap, (held - last_row) // hd))
+
+
 def extended(cached: torch.Tensor, T: int) -> torch.Tensor:
     """cached [B, H, S, hd] as the first S slots of [B, H, S + T, hd] (the last T not yet
     written): in place when `cached` is the first S slots of a buffer with room after them
-    (one made here: its stride tells its capacity), else in a new buffer with CACHE_GROW spare
-    slots; cropping a cache by slicing keeps the buffer."""
+    (one made here: `slots_held`), else in a new buffer with CACHE_GROW spare slots; cropping a
+    cache by slicing keeps the buffer."""
     B, H, S, hd = cached.shape
-    cap = cached.stride(1) // hd if hd else 0
-    if cached.stride() == (H * cap * hd, cap * hd, hd, 1) and cached.storage_offset() == 0 \
-            and S + T <= cap:
+    if S + T <= slots_held(cached):
         return cached.as_strided((B, H, S + T, hd), cached.stride())
     buffer = cached.new_empty(B, H, S + T + CACHE_GROW, hd)
     buffer[:, :, :S] = cached
