@@ -410,6 +410,13 @@ def theme() -> gr.themes.Base:
         block_label_text_color="*neutral_500", block_title_padding="0")
 
 
+# Page sessions whose state the server keeps, the least recently used dropped first. gradio keeps
+# a closed tab's state an hour for a reconnect, and a session's copy of the page's config with
+# it, some hundreds of KB a tab: at gradio's default of 10,000 a shared demo's memory would grow
+# by gigabytes with its visitors. A dropped session's conversations stay in the stats store.
+PAGE_SESSIONS = 256
+
+
 def launch_kwargs() -> dict:
     """What `demo.launch` needs besides host/port/share/auth (gradio 6: theme/css live here)."""
     return dict(css=asset("specchat.css") + stats_tab.READ_ONLY_CSS, theme=theme(),
@@ -428,4 +435,5 @@ def launch(demo: gr.Blocks, **kwargs):
     app_kwargs["middleware"] = [Middleware(HeadScript, script=FRAMES_SCRIPT),
                                 *app_kwargs.get("middleware", [])]
     app_kwargs["routes"] = [*live.routes(), *app_kwargs.get("routes", [])]
+    kwargs.setdefault("state_session_capacity", PAGE_SESSIONS)
     return demo.launch(**launch_kwargs(), app_kwargs=app_kwargs, **kwargs)
