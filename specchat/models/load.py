@@ -75,6 +75,11 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     local = Path(path).exists()
     if not local and "/" in path and path.startswith((".", "/", "~")):
         raise ModelLoadError(f"{path}: no such directory")
+    if local and Path(path).is_file():
+        raise ModelLoadError(
+            f"{path} is a file: --target and --draft-model take a model directory (config.json, "
+            "the weights, the tokenizer's files) or a hub id; of GGUF files specchat opens only "
+            "the embedded model's (the default)")
     if local and Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise ModelLoadError(f"{path} holds no model: it has no config.json (a model directory "
                              "has config.json, the weights and the tokenizer's files)")
