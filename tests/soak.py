@@ -55,6 +55,7 @@ PROMPTS = ["Hi", "Once upon a time", "the cat sat on the mat. the cat sat on the
            "Write a list:\n1.", "def add(a, b):\n"]
 STOPS = [None, ["\n"], [".", "the"]]
 SESSIONS = 12  # page sessions the soak's server keeps
+PREFIX_TOKENS = 256  # tokens of whole prompt pages its engine keeps
 HUGE = "word " * 40_000  # past the API's longest prompt: refused with a message
 
 
@@ -191,6 +192,10 @@ class Soak:
         # A smaller bound, reached within the first round: from then on resident memory is
         # flat, as a demo's is past its PAGE_SESSIONS visitors.
         self.demo.state_holder.capacity = SESSIONS
+        # Likewise the prefix store, which fills by design up to its bound (300 MB at the
+        # embedded model's default): a few pages, full within the first round.
+        self.engine, self.prefix_tokens = engine, engine.prefixes.max_tokens
+        engine.prefixes.max_tokens = PREFIX_TOKENS
         self.route = PageRoute(self.demo)
         self.plain: dict[str, str | None] = {}  # Request.key -> plain decoding's text
         self.pages: dict[int, httpx.Client] = {}
@@ -199,6 +204,7 @@ class Soak:
         for client in self.pages.values():
             client.close()
         self.demo.close()
+        self.engine.prefixes.max_tokens = self.prefix_tokens
         self.store.close()
         self.folder.cleanup()
         live.GRACE_S = self.grace
