@@ -19,7 +19,7 @@ from specchat.models.eagle_files import (
     load_head,
     target_identity,
 )
-from specchat.runners.memory import drop_read_pages, release_freed_memory
+from specchat.runners.memory import drop_read_pages, limit_malloc_arenas, release_freed_memory
 
 
 @dataclass
@@ -47,6 +47,7 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     from specchat.models.load import load_model
     from specchat.models.vocab import vocab_mismatch
 
+    limit_malloc_arenas()  # before the replies' threads: their arenas would keep freed memory
     tgt = load_model(target, quantization, device, progress)
     notes: list[str] = []
     # Before the engine: an EAGLE-3 head may move the target to another runner.

@@ -44,6 +44,7 @@ from specchat.drafters.combined import CombinedDrafter  # noqa: E402
 from specchat.drafters.head import HeadDrafter  # noqa: E402
 from specchat.drafters.ngram import NgramDrafter  # noqa: E402
 from specchat.models.eagle import DraftHead, HeadConfig  # noqa: E402
+from specchat.runners.memory import limit_malloc_arenas  # noqa: E402
 from specchat.stats.store import StatsStore  # noqa: E402
 from specchat.ui import live  # noqa: E402
 from specchat.ui.page import PAGE_SESSIONS  # noqa: E402
@@ -62,6 +63,7 @@ HUGE = "word " * 40_000  # past the API's longest prompt: refused with a message
 def tiny_engine() -> Engine:
     """A tiny Gemma 3 target with a random draft head on this CPU's C step (the reference
     kernels where none runs), lookup, and both together."""
+    limit_malloc_arenas()  # as load_engine does for the app
     target = tiny_gemma3(0)
     tok = byte_tokenizer()
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ answered in its usual time, resident memory flat after the first round. A failur
 seed of its sequence: `python tests/soak.py --seed S --sequences 1` replays it."""
 
 import os
+import platform
 import statistics
 
 import pytest
@@ -28,3 +29,13 @@ def test_seeded_interleavings_on_tiny_models():
 def test_seeded_interleavings_on_the_embedded_model():
     sequences = int(os.environ.get("SPECCHAT_SOAK_SEQUENCES", "200"))
     check(run(embedded_engine(), sequences=sequences, seed=1000, seconds=3600.0, tokens=32))
+
+
+def test_the_servers_malloc_arenas_are_capped_unless_the_user_sets_them(monkeypatch):
+    from specchat.runners.memory import limit_malloc_arenas
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_malloc_arenas() is False  # the user's own setting stands
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt's arena cap is glibc's")
+    assert limit_malloc_arenas() is True

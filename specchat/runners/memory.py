@@ -137,3 +137,22 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc (macOS, Windows): nothing to do
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas (unless MALLOC_ARENA_MAX is set). A server runs each reply in
+    a thread of its own, and glibc gives threads arenas of their own, up to 8 a core, each
+    keeping what its threads freed: on the embedded model resident memory rose 12% over 60
+    soak sequences at glibc's default and 3% with one arena (tests/soak.py). One reply runs at
+    a time, so a few arenas cost no contention. True where the cap was set (glibc only)."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_ARENA_MAX, arenas))
