@@ -73,13 +73,13 @@ def test_each_build_defines_what_the_header_declares():
 
 
 FIELDS = {  # C struct -> (its ctypes mirror, its fields)
-    "nf4_weight": (cpu_runner._NF4Weight, ["codes", "absmax", "out", "in"]),
+    "nf4_weight": (cpu_runner._NF4Weight, ["codes", "absmax", "out", "in", "bias"]),
     "decoder_layer": (cpu_runner._Layer,
                       ["q", "k", "v", "o", "gate", "up", "down", "attn_norm", "post_attn_norm",
                        "mlp_norm", "post_mlp_norm", "q_norm", "k_norm", "window", "rope"]),
     "decoder_model": (cpu_runner._Model,
                       ["layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                       "blocksize", "eps", "scale", "table", "layer", "final_norm", "n_aux",
+                       "blocksize", "eps", "scale", "act", "table", "layer", "final_norm", "n_aux",
                        "aux", "aux_out"]),
     "q8_weight": (head_step._Q8Weight, ["q", "d", "out", "in"]),
     "draft_head": (head_step._DraftHead,

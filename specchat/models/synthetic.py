@@ -58,6 +58,54 @@ def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16,
     return Gemma3ForCausalLM(cfg).eval()
 
 
+# What `tiny_family` builds: each family specchat's CPU forward runs (`runners.family`), with
+# what sets it apart switched on (Llama 3's RoPE scaling, Mistral's window, Qwen 2's biases,
+# Qwen 3's per-head norms, SmolLM 2's tied head)
+FAMILY_MODELS = ("llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
+                vocab: int = 272, window: int = 16):
+    """A tiny model of a `FAMILY_MODELS` family, widths multiples of 64 (so every layer is one
+    specchat's NF4 kernel takes), with random norm weights and biases where the family has them
+    (fresh ones are constants, which would hide a norm or a bias read in the wrong place). The
+    vocabulary leaves room past `byte_tokenizer`'s 259 tokens: Qwen's tokenizer class, loaded
+    back from a checkpoint, adds its own end-of-text token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if kind == "gemma3":
+        model = tiny_gemma3(seed, vocab, sliding_window=window, hidden=hidden,
+                            head_dim=head_dim)
+    else:
+        shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_hidden_layers=2, num_attention_heads=hidden // head_dim * 2,
+                     num_key_value_heads=hidden // head_dim, head_dim=head_dim,
+                     max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
+                     pad_token_id=0, tie_word_embeddings=kind in ("smollm2", "qwen3"))
+        extra = {"llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64},
+                               rope_theta=500000.0),
+                 "smollm2": dict(rope_theta=100000.0),
+                 "mistral": dict(sliding_window=window),
+                 "qwen2": dict(use_sliding_window=True, sliding_window=window,
+                               max_window_layers=1),  # layer 1 windowed, layer 0 not
+                 "qwen3": dict()}[kind]
+        model_type = "llama" if kind == "smollm2" else kind
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(model_type, **shape, **extra)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                base = 0.0 if kind == "gemma3" else 1.0  # Gemma scales by 1 + weight
+                p.copy_(base + 0.5 * torch.randn(p.shape, generator=generator))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
+    return model
+
+
 def llama_1b_config(small: bool = False) -> LlamaConfig:
     """Llama 3.2 1B's shape (16 layers, d 2048, GQA 32/8, MLP 8192, 128,256-token vocabulary,
     tied embeddings); `small`: the same layout a few hundred times smaller, for CPUs."""

@@ -1,20 +1,23 @@
-// A Gemma 3 decoder stack in one call: every layer of the model for n rows (tokens), from their
+// A decoder stack in one call: every layer of the model for n rows (tokens), from their
 // embeddings to the final norm's output, writing each row's keys and values into the KV cache.
-// It is the model's forward as transformers computes it, layer for layer:
+// It is the model's forward as transformers computes it, layer for layer, for the families that
+// `runners.family` declares (Gemma 3; Llama, Mistral, Qwen 2 and 3, SmolLM):
 //
-//   x = norm(h); q, k, v = x Wq, x Wk, x Wv; q, k normed per head; RoPE at the row's position;
-//   k, v written at the row's slot; a = attention(q, the cache); h += norm(a Wo);
-//   x = norm(h); h += norm((gelu_tanh(x Wg) * x Wu) Wd);   after the last layer: norm(h).
+//   x = norm(h); q, k, v = x Wq (+ bq), x Wk (+ bk), x Wv (+ bv); [q, k normed per head];
+//   RoPE at the row's position; k, v written at the row's slot; a = attention(q, the cache);
+//   h += [norm](a Wo); x = norm(h); h += [norm]((act(x Wg) * x Wu) Wd);   then norm(h).
 //
-// with NF4 weights (bitsandbytes' codes and block scales, nf4.c), Gemma's RMSNorm (norms.c) and
-// the attention of nf4.c's neighbour attention.c. The Python around a forward of transformers'
-// modules costs more than the arithmetic for one token of a small model (hundreds of torch
-// calls a step); here a step is one call.
+// The bracketed steps are a family's: a NULL norm or bias is skipped (Gemma 3 has every norm,
+// Qwen 3 the per-head ones, Llama none of them), and `act` is gelu with tanh's approximation
+// (Gemma) or SiLU (the Llama family). NF4 weights are bitsandbytes' codes and block scales
+// (nf4.c, nf4_i8.c), the norms RMSNorm's (norms.c), the attention attention.c's. The Python
+// around a forward of transformers' modules costs more than the arithmetic for one token of a
+// small model (hundreds of torch calls a step); here a step is one call.
 //
 // Row-exact: every product, norm and attention computes a row alone (see the kernels), and the
-// elementwise steps (RoPE, gelu, the residual adds) are per value. So a row's features, keys
-// and values are the same bits whatever rows were fed with it, and a prompt's page, a verify's
-// chain, a draft tree's node and a one-token step give a token the same logits.
+// elementwise steps (biases, RoPE, the activation, the residual adds) are per value. So a row's
+// features, keys and values are the same bits whatever rows were fed with it, and a prompt's
+// page, a verify's chain, a draft tree's node and a one-token step give a token the same logits.
 //
 // The cache: keys and values [layers, kv_heads, slots, head_dim] in float32; the fed rows go to
 // slots start .. start + n - 1. A cached slot j (j < start) holds the token at position j. Row
@@ -63,6 +66,7 @@ typedef struct {
     attend_fn attend;
     norm_fn norm;
     void (*gelu_mul)(float *, const float *, int64_t);
+    void (*silu_mul)(float *, const float *, int64_t);
 } kernels;
 
 // nf4_weight, decoder_layer and decoder_model: specchat.h (the ABI shared with Python)
@@ -124,6 +128,36 @@ static void gelu_mul(float *g, const float *u, int64_t count) {
 }
 #endif
 
+// SiLU of g times up, into g: g = g / (1 + e^-g) u, with e^z specchat's own (`exp_core`, z
+// clamped to its range: beyond it the quotient is g or 0 in float32 alike). The SIMD build
+// computes 8 at once by the same operations in the same order as `silu_mul_ref`: the same bits.
+#define SILU_HIGH 88.0f
+static inline float silu_ref(float x, float u) {
+    float z = -x;
+    z = z > SILU_HIGH ? SILU_HIGH : z < EXP_MIN ? EXP_MIN : z;
+    return x / (1.0f + exp_core(z)) * u;
+}
+
+static void silu_mul_ref(float *g, const float *u, int64_t count) {
+    for (int64_t i = 0; i < count; i++) g[i] = silu_ref(g[i], u[i]);
+}
+
+#if SPECCHAT_SIMD
+static void silu_mul(float *g, const float *u, int64_t count) {
+    const __m256 high = _mm256_set1_ps(SILU_HIGH), low = _mm256_set1_ps(EXP_MIN);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), x);
+        z = _mm256_max_ps(_mm256_min_ps(z, high), low);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp_core8(z)));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < count; i++) g[i] = silu_ref(g[i], u[i]);
+}
+#endif
+
 // The rows of the residual stream h [n, hidden] entering layer `l` into their places in
 // m->aux_out, for each aux entry that names it
 static void keep_aux(const decoder_model *m, const float *h, int64_t n, int64_t l) {
@@ -138,9 +172,12 @@ static void add(float *h, const float *x, int64_t count) {
     for (int64_t i = 0; i < count; i++) h[i] += x[i];
 }
 
+// y [n, out] = x W.T (+ the bias, added to each row's sums as torch's addition of it does)
 static void product(const kernels *f, const decoder_model *m, const nf4_weight *w,
                     const float *x, int64_t n, float *y, int threads) {
     f->nf4(x, n, w->in, w->codes, w->absmax, m->blocksize, m->table, y, w->out, threads);
+    if (w->bias)
+        for (int64_t r = 0; r < n; r++) add(y + r * w->out, w->bias, w->out);
 }
 
 // The attention mask of one window for the n fed rows over slots lo .. start + n - 1:
@@ -172,14 +209,15 @@ static void norm_rows(const kernels *f, const float *x, int64_t n, int64_t dim, 
     for (int64_t r = 0; r < n; r++) f->norm(x + r * dim, 1, dim, 0, w, eps, y + r * dim);
 }
 
-static void gelu_rows(const kernels *f, float *g, const float *u, int64_t n, int64_t inter,
-                      int threads) {
+static void act_rows(const kernels *f, int64_t act, float *g, const float *u, int64_t n,
+                     int64_t inter, int threads) {
+    void (*mul)(float *, const float *, int64_t) = act == ACT_SILU ? f->silu_mul : f->gelu_mul;
     if (n * inter < SPLIT_VALUES || threads < 2) {
-        f->gelu_mul(g, u, n * inter);
+        mul(g, u, n * inter);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) f->gelu_mul(g + r * inter, u + r * inter, inter);
+    for (int64_t r = 0; r < n; r++) mul(g + r * inter, u + r * inter, inter);
 }
 
 // 0 when done; -1 when out of memory (nothing in `out` is then valid)
@@ -231,8 +269,8 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
         product(f, m, &L->k, x, n, k, threads);
         product(f, m, &L->v, x, n, v, threads);
         MARK(CLOCK_PRODUCTS);
-        norm_rows(f, q, n * m->heads, d, L->q_norm, m->eps, q, threads);
-        norm_rows(f, k, n * m->kv_heads, d, L->k_norm, m->eps, k, threads);
+        if (L->q_norm) norm_rows(f, q, n * m->heads, d, L->q_norm, m->eps, q, threads);
+        if (L->k_norm) norm_rows(f, k, n * m->kv_heads, d, L->k_norm, m->eps, k, threads);
         MARK(CLOCK_NORMS);
         rope(q, n, m->heads, d, pos, rope_tables[2 * L->rope], rope_tables[2 * L->rope + 1]);
         rope(k, n, m->kv_heads, d, pos, rope_tables[2 * L->rope], rope_tables[2 * L->rope + 1]);
@@ -259,7 +297,7 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
         MARK(CLOCK_ATTENTION);
         product(f, m, &L->o, x, n, q, threads);  // q's buffer is free again: [n, hidden]
         MARK(CLOCK_PRODUCTS);
-        norm_rows(f, q, n, hd, L->post_attn_norm, m->eps, q, threads);
+        if (L->post_attn_norm) norm_rows(f, q, n, hd, L->post_attn_norm, m->eps, q, threads);
         MARK(CLOCK_NORMS);
         add(h, q, n * hd);
         MARK(CLOCK_REST);
@@ -268,11 +306,11 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
         product(f, m, &L->gate, x, n, g, threads);
         product(f, m, &L->up, x, n, u, threads);
         MARK(CLOCK_PRODUCTS);
-        gelu_rows(f, g, u, n, m->inter, threads);
+        act_rows(f, m->act, g, u, n, m->inter, threads);
         MARK(CLOCK_ACTIVATION);
         product(f, m, &L->down, g, n, q, threads);
         MARK(CLOCK_PRODUCTS);
-        norm_rows(f, q, n, hd, L->post_mlp_norm, m->eps, q, threads);
+        if (L->post_mlp_norm) norm_rows(f, q, n, hd, L->post_mlp_norm, m->eps, q, threads);
         MARK(CLOCK_NORMS);
         add(h, q, n * hd);
         MARK(CLOCK_REST);
@@ -292,7 +330,7 @@ int decoder_forward_ref(const decoder_model *m, const float *embeddings, int64_t
                         float *k_cache, float *v_cache, int64_t slots,
                         const float *const *rope_tables, float *out, double *clock,
                         int threads) {
-    const kernels f = {nf4_matmul_ref, attend_ref, rms_norm_ref, gelu_mul_ref};
+    const kernels f = {nf4_matmul_ref, attend_ref, rms_norm_ref, gelu_mul_ref, silu_mul_ref};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -303,7 +341,7 @@ int decoder_forward16_ref(const decoder_model *m, const float *embeddings, int64
                           float *k_cache, float *v_cache, int64_t slots,
                           const float *const *rope_tables, float *out, double *clock,
                           int threads) {
-    const kernels f = {nf4_matmul16_ref, attend_ref, rms_norm_ref, gelu_mul_ref};
+    const kernels f = {nf4_matmul16_ref, attend_ref, rms_norm_ref, gelu_mul_ref, silu_mul_ref};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -314,7 +352,7 @@ int decoder_forward_i8_ref(const decoder_model *m, const float *embeddings, int6
                            float *k_cache, float *v_cache, int64_t slots,
                            const float *const *rope_tables, float *out, double *clock,
                            int threads) {
-    const kernels f = {nf4_matmul_i8_ref, attend_ref, rms_norm_ref, gelu_mul_ref};
+    const kernels f = {nf4_matmul_i8_ref, attend_ref, rms_norm_ref, gelu_mul_ref, silu_mul_ref};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -325,7 +363,7 @@ int decoder_forward_i8_avx2(const decoder_model *m, const float *embeddings, int
                             float *k_cache, float *v_cache, int64_t slots,
                             const float *const *rope_tables, float *out, double *clock,
                             int threads) {
-    const kernels f = {nf4_matmul_i8_avx2, attend, rms_norm, gelu_mul};
+    const kernels f = {nf4_matmul_i8_avx2, attend, rms_norm, gelu_mul, silu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -335,7 +373,7 @@ int decoder_forward_i8_avxvnni(const decoder_model *m, const float *embeddings, 
                                float *k_cache, float *v_cache, int64_t slots,
                                const float *const *rope_tables, float *out, double *clock,
                                int threads) {
-    const kernels f = {nf4_matmul_i8_avxvnni, attend, rms_norm, gelu_mul};
+    const kernels f = {nf4_matmul_i8_avxvnni, attend, rms_norm, gelu_mul, silu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -345,7 +383,7 @@ int decoder_forward_i8_vnni(const decoder_model *m, const float *embeddings, int
                             float *k_cache, float *v_cache, int64_t slots,
                             const float *const *rope_tables, float *out, double *clock,
                             int threads) {
-    const kernels f = {nf4_matmul_i8_vnni, attend, rms_norm, gelu_mul};
+    const kernels f = {nf4_matmul_i8_vnni, attend, rms_norm, gelu_mul, silu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -355,7 +393,7 @@ int decoder_forward_i8_amx(const decoder_model *m, const float *embeddings, int6
                            float *k_cache, float *v_cache, int64_t slots,
                            const float *const *rope_tables, float *out, double *clock,
                            int threads) {
-    const kernels f = {nf4_matmul_i8_amx, attend, rms_norm, gelu_mul};
+    const kernels f = {nf4_matmul_i8_amx, attend, rms_norm, gelu_mul, silu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -364,7 +402,7 @@ int decoder_forward(const decoder_model *m, const float *embeddings, int64_t n,
                     const int64_t *pos, int64_t start, const uint8_t *visible, float *k_cache,
                     float *v_cache, int64_t slots, const float *const *rope_tables, float *out,
                     double *clock, int threads) {
-    const kernels f = {nf4_matmul, attend, rms_norm, gelu_mul};
+    const kernels f = {nf4_matmul, attend, rms_norm, gelu_mul, silu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }
@@ -374,7 +412,7 @@ int decoder_forward_avx512(const decoder_model *m, const float *embeddings, int6
                            float *k_cache, float *v_cache, int64_t slots,
                            const float *const *rope_tables, float *out, double *clock,
                            int threads) {
-    const kernels f = {nf4_matmul_avx512, attend, rms_norm, gelu_mul};
+    const kernels f = {nf4_matmul_avx512, attend, rms_norm, gelu_mul, silu_mul};
     return forward(&f, m, embeddings, n, pos, start, visible, k_cache, v_cache, slots,
                    rope_tables, out, clock, threads);
 }

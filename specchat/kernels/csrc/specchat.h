@@ -14,14 +14,20 @@
 
 // ---- the decoder stack's model (csrc/decoder.c, `runners.cpu.runner._Model`) -------------------
 
-// One NF4 weight [out, in]: bitsandbytes' packed codes and one float32 scale per block.
+// One NF4 weight [out, in]: bitsandbytes' packed codes and one float32 scale per block, and
+// the layer's float32 bias [out] (NULL: none; Qwen 2's q, k and v have one).
 typedef struct {
     const uint8_t *codes;
     const float *absmax;
     int64_t out, in;
+    const float *bias;
 } nf4_weight;
 
-// One layer. The norms' weights are 1 + the module's weight, in float32 (as norms.c takes them).
+// One layer, as its family declares it (`runners.family`). The norms' float32 weights are
+// what norms.c multiplies by: Gemma's 1 + the module's weight, Llama's the weight itself. A norm
+// a family lacks is NULL: Llama, Qwen and Mistral have no post-attention or post-MLP norm (their
+// `post_attention_layernorm` is the norm before the MLP, `mlp_norm` here), and only Gemma 3 and
+// Qwen 3 norm each head's queries and keys.
 typedef struct {
     nf4_weight q, k, v, o, gate, up, down;
     const float *attn_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
@@ -29,9 +35,14 @@ typedef struct {
     int64_t rope;    // which of the forward's RoPE tables the layer takes (0 or 1)
 } decoder_layer;
 
+// The MLP's activation of its gate, times up: gelu with tanh's approximation (Gemma), SiLU (the
+// Llama family: Llama, Mistral, Qwen, SmolLM)
+enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
+
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, blocksize;
     float eps, scale;    // the norms' epsilon; the attention scores' scale
+    int64_t act;         // ACT_GELU_TANH or ACT_SILU
     const float *table;  // the NF4 codebook, 16 values
     const decoder_layer *layer;
     const float *final_norm;

@@ -1,6 +1,7 @@
 """An embedding module's lookup in one C call (`embed_rows`, csrc/decoder.c), where that gives
-the module's bits: Gemma 3's scaled lookup, a float32 or bf16 table times its scale (as the
-module computes it in the table's dtype, or widened to float32 first). Right after a forward a
+the module's bits: a plain lookup (Llama's, Qwen's) or Gemma 3's scaled one, a float32 or bf16
+table times its scale (as the module computes it in the table's dtype, or widened to float32
+first). Right after a forward a
 torch lookup costs tens of microseconds in calls around a copy of a few rows; the CPU runner
 and the draft head look up their tokens here."""
 
@@ -31,11 +32,14 @@ class CEmbedding(NamedTuple):
                        len(ids), self.scale, out.data_ptr())
 
 
-def c_embedding(lib, embed, hidden: int) -> CEmbedding | None:
+def c_embedding(lib, embed, hidden: int, plain: bool = False) -> CEmbedding | None:
     """`embed`'s lookup by `embed_rows` on `lib`, checked on ids across the vocabulary to give
-    the module's bits; None where it does not (another module, dtype or device)."""
+    the module's bits; None where it does not (another module, dtype or device). `plain`: a
+    plain `nn.Embedding` too (the CPU runner's; the draft head's C step reads Gemma 3's only)."""
     weight, scale = getattr(embed, "weight", None), getattr(embed, "embed_scale", None)
-    if type(embed).__name__ != "Gemma3TextScaledWordEmbedding" \
+    if plain and type(embed) is torch.nn.Embedding:  # its values times 1: exact
+        scale = torch.ones((), dtype=getattr(weight, "dtype", torch.float32))
+    if type(embed).__name__ not in ("Embedding", "Gemma3TextScaledWordEmbedding") \
             or not isinstance(weight, torch.Tensor) or not isinstance(scale, torch.Tensor) \
             or weight.dtype not in (torch.float32, torch.bfloat16) \
             or weight.device.type != "cpu" or not weight.is_contiguous() \

@@ -1,4 +1,5 @@
-"""`CpuRunner`: a Gemma 3 target run by specchat's own forward on the CPU, one C call a forward.
+"""`CpuRunner`: a target of a family `runners.family` declares (Gemma 3; Llama, Mistral, Qwen 2
+and 3, SmolLM) run by specchat's own forward on the CPU, one C call a forward.
 
 transformers' forward spends its time around the arithmetic on a small model: for one token of
 the embedded Gemma 3 270M it makes several hundred torch calls (norms, RoPE, masks, cache
@@ -28,32 +29,31 @@ from specchat import kernels
 from specchat.core.runner import Runner
 from specchat.core.tree import visibility
 from specchat.runners.cpu.embedding import c_embedding
+from specchat.runners import family as families
 from specchat.runners.cpu.q8_head import Q8Head
-from specchat.runners.static import StaticCache, rope_tables, unsupported_config
+from specchat.runners.static import StaticCache, rope_tables
 
 SLOTS = 256  # a cache's first slots, and the step it grows by (at least doubling)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _NF4Weight(ctypes.Structure):
-    _fields_ = [("codes", _ptr), ("absmax", _ptr), ("out", _i64), ("in_", _i64)]
+    _fields_ = [("codes", _ptr), ("absmax", _ptr), ("out", _i64), ("in_", _i64), ("bias", _ptr)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _NF4Weight) for name in ("q", "k", "v", "o", "gate", "up", "down")] + \
-        [(name, _ptr) for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm",
-                                   "q_norm", "k_norm")] + [("window", _i64), ("rope", _i64)]
+        [(name, _ptr) for name in families.NORM_SLOTS] + [("window", _i64), ("rope", _i64)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                           "inter", "blocksize")] + \
-        [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("table", _ptr),
+        [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", _i64), ("table", _ptr),
          ("layer", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
          ("n_aux", _i64), ("aux", _ptr), ("aux_out", _ptr)]
 
 
-ROPES = ("sliding_attention", "full_attention")  # the forward's RoPE tables, in this order
 # the parts of a forward `CpuRunner.clock` times, in csrc/decoder.c's order
 CLOCK_ROWS = ("products", "attention", "norms", "activation", "rest")
 
@@ -74,21 +74,19 @@ def unsupported(model) -> str | None:
     from specchat.runners.hf.cpu import NF4KernelForward
 
     config = model.config.get_text_config()
-    why = unsupported_config(config, ("gemma3_text",), only="Gemma 3")
+    why = families.unsupported(config)
     if why:
         return why
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if not kinds <= set(ROPES):
-        return f"layer types {sorted(kinds - set(ROPES))}"
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % kv_heads or config.head_dim % 8 or config.hidden_size % 8:
-        return f"heads {heads}/{kv_heads}, head dim {config.head_dim}"
     base = model.get_decoder()
+    attention = base.layers[0].self_attn
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads or attention.head_dim % 8 or config.hidden_size % 8:
+        return f"heads {heads}/{kv_heads}, head dim {attention.head_dim}"
     weights = set()
     for i, block in enumerate(base.layers):
         for module in _linears(block):
             forward = vars(module).get("forward")
-            if not isinstance(forward, NF4KernelForward) or forward.bias is not None:
+            if not isinstance(forward, NF4KernelForward):
                 return f"layer {i}: a linear layer not on specchat's NF4 kernel"
             weights.add((forward.state.blocksize, tuple(forward.table.tolist())))
     if len(weights) != 1:
@@ -97,19 +95,19 @@ def unsupported(model) -> str | None:
 
 
 def _linears(block) -> list:
-    att, mlp = block.self_attn, block.mlp
-    return [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj,
-            mlp.down_proj]
+    return [block.get_submodule(name) for name in families.LINEARS]
 
 
-def _w1(norm) -> torch.Tensor:
-    """Gemma's norm scale, 1 + weight, in float32 (what csrc/norms.c takes)."""
-    return (1.0 + norm.weight.detach().float()).contiguous()
+def _norm_weight(norm, plus_one: bool) -> torch.Tensor:
+    """A norm's scale in float32, as csrc/norms.c multiplies by it: Gemma's 1 + weight, else
+    the weight."""
+    weight = norm.weight.detach().float()
+    return (1.0 + weight if plus_one else weight).contiguous()
 
 
 class CpuRunner(Runner):
-    """The runner seam (`core.runner`) for a Gemma 3 target on a CPU path with specchat's
-    kernels (`lib`, a `kernels.load` build): see the module's docstring."""
+    """The runner seam (`core.runner`) for a target of a `runners.family` family on a CPU path
+    with specchat's kernels (`lib`, a `kernels.load` build): see the module's docstring."""
 
     tree_masks = True
     owned_logits = True  # the head writes a new float32 tensor each forward
@@ -123,33 +121,33 @@ class CpuRunner(Runner):
             raise ValueError(f"specchat's CPU forward cannot run this model: {why}")
         config = model.config.get_text_config()
         base = model.get_decoder()
+        self.family = families.family_of(config)
         self.model, self.lib, self.int8 = model, lib, int8
         self._decoder = lib.decoder_forward_i8 if int8 else lib.decoder_forward
-        self.hidden, self.head_dim = config.hidden_size, config.head_dim
+        attention = base.layers[0].self_attn
+        self.hidden, self.head_dim = config.hidden_size, attention.head_dim
         self.kv_heads, self.n_layers = config.num_key_value_heads, len(base.layers)
         self.embed = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
         if int8 and isinstance(vars(self.head).get("forward"), Q8Head):  # the GGUF's Q8_0 head
             vars(self.head)["forward"].pack_rows(lib)  # by the same arithmetic, in place
         self._keep: list[torch.Tensor] = []  # every tensor the C structs point into
-        types = getattr(config, "layer_types", None) or ["full_attention"] * self.n_layers
+        windows = families.windows(config, self.n_layers)
         layers = (_Layer * self.n_layers)()
         for i, block in enumerate(base.layers):
             weights = [self._nf4(vars(m)["forward"]) for m in _linears(block)]
-            norms = [self._ptr(_w1(n)) for n in (
-                block.input_layernorm, block.post_attention_layernorm,
-                block.pre_feedforward_layernorm, block.post_feedforward_layernorm,
-                block.self_attn.q_norm, block.self_attn.k_norm)]
-            sliding = types[i] == "sliding_attention"
-            layers[i] = _Layer(*weights, *norms, config.sliding_window if sliding else 0,
-                               ROPES.index(types[i]))
+            norms = [self._ptr(_norm_weight(block.get_submodule(self.family.norms[slot]),
+                                            self.family.norm_plus_one))
+                     if slot in self.family.norms else None for slot in families.NORM_SLOTS]
+            layers[i] = _Layer(*weights, *norms, windows[i], families.rope_index(config, i))
         first = vars(base.layers[0].self_attn.q_proj)["forward"]
         self._layers = layers
         self._model = _Model(self.n_layers, self.hidden, config.num_attention_heads,
                              self.kv_heads, self.head_dim, config.intermediate_size,
                              first.state.blocksize, float(config.rms_norm_eps),
-                             float(config.query_pre_attn_scalar) ** -0.5,
-                             self._ptr(first.table), layers, self._ptr(_w1(base.norm)))
+                             float(attention.scaling), self.family.act,
+                             self._ptr(first.table), layers,
+                             self._ptr(_norm_weight(base.norm, self.family.norm_plus_one)))
         self._base = base
         self._rope: list[torch.Tensor] = []
         self._rope_ptrs = (_ptr * 4)()
@@ -189,17 +187,18 @@ class CpuRunner(Runner):
         if self.int8:  # the integer kernels' layout: packed codes, scales per block of 32
             codes, scales = kernels.nf4_i8_pack(self.lib, codes, scales, forward.out_features,
                                                 forward.in_features, forward.state.blocksize)
+        bias = self._ptr(forward.bias.contiguous()) if forward.bias is not None else None
         return _NF4Weight(self._ptr(codes), self._ptr(scales), forward.out_features,
-                          forward.in_features)
+                          forward.in_features, bias)
 
     def _ropes_for(self, slots: int) -> None:
         """RoPE tables covering positions below `slots`."""
         if slots <= self._rope_slots:
             return
         slots = max(slots, 2 * self._rope_slots, SLOTS)
-        self._rope = [t for kind in ROPES
+        self._rope = [t for kind in self.family.rope_kinds
                       for t in rope_tables(self._base, slots, self.head_dim, "cpu", kind)]
-        for i, t in enumerate(self._rope):
+        for i, t in enumerate(self._rope):  # (one table: every layer's index is 0)
             self._rope_ptrs[i] = t.data_ptr()
         self._rope_slots = slots
 
@@ -276,7 +275,7 @@ class CpuRunner(Runner):
         """(the table's address, its `embed_rows` kind, its rows, the scale) where `embed_rows`
         gives the bits of the model's embedding (`embedding.c_embedding`); else None: the
         module runs."""
-        found = c_embedding(self.lib, self.embed, self.hidden)
+        found = c_embedding(self.lib, self.embed, self.hidden, plain=True)
         if found is None:
             return None
         return self._ptr(found.table), found.kind, found.rows, found.scale

@@ -1,0 +1,108 @@
+"""What sets one decoder family apart from another, declared once (as gpt-fast's `ModelArgs`):
+specchat's CPU forward (`cpu.runner.CpuRunner`, csrc/decoder.c) runs every family below by the
+same code, reading from this table which norms a layer has and where transformers keeps them,
+how a norm scales, which activation the MLP computes and how RoPE is laid out.
+
+| family   | model types            | norms a layer has                       | MLP  | also                 |
+| -------- | ---------------------- | --------------------------------------- | ---- | -------------------- |
+| Llama    | llama (SmolLM 2 too)   | before attention, before the MLP        | SiLU | biases where set     |
+| Mistral  | mistral                | as Llama's                              | SiLU | a window every layer |
+| Qwen 2   | qwen2                  | as Llama's                              | SiLU | q, k, v biases       |
+| Qwen 3   | qwen3                  | as Llama's, and each head's q and k     | SiLU |                      |
+| Gemma 3  | gemma3_text            | before and after attention and the MLP, each head's q and k | gelu (tanh) | 1 + w norms, two RoPE tables, windows |
+
+A family's models may still differ in what the forward does not run (partial RoPE, soft-caps):
+`unsupported` says so, and such a model keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the decoder layer's norms in csrc/decoder.c's order (`decoder_layer`)
+NORM_SLOTS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
+# and its linear layers, each where transformers keeps it in a decoder layer
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ACT_GELU_TANH, ACT_SILU = 0, 1  # csrc/specchat.h's `act`
+
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_PER_HEAD = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # in words, for messages
+    activation: str  # transformers' name of the MLP's activation (`hidden_act`)
+    norms: dict[str, str]  # a NORM_SLOTS name -> the module under a decoder layer
+    norm_plus_one: bool = False  # the norm scales by 1 + weight (Gemma), else by the weight
+    rope_kinds: tuple[str | None, ...] = (None,)  # the rotary embedding's layer types, if any
+    window_every_layer: bool = False  # `sliding_window` applies to every layer (Mistral)
+
+    @property
+    def act(self) -> int:
+        return ACT_SILU if self.activation == "silu" else ACT_GELU_TANH
+
+
+FAMILIES = {
+    "llama": Family("Llama", "silu", _LLAMA_NORMS),
+    "mistral": Family("Mistral", "silu", _LLAMA_NORMS, window_every_layer=True),
+    "qwen2": Family("Qwen 2", "silu", _LLAMA_NORMS),
+    "qwen3": Family("Qwen 3", "silu", {**_LLAMA_NORMS, **_PER_HEAD}),
+    "gemma3_text": Family(
+        "Gemma 3", "gelu_pytorch_tanh",
+        {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+         "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
+         **_PER_HEAD},
+        norm_plus_one=True, rope_kinds=("sliding_attention", "full_attention")),
+}
+
+
+def family_of(config) -> Family | None:
+    return FAMILIES.get(getattr(config, "model_type", ""))
+
+
+def activation(config) -> str | None:
+    """The MLP's activation a text config names (Gemma calls it `hidden_activation`)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def unsupported(config) -> str | None:
+    """Why the table's forward cannot run a model of this text config, or None."""
+    family = family_of(config)
+    if family is None:
+        kind = getattr(config, "model_type", "") or type(config).__name__
+        return (f"{kind} is not a family it runs (it runs "
+                f"{', '.join(f.name for f in FAMILIES.values())})")
+    if activation(config) != family.activation:
+        return f"its activation is {activation(config)}"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name} {getattr(config, name)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        return f"partial RoPE (factor {partial})"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds <= {"sliding_attention", "full_attention"}:
+        return f"layer types {sorted(kinds - {'sliding_attention', 'full_attention'})}"
+    return None
+
+
+def windows(config, n_layers: int) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers' masks apply them."""
+    window = getattr(config, "sliding_window", None) or 0
+    if family_of(config).window_every_layer:
+        return [window] * n_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+    return [window if kind == "sliding_attention" else 0 for kind in types]
+
+
+def rope_index(config, layer: int) -> int:
+    """Which of the family's RoPE tables (`rope_kinds`) layer `layer` takes."""
+    kinds = family_of(config).rope_kinds
+    if len(kinds) == 1:
+        return 0
+    return kinds.index(config.layer_types[layer])

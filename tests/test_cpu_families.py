@@ -1,0 +1,132 @@
+"""specchat's CPU forward on every family it runs (`runners.family`): Llama (Llama 3's RoPE
+scaling), SmolLM 2 (a tied head), Mistral (a window on every layer), Qwen 2 (q, k and v biases,
+a windowed layer), Qwen 3 (per-head norms) and Gemma 3, each a tiny random model: it computes
+what transformers' forward computes, proves row-exact at load, gives a token the same logits in
+a chain, a page and a tree, the same bits on every integer kernel, and speculation replays
+plain decoding. Forced on every kernels path this machine runs."""
+
+import pytest
+import torch
+from tiny import i8_kernels
+
+from specchat import kernels, runners
+from specchat.core.engine import Engine
+from specchat.core.events import TokenEvent
+from specchat.core.request import GenerateConfig
+from specchat.drafters.ngram import NgramDrafter
+from specchat.models import runtime
+from specchat.models.load import load_model
+from specchat.models.synthetic import FAMILY_MODELS, byte_tokenizer, save, tiny_family
+from specchat.runners import family as families
+from specchat.runners.cpu import runner as cpu_runner
+from specchat.runners.hf.runner import HFRunner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KERNEL_PATHS = [p.name for p in runtime.candidates(forced="")
+                if p.kernels and not p.fused_nf4 and kernels.load(p.kernels) is not None]
+INT8_PATH = next((p for p in KERNEL_PATHS if runtime.BY_NAME[p].int8), None)
+FLOAT_PATH = next((p for p in KERNEL_PATHS if not runtime.BY_NAME[p].int8), None)
+IDS = [(7 + 37 * i) % 250 + 3 for i in range(300)]  # past the windows and the cache's first slots
+
+
+@pytest.fixture(scope="module", params=FAMILY_MODELS)
+def checkpoint(request, tmp_path_factory):
+    pytest.importorskip("bitsandbytes")
+    model = tiny_family(request.param).to(torch.bfloat16)
+    return save(model, byte_tokenizer(), tmp_path_factory.mktemp(request.param))
+
+
+def load(checkpoint, path, monkeypatch, runner=""):
+    monkeypatch.setenv(runtime.ENV, path)
+    monkeypatch.setenv(runners.CPU_RUNNER_ENV, runner)
+    return load_model(str(checkpoint), "nf4", "cpu", progress=lambda *a: None)
+
+
+def logits_in_pages(runner, ids, page=64):
+    cache = runner.new_cache()
+    return torch.cat([runner.forward(cache, ids[s:s + page], s, len(ids[s:s + page]))
+                      for s in range(0, len(ids), page)])
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_each_family_computes_what_transformers_computes(checkpoint, path, monkeypatch):
+    ours = load(checkpoint, path, monkeypatch)
+    assert isinstance(ours.runner, cpu_runner.CpuRunner), cpu_runner.unsupported(ours.model)
+    assert "decoder forward" in ours.label and ours.runtime.row_exact, ours.runtime.proof
+    theirs = load(checkpoint, path, monkeypatch, runner="transformers")
+    assert isinstance(theirs.runner, HFRunner)
+    got, want = logits_in_pages(ours.runner, IDS), logits_in_pages(theirs.runner, IDS)
+    if runtime.BY_NAME[path].int8:  # within the int8 roundings of activations and NF4's table
+        assert (got - want).norm() <= 0.04 * want.norm(), (got - want).norm() / want.norm()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got[-1].argmax() == want[-1].argmax()
+
+
+@pytest.mark.parametrize("path", [p for p in (INT8_PATH, FLOAT_PATH) if p])
+def test_each_family_gives_a_token_its_logits_alone_in_a_chain_a_page_and_a_tree(
+        checkpoint, path, monkeypatch):
+    runner = load(checkpoint, path, monkeypatch).runner
+    pages = logits_in_pages(runner, IDS)
+    for width in (1, 5, 17):
+        cache = runner.new_cache()
+        runner.forward(cache, IDS[:200], 0, 1)
+        rows = torch.cat([runner.forward(cache, IDS[s:min(s + width, 260)], s,
+                                         len(IDS[s:min(s + width, 260)]))
+                          for s in range(200, 260, width)])
+        assert torch.equal(rows, pages[200:260]), width
+    # a tree (root - 21 - 31, root - 22) in one forward: each node its path's logits
+    cache = runner.new_cache()
+    runner.forward(cache, IDS[:40], 0, 1)
+    tree = runner.forward_tree(cache, [11, 21, 22, 31], [-1, -1, 0], 40)  # (parents of 1..)
+    for node, chain in ((3, [11, 21, 31]), (2, [11, 22])):
+        fresh = runner.new_cache()
+        runner.forward(fresh, IDS[:40], 0, 1)
+        assert torch.equal(runner.forward(fresh, chain, 40, len(chain))[-1], tree[node])
+
+
+def test_each_familys_integer_forward_is_the_same_bits_on_every_kernel(checkpoint, monkeypatch):
+    if FLOAT_PATH is None:
+        pytest.skip("no kernels path runs here")
+    model = load(checkpoint, FLOAT_PATH, monkeypatch).model
+    outs = {name: logits_in_pages(cpu_runner.CpuRunner(model, lib, int8=True), IDS[:130])
+            for name, lib in i8_kernels().items()}
+    first = outs.pop("portable-ref")
+    for name, got in outs.items():
+        assert torch.equal(got, first), name
+
+
+def test_the_reference_build_computes_each_familys_simd_bits(checkpoint, monkeypatch):
+    if "cpu-fp32-avx2" not in KERNEL_PATHS or "cpu-fp32-ref" not in KERNEL_PATHS:
+        pytest.skip(f"needs the AVX2 and the reference paths ({runtime.cpu_kind().describe()})")
+    simd = logits_in_pages(load(checkpoint, "cpu-fp32-avx2", monkeypatch).runner, IDS[:130])
+    ref = logits_in_pages(load(checkpoint, "cpu-fp32-ref", monkeypatch).runner, IDS[:130])
+    assert torch.equal(simd, ref)
+
+
+def test_greedy_and_seeded_speculation_replay_plain_decoding_in_each_family(checkpoint,
+                                                                            monkeypatch):
+    path = INT8_PATH or FLOAT_PATH
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    engine = Engine(load(checkpoint, path, monkeypatch), {"ngram": NgramDrafter()})
+    prompt = list(b"abcabcabcabd abcabcabcabd abcabc")
+    for temperature in (0.0, 0.8):
+        cfg = dict(max_new_tokens=40, adaptive=False, draft_len=4, temperature=temperature,
+                   seed=3)
+        plain = [e.id for e in engine.stream(prompt, GenerateConfig(speculation=False, **cfg))
+                 if isinstance(e, TokenEvent)]
+        spec = [e.id for e in engine.stream(prompt, GenerateConfig(drafter="ngram", **cfg))
+                if isinstance(e, TokenEvent)]
+        assert spec == plain and len(plain) == 40
+
+
+def test_a_family_outside_the_table_is_named_with_the_ones_it_runs():
+    from transformers import AutoConfig
+
+    why = families.unsupported(AutoConfig.for_model("gemma2"))
+    assert "gemma2 is not a family it runs" in why and "Llama" in why and "Qwen 3" in why
+    config = AutoConfig.for_model("llama", partial_rotary_factor=0.5)
+    assert "partial RoPE" in families.unsupported(config)
+    assert "activation" in families.unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
