@@ -130,3 +130,42 @@ def test_a_family_outside_the_table_is_named_with_the_ones_it_runs():
     config = AutoConfig.for_model("llama", partial_rotary_factor=0.5)
     assert "partial RoPE" in families.unsupported(config)
     assert "activation" in families.unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
+
+
+def test_the_q8_0_head_made_at_load_is_the_gguf_packages_q8_0():
+    """`quantize_q8_0` gives the bits of the gguf package's Q8_0 (llama.cpp's reference),
+    ties, zero blocks and bf16 weights included."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specchat.runners.cpu.q8_head import quantize_q8_0
+
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    weight[3, :32] = 0  # a block of zeros: scale 0, values 0
+    weight[5, :32] = torch.arange(32) - 15.5  # x.5 steps before rounding: ties
+    for w in (weight, weight.to(torch.bfloat16)):
+        q, d = quantize_q8_0(w, chunk_rows=20)
+        want = quantize(w.float().numpy(), GGMLQuantizationType.Q8_0).reshape(48, 3, 34)
+        assert np.array_equal(d.numpy().view(np.uint8).reshape(48, 3, 2), want[..., :2])
+        assert np.array_equal(q.numpy().view(np.uint8).reshape(48, 3, 32), want[..., 2:])
+
+
+def test_the_integer_path_runs_each_familys_head_in_q8_0(checkpoint, monkeypatch):
+    """On `cpu-int8` the LM head (tied or its own) is a Q8_0 copy of the checkpoint's, run by
+    the integer kernel, and the label says so; the float paths keep the checkpoint's head."""
+    from specchat.runners.cpu.q8_head import Q8Head, quantize_q8_0
+
+    if INT8_PATH is None or FLOAT_PATH is None:
+        pytest.skip("needs an integer and a float kernels path")
+    loaded = load(checkpoint, INT8_PATH, monkeypatch)
+    head = loaded.model.get_output_embeddings()
+    made = vars(head).get("forward")
+    assert isinstance(made, Q8Head) and "LM head in Q8_0 (quantized at load)" in loaded.label
+    rows = torch.arange(head.weight.shape[0])
+    q, d = quantize_q8_0(head.weight)
+    want = (q.float().view(len(rows), -1, 32) * d.float()[..., None]).view(len(rows), -1)
+    assert torch.equal(made.dequantized(rows), want)
+    other = load(checkpoint, FLOAT_PATH, monkeypatch)
+    assert not isinstance(vars(other.model.get_output_embeddings()).get("forward"), Q8Head)
+    assert "Q8_0" not in other.label

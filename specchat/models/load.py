@@ -24,6 +24,7 @@ from specchat.models.embedded import (
 from specchat.models.gguf_head import gguf_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
+from specchat.runners.cpu.q8_head import quantized_q8_head
 from specchat.runners.hf.attention import use_row_exact_attention
 from specchat.runners.hf.cpu import (
     compact_embeddings,
@@ -252,6 +253,10 @@ def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
         how.append("LM head from the GGUF's Q8_0")
     elif embedded:  # the table is the LM head's, read whole at every step: in memory we own
         _copy_out_of_file_mapping(model)
+    elif cpu_path.int8 and nf4:  # the integer path's head: Q8_0, on the integer kernel too
+        q8_head = quantized_q8_head(model, lib)
+        if q8_head:
+            how.append("LM head in Q8_0 (quantized at load)")
     if widen:
         widen_to_float32(model, keep_table=q8_head)
     if nf4:

@@ -609,9 +609,13 @@ def widen_to_float32(model, keep_table: bool = False) -> None:
 
     `keep_table`: the input embedding table stays bf16 and is widened at lookup
     (`_WideEmbedding`); only where the LM head no longer reads it (a head with its own copy)."""
+    from specchat.runners.cpu.q8_head import Q8Head
+
     embed = model.get_input_embeddings()
     table = embed.weight if keep_table and isinstance(embed, torch.nn.Embedding) else None
     for module in model.modules():
+        if isinstance(vars(module).get("forward"), Q8Head):
+            continue  # a head computed from its own Q8_0 copy: its bf16 weight stays as it is
         for name, p in module.named_parameters(recurse=False):
             if p.dtype == torch.bfloat16 and p is not table:
                 p.data = p.data.to(torch.float32)
