@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specchat.cli import _human, main
 from specchat.models.catalog import list_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,3 +213,61 @@ def test_folders_given_loops_depth_and_overlap(roots, tmp_path):
 def test_the_catalog_imports_no_torch():
     code = "import sys, specchat.models.catalog; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_counts_and_sizes_in_a_few_digits():
+    assert [_human(n) for n in (None, 999, 1000, 268_098_176, 1_236_000_000, 999_960)] == \
+        ["-", "999", "1K", "268M", "1.24B", "1M"]
+    assert [_human(n, size=True) for n in (208, 1728, 253_037_344, 16_060_522_496)] == \
+        ["208 B", "1.73 KB", "253 MB", "16.1 GB"]
+
+
+def run(capsys, *args):
+    capsys.readouterr()
+    code = main(["models", *args])
+    return code, *capsys.readouterr()
+
+
+def test_cli_table_and_json(roots, capsys):
+    write_gguf(roots["lmstudio"] / "pub" / "repo" / "good-Q8_0.gguf")
+    write_gguf(roots["lmstudio"] / "pub" / "repo" / "mamba.gguf", arch="mamba")
+    write_checkpoint(roots["specchat"] / "models" / "tiny")
+    code, out, _ = run(capsys)
+    header, *lines = out.splitlines()
+    starts = [header.index(c) for c in ("name", "family", "params", "quant", "size", "source",
+                                        "path")]
+    cells = [[line[i:j].strip() for i, j in zip(starts, [*starts[1:], None])]
+             for line in lines]
+    size = (roots["specchat"] / "models" / "tiny" / "model.safetensors").stat().st_size
+    assert code == 0 and cells[0] == ["tiny", "llama", "40", "bf16", f"{size} B", "specchat",
+                                      str(roots["specchat"] / "models" / "tiny")]
+    assert cells[1][:4] == ["pub/repo/good-Q8_0.gguf", "llama", "576", "Q8_0"]
+    assert cells[1][5] == "lmstudio" and cells[2][:2] == ["pub/repo/mamba.gguf", "mamba"]
+    assert lines[3].strip() == "not supported: architecture mamba is not one specchat runs"
+    assert len(lines) == 4
+    code, out, _ = run(capsys, "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["name"] for r in rows] == [
+        "tiny", "pub/repo/good-Q8_0.gguf", "pub/repo/mamba.gguf"]
+    assert list(rows[0]) == ["name", "family", "parameters", "quantization", "size_bytes",
+                             "path", "source", "supported", "why"]
+    assert rows[1]["parameters"] == 576 and rows[1]["supported"] is True
+    assert rows[1]["why"] is None and rows[2]["supported"] is False
+
+
+def test_cli_nothing_found_says_where_it_looked(roots, capsys):
+    code, out, _ = run(capsys)
+    assert code == 0 and out.startswith("no models found in: ")
+    assert str(roots["hub"]) in out and str(roots["ollama"]) in out
+    code, out, err = run(capsys, "--json")
+    assert code == 0 and json.loads(out) == [] and "no models found" in err
+
+
+def test_python_m_specchat_models(roots, tmp_path):
+    write_gguf(tmp_path / "extra" / "tiny.gguf")
+    proc = subprocess.run([sys.executable, "-m", "specchat", "models", "--json",
+                           str(tmp_path / "extra")], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    [row] = json.loads(proc.stdout)
+    assert (row["name"], row["source"], row["parameters"]) == ("tiny.gguf", "folder", 576)
