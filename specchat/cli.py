@@ -1,4 +1,4 @@
-"""Headless command line: `python -m specchat generate|bench|stats ...`.
+"""Headless command line: `python -m specchat generate|bench|stats|models ...`.
 
 `generate --json` writes one JSON line per emitted token and a final stats line (the contract
 in docs/design.md: tools outside the test suite rely on it; extend it, never change it).
@@ -11,7 +11,7 @@ import itertools
 import json
 import logging
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from specchat.args import (
     add_model_arguments,
@@ -22,6 +22,7 @@ from specchat.args import (
 )
 from specchat.check import add_cli as add_check
 from specchat.help import HelpFormatter
+from specchat.models import catalog
 
 
 def cmd_generate(args) -> int:
@@ -156,6 +157,61 @@ def _record(store, report, prompt, reply, stats_json) -> None:
         print(f"specchat: {store.error}", file=sys.stderr)
 
 
+def cmd_models(args) -> int:
+    """The models on disk (specchat.models.catalog), a table or --json's array; exit 0 also
+    when there are none."""
+    entries = catalog.list_models(args.folders)
+    if args.json:
+        print(json.dumps([asdict(e) for e in entries], indent=2))
+    if not entries:
+        searched = ", ".join(str(root) for _, root in catalog.search_roots(args.folders))
+        print(f"no models found in: {searched}", file=sys.stderr if args.json else sys.stdout)
+    elif not args.json:
+        print(_models_table(entries))
+    return 0
+
+
+def _human(n: int | None, size=False) -> str:
+    """1236000000 -> "1.24B", 268098176 -> "268M"; a size: 253037344 -> "253 MB"; None -> "-"."""
+    if n is None:
+        return "-"
+    units = (" B", " KB", " MB", " GB", " TB") if size else ("", "K", "M", "B")
+    k = 0
+    while k + 1 < len(units) and n >= 0.9995 * 1000 ** (k + 1):  # 999.96K is shown as 1M
+        k += 1
+    return f"{n}{units[0]}" if k == 0 else f"{n / 1000 ** k:.3g}{units[k]}"
+
+
+def _models_table(entries: list) -> str:
+    """Aligned columns, a model a line; an unsupported one's reason on the line under it."""
+    rows = [("name", "family", "params", "quant", "size", "source", "path")]
+    rows += [(e.name, e.family or "-", _human(e.parameters), e.quantization or "-",
+              _human(e.size_bytes, size=True), e.source, e.path) for e in entries]
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[6])
+        if k and not entries[k - 1].supported:
+            lines.append(f"    not supported: {entries[k - 1].why}")
+    return "\n".join(lines)
+
+
+def add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the models on this machine (specchat's cache, "
+                                      "Hugging Face, LM Studio, Ollama)",
+                       formatter_class=HelpFormatter,
+                       description="The models on disk, from their headers alone (nothing "
+                                   "is loaded): SPECCHAT_CACHE, HF_HUB_CACHE (or HF_HOME), "
+                                   "LMSTUDIO_MODELS, OLLAMA_MODELS replace the folders.")
+    p.add_argument("folders", nargs="*", metavar="DIR",
+                   help=f"also list the .gguf files and checkpoint folders under these "
+                        f"folders, {catalog.MAX_DEPTH} levels down (default: none)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON array (name, family, parameters, quantization, size_bytes, "
+                        "path, source, supported, why) instead of the table")
+    p.set_defaults(func=cmd_models)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # (imported here: `check` runs on a bare GPU machine without the stats store, gradio or the
     # API's packages; `main` builds it a parser of its own)
@@ -195,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stats(sub)
     add_train_draft(sub)
     add_check(sub)
+    add_models(sub)
     return parser
 
 
@@ -203,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["app"]:  # the web app keeps its own options
         from specchat.app import main as app_main
         return app_main(argv[1:])
-    if argv[:1] == ["check"]:  # only what the check imports (a GPU machine's bare image)
+    if argv[:1] in (["check"], ["models"]):  # their own parser: check runs on a bare image,
+        # models lists in a few seconds without the other commands' imports
         parser = argparse.ArgumentParser(prog="python -m specchat", formatter_class=HelpFormatter)
-        add_check(parser.add_subparsers(dest="command", required=True))
+        (add_check if argv[0] == "check" else add_models)(
+            parser.add_subparsers(dest="command", required=True))
         args = parser.parse_args(argv)
         return args.func(args)
     args = build_parser().parse_args(argv)
