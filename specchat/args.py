@@ -48,8 +48,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "'embedded' for the embedded Gemma weights (default: none)")
     g.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
                    help="target weights: 4-bit NF4 via bitsandbytes (default) or unquantized")
-    g.add_argument("--draft-quantization", choices=["nf4", "none"], default="none",
-                   help="draft weights (default: unquantized)")
+    g.add_argument("--draft-quantization", choices=["auto", "nf4", "none"], default="auto",
+                   help="draft weights: auto is NF4 on a CPU, where specchat's own forward "
+                        "runs the draft on the target's kernels, and unquantized on a GPU "
+                        "(default: auto)")
     g.add_argument("--device", default="auto", metavar="DEVICE", help="auto (CUDA if available), cpu, cuda, cuda:1")
     g.add_argument("--prefix-cache-tokens", type=_token_count, default=PREFIX_CACHE_TOKENS, metavar="N",
                    help="tokens of earlier prompts' whole pages kept for prompts that start the "

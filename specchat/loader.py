@@ -30,7 +30,7 @@ class LoadReport:
 
 
 def load_engine(target: str = "embedded", draft_model: str = "", quantization: str = "nf4",
-                draft_quantization: str = "none", device: str | None = None,
+                draft_quantization: str = "auto", device: str | None = None,
                 progress=print, head: str | None = None,
                 prefix_tokens: int = PREFIX_CACHE_TOKENS,
                 max_prompt_tokens: int | None = MAX_PROMPT_TOKENS) -> LoadReport:
@@ -39,6 +39,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     `head` and `combined` when a draft head trained for this target exists (`head`: a file
     from `train-draft`, or a public EAGLE-3 head's directory; default: the one trained or
     shipped for this target, if any).
+    `draft_quantization` "auto": NF4 on a CPU (where the draft then runs specchat's own forward,
+    a C call a token on the target's integer kernels), unquantized elsewhere.
     `prefix_tokens`: the engine's prefix store (core/prefix.py), in tokens;
     `max_prompt_tokens`: the longest prompt a request may bring (0 or None: no limit but the
     model's context window)."""
@@ -57,6 +59,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     notes += head_notes
     draft = None
     if draft_model:
+        if draft_quantization == "auto":
+            draft_quantization = "nf4" if tgt.device.type == "cpu" else "none"
         draft = load_model(draft_model, draft_quantization, device, progress)
         problem = vocab_mismatch(tgt.tokenizer, draft.tokenizer, _logits_width(tgt.model),
                                  _logits_width(draft.model))

@@ -169,3 +169,34 @@ def test_the_integer_path_runs_each_familys_head_in_q8_0(checkpoint, monkeypatch
     other = load(checkpoint, FLOAT_PATH, monkeypatch)
     assert not isinstance(vars(other.model.get_output_embeddings()).get("forward"), Q8Head)
     assert "Q8_0" not in other.label
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_draft_model_runs_on_the_same_forward_and_speculation_replays_plain(kind, tmp_path,
+                                                                              monkeypatch):
+    """`--draft-model` on a CPU: NF4 by default (`--draft-quantization auto`), on specchat's
+    own forward with a cache of its own; greedy replies with the `model` drafter are plain
+    decoding's. (Sampled drafts keep plain sampling's distribution, not its seeded text: that
+    holds for one-hot drafts, tested above with n-gram lookup.)"""
+    from specchat.loader import load_engine
+
+    path = INT8_PATH or FLOAT_PATH
+    if path is None:
+        pytest.skip("no kernels path runs here")
+    target = save(tiny_family(kind, seed=1, hidden=256).to(torch.bfloat16), byte_tokenizer(),
+                  tmp_path / "target")
+    draft = save(tiny_family(kind, seed=2).to(torch.bfloat16), byte_tokenizer(),
+                 tmp_path / "draft")
+    monkeypatch.setenv(runtime.ENV, path)
+    report = load_engine(str(target), str(draft), device="cpu", progress=lambda *a: None)
+    assert report.draft is not None and report.draft.quantization == "nf4"
+    assert isinstance(report.draft.runner, cpu_runner.CpuRunner)
+    drafter = report.engine.drafters["model"]
+    assert drafter.runner is report.draft.runner
+    prompt = list(b"The draft and the target share a vocabulary. The draft")
+    cfg = dict(max_new_tokens=30, adaptive=False, draft_len=3, temperature=0.0)
+    plain = [e.id for e in report.engine.stream(prompt, GenerateConfig(speculation=False, **cfg))
+             if isinstance(e, TokenEvent)]
+    spec = [e.id for e in report.engine.stream(prompt, GenerateConfig(drafter="model", **cfg))
+            if isinstance(e, TokenEvent)]
+    assert spec == plain and len(plain) == 30
