@@ -130,6 +130,36 @@ def llama_8b_config() -> LlamaConfig:
                        pad_token_id=0)
 
 
+def shape_config(name: str):
+    """The config of a real model's shape (`SHAPES`), for random weights: layers, widths, heads,
+    vocabulary, tied or untied head and RoPE as the model's own config has them."""
+    from transformers import AutoConfig
+
+    if name == "llama-3.2-1b":
+        return llama_1b_config()
+    if name == "llama-3.1-8b":
+        return llama_8b_config()
+    ids = dict(eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    if name.startswith("qwen2.5-"):
+        shape = {"qwen2.5-0.5b": (896, 4864, 24, 14), "qwen2.5-1.5b": (1536, 8960, 28, 12)}[name]
+        hidden, inter, layers, heads = shape
+        return AutoConfig.for_model("qwen2", vocab_size=151936, hidden_size=hidden,
+                                    intermediate_size=inter, num_hidden_layers=layers,
+                                    num_attention_heads=heads, num_key_value_heads=2,
+                                    max_position_embeddings=32768, rope_theta=1000000.0,
+                                    tie_word_embeddings=True, **ids)
+    if name == "gemma-3-1b":
+        return Gemma3TextConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                num_hidden_layers=26, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                query_pre_attn_scalar=256, max_position_embeddings=32768,
+                                rope_theta=1000000.0, **ids)
+    raise ValueError(f"no shape {name!r}: the shapes are {', '.join(SHAPES)}")
+
+
+SHAPES = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-1.5b", "gemma-3-1b")
+
+
 def random_model(config, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.bfloat16):
     """A causal LM of `config` with random weights, built directly on `device`."""

@@ -132,13 +132,16 @@ class CpuRunner(Runner):
         if int8 and isinstance(vars(self.head).get("forward"), Q8Head):  # the GGUF's Q8_0 head
             vars(self.head)["forward"].pack_rows(lib)  # by the same arithmetic, in place
         self._keep: list[torch.Tensor] = []  # every tensor the C structs point into
+        self._weights: list[torch.Tensor] = []  # the layers' among them (`bytes_per_token`)
         windows = families.windows(config, self.n_layers)
         layers = (_Layer * self.n_layers)()
         for i, block in enumerate(base.layers):
+            kept = len(self._keep)
             weights = [self._nf4(vars(m)["forward"]) for m in _linears(block)]
             norms = [self._ptr(_norm_weight(block.get_submodule(self.family.norms[slot]),
                                             self.family.norm_plus_one))
                      if slot in self.family.norms else None for slot in families.NORM_SLOTS]
+            self._weights += self._keep[kept:]
             layers[i] = _Layer(*weights, *norms, windows[i], families.rope_index(config, i))
         first = vars(base.layers[0].self_attn.q_proj)["forward"]
         self._layers = layers
@@ -177,6 +180,20 @@ class CpuRunner(Runner):
         # table where it lies now: the CPU paths are done with the model when a runner is made.)
         self._embedding = self._c_embedding()
         self._embedded = torch.empty(0, self.hidden)  # a forward's embedding rows
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes a one-token step reads: every layer's 4-bit codes and scales (and biases), its
+        norms, and the LM head's weight as its forward holds it (Q8_0 values and scales, or
+        the float weight); the embedding table aside (one row of it)."""
+        layers = sum(t.nbytes for t in self._weights)
+        head = vars(self.head).get("forward")
+        if isinstance(head, Q8Head):
+            read = [head.q, head.dw if head.dw is not None else head.d]
+        else:  # a kernel's own copy (bf16), or the module's weight
+            own = getattr(head, "weight", None)
+            read = [own if isinstance(own, torch.Tensor) else self.head.weight]
+        return layers + sum(t.nbytes for t in read if isinstance(t, torch.Tensor))
 
     def _ptr(self, t: torch.Tensor) -> int:
         self._keep.append(t)
