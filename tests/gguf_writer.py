@@ -68,8 +68,9 @@ def vocab_size(arch: str) -> int:
 
 
 def tiny_model(arch: str, seed: int = 0, **config):
-    """A 2-layer float32 model of one family with random weights (norms too, in steps of 1/64,
-    so that llama.cpp's 1 + w and its inverse are exact), its vocabulary the test file's."""
+    """A small float32 model of one family (2 layers, Gemma 3's 6) with random weights (norms
+    too, in steps of 1/64, so that llama.cpp's 1 + w and its inverse are exact), its vocabulary
+    the test file's."""
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
@@ -90,9 +91,10 @@ def tiny_model(arch: str, seed: int = 0, **config):
         "gemma2": (Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=64,
                                       attn_logit_softcapping=50.0,
                                       final_logit_softcapping=30.0)),
+        # 6 layers: llama.cpp's pattern of 5 sliding-window layers, then a global one
         "gemma3": (Gemma3TextConfig, dict(head_dim=32, query_pre_attn_scalar=32,
                                           sliding_window=64, rope_theta=1e6,
-                                          layer_types=["sliding_attention", "full_attention"])),
+                                          num_hidden_layers=6)),
         "phi3": (Phi3Config, dict(rope_theta=10000.0, tie_word_embeddings=False)),
     }
     cls, extra = kinds[arch]
@@ -154,17 +156,21 @@ def llama3_rope_freqs(theta: float, dim: int, factor: float, low: float, high: f
 
 def write_gguf(path: Path, model, *, name: str = "Tiny", kinds: dict | None = None,
                chat_template: str | None = None, metadata: dict | None = None,
-               drop: tuple[str, ...] = ()) -> Path:
+               drop: tuple[str, ...] = (), extra: dict | None = None,
+               architecture: str | None = None) -> Path:
     """Write `model` as llama.cpp would. kinds: GGUF tensor name -> ggml type (F32 where unsaid;
-    norms and biases always F32, as llama.cpp keeps 1-D tensors); metadata: extra or replaced
-    keys (key -> value, or None to leave a key out); drop: tensors left out."""
+    norms and biases always F32, as llama.cpp keeps 1-D tensors; K-quants as random blocks,
+    `kquant_blocks`); metadata: extra or replaced keys (key -> value, or None to leave a key
+    out); drop: tensors left out; extra: tensors added as they are (name -> numpy array, its
+    dtype the ggml type); architecture: the `general.architecture` written, where not the
+    model's."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
     cfg = model.config
     arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
     gemma = arch.startswith("gemma")
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), architecture or arch)
     keys = _metadata(arch, cfg)
     if gemma:
         tokens, types, scores = sentencepiece_vocab()
@@ -193,13 +199,37 @@ def write_gguf(path: Path, model, *, name: str = "Tiny", kinds: dict | None = No
         kind = T.F32 if values.ndim == 1 else (kinds or {}).get(gguf_name, T.F32)
         if kind == T.F32:
             writer.add_tensor(gguf_name, values)
+        elif kind in KQUANT_SCALES:
+            writer.add_tensor(gguf_name, kquant_blocks(*values.shape, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    for gguf_name, values in (extra or {}).items():
+        writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Where each K-quant's fp16 scales lie in its block (ggml-common.h: block_q4_K's d and dmin
+# first, block_q6_K's d last).
+KQUANT_SCALES = {12: (0, 2), 13: (0, 2), 14: (208,)}  # Q4_K, Q5_K, Q6_K
+
+
+def kquant_blocks(rows: int, cols: int, kind: int, seed: int = 0) -> np.ndarray:
+    """[rows, bytes] of K-quant blocks with random codes under small finite scales: the gguf
+    package has no K-quant quantizer, and a test compares the conversion with its dequantizer
+    rather than with the model's values."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // block, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, cols // block, 2)).astype(np.float16)
+    for i, at in enumerate(KQUANT_SCALES[kind]):
+        blocks[..., at:at + 2] = scales[..., i:i + 1].view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _metadata(arch: str, cfg) -> dict:

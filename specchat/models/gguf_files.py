@@ -632,16 +632,25 @@ def convert(header: GgufHeader, out: Path) -> None:
         generation.eos_token_id = ends[0] if len(ends) == 1 else ends
     generation.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    drop_tokens_past(out / "tokenizer.json", header.metadata["tokenizer.ggml.tokens"])
+    drop_tokens_past(out, header.metadata["tokenizer.ggml.tokens"])
 
 
-def drop_tokens_past(tokenizer_json: Path, count: int) -> None:
-    """Drop from a saved tokenizer the added tokens past the file's `count` tokens: the
-    builder's byte-level base class adds GPT-2's `<|endoftext|>` where the vocabulary has none
-    (Llama 3's), a token with no row in the model's embedding or logits."""
-    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    kept = [t for t in data["added_tokens"] if t["id"] < count]
-    if len(kept) < len(data["added_tokens"]):
-        data["added_tokens"] = kept
-        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False, indent=2),
-                                  encoding="utf-8")
+def drop_tokens_past(out: Path, count: int) -> None:
+    """Drop from a saved tokenizer the tokens past the file's `count`, which have no row in the
+    model's embedding or logits: the builder's classes add their default special tokens where
+    the vocabulary has none (GPT-2's `<|endoftext|>` to Llama 3's, Gemma's `<mask>`)."""
+    backend = out / "tokenizer.json"
+    data = json.loads(backend.read_text(encoding="utf-8"))
+    dropped = {t["content"] for t in data["added_tokens"] if t["id"] >= count}
+    if not dropped:
+        return
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < count]
+    backend.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+    settings = out / "tokenizer_config.json"
+    config = json.loads(settings.read_text(encoding="utf-8"))
+    for key, value in config.items():  # the special-token roles they held, now unfilled
+        if isinstance(value, str) and value in dropped:
+            config[key] = None
+        elif isinstance(value, list):
+            config[key] = [v for v in value if v not in dropped]
+    settings.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
