@@ -30,7 +30,12 @@ from gguf_writer import (
 )
 
 from specchat.models import gguf_files
-from specchat.models.gguf_files import gguf_checkpoint, llama3_rope_scaling, model_file
+from specchat.models.gguf_files import (
+    gguf_checkpoint,
+    is_gguf,
+    llama3_rope_scaling,
+    model_file,
+)
 from specchat.models.loaded import ModelLoadError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,6 +92,15 @@ def test_llamas_q_and_k_rows_are_put_back_in_hf_order(tmp_path):
             k.copy_(torch.from_numpy(permute(k.numpy(), cfg.num_attention_heads,
                                              cfg.num_key_value_heads)))
     assert (logits(ours) - logits(rounded(model))).abs().max() > 0.05
+
+
+def test_a_llama_file_named_mistral_runs_as_llama_cpp_runs_it(tmp_path):
+    """llama.cpp writes Mistral 7B as "llama" and runs it so (no sliding window); transformers
+    renames a file named "mistral" to a Mistral config, where a Llama one is what ran."""
+    model = tiny_model("llama")
+    ours = converted(write_gguf(tmp_path / "mistral.gguf", model, name="mistral"))
+    assert ours.config.model_type == "llama"
+    assert torch.equal(logits(ours), logits(rounded(model)))
 
 
 # What the checkpoint's config says where transformers' own GGUF config says otherwise: what
@@ -222,7 +236,13 @@ def test_a_second_use_finds_the_checkpoint_without_converting(tmp_path):
 def test_a_folder_gives_its_one_model_file_and_refuses_several(tmp_path):
     file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama"))
     shutil.copy(file, tmp_path / "mmproj-tiny-f16.gguf")  # a vision projector beside it
-    assert model_file(tmp_path) == file
+    (tmp_path / "config.json").write_text("{}")  # the base model's, as some GGUF repos carry
+    assert is_gguf(tmp_path) and model_file(tmp_path) == file
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors", "extra.gguf"):
+        (hf / name).write_bytes(b"{}")
+    assert not is_gguf(hf)  # a checkpoint directory, whatever else it holds
     shutil.copy(file, tmp_path / "other.gguf")
     with pytest.raises(ModelLoadError, match="several GGUF models") as e:
         model_file(tmp_path)

@@ -190,15 +190,17 @@ def _read_header(m: mmap.mmap, path: Path) -> tuple[dict, list, int]:
 
 def is_gguf(path: Path) -> bool:
     """Whether a --target path names a GGUF model: a file ending in .gguf or starting with
-    GGUF's magic bytes, or a folder with a .gguf file and no config.json."""
+    GGUF's magic bytes, or a folder with a .gguf file and no HF weights (a GGUF repo may carry
+    its base model's config.json beside the file)."""
     path = Path(path).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return True
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
-    if path.is_dir() and not (path / "config.json").exists():
-        return any(p.suffix.lower() == ".gguf" for p in path.iterdir())
+    if path.is_dir():
+        weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+        return not weights and any(p.suffix.lower() == ".gguf" for p in path.iterdir())
     return False
 
 
@@ -255,6 +257,7 @@ def gguf_checkpoint(path: Path, progress=print) -> Path:
     progress(CONVERTING.format(name=file.name))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: two may convert at once
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's, under a reused process id
     try:
         convert(header, tmp)
         tmp.rename(out)  # atomic: a failed or killed conversion never leaves a half checkpoint
@@ -278,6 +281,9 @@ def check_gguf(file: Path) -> GgufHeader:
     if header.arch not in FAMILIES:
         raise ModelLoadError(f"{file}: GGUF architecture {header.arch!r} is not supported; "
                              f"specchat converts {', '.join(FAMILIES)}")
+    if "tokenizer.ggml.tokens" not in header.metadata:
+        raise ModelLoadError(f"{file} holds no tokenizer (tokenizer.ggml.tokens), which "
+                             "specchat takes from the file")
     for kind in {t.kind for t in header.tensors.values()}:
         ggml = GGMLQuantizationType(kind)
         try:  # one block of zeros: whether the gguf package has this type's dequantizer
@@ -306,15 +312,27 @@ def gguf_config(header: GgufHeader):
     that the table leaves out (`_MORE_KEYS`, the attention scale, the rotary width, RoPE
     scaling)."""
     from transformers import AutoConfig
+
+    if header.arch not in FAMILIES:
+        raise ModelLoadError(f"{header.path}: GGUF architecture {header.arch!r} is not "
+                             f"supported; specchat converts {', '.join(FAMILIES)}")
+    try:
+        return AutoConfig.for_model(**_config_fields(header))
+    except KeyError as e:
+        raise ModelLoadError(f"{header.path}: its metadata lacks {e}") from e
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{header.path}: its metadata does not describe a {header.arch} "
+                             f"model ({str(e).splitlines()[0]})") from e
+
+
+def _config_fields(header: GgufHeader) -> dict:
+    """The fields `gguf_config` makes its config of."""
     from transformers.modeling_gguf_pytorch_utils import (
         GGUF_CONFIG_DEFAULTS_MAPPING,
         GGUF_TO_TRANSFORMERS_MAPPING,
     )
 
     metadata, arch = header.metadata, header.arch
-    if arch not in FAMILIES:
-        raise ModelLoadError(f"{header.path}: GGUF architecture {arch!r} is not supported; "
-                             f"specchat converts {', '.join(FAMILIES)}")
     model_type = FAMILIES[arch]
     config = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
     # No separate output weight: the LM head is the token embedding.
@@ -345,9 +363,10 @@ def gguf_config(header: GgufHeader):
     if scaling:
         config["rope_scaling"] = scaling
         if "original_max_position_embeddings" in scaling and arch == "phi3":
+            # Phi 3's config holds it beside the scaling as well
             config["original_max_position_embeddings"] = \
                 scaling["original_max_position_embeddings"]
-    return AutoConfig.for_model(**config)
+    return config
 
 
 def _rope_scaling(header: GgufHeader, config: dict) -> dict | None:
