@@ -41,11 +41,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="a named target + draft pair: " +
                    "; ".join(f"{k}: {v.note}" for k, v in PRESETS.items()))
     g.add_argument("--target", default=None, metavar="MODEL",
-                   help="target model: hub id or local directory (default: the embedded "
+                   help="target model: hub id, local directory, or a GGUF file (or a folder "
+                        "holding one), converted once into the cache (default: the embedded "
                         "Gemma 3 270M, offline)")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
-                   help="draft model (hub id or directory) sharing the target's tokenizer; "
-                        "'embedded' for the embedded Gemma weights (default: none)")
+                   help="draft model (hub id, directory or GGUF file) sharing the target's "
+                        "tokenizer; 'embedded' for the embedded Gemma weights (default: none)")
     g.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
                    help="target weights: 4-bit NF4 via bitsandbytes (default) or unquantized")
     g.add_argument("--draft-quantization", choices=["auto", "nf4", "none"], default="auto",

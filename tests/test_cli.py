@@ -94,9 +94,12 @@ def test_bad_input_gets_a_clear_message(tiny_dirs, tmp_path, capsys):
     assert code == 1 and "no such directory" in err
     code, err = generate_here(capsys, "--target", str(tmp_path), "--prompt", "hi")
     assert code == 1 and "holds no model: it has no config.json" in err
+    (tmp_path / "model.bin").write_bytes(b"\x00" * 64)
+    code, err = generate_here(capsys, "--target", str(tmp_path / "model.bin"), "--prompt", "hi")
+    assert code == 1 and "model.bin is a file but not a GGUF" in err and "a GGUF file" in err
     (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     code, err = generate_here(capsys, "--target", str(tmp_path / "model.gguf"), "--prompt", "hi")
-    assert code == 1 and "model.gguf is a file" in err and "a model directory" in err
+    assert code == 1 and "model.gguf is truncated" in err
     code, err = generate_here(capsys, "--target", tiny_dirs["target"], "--prompt", "   ")
     assert code == 2 and "prompt is empty" in err
     # a real process, offline as a user without a network is: the hub's refusal in one line

