@@ -184,8 +184,8 @@ def test_lmstudio_tree_and_what_cannot_be_opened(roots):
     assert found["pub/repo/good-Q8_0.gguf"].supported
     expect = {"pub/repo/mamba.gguf": "architecture mamba",
               "pub/split/big-00001-of-00003.gguf": "split GGUF (2 of its 3 files here)",
-              "pub/cut/cut-data.gguf": f"holds {len(whole) - 100} of its {len(whole)} bytes",
-              "pub/cut/cut-header.gguf": "cut short",
+              "pub/cut/cut-data.gguf": f"past the file's end ({len(whole) - 100:,} bytes)",
+              "pub/cut/cut-header.gguf": "its header cannot be read",
               "pub/cut/empty.gguf": "unreadable",
               "pub/cut/notes.gguf": "notes.gguf is not a GGUF file"}
     for name, why in expect.items():

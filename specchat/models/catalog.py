@@ -196,9 +196,6 @@ def _gguf(path: Path, name: str, source: str) -> Entry | None:
         except (OSError, ValueError, KeyError, struct.error):  # a header cut short
             entry.why = "unreadable: the header is cut short or corrupt"
             return entry
-        end = max((t.start + t.size for t in header.tensors.values()), default=0)
-        if end > size:
-            entry.why = f"truncated: {part.name} holds {size} of its {end} bytes"
         tensors += header.tensors.values()
         metadata = metadata or header.metadata
     entry.family = metadata.get("general.architecture")
