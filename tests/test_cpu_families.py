@@ -200,3 +200,23 @@ def test_a_draft_model_runs_on_the_same_forward_and_speculation_replays_plain(ki
     spec = [e.id for e in report.engine.stream(prompt, GenerateConfig(drafter="model", **cfg))
             if isinstance(e, TokenEvent)]
     assert spec == plain and len(plain) == 30
+
+
+def test_a_model_the_forward_does_not_run_takes_a_float_path_and_says_why(tmp_path,
+                                                                         monkeypatch):
+    """The integer products run inside the decoder forward: a Gemma 2 target (soft-caps, not a
+    family it runs) skips the integer paths, with why, instead of a label that claims them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if INT8_PATH is None or FLOAT_PATH is None:
+        pytest.skip("needs an integer and a float kernels path")
+    config = AutoConfig.for_model("gemma2", vocab_size=272, hidden_size=128,
+                                  intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    torch.manual_seed(0)
+    path = save(AutoModelForCausalLM.from_config(config), byte_tokenizer(), tmp_path / "g2")
+    monkeypatch.delenv(runtime.ENV, raising=False)
+    loaded = load_model(str(path), "nf4", "cpu", progress=lambda *a: None)
+    assert not runtime.BY_NAME[loaded.runtime.path].int8, loaded.runtime.path
+    assert any(s.startswith(f"{INT8_PATH}: specchat's decoder forward does not run this model")
+               and "gemma2" in s for s in loaded.runtime.skipped), loaded.runtime.skipped

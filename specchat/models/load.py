@@ -115,6 +115,13 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
     except runtime.PathError as e:
         raise ModelLoadError(str(e)) from e
     forced, skipped = runtime.forced_path() is not None, []
+    # The integer products run inside specchat's decoder forward: a model it does not run
+    # takes the next path rather than a label that claims them (a forced path still runs).
+    why_not = _decoder_forward_refuses(path)
+    if why_not and not forced and any(not p.int8 for p in tries):
+        skipped += [f"{p.name}: specchat's decoder forward does not run this model ({why_not})"
+                    for p in tries if p.int8]
+        tries = [p for p in tries if not p.int8]
     for i, cpu_path in enumerate(tries):
         lib = kernels.load(cpu_path.kernels) if cpu_path.kernels else None
         if cpu_path.kernels and lib is None:
@@ -155,6 +162,20 @@ def use_transformers_forward(loaded: LoadedModel) -> str:
     path = "cuda-transformers" if loaded.runtime.path == "cuda-graphs" else loaded.runtime.path
     loaded.runtime = dataclasses.replace(loaded.runtime, path=path, row_exact=exact, proof=proof)
     return loaded.runtime.lossless_note
+
+
+def _decoder_forward_refuses(path: str) -> str | None:
+    """Why specchat's CPU decoder forward cannot run the model at `path`, from its config
+    alone (`runners.family`), or None (a config that does not load: said where it loads)."""
+    from transformers import AutoConfig
+
+    from specchat.runners.family import unsupported
+
+    try:
+        config = AutoConfig.from_pretrained(path).get_text_config()
+    except (OSError, ValueError):
+        return None
+    return unsupported(config)
 
 
 def _build_kernels_soon() -> None:
