@@ -26,7 +26,7 @@ from specchat.stats.store import StatsStore
 from specchat.ui.access import Access
 from specchat.ui.handlers import warm_up
 from specchat.ui.page import build_ui, launch
-from specchat.ui.state import Settings
+from specchat.ui.state import Limits, Settings
 
 # gradio's queue monitoring trips pandas 3 deprecations; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")
@@ -221,7 +221,10 @@ def shared(tmp_path_factory):
     engine = Engine(loaded(tiny_llama(0), tok),
                     {"ngram": NgramDrafter(), "model": ModelDrafter(tiny_llama(1), len(tok))})
     store = StatsStore(tmp_path_factory.mktemp("db") / "stats.db")
-    demo = build_ui(engine, store, access=Access(auth=True), min_interval=0.02,
+    # replies up to 20,000 tokens: one a tab closes mid-reply outlasts the close, however fast
+    # the tiny model decodes on this machine
+    demo = build_ui(engine, store, limits=Limits(max_new_tokens_cap=20000),
+                    access=Access(auth=True), min_interval=0.02,
                     defaults=Settings(max_new_tokens=24, seed=0))
     port = _free_port()
     launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
@@ -358,7 +361,7 @@ def test_a_tab_closed_mid_reply_records_an_interrupted_turn(shared, monkeypatch)
             page = _login(browser, url, "bob", "bob-pw")
             # A long reply: the tab closes while it streams.
             longest = page.locator("#sc-max-new input[type=number]")
-            longest.fill("1024")
+            longest.fill("20000")
             longest.press("Tab")
             box = page.locator("#sc-input textarea")
             box.fill("a long story, please")
