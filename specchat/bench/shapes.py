@@ -80,7 +80,7 @@ def _prompt(engine, tokens: int) -> tuple[float, float]:
     the engine (its pages, its LM head on the last row), from the request to its first token,
     best of two."""
     from specchat.core.events import TokenEvent
-    from specchat.core.request import GenerateConfig
+    from specchat.core.settings import request
 
     best = None
     for run in range(2):
@@ -89,7 +89,7 @@ def _prompt(engine, tokens: int) -> tuple[float, float]:
         ids = torch.randint(3, 250, (tokens,),
                             generator=torch.Generator().manual_seed(tokens + run)).tolist()
         ids[0] = 250 + (tokens + run) % 9
-        cfg = GenerateConfig(speculation=False, max_new_tokens=1, temperature=0.0)
+        cfg = request(engine.drafters, speculation=False, max_new_tokens=1, temperature=0.0)
         start = time.perf_counter()
         next(e for e in engine.stream(ids, cfg) if isinstance(e, TokenEvent))
         seconds = time.perf_counter() - start

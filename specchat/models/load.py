@@ -24,10 +24,9 @@ from specchat.models.embedded import (
     gguf_path,
 )
 from specchat.models.gguf_files import WHAT_WORKS, gguf_checkpoint, is_gguf
-from specchat.models.gguf_head import gguf_q8_head
+from specchat.models.gguf_head import gguf_q8_head, quantized_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
-from specchat.runners.cpu.q8_head import quantized_q8_head
 from specchat.runners.hf.attention import use_row_exact_attention
 from specchat.runners.hf.cpu import (
     compact_embeddings,

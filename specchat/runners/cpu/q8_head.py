@@ -1,7 +1,8 @@
 """An LM head whose weight is GGUF Q8_0 blocks (int8 values, one fp16 scale per 32), run by
 specchat's integer Q8_0 kernel (csrc/q8_0.c). `models.gguf_head` reads the blocks of the embedded
-target's GGUF and checks them before a model's head takes this forward; `quantized_q8_head`
-makes them from another model's float head, once at load, on the integer path."""
+target's GGUF and checks them before a model's head takes this forward;
+`models.gguf_head.quantized_q8_head` makes them from another model's float head, once at load,
+on the integer path (`quantize_q8_0`)."""
 
 from __future__ import annotations
 
@@ -96,33 +97,3 @@ def quantize_q8_0(weight: torch.Tensor, chunk_rows: int = 8192) -> tuple[torch.T
             -1, cols).to(torch.int8)
         d[r:r + chunk_rows] = scale.to(torch.float16)
     return q, d
-
-
-def quantized_q8_head(model, lib) -> bool:
-    """Give a CPU model's float LM head (float32 or bf16, tied or its own) a Q8_0 copy of its
-    weight and this forward: a step reads half the bytes of a bf16 head, and a verify's rows go
-    through the integer kernel, several times faster than the float one at 8 rows. The logits
-    are the Q8_0 weight's (as llama.cpp's for a Q8_0 head), checked at load against the
-    dequantized values within the activations' rounding, and row-exact. Returns whether it
-    did."""
-    from specchat.runners.hf.cpu import MAX_COLUMNS, _rows_independent
-
-    head = model.get_output_embeddings()
-    if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
-            or "forward" in vars(head) \
-            or head.weight.dtype not in (torch.float32, torch.bfloat16) \
-            or head.weight.device.type != "cpu" or head.weight.shape[0] % 16 \
-            or head.weight.shape[1] % BLOCK or head.weight.shape[1] > lib.max_in():
-        return False
-    made = Q8Head(head, *quantize_q8_0(head.weight), lib)
-    sample = torch.linspace(0, head.weight.shape[0] - 1, 64).long()
-    with torch.inference_mode():
-        values = made.dequantized(sample)
-        x = torch.randn(MAX_COLUMNS, head.weight.shape[1],
-                        generator=torch.Generator().manual_seed(0))
-        got, want = made(x)[:, sample], x @ values.T
-        bound = activation_error(x, values) + 1e-4 * want.abs().max()  # + float32 sums
-        if not bool(((got - want).abs() <= bound).all()) or not _rows_independent(made, x):
-            return False
-    head.forward = made
-    return True
