@@ -6,53 +6,45 @@ phi3); `write_gguf(path, model)` writes it under llama.cpp's tensor names and me
 with llama.cpp's changes to the values (Llama's q/k rows permuted for its rotary layout, Gemma's
 norms stored as 1 + w, Llama 3's RoPE scaling as a `rope_freqs` tensor, Phi-3's long-context
 RoPE as two factor tensors) and a small tokenizer: byte-level BPE (GPT-2's byte alphabet, a few
-merges, Llama 3's special tokens) or, for Gemma, a sentencepiece vocabulary.
+merges, Llama 3's special tokens) or, for Gemma, a sentencepiece vocabulary. The byte-level
+vocabulary, the metadata keys and llama.cpp's q/k order are `specchat.bench.gguf_shapes`', which
+writes real models' shapes with them.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-# A chat template in Llama 3's format, written into every file: the converted tokenizer must
-# carry the file's own.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
-    "<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# CHAT_TEMPLATE, llama3_rope_freqs and permute: test_gguf_files imports them from here
+from specchat.bench.gguf_shapes import (  # noqa: F401
+    BYTE,
+    CHAT_TEMPLATE,
+    CONTROL,
+    NORMAL,
+    SPECIAL,
+    add_key,
+    byte_vocab,
+    llama3_rope_freqs,
+    metadata_keys,
+    permute,
+)
+
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
     "{{ message['content'] }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
-# Byte-level BPE: merges in the order they apply, then the special tokens (marked CONTROL).
-MERGES = ["h e", "l l", "Ġ t", "Ġt he", "e r", "o n", "Ġ a", "i n", "he ll", "hell o", "Ġ w",
-          "o r", "Ġw or", "l d", "Ġwor ld", "Ġ c", "a t", "Ġc at", "Ġ s", "Ġs at"]
-SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-           "<|eot_id|>"]
 # Sentencepiece (Gemma): control tokens, 256 byte fallbacks, then pieces.
 SP_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 SP_PIECES = ["▁", "a", "b", "c", "e", "h", "l", "o", "t", "w", "r", "d", "▁t", "he", "▁the",
              "ll", "▁a", "or", "ld", "▁w", "▁wor", "▁world", "hell", "hello", "▁hello"]
-NORMAL, CONTROL, BYTE = 1, 3, 6
 
 # Each family's HF config of a tiny model; its vocabulary size is filled in by `tiny_model`.
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
-
-
-def byte_vocab() -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) of a byte-level BPE vocabulary, as llama.cpp stores one:
-    the 256 bytes in GPT-2's printable spelling, each merge's result, then the specials."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    tokens = list(bytes_to_unicode().values())
-    tokens += ["".join(m.split(" ")) for m in MERGES]
-    types = [NORMAL] * len(tokens) + [CONTROL] * len(SPECIAL)
-    return tokens + SPECIAL, types, MERGES
 
 
 def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
@@ -126,34 +118,6 @@ def rounded(model):
     return out
 
 
-def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """llama.cpp's q/k row order for Llama (convert_hf_to_gguf.py, `LlamaModel.permute`): each
-    head's rotary halves interleaved, as its RoPE kernel pairs neighbouring values."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
-
-
-def llama3_rope_freqs(theta: float, dim: int, factor: float, low: float, high: float,
-                      original: int) -> np.ndarray:
-    """The `rope_freqs` tensor llama.cpp writes for Llama 3's RoPE scaling (each frequency's
-    divisor), as convert_hf_to_gguf.py's `LlamaModel.generate_extra_tensors` computes it."""
-    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    low_wavelen, high_wavelen = original / low, original / high
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            out.append(1)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
-
-
 def write_gguf(path: Path, model, *, name: str = "Tiny", kinds: dict | None = None,
                chat_template: str | None = None, metadata: dict | None = None,
                drop: tuple[str, ...] = (), extra: dict | None = None,
@@ -171,7 +135,7 @@ def write_gguf(path: Path, model, *, name: str = "Tiny", kinds: dict | None = No
     arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
     gemma = arch.startswith("gemma")
     writer = gguf.GGUFWriter(str(path), architecture or arch)
-    keys = _metadata(arch, cfg)
+    keys = metadata_keys(arch, cfg)
     if gemma:
         tokens, types, scores = sentencepiece_vocab()
         keys.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
@@ -192,7 +156,7 @@ def write_gguf(path: Path, model, *, name: str = "Tiny", kinds: dict | None = No
     keys.update(metadata or {})
     for key, value in keys.items():
         if value is not None and key != "general.architecture":
-            _add(writer, key, value)
+            add_key(writer, key, value)
     for gguf_name, values in _tensors(arch, model):
         if gguf_name in drop:
             continue
@@ -232,50 +196,6 @@ def kquant_blocks(rows: int, cols: int, kind: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def _metadata(arch: str, cfg) -> dict:
-    """The model's keys as convert_hf_to_gguf.py's `set_gguf_parameters` writes them."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
-    keys = {
-        f"{arch}.context_length": cfg.max_position_embeddings,
-        f"{arch}.embedding_length": cfg.hidden_size,
-        f"{arch}.block_count": cfg.num_hidden_layers,
-        f"{arch}.feed_forward_length": cfg.intermediate_size,
-        f"{arch}.attention.head_count": cfg.num_attention_heads,
-        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
-        f"{arch}.rope.freq_base": rope["rope_theta"],
-        "general.file_type": 0,
-    }
-    if getattr(cfg, "head_dim", None) is not None:  # stated by the HF config
-        keys[f"{arch}.attention.key_length"] = head_dim
-        keys[f"{arch}.attention.value_length"] = head_dim
-    if arch in ("llama", "qwen2", "qwen3"):
-        keys[f"{arch}.rope.dimension_count"] = head_dim
-    if arch == "llama":
-        keys["llama.vocab_size"] = cfg.vocab_size
-    if arch.startswith("gemma"):
-        keys[f"{arch}.attention.sliding_window"] = cfg.sliding_window
-    if arch == "gemma2":
-        keys["gemma2.attn_logit_softcapping"] = cfg.attn_logit_softcapping
-        keys["gemma2.final_logit_softcapping"] = cfg.final_logit_softcapping
-        del keys["gemma2.rope.freq_base"]  # llama.cpp writes none for Gemma 2
-    if arch == "gemma3" and rope.get("rope_type") == "linear":
-        keys["gemma3.rope.scaling.type"] = "linear"
-        keys["gemma3.rope.scaling.factor"] = rope["factor"]
-    if arch == "phi3":
-        keys["phi3.rope.dimension_count"] = int(rope.get("partial_rotary_factor", 1.0)
-                                                * head_dim)
-        keys["phi3.attention.sliding_window"] = cfg.sliding_window
-        if rope.get("rope_type") == "longrope":
-            original = rope["original_max_position_embeddings"]
-            scale = cfg.max_position_embeddings / original
-            keys["phi3.rope.scaling.original_context_length"] = original
-            keys["phi3.rope.scaling.attn_factor"] = (
-                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-    return keys
-
-
 def _tensors(arch: str, model):
     """(GGUF name, float32 values) of every tensor llama.cpp writes for `model`."""
     import gguf
@@ -306,17 +226,3 @@ def _tensors(arch: str, model):
     if rope.get("rope_type") == "longrope":
         yield "rope_factors_long.weight", np.array(rope["long_factor"], np.float32)
         yield "rope_factors_short.weight", np.array(rope["short_factor"], np.float32)
-
-
-def _add(writer, key: str, value) -> None:
-    """One metadata entry, typed as llama.cpp types it (counts u32, ratios f32)."""
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    else:
-        writer.add_array(key, list(value))

@@ -184,10 +184,38 @@ def build(source: str | Path | None = None, jobs: int | None = None, log=print) 
 
 def cached_server() -> Path | None:
     """A llama-server built earlier for this CPU's options, if any (the newest version)."""
+    return cached_tool("llama-server")
+
+
+def cached_tool(tool: str) -> Path | None:
+    """One of `TOOLS` built earlier for this CPU's options, if any (the newest version)."""
     options = cpu_options()
-    found = sorted(p for p in (cache_dir() / "llama.cpp").glob("*/bin/llama-server")
+    found = sorted(p for p in (cache_dir() / "llama.cpp").glob(f"*/bin/{tool}")
                    if build_info(p).get("options") == options)
     return found[-1] if found else None
+
+
+def llama_bench(binary: str | Path, gguf: str | Path, prompts=(512,), gen: int = 64,
+                depth: int = 0, threads: int | None = None,
+                repetitions: int = 3) -> tuple[list[dict], list[str]]:
+    """llama-bench's results on `gguf` (one dict per test, from its JSON: `n_prompt`,
+    `n_gen`, `n_depth`, `avg_ts` in tokens/s, `stddev_ts`, ...) and the command that gave
+    them: a pp test per prompt length (0: none), a tg test of `gen` tokens, each after
+    `depth` tokens already in the cache."""
+    cmd = [str(binary), "-m", str(gguf), "-p", ",".join(map(str, prompts)), "-n", str(gen),
+           "-d", str(depth), "-r", str(repetitions), "-o", "json"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+        raise LlamaCppError(f"llama-bench exited with status {done.returncode}.\n"
+                            f"command: {' '.join(cmd)}\nthe last lines of its output:\n{tail}")
+    try:
+        return json.loads(done.stdout), cmd
+    except ValueError:
+        raise LlamaCppError(f"llama-bench printed no JSON.\ncommand: {' '.join(cmd)}\n"
+                            f"its output:\n{done.stdout[-1500:]}") from None
 
 
 def embedded_gguf() -> Path:

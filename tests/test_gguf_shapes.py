@@ -1,0 +1,184 @@
+"""Real models' shapes as GGUF files of random weights (specchat/bench/gguf_shapes.py): the file
+holds llama.cpp's tensors for the shape (names, shapes, types, the shape's vocabulary); specchat
+converts it into a checkpoint with the logits of the same random weights quantized and
+dequantized; its tokenizer round-trips text; and llama.cpp, where a build is cached, loads it,
+counts the same parameters and tokenizes text as specchat's tokenizer does.
+
+Files are written from tiny configs of each family; the real shapes' tensor tables are checked
+from their plans, without writing gigabytes."""
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from transformers import AutoConfig
+
+from specchat.backends import llama_cpp
+from specchat.bench import gguf_shapes
+from specchat.bench.gguf_shapes import file_metadata, plan, tensor_values, write_shape
+from specchat.models.gguf_files import gguf_checkpoint, read_gguf
+from specchat.models.synthetic import shape_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LLAMA_BENCH = llama_cpp.cached_tool("llama-bench")  # found before a test moves the cache
+LLAMA_SERVER = llama_cpp.cached_tool("llama-server")
+TEXT = "hello world, the cat sat.\n  Ünïcode ✓ 123"
+LAYER = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+         "ffn_up", "ffn_down"}
+
+
+def tiny(family: str, **extra):
+    """A small config of a family: widths multiples of Q4_0's 32-value blocks, a vocabulary
+    with room for unused tokens, Llama's head untied and Qwen's tied as their shapes have them."""
+    shape = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 rope_theta=500000.0, tie_word_embeddings=family == "qwen2")
+    return AutoConfig.for_model(family, **{**shape, **extra})
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """specchat's cache for this test alone."""
+    monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "cache"))
+
+
+def tensors_of(config, seed=0, std=0.02) -> dict[str, np.ndarray]:
+    """The HF model's parameters as the file holds them once dequantized, by parameter name."""
+    out = {}
+    for e in plan(config):
+        values = np.concatenate([c for _, c in tensor_values(e, seed, std)])
+        if e.kind != T.F32:
+            values = dequantize(quantize(values, T(e.kind)), T(e.kind))
+        out[e.param] = values
+    return out
+
+
+def reference(config, seed=0, std=0.02):
+    """The model of the file's weights, rounded to bf16 as the converted checkpoint holds them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    values = tensors_of(config, seed, std)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(values[name]).to(torch.bfloat16).float())
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_file_holds_llama_cpps_tensors_for_the_shape(family, tmp_path):
+    config = tiny(family)
+    header = read_gguf(write_shape(config, tmp_path / "tiny.gguf", name="tiny"))
+    meta = header.metadata
+    assert header.arch == family
+    assert meta["tokenizer.ggml.tokens"] == config.vocab_size  # its length
+    assert meta["general.file_type"] == 2  # mostly Q4_0
+    assert meta[f"{family}.block_count"] == 2 and meta[f"{family}.embedding_length"] == 64
+    bias = {"attn_q.bias", "attn_k.bias", "attn_v.bias"} if family == "qwen2" else set()
+    expected = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{t}" for i in range(2) for t in {f"{n}.weight" for n in LAYER} | bias}
+    if family == "llama":
+        expected.add("output.weight")  # untied
+    assert set(header.tensors) == expected
+    t = header.tensors
+    assert t["token_embd.weight"].shape == (400, 64) and t["token_embd.weight"].kind == T.Q8_0
+    assert t["blk.1.attn_k.weight"].shape == (32, 64) and t["blk.1.attn_k.weight"].kind == T.Q4_0
+    assert t["blk.0.ffn_down.weight"].shape == (64, 128)
+    assert t["blk.0.ffn_down.weight"].kind == T.Q4_0
+    assert all(v.kind == T.F32 for k, v in t.items() if len(v.shape) == 1)
+    if family == "llama":
+        assert t["output.weight"].kind == T.Q8_0
+
+
+@pytest.mark.parametrize("shape, vocab, layers, head", [
+    ("llama-3.2-1b", 128256, 16, None), ("llama-3.1-8b", 128256, 32, (128256, 4096)),
+    ("qwen2.5-0.5b", 151936, 24, None), ("qwen2.5-1.5b", 151936, 28, None)])
+def test_a_real_shapes_file_plans_its_own_tensors_and_vocabulary(shape, vocab, layers, head):
+    config = shape_config(shape)
+    entries = {e.name: e for e in plan(config)}
+    per_layer = len(LAYER) + (3 if shape.startswith("qwen") else 0)
+    assert len(entries) == 2 + per_layer * layers + (head is not None)
+    assert entries["token_embd.weight"].shape == (vocab, config.hidden_size)
+    assert ("output.weight" in entries) == (head is not None)
+    if head:
+        assert entries["output.weight"].shape == head
+    assert entries["blk.0.ffn_up.weight"].shape == (config.intermediate_size, config.hidden_size)
+    keys = file_metadata(config, shape)
+    tokens = keys["tokenizer.ggml.tokens"]
+    assert len(tokens) == vocab and len(set(tokens)) == vocab
+    assert keys["tokenizer.ggml.pre"] == ("qwen2" if shape.startswith("qwen") else "llama-bpe")
+    assert tokens[keys["tokenizer.ggml.eos_token_id"]] in ("<|eot_id|>", "<|im_end|>")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_specchat_converts_it_to_the_logits_of_the_dequantized_weights(family, tmp_path, cache):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny(family)
+    std = 0.2  # attention far from uniform: a q/k row order gone wrong shows
+    path = write_shape(config, tmp_path / "tiny.gguf", seed=5, std=std)
+    ours = AutoModelForCausalLM.from_pretrained(gguf_checkpoint(path, lambda _: None),
+                                                dtype=torch.float32).eval()
+    ids = torch.tensor([[399, 104, 101, 108, 108, 111, 270, 262, 11, 3, 40, 77, 150, 200, 33]])
+    with torch.no_grad():
+        got, want = ours(ids).logits, reference(config, seed=5, std=std)(ids).logits
+    assert torch.equal(got, want)
+    with torch.no_grad():  # another seed's weights give other logits: the seed is in the file
+        other = reference(config, seed=6, std=std)(ids).logits
+    assert not torch.allclose(got, other, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_its_tokenizer_round_trips_text(family, tmp_path, cache):
+    from transformers import AutoTokenizer
+
+    config = tiny(family)
+    path = write_shape(config, tmp_path / "tiny.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_checkpoint(path, lambda _: None))
+    tokens = file_metadata(config, "tiny")["tokenizer.ggml.tokens"]
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert tokenizer.decode(ids) == TEXT
+    assert tokens.index("Ġworld") in ids and tokens.index("hello") in ids  # merges applied
+    assert all(not tokens[i].startswith("[PAD") for i in ids)
+    end = "<|eot_id|>" if family == "llama" else "<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids(end) == tokens.index(end) < config.vocab_size
+    assert len(tokenizer) == config.vocab_size
+
+
+@pytest.mark.skipif(LLAMA_BENCH is None, reason="no llama.cpp build cached (python -m "
+                    "specchat.backends.llama_cpp build)")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_bench_loads_it_and_counts_the_same_parameters(family, tmp_path):
+    config = tiny(family)
+    path = write_shape(config, tmp_path / "tiny.gguf")
+    results, _ = llama_cpp.llama_bench(LLAMA_BENCH, path, prompts=(8,), gen=4, threads=1,
+                                       repetitions=1)
+    assert {(r["n_prompt"], r["n_gen"]) for r in results} == {(8, 0), (0, 4)}
+    assert all(r["avg_ts"] > 0 for r in results)
+    params = sum(int(np.prod(e.shape)) for e in plan(config))
+    assert results[0]["model_n_params"] == params
+    assert results[0]["model_size"] == sum(t.size for t in read_gguf(path).tensors.values())
+    assert gguf_shapes.llama_read_bytes(path) == results[0]["model_size"] - (
+        0 if config.tie_word_embeddings else read_gguf(path).tensors["token_embd.weight"].size)
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="no llama.cpp build cached (python -m "
+                    "specchat.backends.llama_cpp build)")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_server_tokenizes_as_specchats_tokenizer(family, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    path = write_shape(tiny(family), tmp_path / "tiny.gguf")
+    with llama_cpp.LlamaServer(LLAMA_SERVER, path, port=8097, threads=1, context=256) as url:
+        request = urllib.request.Request(f"{url}/tokenize", method="POST",
+                                         data=json.dumps({"content": TEXT}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            theirs = json.loads(r.read())["tokens"]
+    monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "cache"))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_checkpoint(path, lambda _: None))
+    assert tokenizer.encode(TEXT, add_special_tokens=False) == theirs
