@@ -183,9 +183,7 @@ def _gguf(path: Path, name: str, source: str) -> Entry | None:
     if None in sizes:
         entry.why = INCOMPLETE
         return entry
-    # (the reader's module imports torch: here, at the first GGUF file, not at import)
-    from specchat.models.embedded import read_gguf
-    from specchat.models.loaded import ModelLoadError
+    from specchat.models.gguf_header import ModelLoadError, read_gguf
     tensors, metadata = [], None
     for part, size in zip(parts, sizes):
         try:

@@ -6,12 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.models.gguf_header import ModelLoadError  # noqa: F401 (where loaders find it)
 from specchat.models.runtime import Runtime
 from specchat.runners.hf.attention import WIDE, is_row_exact
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message says why in words a user can act on."""
 
 
 @dataclass
