@@ -13,7 +13,6 @@ measurements.
 from __future__ import annotations
 
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from specchat.models.gguf_files import (
     gguf_weights,
     read_gguf,
     tensor_names,
+    write_checkpoint,
 )
 from specchat.models.loaded import ModelLoadError
 from specchat.paths import cache_dir
@@ -68,16 +68,7 @@ def embedded_checkpoint(progress=print) -> Path:
     if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
         return out
     progress(CONVERTING)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: two may convert at once
-    try:
-        convert_gguf(gguf_path(), tmp)
-        tmp.rename(out)  # atomic: a killed conversion never leaves a half checkpoint behind
-    except OSError:
-        if not (out / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed conversion's, or one that lost the race
-    return out
+    return write_checkpoint(out, lambda tmp: convert_gguf(gguf_path(), tmp))
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

@@ -130,12 +130,19 @@ def gguf_checkpoint(path: Path, progress=print) -> Path:
         return out
     header = check_gguf(file)
     progress(CONVERTING.format(name=file.name))
+    return write_checkpoint(out, lambda tmp: convert(header, tmp))
+
+
+def write_checkpoint(out: Path, write) -> Path:
+    """`write(folder)` into a sibling of `out`, renamed to `out` once whole: a failed or killed
+    conversion never leaves a half checkpoint, and two processes converting at once both end
+    with the one that won the rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: two may convert at once
     shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's, under a reused process id
     try:
-        convert(header, tmp)
-        tmp.rename(out)  # atomic: a failed or killed conversion never leaves a half checkpoint
+        write(tmp)
+        tmp.rename(out)  # atomic
     except OSError:
         if not (out / "config.json").exists():
             raise

@@ -62,8 +62,6 @@ def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
     the checkpoint's head is that embedding rounded to bf16 (checked on a sample of rows) and
     `lib`'s kernel (a `kernels.load` build, or None) is row-exact and agrees with the
     dequantized values. Returns whether it did."""
-    from specchat.runners.hf.cpu import MAX_COLUMNS, _rows_independent
-
     head = model.get_output_embeddings()
     if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
             or head.weight.dtype not in (torch.float32, torch.bfloat16) \
@@ -83,11 +81,7 @@ def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
         if not torch.equal(values.to(torch.bfloat16).to(torch.float32),
                            head.weight.detach()[sample].to(torch.float32)):
             return False  # another file, or another model's weights
-        x = torch.randn(MAX_COLUMNS, head.weight.shape[1],
-                        generator=torch.Generator().manual_seed(0))
-        got, want = made(x)[:, sample], x @ values.T
-        bound = activation_error(x, values) + 1e-4 * want.abs().max()  # + float32 sums
-        if not bool(((got - want).abs() <= bound).all()) or not _rows_independent(made, x):
+        if not _kernel_agrees(made, sample, values):
             return False
     head.forward = made  # the bf16 copy the previous head read goes with its forward
     release_freed_memory()
@@ -101,8 +95,6 @@ def quantized_q8_head(model, lib) -> bool:
     are the Q8_0 weight's (as llama.cpp's for a Q8_0 head), checked at load against the
     dequantized values within the activations' rounding, and row-exact. Returns whether it
     did."""
-    from specchat.runners.hf.cpu import MAX_COLUMNS, _rows_independent
-
     head = model.get_output_embeddings()
     if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
             or "forward" in vars(head) \
@@ -113,12 +105,18 @@ def quantized_q8_head(model, lib) -> bool:
     made = Q8Head(head, *quantize_q8_0(head.weight), lib)
     sample = torch.linspace(0, head.weight.shape[0] - 1, 64).long()
     with torch.inference_mode():
-        values = made.dequantized(sample)
-        x = torch.randn(MAX_COLUMNS, head.weight.shape[1],
-                        generator=torch.Generator().manual_seed(0))
-        got, want = made(x)[:, sample], x @ values.T
-        bound = activation_error(x, values) + 1e-4 * want.abs().max()  # + float32 sums
-        if not bool(((got - want).abs() <= bound).all()) or not _rows_independent(made, x):
+        if not _kernel_agrees(made, sample, made.dequantized(sample)):
             return False
     head.forward = made
     return True
+
+
+def _kernel_agrees(made: Q8Head, sample: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the head's kernel gives the logits of its dequantized `values` (rows `sample`)
+    within the activations' int8 rounding, and each row the same bits among other rows."""
+    from specchat.runners.hf.cpu import MAX_COLUMNS, _rows_independent
+
+    x = torch.randn(MAX_COLUMNS, values.shape[1], generator=torch.Generator().manual_seed(0))
+    got, want = made(x)[:, sample], x @ values.T
+    bound = activation_error(x, values) + 1e-4 * want.abs().max()  # + float32 sums
+    return bool(((got - want).abs() <= bound).all()) and _rows_independent(made, x)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specchat.runners.static import attention_unsupported
+
 # the decoder layer's norms in csrc/decoder.c's order (`decoder_layer`)
 NORM_SLOTS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 # and its linear layers, each where transformers keeps it in a decoder layer
@@ -76,11 +78,9 @@ def unsupported(config) -> str | None:
                 f"{', '.join(f.name for f in FAMILIES.values())})")
     if activation(config) != family.activation:
         return f"its activation is {activation(config)}"
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, name, None):
-            return f"{name} {getattr(config, name)}"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention"
+    why = attention_unsupported(config)
+    if why:
+        return why
     rope = getattr(config, "rope_parameters", None) or {}
     partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):

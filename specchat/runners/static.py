@@ -27,6 +27,12 @@ def unsupported_config(config, kinds: tuple[str, ...], only: str = "") -> str | 
         else getattr(config, "hidden_act", "silu")
     if act != ACTIVATIONS[kind]:
         return f"its activation is {act}"
+    return attention_unsupported(config)
+
+
+def attention_unsupported(config) -> str | None:
+    """What neither of specchat's forwards computes in a model's attention or logits (the
+    soft-caps, bidirectional attention), or None."""
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(config, name, None):
             return f"{name} {getattr(config, name)}"
