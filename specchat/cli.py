@@ -2,6 +2,10 @@
 
 `generate --json` writes one JSON line per emitted token and a final stats line (the contract
 in docs/design.md: tools outside the test suite rely on it; extend it, never change it).
+
+This module imports neither torch nor transformers: `models` lists from headers in well under
+a second with catalog.py's imports alone, and each other command imports what it needs
+(specchat.args, specchat.check, their subcommands' modules) when it is parsed or run.
 """
 
 from __future__ import annotations
@@ -13,14 +17,6 @@ import logging
 import sys
 from dataclasses import asdict, replace
 
-from specchat.args import (
-    add_model_arguments,
-    add_sampling_arguments,
-    config_from_args,
-    load_for_cli,
-    validate_sampling,
-)
-from specchat.check import add_cli as add_check
 from specchat.help import HelpFormatter
 from specchat.models import catalog
 
@@ -28,6 +24,7 @@ from specchat.models import catalog
 def cmd_generate(args) -> int:
     """One reply to --prompt (or stdin). Exit codes: 0 for a reply, 1 when the models do not
     load or the reply ends in an error, 2 for a request that is refused before any decoding."""
+    from specchat.args import config_from_args, load_for_cli, validate_sampling
     from specchat.core.inputs import InputError
     prompt = _read_prompt(args)
     if not prompt.strip():
@@ -212,10 +209,16 @@ def add_models(sub) -> None:
     p.set_defaults(func=cmd_models)
 
 
+def add_check(sub) -> None:
+    from specchat.check import add_cli  # torch's import: for `check` and the whole parser only
+    add_cli(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # (imported here: `check` runs on a bare GPU machine without the stats store, gradio or the
     # API's packages; `main` builds it a parser of its own)
     from specchat.api.cli import add_cli as add_serve
+    from specchat.args import add_model_arguments, add_sampling_arguments
     from specchat.bench.cli import add_cli as add_bench
     from specchat.stats.cli import add_cli as add_stats
     from specchat.train.cli import add_cli as add_train_draft
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         from specchat.app import main as app_main
         return app_main(argv[1:])
     if argv[:1] in (["check"], ["models"]):  # their own parser: check runs on a bare image,
-        # models lists in a few seconds without the other commands' imports
+        # models lists without the other commands' imports (torch's among them)
         parser = argparse.ArgumentParser(prog="python -m specchat", formatter_class=HelpFormatter)
         (add_check if argv[0] == "check" else add_models)(
             parser.add_subparsers(dest="command", required=True))

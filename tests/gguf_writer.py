@@ -6,9 +6,9 @@ phi3); `write_gguf(path, model)` writes it under llama.cpp's tensor names and me
 with llama.cpp's changes to the values (Llama's q/k rows permuted for its rotary layout, Gemma's
 norms stored as 1 + w, Llama 3's RoPE scaling as a `rope_freqs` tensor, Phi-3's long-context
 RoPE as two factor tensors) and a small tokenizer: byte-level BPE (GPT-2's byte alphabet, a few
-merges, Llama 3's special tokens) or, for Gemma, a sentencepiece vocabulary. The byte-level
-vocabulary, the metadata keys and llama.cpp's q/k order are `specchat.bench.gguf_shapes`', which
-writes real models' shapes with them.
+merges, Llama 3's special tokens) or, for Gemma, a sentencepiece vocabulary. Both
+vocabularies, the metadata keys and llama.cpp's q/k order are `specchat.bench.gguf_shapes`',
+which writes real models' shapes with them.
 """
 
 from __future__ import annotations
@@ -18,41 +18,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# CHAT_TEMPLATE, llama3_rope_freqs and permute: test_gguf_files imports them from here
+# CHAT_TEMPLATE, GEMMA_TEMPLATE, llama3_rope_freqs and permute: test_gguf_files imports them
+# from here
 from specchat.bench.gguf_shapes import (  # noqa: F401
-    BYTE,
     CHAT_TEMPLATE,
-    CONTROL,
-    NORMAL,
+    GEMMA_TEMPLATE,
     SPECIAL,
     add_key,
     byte_vocab,
     llama3_rope_freqs,
     metadata_keys,
     permute,
+    sentencepiece_vocab,
 )
-
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
-    "{{ message['content'] }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-
-# Sentencepiece (Gemma): control tokens, 256 byte fallbacks, then pieces.
-SP_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-SP_PIECES = ["▁", "a", "b", "c", "e", "h", "l", "o", "t", "w", "r", "d", "▁t", "he", "▁the",
-             "ll", "▁a", "or", "ld", "▁w", "▁wor", "▁world", "hell", "hello", "▁hello"]
 
 # Each family's HF config of a tiny model; its vocabulary size is filled in by `tiny_model`.
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
-
-
-def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
-    """(tokens, token types, scores) of a Gemma-style vocabulary with byte fallback."""
-    tokens = SP_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
-    types = [CONTROL] * len(SP_SPECIAL) + [BYTE] * 256 + [NORMAL] * len(SP_PIECES)
-    scores = [0.0] * (len(SP_SPECIAL) + 256) + [-float(i) for i in range(len(SP_PIECES))]
-    return tokens, types, scores
 
 
 def vocab_size(arch: str) -> int:

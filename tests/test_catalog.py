@@ -215,6 +215,25 @@ def test_the_catalog_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
+def test_the_models_command_imports_no_torch(roots):
+    """`models` starts in well under a second: the CLI and the listing (a GGUF's header and a
+    checkpoint's config read) import neither torch nor transformers."""
+    write_gguf(roots["lmstudio"] / "pub" / "repo" / "good-Q8_0.gguf")
+    write_checkpoint(roots["specchat"] / "models" / "tiny")
+    code = ("import json, sys\n"
+            "from specchat.cli import main\n"
+            "assert main(['models', '--json']) == 0\n"
+            "print(json.dumps(sorted(m for m in sys.modules\n"
+            "                        if m.split('.')[0] in ('torch', 'transformers'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    *listing, imported = proc.stdout.splitlines()
+    assert [r["name"] for r in json.loads("\n".join(listing))] == ["tiny",
+                                                                    "pub/repo/good-Q8_0.gguf"]
+    assert json.loads(imported) == []
+
+
 def test_counts_and_sizes_in_a_few_digits():
     assert [_human(n) for n in (None, 999, 1000, 268_098_176, 1_236_000_000, 999_960)] == \
         ["-", "999", "1K", "268M", "1.24B", "1M"]

@@ -2,8 +2,9 @@
 torch references (small-integer data where sums must be exact), and `CudaRunner` with graphs
 off over a tiny NF4 Llama: bitsandbytes' layout read right, rows independent of their
 neighbours and of the padding, the static cache's rollback and prefix pages, the load-time
-proof, and speculative replies equal to plain ones. On a GPU, `specchat check --device cuda`
-runs the same code compiled and captured."""
+proof, and speculative replies equal to plain ones; a GGUF target (Llama, Qwen 2) converted
+and loaded as `--target FILE.gguf` loads it runs the same. On a GPU, `specchat check --device
+cuda` runs the same code compiled and captured."""
 
 import pytest
 import torch
@@ -517,6 +518,78 @@ def test_speculative_replies_are_plain_replies_on_the_runner(nf4_llama, runner):
         assert reply(speculation=True, drafter="ngram", adaptive=False, **sampling) == plain
     greedy = reply(speculation=False, temperature=0.0)
     assert reply(speculation=True, drafter="model", adaptive=False, temperature=0.0) == greedy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_target_runs_on_the_runtime_as_its_checkpoint_does(arch, tmp_path, monkeypatch):
+    """A GGUF file as `--target FILE.gguf` takes it on CUDA: converted into the cache
+    (`resolve`), loaded in NF4 with the file's tokenizer (`_load`, as load_model loads it),
+    given the runtime by `use_cuda_runtime`: the logits and greedy text of transformers' model
+    of the converted checkpoint, the load-time proof passed (Llama's), and speculative replies
+    equal to plain ones."""
+    from gguf_writer import tiny_model, write_gguf
+    from tiny import bnb_cpu_repack
+
+    from specchat import runners
+    from specchat.core.engine import Engine
+    from specchat.core.events import TokenEvent
+    from specchat.core.request import GenerateConfig
+    from specchat.drafters.model import ModelDrafter
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.models import runtime
+    from specchat.models.load import _load, resolve
+    from specchat.runners.cuda.runner import CONTEXT_ENV, CudaRunner
+
+    monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(CONTEXT_ENV, "128")  # interpreted attention: few slots
+    model = tiny_model(arch)
+    # attention weights at the MLP's scale (std 0.075): the writer's 0.25 makes a softmax so
+    # near one-hot that two bf16 forwards' roundings differ by 6% of the logits
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "self_attn" in name and p.dim() == 2:
+                p.mul_(0.3)
+    file = write_gguf(tmp_path / f"tiny-{arch}.gguf", model)
+    said = []
+    path = resolve(str(file), said.append)
+    loaded = _load(str(file), path, "nf4", torch.device("cpu"), torch.bfloat16, local=True)
+    bnb_cpu_repack(loaded.model, on=True)  # as `_load_nf4`: the runner must hold repacked layers
+    assert runners.use_cuda_runtime(loaded, said.append) == ("cuda-graphs", ()), said
+    runner = loaded.runner
+    assert isinstance(runner, CudaRunner) and runner.dtype == torch.bfloat16
+    layer = runner.layers[0]  # NF4 throughout; q|k|v fused where they have no bias (Qwen 2's)
+    assert all(getattr(layer, n).packed is not None for n in ("q", "k", "v", "o", "down"))
+    assert layer.gate_up is not None and (layer.qkv is None) == (arch == "qwen2")
+    got = runner.forward(runner.new_cache(), IDS, 0, len(IDS)).float()
+    with torch.inference_mode():
+        want = loaded.model(torch.tensor([IDS])).logits[0].float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert got.argmax(-1).eq(want.argmax(-1)).float().mean() >= 0.85
+
+    if arch == "llama":  # the load-time proof, over fewer tokens: 5 s interpreted, once
+        monkeypatch.setattr(runtime, "PROOF_NEW", 6)
+        monkeypatch.setattr(runtime, "PROOF_WIDTHS", (1, 2, 6))
+        monkeypatch.setattr(runtime, "PROOF_WIDEST", 17)
+        exact, proof = runtime.prove_row_exact(runner, model.config.vocab_size)
+        assert exact, proof
+
+    tokenizer = loaded.tokenizer  # the file's byte-level BPE, through the cache
+    prompt = tokenizer("hello world, hello world", add_special_tokens=False).input_ids
+    draft = ModelDrafter(loaded.model, model.config.vocab_size,
+                         runner=CudaRunner(loaded.model, graphs=False, context=128))
+    engine = Engine(loaded, {"ngram": NgramDrafter(), "model": draft})
+
+    def reply(**cfg):
+        events = engine.stream(prompt, GenerateConfig(max_new_tokens=8, temperature=0.0, **cfg))
+        return [e.id for e in events if isinstance(e, TokenEvent)]
+
+    plain = reply(speculation=False)
+    with torch.inference_mode():
+        greedy = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=len(plain),
+                                       do_sample=False)[0, len(prompt):].tolist()
+    assert plain == greedy
+    assert reply(speculation=True, drafter="ngram", adaptive=False) == plain
+    assert reply(speculation=True, drafter="model", adaptive=False) == plain
 
 
 def test_a_gemma3_model_runs_as_transformers_runs_it_row_exact(tmp_path):

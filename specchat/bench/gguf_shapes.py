@@ -11,14 +11,17 @@ norms and biases in F32. The gguf package quantizes Q4_0 and Q8_0 but no K-quant
 stands in for the Q4_K_M files users download: 4.5 bits a weight where Q4_K_M averages about
 4.9 (its Q6_K tensors), so llama.cpp reads a little less here than from a real Q4_K_M file, and
 runs Q4_0's kernels rather than Q4_K's. Llama's q/k rows are permuted for llama.cpp's RoPE as
-convert_hf_to_gguf.py permutes them.
+convert_hf_to_gguf.py permutes them; Gemma's norms, which scale by 1 + w, are stored as 1 + w
+as it stores them.
 
-The tokenizer is GPT-2's byte-level BPE as llama.cpp stores one (`tokenizer.ggml.model` "gpt2",
-the family's pre-tokenizer): the 256 bytes, a few merges, then `[PADn]` tokens typed UNUSED up
-to the shape's vocabulary, as convert_hf_to_gguf.py pads a vocabulary to the embedding's rows
-(neither llama.cpp nor transformers matches an unused token in text, where CONTROL or
-USER_DEFINED tokens would each be searched for in every prompt), and the family's special tokens
-last, where Llama 3's and Qwen 2.5's vocabularies have them.
+The tokenizer of Llama and Qwen is GPT-2's byte-level BPE as llama.cpp stores one
+(`tokenizer.ggml.model` "gpt2", the family's pre-tokenizer): the 256 bytes, a few merges, then
+`[PADn]` tokens typed UNUSED up to the shape's vocabulary, as convert_hf_to_gguf.py pads a
+vocabulary to the embedding's rows (neither llama.cpp nor transformers matches an unused token
+in text, where CONTROL or USER_DEFINED tokens would each be searched for in every prompt), and
+the family's special tokens last, where Llama 3's and Qwen 2.5's vocabularies have them.
+Gemma's is SentencePiece as its files hold it (`tokenizer.ggml.model` "llama"): its control
+tokens first, the 256 byte fallbacks, a few scored pieces, then the `[PADn]` tokens.
 
 Each tensor's values come from a generator seeded by the file's seed and the tensor's name
 (`tensor_values`), a chunk of rows at a time; each chunk is quantized into the tensor's bytes,
@@ -67,6 +70,15 @@ CHAT_TEMPLATE = (
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{{ message['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# SentencePiece (Gemma's, `tokenizer.ggml.model` "llama"): control tokens, 256 byte fallbacks,
+# then pieces.
+SP_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+SP_PIECES = ["▁", "a", "b", "c", "e", "h", "l", "o", "t", "w", "r", "d", "▁t", "he", "▁the",
+             "ll", "▁a", "or", "ld", "▁w", "▁wor", "▁world", "hell", "hello", "▁hello"]
 
 CHUNK_VALUES = 1 << 24  # float32 values generated and quantized at a time (64 MB)
 PROMPT = 328  # the first token is timed after a prompt this long, as `shapes.measure` times it
@@ -78,12 +90,14 @@ class Family:
 
     arch: str  # general.architecture
     pre: str  # tokenizer.ggml.pre: the pre-tokenizer llama.cpp splits text with
-    special: tuple[str, ...]  # special tokens, the vocabulary's last
+    special: tuple[str, ...]  # special tokens: byte-level vocabularies' last, SentencePiece's first
     bos: str
     eos: str
     add_bos: bool
     template: str
     permute_qk: bool  # llama.cpp's rotary row order for q and k (Llama only)
+    norm_plus_one: bool = False  # norms scale by 1 + w, stored by llama.cpp as 1 + w (Gemma)
+    tokenizer: str = "gpt2"  # tokenizer.ggml.model: byte-level BPE, or "llama" (SentencePiece)
 
 
 FAMILIES = {
@@ -91,11 +105,15 @@ FAMILIES = {
                     True, CHAT_TEMPLATE, True),
     "qwen2": Family("qwen2", "qwen2", tuple(QWEN_SPECIAL), "<|endoftext|>", "<|im_end|>",
                     False, CHATML_TEMPLATE, False),
+    # Gemma's files hold its SentencePiece vocabulary, which transformers' Gemma tokenizer (the
+    # one a converted Gemma checkpoint loads) assumes: a byte-level one would not load back.
+    "gemma3_text": Family("gemma3", "default", tuple(SP_SPECIAL), "<bos>", "<eos>", True,
+                          GEMMA_TEMPLATE, False, norm_plus_one=True, tokenizer="llama"),
 }
-SHAPE_FAMILIES = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-1.5b")
+SHAPE_FAMILIES = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-1.5b", "gemma-3-1b")
 
 
-# -- what every byte-level GGUF holds (tests/gguf_writer.py writes its files with these too) --
+# -- what every GGUF's vocabulary holds (tests/gguf_writer.py writes its files with these too)
 
 def byte_vocab(size: int | None = None, special=SPECIAL) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of a byte-level BPE vocabulary, as llama.cpp stores one:
@@ -113,6 +131,25 @@ def byte_vocab(size: int | None = None, special=SPECIAL) -> tuple[list[str], lis
         tokens += [f"[PAD{i}]" for i in range(pad)]
         types += [UNUSED] * pad
     return tokens + list(special), types + [CONTROL] * len(special), list(MERGES)
+
+
+def sentencepiece_vocab(size: int | None = None) -> tuple[list[str], list[int], list[float]]:
+    """(tokens, token types, scores) of a Gemma-style SentencePiece vocabulary with byte
+    fallback: the control tokens, the 256 bytes as `<0xXX>`, pieces scored in their order, then
+    `[PADn]` unused tokens scored -1000 up to `size` (none without one), as
+    convert_hf_to_gguf.py pads a SentencePiece vocabulary to the embedding's rows."""
+    tokens = SP_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
+    types = [CONTROL] * len(SP_SPECIAL) + [BYTE] * 256 + [NORMAL] * len(SP_PIECES)
+    scores = [0.0] * (len(SP_SPECIAL) + 256) + [-float(i) for i in range(len(SP_PIECES))]
+    if size is not None:
+        pad = size - len(tokens)
+        if pad < 0:
+            raise ValueError(f"a vocabulary of {size} tokens is smaller than the "
+                             f"{len(tokens)} a SentencePiece one with byte fallback needs")
+        tokens += [f"[PAD{i}]" for i in range(pad)]
+        types += [UNUSED] * pad
+        scores += [-1000.0] * pad
+    return tokens, types, scores
 
 
 def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -211,6 +248,7 @@ class Planned:
     param: str  # the HF model's: "model.layers.3.self_attn.q_proj.weight"
     shape: tuple[int, ...]  # torch's order
     kind: int  # ggml type
+    plus_one: bool = False  # a norm the file holds as 1 + the HF weight (Gemma's)
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +289,8 @@ def plan(config) -> list[Planned]:
         name = f"{name}.{kind}"
         ggml = (T.F32 if tensor.ndim == 1 else
                 T.Q8_0 if name in ("token_embd.weight", "output.weight") else T.Q4_0)
-        out.append(Planned(name, param, tuple(tensor.shape), int(ggml)))
+        plus_one = fam.norm_plus_one and name.endswith("norm.weight")
+        out.append(Planned(name, param, tuple(tensor.shape), int(ggml), plus_one))
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
         head_dim = getattr(config, "head_dim", None) or \
@@ -267,13 +306,14 @@ def _seed(seed: int, name: str) -> int:
 def tensor_values(entry: Planned, seed: int = 0, std: float = 0.02):
     """(first row, float32 [rows, cols]) chunks of a tensor's values as the HF model holds
     them (1-D ones: (0, the whole vector)), from a generator of its own: matrices and biases
-    N(0, std), norms 1 + k/64 for k uniform in -8..8 (random, so that a norm read in the wrong
-    place shows in the logits)."""
+    N(0, std), norms scaling by 1 + k/64 for k uniform in -8..8 (random, so that a norm read in
+    the wrong place shows in the logits): weights 1 + k/64, or k/64 where the norm scales by
+    1 + w (Gemma's)."""
     generator = torch.Generator().manual_seed(_seed(seed, entry.name))
     if len(entry.shape) == 1:
         if entry.name.endswith("norm.weight"):
             steps = torch.randint(-8, 9, entry.shape, generator=generator)
-            yield 0, (1 + steps.float() / 64).numpy()
+            yield 0, ((0 if entry.plus_one else 1) + steps.float() / 64).numpy()
         else:
             yield 0, (std * torch.randn(entry.shape, generator=generator)).numpy()
         return
@@ -296,7 +336,8 @@ def tensor_bytes(entry: Planned, config, seed: int = 0, std: float = 0.02) -> np
                                  rope["original_max_position_embeddings"])
     chunks = tensor_values(entry, seed, std)
     if len(entry.shape) == 1:
-        return next(chunks)[1]
+        values = next(chunks)[1]
+        return values + 1 if entry.plus_one else values  # exact: multiples of 1/64 near 0
     heads = {"attn_q": (config.num_attention_heads, config.num_attention_heads),
              "attn_k": (config.num_attention_heads, config.num_key_value_heads)}
     kind = entry.name.split(".")[-2]
@@ -315,12 +356,18 @@ def file_metadata(config, name: str) -> dict:
 
     fam = family(config)
     keys = metadata_keys(fam.arch, config)
-    tokens, types, merges = byte_vocab(config.vocab_size, fam.special)
+    if fam.tokenizer == "llama":
+        tokens, types, scores = sentencepiece_vocab(config.vocab_size)
+        keys.update({"tokenizer.ggml.scores": scores, "tokenizer.ggml.add_space_prefix": False,
+                     "tokenizer.ggml.unknown_token_id": tokens.index("<unk>"),
+                     "tokenizer.ggml.padding_token_id": tokens.index("<pad>")})
+    else:
+        tokens, types, merges = byte_vocab(config.vocab_size, fam.special)
+        keys["tokenizer.ggml.merges"] = merges
     keys.update({
         "general.name": name, "general.file_type": int(LlamaFileType.MOSTLY_Q4_0),
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": fam.pre,
+        "tokenizer.ggml.model": fam.tokenizer, "tokenizer.ggml.pre": fam.pre,
         "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.bos_token_id": tokens.index(fam.bos),
         "tokenizer.ggml.eos_token_id": tokens.index(fam.eos),
         "tokenizer.ggml.add_bos_token": fam.add_bos,
