@@ -178,6 +178,8 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
             # The first reply's step card opens in a chat tall enough to hold it with the reply
             # (the card alone is about 260 px), and the chat's floating "scroll down" button,
             # shown once the chat is scrolled up, stays off the card's text.
+            # (a finished reply shows formatted first: its tokens are one click away)
+            page.locator("#sc-chat .sc-view-tk").first.click()
             page.locator("#sc-chat .tk.sc-step").first.click()
             page.wait_for_selector("#sc-chat .sc-card:not([hidden])")
             chat = page.locator("#sc-chat").bounding_box()
@@ -395,6 +397,7 @@ def test_inspector_ghost_text_step_cards_and_modes(shared):
             box.fill(REPETITIVE)
             box.press("Enter")
             page.wait_for_selector("#sc-chat .sc-stats")
+            page.locator("#sc-chat .sc-view-tk").first.click()  # the reply's tokens view
             # Refused drafts follow the token that replaced them, as ghost text.
             ghost = page.locator("#sc-chat .sc-ghost").first
             ghost.wait_for()
@@ -610,7 +613,223 @@ def test_an_idle_page_asks_for_no_animation_frames(served):
             assert frames <= 6, f"an idle page asked for {frames} animation frames in 2 s"
             page.locator("#sc-input textarea").fill("the cat sat")
             page.click("#sc-send")
-            page.wait_for_selector("#sc-chat .sc-turn .sc-reply .tk")
+            # (attached: once the reply ends its tokens view is a click away, out of sight)
+            page.wait_for_selector("#sc-chat .sc-turn .sc-reply .tk", state="attached")
             page.wait_for_selector("#sc-chat .sc-cursor", state="detached")
         finally:
             browser.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A finished reply as a document: its Markdown rendered, its code copied, its tokens a click
+# (or a key) away, and nothing the model wrote run or fetched.
+
+MARKDOWN_REPLY = ("## Results\n\n| drafter | speedup | note |\n|---|---:|---|\n"
+                  "| ngram | 2.10× | copies the prompt |\n"
+                  "| model | 1.40× | a_rather_long_cell_that_makes_the_table_wider_than_a_phone |\n\n"
+                  "```python\nprint('hello')\n```\n\nDone: **yes**, see `k`.\n")
+
+
+def _reply_reads(monkeypatch, text: str) -> None:
+    """The served engine's replies read `text`: the real stream's token kinds, steps and stats,
+    its tokens' texts replaced by `text` three characters at a time (what is left on a last
+    token). The tiny random model writes random bytes; this is a reply with known Markdown."""
+    import dataclasses
+
+    from specchat.core.events import GenerationStats, TokenEvent
+
+    real = Engine.stream
+
+    def stream(self, *args, **kwargs):
+        rest, last = text, None
+        for event in real(self, *args, **kwargs):
+            if isinstance(event, TokenEvent):
+                piece, rest = rest[:3], rest[3:]
+                event = last = dataclasses.replace(event, text=piece)
+            elif isinstance(event, GenerationStats) and rest and last is not None:
+                yield dataclasses.replace(last, text=rest)
+                rest = ""
+            yield event
+
+    monkeypatch.setattr(Engine, "stream", stream)
+
+
+def _send(page, text: str, replies: int) -> None:
+    """Send a message; wait until `replies` replies have ended."""
+    box = page.locator("#sc-input textarea")
+    box.fill(text)
+    box.press("Enter")
+    page.wait_for_function(f"document.querySelectorAll('#sc-chat .sc-stats').length >= {replies}"
+                           " && !document.querySelector('#sc-chat .sc-cursor')")
+
+
+def test_a_finished_reply_renders_as_markdown_with_copy_and_a_keyboard_toggle(
+        served, monkeypatch, tmp_path):
+    sync_playwright = _sync_playwright()
+    url, _ = served
+    _reply_reads(monkeypatch, MARKDOWN_REPLY)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 800},
+                                          permissions=["clipboard-read", "clipboard-write"])
+            page = context.new_page()
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url)
+            page.wait_for_selector("#sc-status .sc-status-ready")
+            _send(page, "a table, please", 1)
+            turn = page.locator("#sc-chat .sc-turn.sc-has-views").first
+            doc = turn.locator(".sc-md")
+            doc.locator("table").wait_for()
+            # A document: a heading, a table, a highlighted code block, bold, inline code; no
+            # Markdown syntax left over.
+            assert doc.locator("h2").inner_text() == "Results"
+            assert doc.locator("td").all_inner_texts()[:3] == ["ngram", "2.10×",
+                                                               "copies the prompt"]
+            assert doc.locator("pre code .hl-nb").inner_text() == "print"
+            assert doc.locator("strong").inner_text() == "yes"
+            assert doc.locator(":not(pre) > code").inner_text() == "k"
+            shown = doc.inner_text()
+            assert "```" not in shown and "|---" not in shown and "**" not in shown
+            assert not turn.locator(".sc-tokens-view").is_visible()
+            assert turn.locator(".sc-stats").is_visible()
+
+            # Copy: the block's code reaches the clipboard, and the button says so.
+            turn.locator(".sc-md-copy").click()
+            page.wait_for_function("document.querySelector('#sc-chat .sc-md-copy')"
+                                   ".textContent === 'Copied'")
+            assert page.evaluate("navigator.clipboard.readText()") == "print('hello')"
+
+            # The switch by keyboard: Tab from Formatted to Tokens, Space shows the tokens (the
+            # stats line stays), Shift+Tab and Enter show the document again.
+            formatted, tokens = turn.locator(".sc-view-md"), turn.locator(".sc-view-tk")
+            assert formatted.get_attribute("aria-pressed") == "true"
+            assert tokens.get_attribute("aria-pressed") == "false"
+            formatted.focus()
+            page.keyboard.press("Tab")
+            assert tokens.evaluate("b => b === document.activeElement")
+            page.keyboard.press("Space")
+            turn.locator(".sc-tokens-view .tk").first.wait_for()
+            assert not doc.is_visible() and turn.locator(".sc-stats").is_visible()
+            assert tokens.get_attribute("aria-pressed") == "true"
+            assert formatted.get_attribute("aria-pressed") == "false"
+            kinds = _kinds(page, "#sc-chat .sc-tokens-view span.tk")
+            assert len(set(kinds)) >= 2, kinds  # the colored spans, as the reply streamed
+            assert "| ngram | 2.10× |" in turn.locator(".sc-tokens-view").inner_text()
+            # the choice survives the chat's repaint when the next reply comes
+            _send(page, "and again", 2)
+            assert turn.locator(".sc-tokens-view").is_visible() and not doc.is_visible()
+            assert tokens.get_attribute("aria-pressed") == "true"
+            page.keyboard.press("Shift+Tab") if tokens.evaluate(
+                "b => b === document.activeElement") else formatted.focus()
+            if not formatted.evaluate("b => b === document.activeElement"):
+                formatted.focus()
+            page.keyboard.press("Enter")
+            doc.locator("table").wait_for()
+            assert not turn.locator(".sc-tokens-view").is_visible()
+            assert formatted.get_attribute("aria-pressed") == "true"
+            # the second reply shows formatted, on its own
+            second = page.locator("#sc-chat .sc-turn.sc-has-views").nth(1)
+            assert second.locator(".sc-md table").is_visible()
+
+            # Light and dark, laptop and phone: the wide table scrolls inside its box, never
+            # the page.
+            for theme in ("light", "dark"):
+                page.goto(f"{url}?__theme={theme}")
+                page.wait_for_selector("#sc-status .sc-status-ready")
+                for width, height in ((1280, 800), (390, 844)):
+                    page.set_viewport_size({"width": width, "height": height})
+                    _send(page, "a table, please", 1)
+                    table = page.locator("#sc-chat .sc-md table").first
+                    table.scroll_into_view_if_needed()
+                    page.screenshot(path=str(tmp_path / f"markdown-{theme}-{width}.png"))
+                    assert page.evaluate("document.documentElement.scrollWidth") <= width
+                    box = page.locator("#sc-chat .sc-md-table").first.bounding_box()
+                    assert box["x"] + box["width"] <= width
+                    page.locator("#sc-new").click()
+                    page.wait_for_function("!document.querySelector('#sc-chat .sc-turn')")
+        finally:
+            browser.close()
+
+
+def test_a_hostile_reply_runs_no_script_and_fetches_no_image(served, monkeypatch):
+    sync_playwright = _sync_playwright()
+    url, _ = served
+    hits = []
+
+    class Counter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    trap = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counter)
+    threading.Thread(target=trap.serve_forever, daemon=True).start()
+    port = trap.server_address[1]
+    hostile = (f"<script>window.__pwned = 1</script>\n\n"
+               f"<img src=x onerror=\"window.__pwned = 2\">\n\n"
+               f"![cat](http://127.0.0.1:{port}/cat.png)\n\n"
+               f"[run me](javascript:window.__pwned=3) [data](data:text/html,hi)\n\n"
+               f"<iframe src=\"http://127.0.0.1:{port}/frame\"></iframe>\n\n"
+               f"```\"><img src=\"http://127.0.0.1:{port}/fence.png\" onerror=window.__pwned=4>\n"
+               f"code\n```\n\n"
+               f"[t](https://example.com \"x\\\" onmouseover=\\\"window.__pwned=5\")\n")
+    _reply_reads(monkeypatch, hostile)
+    inert = f"""() => {{
+      const views = [...document.querySelectorAll('#sc-chat .sc-turn, #sc-stats-history .sc-turn')];
+      return {{
+        pwned: window.__pwned,
+        elements: views.flatMap(v => [...v.querySelectorAll('img, iframe, script, svg, form')])
+                       .map(e => e.outerHTML),
+        links: views.flatMap(v => [...v.querySelectorAll('a')]).map(a => [a.href, a.rel]),
+        handlers: views.flatMap(v => [...v.querySelectorAll('*')]).flatMap(
+          e => [...e.attributes].map(a => a.name).filter(n => n.startsWith('on'))),
+      }};
+    }}"""
+    dialogs = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 800})
+                page.set_default_timeout(WAIT_MS)
+                page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+                page.goto(url)
+                page.wait_for_selector("#sc-status .sc-status-ready")
+                _send(page, "something hostile", 1)
+                doc = page.locator("#sc-chat .sc-md").first
+                doc.wait_for()
+                text = doc.inner_text()
+                assert "<script>window.__pwned = 1</script>" in text  # shown as text
+                assert "[run me](javascript:window.__pwned=3)" in text
+                assert "[image: cat]" in text
+                doc.get_by_text("run me").click()  # text, not a link: nothing happens
+                page.locator("#sc-chat .sc-md a", has_text="t").first.hover()
+                page.locator("#sc-chat .sc-view-tk").first.click()  # the tokens view too
+                page.wait_for_timeout(1500)
+                found = page.evaluate(inert)
+                assert found["pwned"] is None and found["elements"] == [], found
+                assert found["handlers"] == [], found
+                assert found["links"] == [
+                    [f"http://127.0.0.1:{port}/cat.png", "nofollow noopener noreferrer"],
+                    ["https://example.com/", "nofollow noopener noreferrer"]], found["links"]
+
+                # The Stats tab's read-only view renders the stored reply the same way.
+                _open_stats(page)
+                page.click("#sc-stats-picker input")
+                page.get_by_role("option", name=re.compile("something hostile")).click()
+                page.wait_for_function("document.querySelector('#sc-stats-history .sc-md')"
+                                       "?.innerText.includes('[image: cat]')")
+                assert "[image: cat]" in page.inner_text("#sc-stats-history .sc-md")
+                page.wait_for_timeout(1000)
+                found = page.evaluate(inert)
+                assert found["pwned"] is None and found["elements"] == [], found
+                assert found["handlers"] == [], found
+            finally:
+                browser.close()
+    finally:
+        trap.shutdown()
+    assert hits == [] and dialogs == []  # no image, frame or script reached the trap

@@ -195,7 +195,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
     store = StatsStore(path)
     assert [m.name for m in MIGRATIONS.applied(store.db)] == [
         "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
-        "m005_steps", "m006_speedup_basis", "m007_speedup_estimates"]
+        "m005_steps", "m006_speedup_basis", "m007_speedup_estimates", "m008_turn_settings"]
     assert store.db["conversations"].count == 3 and store.db["turns"].count == 30
     got = {t["prompt"]: t for c in conversations for t in store.turns(c["id"])}
     for i, old in enumerate(turns):
@@ -220,7 +220,7 @@ def test_migrating_a_v1_file_keeps_every_row(tmp_path):
     store.record_turn("c0", "new", "turn", spec_stats())
     store.close()
     again = StatsStore(path)
-    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 7
+    assert again.db["turns"].count == 31 and len(MIGRATIONS.applied(again.db)) == 8
     again.close()
 
 
@@ -336,7 +336,7 @@ def test_connections_opening_a_new_file_at_once_migrate_it_once(tmp_path):
     assert errors == [] and len(stores) == 6
     assert [m.name for m in MIGRATIONS.applied(stores[0].db)] == [
         "m001_initial", "m002_owner_timing_positions", "m003_ab_baseline", "m004_tree_nodes",
-        "m005_steps", "m006_speedup_basis", "m007_speedup_estimates"]
+        "m005_steps", "m006_speedup_basis", "m007_speedup_estimates", "m008_turn_settings"]
     for store in stores:
         store.close()
 

@@ -121,7 +121,10 @@ def test_reopened_conversation_is_chatbot_messages(seeded):
     assert len(messages) == 10
     assert [m["role"] for m in messages[:2]] == ["user", "assistant"]
     assert messages[0]["content"] == '<div class="sc-user">What is 2+2?</div>'
-    assert messages[1]["content"].startswith('<div class="sc-text">4</div>')
+    # formatted first; the stored text as written a click away (no tokens were kept)
+    assert '<div class="sc-md"><p>4</p>' in messages[1]["content"]
+    assert '<div class="sc-tokens-view"><div class="sc-text">4</div></div>' \
+        in messages[1]["content"]
     assert "speculation off" in messages[1]["content"]
     assert "2.50x" in messages[9]["content"] and "k=2" in messages[9]["content"]
     assert "stopped" in messages[5]["content"]

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -179,6 +180,16 @@ def m007_speedup_estimates(db: Database) -> None:
         refresh_speedups(db, row["id"])
 
 
+@MIGRATIONS()
+def m008_turn_settings(db: Database) -> None:
+    # The page's settings a turn was asked with (mode, drafter, samplers, penalties, system
+    # prompt), so a conversation reopened in the chat continues as it was held.
+    db["turns"].add_column("settings", str)
+    # A reply taken back in the page (Retry, Undo): its figures stay, the conversation
+    # reopened leaves it out.
+    db["turns"].add_column("withdrawn", bool, not_null_default=0)
+
+
 STEP_COLUMNS = ("step", "drafted", "accepted", "draft_s", "verify_s", "k", "tree_depth")
 
 
@@ -273,8 +284,10 @@ def conversation_row(id: str | None = None, title: str = "", owner: str = "local
 def _decode_turn(row: dict) -> dict:
     row = dict(row)
     row["tokens"] = json.loads(row["tokens"]) if row.get("tokens") else []
+    row["settings"] = json.loads(row["settings"]) if row.get("settings") else None
     row["speculation"] = bool(row["speculation"])
     row["interrupted"] = bool(row["interrupted"])
+    row["withdrawn"] = bool(row.get("withdrawn"))
     for key in ("accepted_by_position", "drafted_by_position"):
         row[key] = json.loads(row[key]) if row[key] else []
     return row
@@ -364,34 +377,39 @@ class StatsStore:
     def record_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
                     baseline_turn_id: int | None = None, conversation: Mapping | None = None,
                     tokens: list[dict] | None = None, steps: list[dict] | None = None,
-                    speedup: Speedup | None = None) -> int | None:
+                    speedup: Speedup | None = None, settings: Mapping | None = None
+                    ) -> int | None:
         """Store one finished (or stopped, or failed) reply; returns the turn id. With
         `conversation` (the fields of `conversation_row`), the turn creates its conversation
         when that does not exist yet, in the same transaction. `tokens` and `steps` (the
         engine's TokenEvent / StepRecord `to_json()`s) keep what the inspector shows.
         `speedup` is the figure the turn was shown with; without one the turn's figure is
-        derived here, from its A/B run (`baseline_turn_id`) or its own `steps`."""
+        derived here, from its A/B run (`baseline_turn_id`) or its own `steps`. `settings`:
+        the page's settings it was asked with (ui/state.py `Settings` as a dict)."""
         return self._write(self._turn_writer(conversation_id, prompt, reply, stats,
                                              baseline_turn_id, conversation, tokens, steps,
-                                             speedup), None)
+                                             speedup, settings), None)
 
     def write_turn(self, conversation_id: str, prompt: str, reply: str, stats: Mapping | Any,
                    baseline_turn_id: int | None = None, conversation: Mapping | None = None,
                    tokens: list[dict] | None = None, steps: list[dict] | None = None,
-                   speedup: Speedup | None = None) -> int:
+                   speedup: Speedup | None = None, settings: Mapping | None = None) -> int:
         """`record_turn` in one attempt that raises on any failure (`sqlite3.Error`,
         `LookupError`), whatever `quiet` says: for `StatsWriter`, which retries by itself."""
         if self.db is None:
             raise sqlite3.OperationalError(self.error or "the stats database is not open")
         return self._transaction(self._turn_writer(conversation_id, prompt, reply, stats,
                                                    baseline_turn_id, conversation, tokens,
-                                                   steps, speedup))
+                                                   steps, speedup, settings))
 
     @staticmethod
     def _turn_writer(conversation_id, prompt, reply, stats, baseline_turn_id, conversation,
-                     tokens=None, steps=None, speedup=None) -> Callable[[Database], int]:
+                     tokens=None, steps=None, speedup=None, settings=None
+                     ) -> Callable[[Database], int]:
         row = turn_row(conversation_id, prompt, reply, stats)
         row["baseline_turn_id"] = baseline_turn_id
+        if settings is not None:
+            row["settings"] = json.dumps(dict(settings), ensure_ascii=False)
         if tokens is not None:
             row["tokens"] = json.dumps([[t["id"], t["text"], t["kind"], t["step"],
                                          t["step_drafted"], t["step_accepted"]]
@@ -438,6 +456,31 @@ class StatsStore:
 
         return self._write(write, False)
 
+    def withdraw_turn(self, turn_id: int, owner: str | None = None) -> bool:
+        """Mark a turn taken back (Retry, Undo): kept for the stats, left out of the
+        conversation when it is reopened. `owner` (None = anyone) must match."""
+        def write(db: Database) -> bool:
+            found = db.execute(
+                "SELECT 1 FROM turns AS t JOIN conversations AS c ON c.id = t.conversation_id "
+                "WHERE t.id = ? AND (? IS NULL OR c.owner = ?)", [turn_id, owner, owner]
+            ).fetchone()
+            if found:
+                db.execute("UPDATE turns SET withdrawn = 1 WHERE id = ?", [turn_id])
+            return bool(found)
+
+        return self._write(write, False)
+
+    def rename_conversation(self, conversation_id: str, title: str,
+                            owner: str | None = None) -> bool:
+        """Give a conversation a new title; `owner` (None = anyone) must match."""
+        def write(db: Database) -> bool:
+            if not self._visible(db, conversation_id, owner):
+                return False
+            db["conversations"].update(conversation_id, {"title": title})
+            return True
+
+        return self._write(write, False)
+
     # -- reads ----------------------------------------------------------------------------------
 
     def conversations(self, owner: str | None = None) -> list[dict]:
@@ -448,7 +491,8 @@ class StatsStore:
         everyone's."""
         sql = """
             SELECT c.id, c.title, c.created, c.owner, c.target, c.draft, c.quantization, c.device,
-                   COUNT(t.id) AS turns,
+                   COUNT(t.id) AS turns, COALESCE(MAX(t.created), c.created) AS updated,
+                   MAX(t.id) AS last_turn,
                    CAST(SUM(t.accepted) AS REAL) / NULLIF(SUM(t.drafted), 0) AS acceptance,
                    AVG(CASE WHEN t.speculation THEN t.tokens_per_s END) AS spec_tokens_per_s,
                    AVG(CASE WHEN NOT t.speculation THEN t.tokens_per_s END) AS plain_tokens_per_s
@@ -475,6 +519,20 @@ class StatsStore:
             return rows
 
         return self._read(read, [])
+
+    def matching(self, text: str, owner: str | None = None) -> set[str]:
+        """The ids of the visible conversations whose title, or one of whose prompts or
+        replies, holds `text` (case-insensitive for ASCII letters, as SQLite's LIKE)."""
+        pattern = "%" + re.sub(r"([\\%_])", r"\\\1", text) + "%"
+        sql = """
+            SELECT c.id FROM conversations AS c
+            WHERE (:owner IS NULL OR c.owner = :owner)
+              AND (c.title LIKE :p ESCAPE '\\' OR EXISTS (
+                   SELECT 1 FROM turns AS t WHERE t.conversation_id = c.id
+                   AND (t.prompt LIKE :p ESCAPE '\\' OR t.reply LIKE :p ESCAPE '\\')))
+        """
+        return self._read(lambda db: {row["id"] for row in db.query(
+            sql, {"owner": owner, "p": pattern})}, set())
 
     def conversation(self, conversation_id: str, owner: str | None = None) -> dict | None:
         """One row of `conversations(owner)`, or None when missing or not the owner's."""

@@ -46,6 +46,7 @@ class PendingTurn:
     tokens: list[dict] | None = None  # TokenEvent.to_json()s: what the inspector re-renders
     steps: list[dict] | None = None  # StepRecord.to_json()s
     speedup: Speedup | None = None  # the figure the turn was shown with (None: derived)
+    settings: dict | None = None  # the page's settings it was asked with
     future: Future = field(default_factory=Future)  # the turn id, or None when lost
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -74,11 +75,12 @@ class StatsWriter:
     def submit(self, conversation_id: str, prompt: str, reply: str, stats: dict,
                conversation: dict, baseline: Future | None = None,
                tokens: list[dict] | None = None, steps: list[dict] | None = None,
-               speedup: Speedup | None = None) -> Future:
+               speedup: Speedup | None = None, settings: dict | None = None) -> Future:
         """Queue a turn; returns a future of its row id (None when it could not be saved).
-        `speedup`: the figure the page showed for it, kept as it is."""
+        `speedup`: the figure the page showed for it, kept as it is; `settings`: the page's
+        settings it was asked with."""
         turn = PendingTurn(conversation_id, prompt, reply, stats, conversation, baseline,
-                           tokens, steps, speedup)
+                           tokens, steps, speedup, settings)
         if not self.store.enabled:
             turn.future.set_result(None)
             return turn.future
@@ -138,7 +140,7 @@ class StatsWriter:
         try:
             turn_id = self._connection().write_turn(
                 turn.conversation_id, turn.prompt, turn.reply, turn.stats, baseline,
-                turn.conversation, turn.tokens, turn.steps, turn.speedup)
+                turn.conversation, turn.tokens, turn.steps, turn.speedup, turn.settings)
         except sqlite3.OperationalError as error:
             text = str(error).lower()
             if ("locked" in text or "busy" in text) and \

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import gradio as gr
 
@@ -321,10 +321,13 @@ class ChatApp:
     def _record(self, session: Session, viewer_owner: str, prompt: str, reply: str,
                 stats: GenerationStats, baseline: Future | None = None,
                 tokens: list[TokenEvent] = (), steps: list[StepRecord] = (),
-                speedup: Speedup | None = None) -> Future | None:
+                speedup: Speedup | None = None, settings: Settings | None = None,
+                replay: bool = False) -> Future | None:
         """Queue the turn for the stats database (never waits on it); the future of its row id.
         The conversation is created with its first saved turn; `speedup` is the figure the
-        page showed for it."""
+        page showed for it; `settings` what the page asked it with, kept so the conversation
+        continues as it was held; `replay`: a run of the A/B replay, not a turn of the
+        conversation."""
         if not self.store.enabled or viewer_owner == NOBODY or stats.stop_reason == REFUSED or \
                 (stats.stop_reason == "error" and not reply):
             return None
@@ -338,7 +341,7 @@ class ChatApp:
         return self.writer.submit(session.conversation_id, prompt, reply, stats.to_json(),
                                   session.conversation, baseline,
                                   [t.to_json() for t in tokens], [r.to_json() for r in steps],
-                                  speedup=speedup)
+                                  speedup=speedup, settings=stored_settings(settings, replay))
 
     def _not_ready(self) -> str:
         if self.slot.state == "failed":
@@ -446,16 +449,16 @@ class ChatApp:
             drive.close()  # the engine stops at the step boundary it is at, cache consistent
             turn.stats = cut_short(cfg, turn.tokens, time.perf_counter() - started)
             turn.speedup = self.figure(turn.stats, turn.steps)
-            self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
-                         turn.steps, turn.speedup)
+            turn.saved = self._record(session, owner, turn.user, turn.reply, turn.stats,
+                                      None, turn.tokens, turn.steps, turn.speedup, settings)
             raise
         finally:
             self._release(request, stop)
             if feed is not None:
                 feeds.close_feed(turn.feed)
         turn.speedup = self.figure(turn.stats, turn.steps)
-        self._record(session, owner, turn.user, turn.reply, turn.stats, None, turn.tokens,
-                     turn.steps, turn.speedup)
+        turn.saved = self._record(session, owner, turn.user, turn.reply, turn.stats, None,
+                                  turn.tokens, turn.steps, turn.speedup, settings)
         yield render_history(session), session, notice
 
     def generate(self, prompt: str, mode: str = "completion", temperature: float = 0.0,
@@ -499,7 +502,7 @@ class ChatApp:
             yield [{"id": t.id, "text": t.text, "kind": t.kind, "step": t.step}
                    for t in turn.tokens]
         self._record(session, owner, text, turn.reply, turn.stats, None, turn.tokens,
-                     turn.steps, self.figure(turn.stats, turn.steps))
+                     turn.steps, self.figure(turn.stats, turn.steps), settings)
 
     def retry(self, session: Session, request: gr.Request | None = None):
         """Drop the last reply and queue its message again. -> (chat, session, notice)"""
@@ -507,7 +510,9 @@ class ChatApp:
             return render_history(session), session, BUSY
         if not session.turns:
             return render_history(session), session, "Nothing to retry yet."
-        session.pending = session.turns.pop().user
+        turn = session.turns.pop()
+        self._withdraw(turn)
+        session.pending = turn.user
         return render_history(session), session, ""
 
     def undo(self, session: Session, request: gr.Request | None = None):
@@ -518,7 +523,19 @@ class ChatApp:
         if not session.turns:
             return gr.skip(), render_history(session), session, "Nothing to undo."
         turn = session.turns.pop()
+        self._withdraw(turn)
         return turn.user, render_history(session), session, ""
+
+    def _withdraw(self, turn: Turn) -> None:
+        """A reply taken back: its stored turn stays in the stats, out of the conversation."""
+        if turn.saved is None:
+            return
+        try:
+            turn_id = turn.saved.result(timeout=WITHDRAW_WAIT_S)
+        except Exception:  # noqa: BLE001 (not saved, or not yet: nothing to take back)
+            return
+        if turn_id is not None:
+            self.store.withdraw_turn(turn_id)
 
     def new_conversation(self, session: Session | None = None):
         """-> (box, chat, session, notice, A/B off, A/B on, verdict)"""
@@ -558,12 +575,12 @@ class ChatApp:
         notice = " ".join(notes)
         owner = self.access.viewer(request, browser_id).owner
         try:
-            yield from self._ab_runs(session, owner, prompt, ids, cfg, stop, notice)
+            yield from self._ab_runs(session, owner, prompt, ids, cfg, stop, notice, settings)
         finally:
             self._release(request, stop)
             self._unclaim(request)
 
-    def _ab_runs(self, session, owner, prompt, ids, cfg, stop, notice):
+    def _ab_runs(self, session, owner, prompt, ids, cfg, stop, notice, settings=None):
         engine = self.slot.engine
         runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
         steps: dict[str, list[StepRecord]] = {"off": [], "on": []}
@@ -602,18 +619,19 @@ class ChatApp:
                 stats = cut_short(run_cfg, tokens, time.perf_counter() - started)
                 self._record(session, owner, prompt, "".join(t.text for t in tokens), stats,
                              plain if speculation else None, tokens, steps[name],
-                             self.figure(stats, steps[name]))
+                             self.figure(stats, steps[name]), settings, replay=True)
                 raise
             yield *panels(), gr.skip(), gr.skip(), session, notice
             reply = "".join(t.text for t in tokens)
             stats = runs[name][1]
             if name == "off":
                 plain = self._record(session, owner, prompt, reply, stats, None, tokens,
-                                     steps[name], self.figure(stats, steps[name]))
+                                     steps[name], self.figure(stats, steps[name]), settings,
+                                     replay=True)
             else:  # timed against the plain run of the same prompt and settings
                 figure = self.figure(stats, steps[name], runs["off"][1])
                 self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name],
-                             figure)
+                             figure, settings, replay=True)
             if stats.stop_reason == REFUSED:
                 notice = stats.error
             if stop.is_set() or stats.stop_reason in ("error", REFUSED):
@@ -624,7 +642,16 @@ class ChatApp:
         yield *panels(), verdict, gr.skip(), session, notice
 
 
+WITHDRAW_WAIT_S = 2.0  # how long Retry/Undo waits for the reply it takes back to be saved
 REFUSED = "refused"  # the stop reason of a reply the engine's line had no place for
+
+
+def stored_settings(settings: Settings | None, replay: bool = False) -> dict | None:
+    """What the store keeps of a turn's settings (None: none given); `replay` marks a run
+    of the A/B replay, which a reopened conversation leaves out of its turns."""
+    if settings is None:
+        return None
+    return {**asdict(settings), **({"replay": True} if replay else {})}
 
 
 def _ab_progress(name: str, tokens: list[TokenEvent]) -> str:

@@ -13,7 +13,7 @@ from specchat.core.settings import MAX_DRAFT_LEN, MAX_TEMPERATURE, SETTINGS
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
-from specchat.ui import live, stats_tab
+from specchat.ui import live, sidebar, stats_tab
 from specchat.ui.access import Access, new_browser_id
 from specchat.ui.examples import (
     EXAMPLES,
@@ -85,7 +85,9 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
             header = gr.HTML(header_html(self.slot), elem_id="sc-header", scale=4, min_width=300)
             status = gr.HTML(status_html(self.slot), elem_id="sc-status", scale=1,
                              min_width=160)
-        with gr.Tabs():
+        with gr.Sidebar(label="Conversations", open=True, elem_id="sc-sidebar", width=250):
+            bar = sidebar.layout()
+        with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=3, min_width=320):
@@ -99,7 +101,9 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
         timer = gr.Timer(1.0, active=self.slot.state not in ("ready", "failed"))
         view = View(session, browser, header, status, samplers=samplers, ghosts=ghosts,
                     timer=timer, controls=controls, **parts)
-        _wire(self, demo, view, d, follow_model=defaults is None)
+        finished = _wire(self, demo, view, d, follow_model=defaults is None)
+        sidebar.wire(self, bar, view, tabs, samplers, finished)
+        demo.load(None, None, None, js=sidebar.CLOSE_ON_PHONE)
     return demo
 
 
@@ -205,9 +209,11 @@ def _slider(name: str, d: Settings, low: float, high: float, step: float) -> gr.
                      info=row.help)
 
 
-def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bool) -> None:
+def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bool) -> list:
     """The chat's events: send, examples, turn buttons, A/B, stop, the samplers switch; then
-    the page's own (`follow_model`: the sampler controls take the loaded model's defaults)."""
+    the page's own (`follow_model`: the sampler controls take the loaded model's defaults).
+    -> the events after which the conversations' list changes (a reply saved, a new
+    conversation, the browser's id known)."""
     settings_in = {v.session, v.browser, *v.controls.values()}
 
     def settings_of(data: dict) -> Settings:
@@ -280,9 +286,10 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
                show_progress="hidden", **engine_lane)
     v.live.change(None, v.live, None, js=live.LIVE_JS)
 
-    v.examples.click(on_example, [v.examples, v.session],
-                     [*v.new_outputs, v.samplers, *v.controls.values()], **instant).then(
-        on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
+    finished = [v.examples.click(on_example, [v.examples, v.session],
+                                 [*v.new_outputs, v.samplers, *v.controls.values()],
+                                 **instant).then(
+        on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)]
     v.ghosts.change(None, v.ghosts, None,
                     js="(show) => { document.body.classList.toggle('sc-hide-ghosts', !show); }")
     v.controls["mode"].change(lambda m: gr.Radio(info=MODE_HELP[m]), v.controls["mode"],
@@ -292,11 +299,11 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     gr.on([c.input for c in sampler_controls], on_sampler_edit, sampler_controls, v.samplers,
           **instant)
     for trigger in (v.box.submit, v.send.click):
-        trigger(on_user, {v.box, *settings_in}, user_out, **instant).then(**bot)
-    v.retry.click(on_retry, v.session, chat_out, **instant).then(**bot)
-    v.undo.click(on_undo, v.session, user_out, **instant)
-    v.new.click(self.new_conversation, v.session, v.new_outputs, **instant)
-    v.chat.clear(self.new_conversation, v.session, v.new_outputs, **instant)
+        finished.append(trigger(on_user, {v.box, *settings_in}, user_out, **instant).then(**bot))
+    finished.append(v.retry.click(on_retry, v.session, chat_out, **instant).then(**bot))
+    finished.append(v.undo.click(on_undo, v.session, user_out, **instant))
+    finished.append(v.new.click(self.new_conversation, v.session, v.new_outputs, **instant))
+    finished.append(v.chat.clear(self.new_conversation, v.session, v.new_outputs, **instant))
     # Once the replay is done, its verdict (under the A/B button, often below the fold) is
     # scrolled into view; the page does not move when it is in view already.
     v.ab.click(on_ab, settings_in, [v.ab_off, v.ab_on, v.verdict, v.chat, v.session, v.notice],
@@ -306,12 +313,14 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     # The one public endpoint: a stateless reply for gradio_client and "Use via API".
     gr.api(self.generate, api_name="generate", concurrency_id="engine",
            concurrency_limit=ENGINE_LANE)
-    _wire_page(self, demo, v, d, instant, follow_model)
+    finished.append(_wire_page(self, demo, v, d, instant, follow_model))
+    return finished
 
 
 def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: dict,
-               follow_model: bool) -> None:
-    """The page's own events: its first load, the loading timer, the browser id."""
+               follow_model: bool):
+    """The page's own events: its first load, the loading timer, the browser id (-> the
+    event that sets it)."""
     slot = self.slot
     sampler_controls = [v.controls[name] for name in SAMPLER_FIELDS]
 
@@ -348,7 +357,7 @@ def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: di
                 v.timer, v.controls["mode"], v.notice, v.samplers, *sampler_controls]
     v.timer.tick(on_page, v.notice, page_out, **instant)
     demo.load(on_page, v.notice, page_out, **instant)
-    demo.load(on_browser, v.browser, v.browser, **instant)
+    return demo.load(on_browser, v.browser, v.browser, **instant)
 
 
 # How many page replies (and `generate` calls) gradio lets through to the engine's line at
@@ -407,7 +416,29 @@ def theme() -> gr.themes.Base:
                                      "monospace"]).set(
         block_title_background_fill="transparent", block_title_text_color="*neutral_700",
         block_title_text_color_dark="*neutral_200", block_label_background_fill="transparent",
-        block_label_text_color="*neutral_500", block_title_padding="0")
+        block_label_text_color="*neutral_500", block_title_padding="0",
+        **CONTRAST)
+
+
+# Every text on its fill at 4.5:1 or more in both themes (WCAG AA; tests/test_a11y.py runs
+# axe-core on the page): Soft's emerald-500 fills under white text (2.5:1) become
+# emerald-700 (5.5:1), its neutral-400 help texts and placeholders neutral-600/-500 (7.6 and
+# 4.8:1 on white); in dark, the fills under white text stay dark enough for it.
+CONTRAST = dict(
+    button_primary_background_fill="*primary_700",
+    button_primary_background_fill_dark="*primary_700",
+    button_primary_background_fill_hover="*primary_800",
+    button_primary_background_fill_hover_dark="*primary_800",
+    button_secondary_background_fill_hover_dark="*neutral_500",
+    checkbox_label_background_fill_selected="*primary_700",
+    checkbox_label_background_fill_selected_dark="*primary_700",
+    checkbox_label_text_color_selected_dark="white",
+    body_text_color_subdued="*neutral_600",
+    input_placeholder_color="*neutral_500",
+    input_placeholder_color_dark="#b1bac4",  # (the page's muted gray, specchat.css)
+    block_label_background_fill_dark="transparent",
+    block_title_background_fill_dark="transparent",
+)
 
 
 # Page sessions whose state the server keeps, the least recently used dropped first. gradio keeps
@@ -419,11 +450,14 @@ PAGE_SESSIONS = 256
 
 def launch_kwargs() -> dict:
     """What `demo.launch` needs besides host/port/share/auth (gradio 6: theme/css live here)."""
-    return dict(css=asset("specchat.css") + stats_tab.READ_ONLY_CSS, theme=theme(),
+    return dict(css=asset("specchat.css") + asset("markdown.css") + stats_tab.READ_ONLY_CSS,
+                theme=theme(),
                 favicon_path=str(ASSETS / "logo.svg"),
                 footer_links=["gradio", "settings"],
                 head=f"<script>{asset('inspector.js')}</script>"
-                     f"<script>{asset('tooltips.js')}</script>")
+                     f"<script>{asset('tooltips.js')}</script>"
+                     f"<script>{asset('a11y.js')}</script>"
+                     f"<script>{asset('markdown.js')}</script>")
 
 
 def launch(demo: gr.Blocks, **kwargs):

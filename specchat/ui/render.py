@@ -19,6 +19,7 @@ from specchat.core.events import (
 from specchat.paths import assets_dir
 from specchat.stats.speedup import AB, ESTIMATE, Speedup
 from specchat.ui.inspector import ghost_html, step_cards, step_charts
+from specchat.ui.markdown import markdown_html
 from specchat.ui.state import ModelSlot, Session, Turn
 
 KIND_WORDS = {ACCEPTED: "accepted", RESAMPLED: "resampled", BONUS: "bonus", TARGET: "target"}
@@ -146,9 +147,10 @@ STOP_WORDS = {"eos": "", "stop_string": "", "length": "max tokens reached",
 
 
 def stats_line(stats: GenerationStats, figure: Speedup | None = None,
-               show_speedup: bool = True) -> str:
+               show_speedup: bool = True, lead: str = "") -> str:
     """The line under a reply: speed, tokens, acceptance, target passes, and the reply's
-    speedup `figure` as it was fixed when the reply ended (`speedup_chip`)."""
+    speedup `figure` as it was fixed when the reply ended (`speedup_chip`); `lead` (HTML, the
+    reply's `view_switch`) comes first."""
     def chip(value: str, label: str = "", css: str = "", title: str = "") -> str:
         attrs = (f' class="{css}"' if css else "") + \
             (f' title="{html.escape(title, quote=True)}"' if title else "")
@@ -185,7 +187,7 @@ def stats_line(stats: GenerationStats, figure: Speedup | None = None,
     word = STOP_WORDS.get(stats.stop_reason, stats.stop_reason)
     if word:
         parts.append(chip(word, "", "sc-stop"))
-    return f'<div class="sc-stats">{"".join(parts)}</div>'
+    return f'<div class="sc-stats">{lead}{"".join(parts)}</div>'
 
 
 def speedup_chip(figure: Speedup) -> str:
@@ -217,18 +219,46 @@ def inspected(tokens: list[TokenEvent], steps: list[StepRecord], streaming: bool
     return body + ("" if streaming else step_charts(steps, stats) + step_cards(steps))
 
 
+def has_views(tokens: list[TokenEvent]) -> bool:
+    """Whether a finished reply gets its two views: it shows some text."""
+    return any(t.text.strip() for t in tokens)
+
+
+def view_switch(other: str = "Tokens") -> str:
+    """A finished reply's switch between its views (assets/markdown.js): two buttons, the
+    pressed one the view shown, Formatted first. `other` names the second view."""
+    return ('<span class="sc-view-switch" role="group" title="How this reply is shown">'
+            '<button type="button" class="sc-view sc-view-md" aria-pressed="true">Formatted'
+            '</button><button type="button" class="sc-view sc-view-tk" aria-pressed="false">'
+            f"{html.escape(other)}</button></span>")
+
+
+def reply_views(tokens: list[TokenEvent], steps: list[StepRecord],
+                stats: GenerationStats | None = None) -> str:
+    """A finished reply's two views: formatted (its text as Markdown, `markdown.markdown_html`),
+    shown by default, and tokens (the colored spans with their inspector, `inspected`, as the
+    reply streamed). Both are in the message; the turn's class `sc-view-tokens`, set by
+    assets/markdown.js, says which one shows."""
+    text = "".join(t.text for t in tokens)
+    return (f'{markdown_html(text)}<div class="sc-tokens-view">'
+            f"{inspected(tokens, steps, stats=stats)}</div>")
+
+
 def render_turn(turn: Turn, streaming: bool = False) -> str:
+    views = not streaming and turn.stats is not None and has_views(turn.tokens)
     if streaming or not turn.stats:
         body = inspected(turn.tokens, turn.steps, streaming=True)
     elif turn.body_html:
         body = turn.body_html  # a finished reply never changes: render it once
     else:
-        body = turn.body_html = inspected(turn.tokens, turn.steps, stats=turn.stats)
-    parts = [f'<div class="sc-turn sc-turn-{turn.key}">', body]
+        body = turn.body_html = reply_views(turn.tokens, turn.steps, turn.stats) if views \
+            else inspected(turn.tokens, turn.steps, stats=turn.stats)
+    css = " sc-has-views" if views else ""
+    parts = [f'<div class="sc-turn sc-turn-{turn.key}{css}">', body]
     if turn.stats and turn.stats.error:
         parts.append(f'<div class="sc-error">⚠ {html.escape(turn.stats.error)}</div>')
     if turn.stats and turn.stats.stop_reason != "refused":  # (a refused reply never ran)
-        parts.append(stats_line(turn.stats, turn.speedup))
+        parts.append(stats_line(turn.stats, turn.speedup, lead=view_switch() if views else ""))
     parts += [f'<div class="sc-note">{html.escape(n)}</div>' for n in turn.notes]
     return "".join(parts) + "</div>"
 

@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from specchat.core.engine import Engine
@@ -78,6 +79,7 @@ class Turn:
     notes: list[str] = field(default_factory=list)  # caps applied, fallbacks
     body_html: str = field(default="", repr=False)  # rendered tokens, cached once finished
     feed: str = field(default="", repr=False)  # its live feed's name while it streams (ui/live.py)
+    saved: Future | None = field(default=None, repr=False)  # its row id in the stats store
 
     @property
     def reply(self) -> str:

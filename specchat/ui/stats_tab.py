@@ -3,8 +3,9 @@
 The handler logic lives in plain functions of (store, owner, ...) so tests call them without a
 browser; `build_stats_tab` only wires them to gradio components. `owner` is None for a viewer who
 sees everything (`access.Viewer.filter`) and the viewer's owner key otherwise: every read,
-delete and export is filtered by it in SQL, on the server. Stored prompts and replies are shown
-escaped: they are text, never markup.
+delete and export is filtered by it in SQL, on the server. Stored prompts are shown
+escaped, as text; replies as their formatted view (ui/markdown.py), where whatever markup the
+model wrote stays text too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from specchat.stats.speedup import AB, ESTIMATE, conversation_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui.access import Access
-from specchat.ui.render import inspected, user_html
+from specchat.ui.markdown import markdown_html
+from specchat.ui.render import has_views, inspected, reply_views, user_html, view_switch
 
 CONVERSATION_COLUMNS = ["title", "date", "models", "turns", "mean speedup", "mean of",
                         "acceptance", "id"]
@@ -192,8 +194,8 @@ def _tokens_chart(turns: list[dict], empty: str = "") -> Chart:
 
 def chat_history(store: StatsStore, owner: str | None, conversation_id: str | None
                  ) -> list[dict]:
-    """The conversation as Chatbot messages (escaped HTML), each reply footed with how it was
-    decoded."""
+    """The conversation as Chatbot messages (escaped HTML), each reply formatted, with its
+    tokens (or its plain text) a click away, and footed with how it was decoded."""
     messages = []
     for t in _turns(store, owner, conversation_id):
         mode = f"speculation on ({t['drafter']}, k={t['draft_len']})" if t["speculation"] \
@@ -204,15 +206,25 @@ def chat_history(store: StatsStore, owner: str | None, conversation_id: str | No
         if t["interrupted"]:
             footer += f" · {t['stop_reason']}"
         messages.append({"role": "user", "content": user_html(t["prompt"] or "")})
-        if t["tokens"]:  # kept with its steps: the same inspector as when it streamed
-            tokens = [TokenEvent(*token) for token in t["tokens"]]
+        reply = t["reply"] or ""
+        # Formatted first, as in the chat; the other view is the tokens with their inspector
+        # where they were kept with their steps, else the stored text as it was written.
+        tokens = [TokenEvent(*token) for token in t["tokens"] or []]
+        if tokens:
             steps = [StepRecord.from_json(r) for r in store.steps(t["id"], owner)]
-            body = (f'<div class="sc-turn sc-turn-t{t["id"]}">'
-                    f"{inspected(tokens, steps)}</div>")
+            body, switch = (reply_views(tokens, steps), view_switch()) if has_views(tokens) \
+                else (inspected(tokens, steps), "")
+        elif reply.strip():
+            body = (f'{markdown_html(reply)}<div class="sc-tokens-view"><div class="sc-text">'
+                    f"{html.escape(reply, quote=False)}</div></div>")
+            switch = view_switch("Plain text")
         else:
-            body = f'<div class="sc-text">{html.escape(t["reply"] or "", quote=False)}</div>'
+            body, switch = f'<div class="sc-text">{html.escape(reply, quote=False)}</div>', ""
+        css = " sc-has-views" if switch else ""
         messages.append({"role": "assistant", "content":
-                         f'{body}<div class="sc-stats">{html.escape(footer)}</div>'})
+                         f'<div class="sc-turn sc-turn-t{t["id"]}{css}">{body}'
+                         f'<div class="sc-stats">{switch}<span>{html.escape(footer)}</span>'
+                         "</div></div>"})
     return messages
 
 
