@@ -33,7 +33,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
                 draft_quantization: str = "auto", device: str | None = None,
                 progress=print, head: str | None = None,
                 prefix_tokens: int = PREFIX_CACHE_TOKENS,
-                max_prompt_tokens: int | None = MAX_PROMPT_TOKENS) -> LoadReport:
+                max_prompt_tokens: int | None = MAX_PROMPT_TOKENS,
+                strict_draft: bool = False) -> LoadReport:
     """Load a target (and optionally a draft model) and build an Engine with every drafter that
     can work: n-gram lookup always, the draft model when its vocabulary matches the target's,
     `head` and `combined` when a draft head trained for this target exists (`head`: a file
@@ -43,7 +44,10 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     a C call a token on the target's integer kernels), unquantized elsewhere.
     `prefix_tokens`: the engine's prefix store (core/prefix.py), in tokens;
     `max_prompt_tokens`: the longest prompt a request may bring (0 or None: no limit but the
-    model's context window)."""
+    model's context window).
+    `strict_draft`: a draft model whose vocabulary does not match the target's raises
+    ModelLoadError saying what differs (the page's Models tab: nothing is swapped in), rather
+    than being left out with a note."""
     from specchat.drafters.model import ModelDrafter
     from specchat.drafters.ngram import NgramDrafter
     from specchat.models.load import load_model
@@ -64,6 +68,10 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
         draft = load_model(draft_model, draft_quantization, device, progress)
         problem = vocab_mismatch(tgt.tokenizer, draft.tokenizer, _logits_width(tgt.model),
                                  _logits_width(draft.model))
+        if problem and strict_draft:
+            from specchat.models.loaded import ModelLoadError
+            raise ModelLoadError(f"Draft model {draft.name} refused: its vocabulary does not "
+                                 f"match the target's ({problem}).")
         if problem:
             notes.append(f"Draft model {draft.name} refused, n-gram drafter used instead: "
                          f"its vocabulary does not match the target's ({problem}).")
@@ -79,6 +87,17 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     release_freed_memory()
     drop_read_pages(tgt.model)
     return LoadReport(engine, draft, notes)
+
+
+def release_memory() -> None:
+    """What models no longer referenced held, back to the OS: their objects collected, the
+    freed buffers that glibc would keep returned, CUDA's cached blocks emptied (after the
+    page's Models tab swapped a model out, or a load that failed)."""
+    import torch
+    gc.collect()
+    release_freed_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def connect_backend(url: str, plain_url: str | None = None, api_key: str | None = None,

@@ -1,6 +1,6 @@
 """Accessibility of the page in real headless Chromium: axe-core's WCAG 2 A and AA rules find
 nothing serious or critical (contrast of every token kind, ghost, button, radio, help text,
-chip and placeholder among them) on the chat with a step card open, the A/B replay panels and
+chip and placeholder among them) on the chat with a step card open, the race's runs and results,
 the Stats tab, in the light and the dark theme; and the chat tab's controls are all reached
 with the Tab key, the step inspector opened from the keyboard.
 
@@ -134,12 +134,12 @@ def test_axe_finds_no_serious_violation_in_either_theme(served, theme, tmp_path)
             page.screenshot(path=str(tmp_path / f"chat-{theme}.png"))
             found += _axe(page, axe, "chat")
 
-            # The A/B replay's panels and verdict.
-            page.click("#sc-ab")
-            page.wait_for_selector("#sc-ab-verdict :text('Speedup')")
+            # The race's runs and results.
+            page.click("#sc-race")
+            page.wait_for_selector("#sc-race-verdict .sc-race-grid")
             _settled(page)
-            found += _axe(page, axe, "A/B")
-            page.screenshot(path=str(tmp_path / f"ab-{theme}.png"), full_page=True)
+            found += _axe(page, axe, "race")
+            page.screenshot(path=str(tmp_path / f"race-{theme}.png"), full_page=True)
             _no_sideways_scroll(page, 1280)
 
             # The Stats tab with the conversation picked: its tables, charts and replay.
@@ -151,14 +151,14 @@ def test_axe_finds_no_serious_violation_in_either_theme(served, theme, tmp_path)
             found += _axe(page, axe, "Stats")
             page.context.close()
 
-            # A phone: the reply with its tokens and the A/B panels, in the width.
+            # A phone: the reply with its tokens and the race, in the width.
             page = _new_page(browser, theme, 390, 844)
             _open(page, url)
             page.add_style_tag(content=SHOW_SERVED)
             _reply(page, "the cat sat on the mat. the cat sat on the mat. the cat")
             _show_tokens(page)
-            page.click("#sc-ab")
-            page.wait_for_selector("#sc-ab-verdict :text('Speedup')")
+            page.click("#sc-race")
+            page.wait_for_selector("#sc-race-verdict .sc-race-grid")
             _settled(page)
             page.screenshot(path=str(tmp_path / f"phone-{theme}.png"), full_page=True)
             _no_sideways_scroll(page, 390)
@@ -181,7 +181,7 @@ CHAT_CONTROLS = {
     "Retry": "#sc-retry",
     "Undo": "#sc-undo",
     "New conversation": "#sc-new",
-    "A/B replay": "#sc-ab",
+    "Race drafters": "#sc-race",
     "Mode": "#sc-mode input[type=radio]",
     "Samplers": "#sc-samplers input[type=radio]",
     "Show refused drafts": "#sc-ghosts input",

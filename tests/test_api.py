@@ -67,6 +67,38 @@ def test_models_and_a_plain_chat_completion(server):
         assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
 
 
+def test_the_race_answers_which_drafter_to_use(server):
+    """POST /v1/race: a completion's request decoded plainly, then by each drafter; a row per
+    run, each run saved, each drafter's against the race's plain run."""
+    url, api, store = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{url}/race", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                        "seed": 3}, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    race = r.json()
+    assert race["object"] == "race" and race["model"] == MODEL
+    runs = {run["mode"]: run for run in race["runs"]}
+    assert list(runs) == ["plain", "model", "ngram"]
+    assert runs["plain"]["speedup"] is None and runs["plain"]["band"] == [1.0, 1.0]
+    for mode in ("model", "ngram"):  # fp32 greedy: every drafter replays plain decoding
+        assert runs[mode]["same_as_plain"] is True
+        assert runs[mode]["text"] == runs["plain"]["text"] and runs[mode]["new_tokens"] == 16
+        assert runs[mode]["speedup"] == pytest.approx(
+            runs[mode]["tokens_per_s"] / runs["plain"]["tokens_per_s"])
+    assert race["winner"] in (None, *runs)
+    api.writer.flush(10)
+    rows = [t for c in store.conversations() for t in store.turns(c["id"])
+            if t["prompt"] == PROMPT and t["new_tokens"] == 16 and t["seed"] == 3]
+    assert len(rows) == 3
+    assert [r["baseline_turn_id"] for r in rows[1:]] == [rows[0]["id"]] * 2
+    # Checked as a completion is: a bad field is refused by name, nothing runs.
+    r = httpx.post(f"{url}/race", json={"prompt": PROMPT, "temperature": "hot"},
+                   headers=headers, timeout=60)
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/race", json={"prompt": PROMPT}, timeout=60)
+    assert r.status_code == 401
+
+
 def test_a_keys_requests_join_that_keys_own_drafting_history(server):
     """What a key's owner sent and got back is kept for their later drafts
     (core/history.py), under that owner alone."""

@@ -139,12 +139,12 @@ def test_the_chat_page_runs_on_a_backend_and_records_its_turns(served, one_threa
     turn = session.turns[-1]
     assert turn.stats.new_tokens == 16 and turn.stats.error == ""
     assert turn.reply and turn.steps
-    panels = list(app.ab_replay(session, settings))
-    verdict = panels[-1][2]
-    assert "Identical texts" in verdict
+    updates = list(app.race(session, settings))
+    verdict = updates[-1][1]
+    assert "✓ identical" in verdict
     app.writer.flush()
     rows = list(store.db["turns"].rows)
-    assert len(rows) == 3  # the chat turn and both A/B runs
+    assert len(rows) == 3  # the chat turn and the race's two runs: plain, the server's drafts
     conversation = next(iter(store.db["conversations"].rows))
     assert conversation["device"] == "remote" and conversation["quantization"] == "served"
 

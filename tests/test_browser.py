@@ -1,6 +1,6 @@
 """The page in real headless Chromium (Debian's /usr/bin/chromium driven by Playwright): a tiny
 random model pair serves the app in-process; we chat, see colored token spans of several kinds,
-switch speculation off, run the A/B replay, and take a screenshot.
+switch speculation off, race the drafters, and take a screenshot.
 
 Skipped only when Chromium (or Playwright) is genuinely absent and $CI is unset; in CI a missing
 browser is a failure, so the check can never silently disappear there.
@@ -117,7 +117,7 @@ def _kinds(page, selector: str) -> list[str]:
     return [m.group(1) for c in classes for m in [re.search(r"\btk-(\w+)", c)] if m]
 
 
-def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
+def test_chat_colors_toggle_and_the_race_in_chromium(served, tmp_path):
     sync_playwright = _sync_playwright()
     url, store = served
     with sync_playwright() as p:
@@ -187,16 +187,22 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
             page.wait_for_timeout(1500)  # gradio keeps the chat at its end a moment after a reply
             assert page.evaluate(SCROLL_BUTTON_OVER_CARD) == "clear"
 
-            # 3. A/B replay: off and on side by side, speedup, identical texts (fp32 greedy).
-            page.click("#sc-ab")
-            page.wait_for_selector("#sc-ab-verdict :text('Speedup')")
-            verdict = page.inner_text("#sc-ab-verdict")
-            assert "Identical texts" in verdict and "tokens/s" in verdict
-            assert set(_kinds(page, "#sc-ab-off span.tk")) == {"target"}
-            assert len(set(_kinds(page, "#sc-ab-on span.tk"))) >= 2
-            # The verdict is on screen without scrolling: the page brings it into view.
+            # 3. The race: plain, then each drafter, each run with its own reply and step
+            # cards; a row of figures per run, identical texts (fp32 greedy).
+            page.click("#sc-race")
+            page.wait_for_selector("#sc-race-verdict .sc-race-grid")
+            verdict = page.inner_text("#sc-race-verdict")
+            assert "tok/s" in verdict and "speedup (band)" in verdict
+            assert verdict.count("✓ identical") == 2, verdict  # the draft model, n-gram lookup
+            assert set(_kinds(page, "#sc-race-runs .sc-race-plain span.tk")) == {"target"}
+            assert len(set(_kinds(page, "#sc-race-runs .sc-race-model span.tk"))) >= 2
+            # A run's step card opens inside its own panel.
+            page.locator("#sc-race-runs .sc-race-model .tk.sc-step").first.click()
+            page.wait_for_selector("#sc-race-runs .sc-race-model .sc-card:not([hidden])")
+            assert page.locator("#sc-race-runs .sc-race-ngram .sc-card:not([hidden])").count() == 0
+            # The results are on screen without scrolling: the page brings them into view.
             page.wait_for_function(
-                "(() => { const r = document.getElementById('sc-ab-verdict')"
+                "(() => { const r = document.getElementById('sc-race-verdict')"
                 ".getBoundingClientRect(); return r.top >= 0 && r.bottom <= innerHeight; })()",
                 timeout=5_000)
 
@@ -205,10 +211,10 @@ def test_chat_colors_toggle_and_ab_replay_in_chromium(served, tmp_path):
             assert shot.stat().st_size > 20_000
         finally:
             browser.close()
-    # Two chat turns and the two A/B runs were recorded, the spec run against its baseline.
-    turns = _saved_turns(store, 4)
-    assert [t["speculation"] for t in turns] == [True, False, False, True]
-    assert turns[3]["baseline_turn_id"] == turns[2]["id"]
+    # Two chat turns and the race's three runs were recorded, each drafter's against the plain.
+    turns = _saved_turns(store, 5)
+    assert [t["speculation"] for t in turns] == [True, False, False, True, True]
+    assert turns[3]["baseline_turn_id"] == turns[4]["baseline_turn_id"] == turns[2]["id"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,8 +321,8 @@ def test_hostile_text_is_shown_as_text_in_every_view_and_logins_are_isolated(sha
             box.fill(payload)
             box.press("Enter")
             alice.wait_for_selector("#sc-chat .sc-stats")
-            alice.click("#sc-ab")
-            alice.wait_for_selector("#sc-ab-verdict :text('Speedup')")
+            alice.click("#sc-race")
+            alice.wait_for_selector("#sc-race-verdict .sc-race-grid")
             assert "Session expired - log in again" in alice.inner_text("#sc-chat")
             _no_markup(alice, trap_port)
             _saved_turns(store, 3)

@@ -10,6 +10,8 @@ import pytest
 from tiny import byte_tokenizer, loaded, tiny_llama
 
 from specchat.core.engine import Engine
+from specchat.core.race import lanes
+from specchat.core.request import GenerateConfig
 from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
 from specchat.stats.store import StatsStore
@@ -97,7 +99,7 @@ def test_after_a_restart_the_next_reply_is_the_one_the_first_session_would_give(
     assert _say(again, found.session, "what next?", found.settings) == expected
 
 
-def test_retry_undo_and_the_ab_replay_stay_out_of_the_reopened_turns(engine):
+def test_retry_undo_and_the_race_stay_out_of_the_reopened_turns(engine):
     store = StatsStore(":memory:")
     app = ChatApp(engine, store, min_interval=0.0)
     session = Session()
@@ -105,11 +107,12 @@ def test_retry_undo_and_the_ab_replay_stay_out_of_the_reopened_turns(engine):
     _say(app, session, "two")
     app.undo(session)  # "two" taken back
     _say(app, session, "three")
-    list(app.ab_replay(session, CHAT))  # two runs of "three", kept for the stats only
+    list(app.race(session, CHAT))  # runs of "three", kept for the stats only
     app.writer.flush(5)
     conversation_id = session.conversation_id
+    raced = len(lanes(engine, GenerateConfig()))  # plain, then each drafter
     assert [t["prompt"] for t in store.turns(conversation_id)] == \
-        ["one", "two", "three", "three", "three"]
+        ["one", "two", "three"] + ["three"] * raced
     found = conversations.reopen(store, None, conversation_id)
     assert [t.user for t in found.session.turns] == ["one", "three"]
     # Retry takes its reply back too

@@ -23,7 +23,9 @@ from specchat.stats.format import fmt_figure, fmt_mean, fmt_speedup
 from specchat.stats.speedup import AB, ESTIMATE, PlainStepTimes, Speedup
 from specchat.stats.store import StatsStore
 from specchat.ui import stats_tab
-from specchat.ui.handlers import ab_verdict
+from specchat.core.race import Lane
+from specchat.stats.race import Entry
+from specchat.ui.handlers import race_verdict
 from specchat.ui.render import render_history
 from specchat.ui.state import Session, Turn
 
@@ -300,12 +302,11 @@ def test_the_chat_line_and_the_ab_verdict_show_the_same_figures(recorded):
 
     (off, off_steps), (on, on_steps) = [(stats, [StepRecord.from_json(s) for s in kept])
                                         for _, stats, kept, _ in CONVERSATION[3:5]]
-    runs = {"off": ([], off), "on": ([], on)}
-    shown = f"Speedup: {fmt_speedup(rows[4]['speedup'], '×')}</b>"
-    assert shown in ab_verdict(runs, GenerateConfig(), "none",
-                               figure=Speedup.from_row(rows[4]))
-    assert shown in ab_verdict(runs, GenerateConfig(), "none",
-                               steps={"off": off_steps, "on": on_steps})
+    lanes = [Lane("plain", "speculation off", GenerateConfig()),
+             Lane("model", "draft model", GenerateConfig())]
+    shown = f"{fmt_speedup(rows[4]['speedup'], '×')} ("  # the figure, then its band
+    assert shown in race_verdict(lanes, [Entry("plain", off, off_steps), Entry("model", on, on_steps)],
+                                 GenerateConfig(), "none")
 
 
 def test_the_plot_frames_have_numeric_axes_and_both_series(recorded):
@@ -354,7 +355,7 @@ def test_a_speedup_within_the_runs_own_noise_is_called_no_measurable_speedup():
     assert 1.5 < low < high
     assert noise_band(off[:3], faster) is None
     assert noise_band(off, faster) == noise_band(off, faster)  # deterministic
-    # The A/B verdict names it, from the runs' step records.
+    # The race's results name it, from the runs' step records.
     off_stats = GenerationStats(new_tokens=40, seconds=1.2, tokens_per_s=33.3, stop_reason="eos")
     on_stats = GenerationStats(new_tokens=40, seconds=1.1, tokens_per_s=36.4, speculation=True,
                                stop_reason="eos")
@@ -362,13 +363,16 @@ def test_a_speedup_within_the_runs_own_noise_is_called_no_measurable_speedup():
     def records(timed):
         return [StepRecord(i + 1, 0, 0, 1, 0.0, t) for i, (_, t) in enumerate(timed)]
 
-    runs = {"off": ([], off_stats), "on": ([], on_stats)}
-    verdict = ab_verdict(runs, GenerateConfig(), "none",
-                         steps={"off": records(off), "on": records(noisy_same)})
-    assert "no measurable speedup" in verdict
+    lanes = [Lane("plain", "speculation off", GenerateConfig()),
+             Lane("ngram", "n-gram lookup", GenerateConfig())]
+    verdict = race_verdict(lanes, [Entry("plain", off_stats, records(off)),
+                                   Entry("ngram", on_stats, records(noisy_same))],
+                           GenerateConfig(), "none")
+    assert "No run is measurably ahead" in verdict
     # Its band is named for what it is, not with a token kind's name.
     faster_records = [StepRecord(i + 1, 2, 2, 3, 0.0, t) for i, (_, t) in enumerate(faster)]
-    verdict = ab_verdict(runs, GenerateConfig(), "none",
-                         steps={"off": records(off), "on": faster_records})
-    assert "a bootstrap over the runs' steps puts it between" in verdict
+    verdict = race_verdict(lanes, [Entry("plain", off_stats, records(off)),
+                                   Entry("ngram", on_stats, faster_records)],
+                           GenerateConfig(), "none")
+    assert "Fastest: n-gram lookup" in verdict and "its band is how far chance" in verdict
     assert "resampl" not in verdict.lower()

@@ -16,7 +16,7 @@ from tiny import byte_tokenizer, loaded, tiny_llama
 
 from specchat import app as launcher
 from specchat.core.engine import Engine
-from specchat.core.events import GenerationStats, TokenEvent
+from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.request import GenerateConfig
 from specchat.drafters.model import ModelDrafter
 from specchat.drafters.ngram import NgramDrafter
@@ -24,7 +24,7 @@ from specchat.engine_queue import EngineQueue
 from specchat.loader import LoadReport
 from specchat.stats.speedup import ESTIMATE, Speedup
 from specchat.stats.store import StatsStore
-from specchat.ui.handlers import BUSY, ONE_AT_A_TIME, ChatApp, ab_verdict, first_difference
+from specchat.ui.handlers import BUSY, ONE_AT_A_TIME, ChatApp, first_difference, race_verdict
 from specchat.ui.render import markup_ranges, render_history, render_tokens, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
@@ -177,8 +177,8 @@ def test_a_shown_figure_is_stored_with_its_turn_and_never_changes(engine, store)
     shown = session.turns[0].speedup
     send(app, session, "two", Settings(speculation=False, max_new_tokens=16, seed=1))
     send(app, session, "three", Settings(max_new_tokens=16, seed=2))
-    replayed = list(app.ab_replay(session, Settings(max_new_tokens=16, seed=5)))[-1]
-    assert replayed[3] == gr.skip()  # the replay leaves the chat as it is
+    replayed = list(app.race(session, Settings(max_new_tokens=16, seed=5)))[-1]
+    assert replayed[2] == gr.skip()  # the race leaves the chat as it is
     chat = send(app, session, "four", Settings(max_new_tokens=16, seed=3))[-1][0]
     assert stats_line_of(chat[1]) == first and session.turns[0].speedup == shown
     assert app.writer.flush(10)
@@ -305,33 +305,109 @@ def test_out_of_memory_reported_by_the_engine_reads_well(engine, monkeypatch):
     assert "max new tokens" in chat[-1]["content"]
 
 
-def test_ab_replay_compares_and_records_both_runs(engine, store):
+def test_the_race_runs_every_drafter_and_records_each_against_the_plain_run(engine, store):
     app = make_app(engine, store)
     session = Session()
     chat = send(app, session, "compare me", Settings(max_new_tokens=16, seed=0))[-1][0]
     # k fixed: on this tiny pair a draft token costs a target step, so the adaptive policy may
-    # rightly decode 16 tokens plainly, and the run with speculation on would show one kind
-    updates = list(app.ab_replay(session, Settings(max_new_tokens=16, seed=5, adaptive=False)))
-    off, on, verdict, unchanged, session, _ = updates[-1]
-    assert "Speculation off" in off and "Speculation on" in on
-    assert {k for _, k in char_kinds_from_html(off)} == {"target"}
-    assert len({k for _, k in char_kinds_from_html(on)}) >= 2
-    assert "Identical texts" in verdict and "Speedup" in verdict  # fp32 greedy: exact
+    # rightly decode 16 tokens plainly, and a run with speculation on would show one kind
+    updates = list(app.race(session, Settings(max_new_tokens=16, seed=5, adaptive=False)))
+    runs, verdict, unchanged, session, _ = updates[-1]
+    # plain first, then the drafters best first: the draft model, n-gram lookup
+    for mode in ("plain", "model", "ngram"):
+        assert f"sc-race-run sc-race-{mode}" in runs
+    assert runs.index("sc-race-plain") < runs.index("sc-race-model") < runs.index(
+        "sc-race-ngram")
+    plain = runs[runs.index("sc-race-plain"):runs.index("sc-race-model")]
+    model = runs[runs.index("sc-race-model"):runs.index("sc-race-ngram")]
+    assert {k for _, k in char_kinds_from_html(plain)} == {"target"}
+    assert len({k for _, k in char_kinds_from_html(model)}) >= 2
+    text = re.sub(r"<[^>]+>", " ", verdict)
+    for label in ("speculation off", "draft model", "n-gram lookup"):
+        assert label in text
+    assert text.count("✓ identical") == 2  # fp32 greedy: exact
     assert app.writer.flush(10)
     rows = store.turns(session.conversation_id)
-    assert [r["speculation"] for r in rows] == [True, False, True]
-    assert rows[2]["baseline_turn_id"] == rows[1]["id"] and rows[2]["speedup_basis"] == "ab"
-    assert rows[2]["speedup"] == pytest.approx(rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"])
-    assert f"Speedup: {rows[2]['speedup']:.2f}×</b>" in verdict  # the figure stored with it
-    assert rows[1]["seed"] == rows[2]["seed"] == 5
+    assert [(r["speculation"], r["drafter"]) for r in rows[1:]] == [
+        (False, "none"), (True, "model"), (True, "ngram")]
+    for row in rows[2:]:  # each drafter's run timed against the race's plain run
+        assert row["baseline_turn_id"] == rows[1]["id"] and row["speedup_basis"] == "ab"
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / rows[1]["tokens_per_s"])
+        assert f"{row['speedup']:.2f}×" in text  # the figure stored with it
+    assert {r["seed"] for r in rows[1:]} == {5}
     # The chat is unchanged: its reply keeps the figure it was shown with.
     assert unchanged == gr.skip() and render_history(session)[1] == chat[1]
     assert len(session.turns) == 1 and rows[0]["speedup_basis"] != "ab"
 
 
-def test_ab_replay_needs_a_prompt(engine):
-    *_, notice = list(make_app(engine).ab_replay(Session(), Settings()))[-1]
+def test_the_race_drafts_from_the_prompt_alone(engine):
+    """The reply a race replays is in its owner's drafting history: no run may copy it."""
+    app = make_app(engine)
+    session = Session()
+    send(app, session, "the cat sat on the mat", Settings(max_new_tokens=16, seed=0))
+    seen = []
+    lookup = engine.history.lookup
+    engine.history.lookup = lambda *a, **k: seen.append(a) or lookup(*a, **k)
+    try:
+        list(app.race(session, Settings(max_new_tokens=16, seed=5, adaptive=False)))
+    finally:
+        engine.history.lookup = lookup
+    assert seen == []
+
+
+def test_the_race_needs_a_prompt(engine):
+    *_, notice = list(make_app(engine).race(Session(), Settings()))[-1]
     assert "Send a message first" in notice
+
+
+def test_the_race_names_a_winner_only_where_its_band_clears_the_others():
+    from specchat.core.race import Lane
+    from specchat.stats.race import Entry
+
+    def run(mode, seconds, accepted, tokens):
+        steps = [StepRecord(i + 1, accepted, accepted, accepted + 1, 0.0, t)
+                 for i, t in enumerate(seconds)]
+        n = sum(s.emitted for s in steps)
+        stats = GenerationStats(new_tokens=n, seconds=sum(seconds), tokens_per_s=n / sum(seconds),
+                                stop_reason="length", speculation=mode != "plain",
+                                drafted=accepted * len(steps), accepted=accepted * len(steps),
+                                mean_accepted_len=accepted + 1.0, drafter=mode)
+        return Entry(mode, stats, steps, tokens)
+
+    plain = run("plain", [0.01, 0.012, 0.011, 0.0105, 0.0098, 0.0102] * 4, 0, [(1, "a")])
+    fast = run("ngram", [0.012, 0.013, 0.0125, 0.0118, 0.0121, 0.0124] * 4, 1, [(1, "a")])
+    same = run("model", [0.02, 0.024, 0.022, 0.021, 0.0196, 0.0204] * 4, 1, [(2, "b")])
+    lanes = [Lane(m, m, GenerateConfig()) for m in ("plain", "ngram", "model")]
+    verdict = race_verdict(lanes, [plain, fast, same], GenerateConfig(), "none")
+    assert "Fastest: ngram" in verdict and "★" in verdict
+    assert "≠ differs" in verdict and "should match" in verdict  # model's text is not plain's
+    close = run("ngram", [0.02, 0.024, 0.022, 0.021, 0.0196, 0.0204] * 4, 1, [(1, "a")])
+    verdict = race_verdict(lanes, [plain, close, same], GenerateConfig(), "none")
+    assert "No run is measurably ahead" in verdict and "★" not in verdict
+    slow = run("ngram", [0.03] * 24, 0, [(1, "a")])
+    lanes = lanes[:2]
+    assert "Fastest: speculation off" in race_verdict(lanes, [plain, slow], GenerateConfig(),
+                                                      "none")
+    stopped = race_verdict(lanes + lanes[1:], [plain, fast], GenerateConfig(), "none")
+    assert "no winner is named" in stopped
+
+
+def test_the_race_has_a_lane_for_each_drafter_and_draft_shape(engine):
+    from specchat.core.race import lanes
+    modes = [lane.mode for lane in lanes(engine, GenerateConfig(owner="local"))]
+    assert modes == ["plain", "model", "ngram"]
+    assert all(lane.cfg.owner is None and not lane.cfg.remember
+               for lane in lanes(engine, GenerateConfig(owner="local")))
+
+    class Trees:
+        drafters = {"ngram": type("D", (), {"supports_trees": False})(),
+                    "head": type("D", (), {"supports_trees": True})()}
+        greedy_trees, trees_ok = ("head",), True
+    greedy = {lane.mode: lane.cfg.tree_nodes for lane in lanes(Trees(), GenerateConfig())}
+    assert list(greedy) == ["plain", "head", "head-chain", "ngram"]
+    assert greedy["head"] > 0 and greedy["head-chain"] == 0
+    sampled = [lane.mode for lane in lanes(Trees(), GenerateConfig(temperature=0.7))]
+    assert sampled == ["plain", "head", "ngram"]  # trees pay only greedy
 
 
 def test_first_difference():
@@ -419,14 +495,14 @@ def test_the_still_loading_notice_goes_once_the_models_are_ready(engine):
 
 def test_every_element_id_on_the_page_is_unique(engine):
     from specchat.ui.page import build_ui
-    from specchat.ui.render import ab_panel, ab_placeholders
+    from specchat.ui.render import race_panel, race_placeholders
     demo = build_ui(engine)
     ids = [b.elem_id for b in demo.blocks.values() if getattr(b, "elem_id", None)]
     assert len(ids) == len(set(ids)), collections.Counter(ids).most_common(3)
     # gradio writes a Group's id on two nested elements: no Group carries one.
     assert not [b for b in demo.blocks.values() if isinstance(b, gr.Group) and b.elem_id]
-    # The A/B panels' HTML names them by class, never by id.
-    for panel in (*ab_placeholders()[:2], ab_panel("Speculation off", [], None, False)):
+    # The race's HTML names its runs by class, never by id.
+    for panel in (*race_placeholders(), race_panel("plain", "speculation off", [], None, False)):
         assert " id=" not in panel
 
 
@@ -498,22 +574,24 @@ def test_launcher_auth_and_exposure_warning():
 @pytest.mark.parametrize("drafter, tree_nodes, replays", [
     ("ngram", 0, True), ("combined", 10, True), ("head", 10, True), ("head", 0, True),
     ("combined", 0, True), ("model", 0, False)])
-def test_ab_verdict_explains_a_sampled_difference_by_how_drafts_were_made(drafter, tree_nodes,
-                                                                          replays):
+def test_the_race_explains_a_sampled_difference_by_how_drafts_were_made(drafter, tree_nodes,
+                                                                        replays):
+    from specchat.core.race import Lane
+    from specchat.stats.race import Entry
     off = GenerationStats(new_tokens=2, seconds=1.0, tokens_per_s=2.0, stop_reason="length")
     on = GenerationStats(new_tokens=2, seconds=0.5, tokens_per_s=4.0, stop_reason="length",
                          drafter=drafter, tree_nodes=tree_nodes, speculation=True)
-    runs = {"off": ([TokenEvent(5, "a", "target", 1, 0, 0), TokenEvent(6, "b", "target", 2, 0, 0)],
-                    off),
-            "on": ([TokenEvent(5, "a", "target", 1, 0, 0), TokenEvent(7, "c", "bonus", 2, 1, 1)],
-                   on)}
+    runs = [Entry("plain", off, [], [(5, "a"), (6, "b")]), Entry(drafter, on, [], [(5, "a"), (7, "c")])]
+    lanes = [Lane("plain", "speculation off", GenerateConfig()),
+             Lane(drafter, drafter, GenerateConfig())]
     cfg = GenerateConfig(temperature=0.7, drafter=drafter)
-    text = ab_verdict(runs, cfg, "none")
+    text = race_verdict(lanes, runs, cfg, "none")
+    assert "differs from token 1" in text and "&#x27;b&#x27;" in text
     assert ("should match" in text) == replays
     assert ("Leviathan's test with random numbers of their own" in text) != replays
     greedy = GenerateConfig(temperature=0.0, drafter=drafter)
-    assert "should match" in ab_verdict(runs, greedy, "nf4", row_exact=True)
-    assert "near-tie can flip" in ab_verdict(runs, greedy, "nf4", row_exact=False)
+    assert "should match" in race_verdict(lanes, runs, greedy, "nf4", row_exact=True)
+    assert "near-tie can flip" in race_verdict(lanes, runs, greedy, "nf4", row_exact=False)
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -631,7 +709,7 @@ def test_page_replies_wait_in_the_fair_line_not_in_gradios_queue(engine):
     lanes = {getattr(fn.fn, "__name__", ""): (fn.concurrency_id, fn.concurrency_limit)
              for fn in demo.fns.values()}
     assert ENGINE_LANE > 1
-    for name in ("on_bot", "on_ab", "generate"):
+    for name in ("on_bot", "on_race", "generate"):
         assert lanes[name] == ("engine", ENGINE_LANE), name
 
 

@@ -6,6 +6,7 @@
     GET  /v1/models/{id}
     POST /v1/chat/completions                  # messages, in the model's chat format
     POST /v1/completions                       # a prompt the model continues
+    POST /v1/race                              # either request, plainly and by every drafter
 
 Requests take OpenAI's fields (max_tokens, temperature, top_p, seed, stop, stream, the
 penalties), llama.cpp's (top_k, min_p, repeat_penalty, dry_*) and specchat's own (speculation,
@@ -31,6 +32,7 @@ page: the Stats tab shows API turns too), or "api" where no key is needed.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -40,6 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Request
@@ -48,6 +51,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from specchat.auth import LoginGuard, TooManyAttempts
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
+from specchat.core.race import PLAIN
+from specchat.core.race import lanes as race_lanes
 from specchat.core.request import GenerateConfig
 from specchat.core.settings import SETTINGS, build_config, values_from_body
 from specchat.engine_queue import (
@@ -59,6 +64,9 @@ from specchat.engine_queue import (
     QueueFull,
     run_reply,
 )
+from specchat.stats.race import standings
+from specchat.stats.race import Entry as RaceEntry
+from specchat.stats.race import winner as race_winner
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 
@@ -138,6 +146,15 @@ class Api:
     @property
     def engine(self):
         return self.report.engine
+
+    def pinned(self) -> Api:
+        """This Api on the models loaded now, for one request from its prompt to its record: a
+        swap of the models meanwhile (the page's Models tab, which waits its turn in the
+        engine's line) leaves the request on the models its prompt was made for."""
+        report = self.report
+        pinned = copy.copy(self)
+        pinned._report = lambda: report
+        return pinned
 
     @property
     def queue(self) -> EngineQueue:
@@ -343,15 +360,18 @@ class Api:
     # -- generation -------------------------------------------------------------------------
 
     async def start(self, ids: list[int], cfg: GenerateConfig, steps,
-                    request: Request | None = None) -> tuple[asyncio.Queue, threading.Event]:
+                    request: Request | None = None, owner: str | None = None
+                    ) -> tuple[asyncio.Queue, threading.Event]:
         """Wait for the engine in its queue (429 when full), then run one reply in a thread of
         its own: `steps` turns the engine's events into what the route sends, each put on the
         returned queue as it comes (`LoopPost`: several steps' items at once, while they come
         faster than its interval), then `Finished`. Setting the returned event stops the
         reply at its next step. With `request`, a client that disconnects while waiting leaves
-        the queue at once (a stream's client that leaves cancels this coroutine itself)."""
+        the queue at once (a stream's client that leaves cancels this coroutine itself).
+        `owner`: whose turn it is in the line, where it is not `cfg.owner` (a race's runs
+        draft without history, so their requests name no owner)."""
         try:
-            ticket = self.queue.join(self.max_waiting, owner=cfg.owner,
+            ticket = self.queue.join(self.max_waiting, owner=owner or cfg.owner,
                                      per_owner=self.max_per_owner)
         except QueueFull as full:
             expected = self.queue.expected_wait(1)
@@ -411,6 +431,10 @@ class Api:
         """One completion: checked, queued for the engine, then streamed or answered whole."""
         owner = await self.owner(request)
         body = await self.read_json(request)
+        return await self.pinned()._complete(request, chat, owner, body)
+
+    async def _complete(self, request: Request, chat: bool, owner: str, body
+                        ) -> dict | StreamingResponse:
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         if not isinstance(body.get("model", ""), (str, type(None))):
@@ -443,6 +467,59 @@ class Api:
         finally:
             watch.cancel()
 
+    async def race(self, request: Request) -> dict:
+        """POST /v1/race: the request of /v1/completions (`prompt`) or /v1/chat/completions
+        (`messages`) decoded plainly, then with each drafter the model has, one after the
+        other in the engine's line (core/race.py); answered whole with a row per run and the
+        winner, where its band clears every other run's (stats/race.py), else null. Each run
+        is recorded, each drafter's against the plain run."""
+        owner = await self.owner(request)
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        return await self.pinned()._race(request, owner, body)
+
+    async def _race(self, request: Request, owner: str, body: dict) -> dict:
+        chat = "messages" in body
+        ids, stops, prompt = self.prompt(body, chat)
+        cfg = self.config(body)
+        if not self.engine.drafters:
+            raise ApiError(400, "No drafter is loaded, so there is nothing to race.")
+        cfg = replace(cfg, stop=tuple(dict.fromkeys((*stops, *cfg.stop))), logprobs=None)
+        lanes = race_lanes(self.engine, cfg)
+        entries, texts, plain, conversation = [], [], None, uuid.uuid4().hex
+        for lane in lanes:
+            queue, stop = await self.start(ids, lane.cfg, collected, request, owner=owner)
+            watch = asyncio.ensure_future(_stop_when_gone(request, stop))
+            try:
+                tokens, records, stats = None, None, None
+                async for item in reply_items(await queue.get(), queue, stop):
+                    tokens, records, stats = item
+            finally:
+                watch.cancel()
+            if isinstance(stats, Exception):
+                raise ApiError(400, str(stats)) if isinstance(stats, ValueError) \
+                    else _failed(stats)
+            saved = self.record(owner, prompt, tokens, records, stats, conversation,
+                                None if lane.mode == PLAIN else plain)
+            plain = saved if lane.mode == PLAIN else plain
+            entries.append(RaceEntry(lane.mode, stats, records, [(t.id, t.text) for t in tokens]))
+            texts.append("".join(t.text for t in tokens))
+            if stats.stop_reason not in ("length", "eos", "stop_string"):
+                break
+        rows = standings(entries)
+        best = race_winner(rows) if len(entries) == len(lanes) else None
+        labels = {lane.mode: lane.label for lane in lanes}
+        return {"object": "race", "model": self.model_id, "created": int(time.time()),
+                "winner": best, "runs": [
+                    {"mode": row.mode, "label": labels[row.mode],
+                     "tokens_per_s": row.tokens_per_s, "speedup": row.speedup,
+                     "band": list(row.band) if row.band else None,
+                     "acceptance": row.acceptance, "tokens_per_step": row.tokens_per_step,
+                     "ttft_s": row.ttft_s, "new_tokens": row.new_tokens,
+                     "same_as_plain": row.same_as_plain, "stop_reason": row.stop_reason,
+                     "text": text} for row, text in zip(rows, texts)]}
+
     def steps(self, events: Iterator, stop: threading.Event, owner: str, prompt: str
               ) -> Iterator:
         """(new tokens, the step records that decided them) per step, then the stats; the
@@ -470,16 +547,19 @@ class Api:
         yield stats
 
     def record(self, owner: str, prompt: str, tokens: list[TokenEvent],
-               steps: list[StepRecord], stats: GenerationStats) -> None:
+               steps: list[StepRecord], stats: GenerationStats,
+               conversation_id: str | None = None, baseline: Future | None = None) -> Future:
+        """Save a turn in the background (a conversation of its own unless `conversation_id`
+        is given; `baseline`: the saved plain run it is timed against); -> its row id's
+        future."""
         engine, draft = self.engine, self.report.draft
-        self.writer.submit(uuid.uuid4().hex, prompt, "".join(t.text for t in tokens),
-                           stats.to_json(),
-                           dict(title=prompt[:60], owner=owner,
-                                target=self.redact(engine.target.name),
-                                draft=self.redact(draft.name) if draft is not None else "",
-                                quantization=engine.target.quantization,
-                                device=engine.device.type),
-                           None, [t.to_json() for t in tokens], [r.to_json() for r in steps])
+        return self.writer.submit(
+            conversation_id or uuid.uuid4().hex, prompt, "".join(t.text for t in tokens),
+            stats.to_json(),
+            dict(title=prompt[:60], owner=owner, target=self.redact(engine.target.name),
+                 draft=self.redact(draft.name) if draft is not None else "",
+                 quantization=engine.target.quantization, device=engine.device.type),
+            baseline, [t.to_json() for t in tokens], [r.to_json() for r in steps])
 
 
 # Fields of JSON type boolean, and those of type object; null means "not given" for each.
@@ -542,7 +622,8 @@ def timings(stats: GenerationStats) -> dict:
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "stopped": "stop",
           "error": "stop"}
-ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST",
+          "/v1/race": "POST"}
 
 
 def usage(stats: GenerationStats) -> dict:
@@ -653,6 +734,24 @@ class Reply:
                 "model": self.model, "choices": [choice], "usage": usage(stats), **extra}
 
 
+def collected(events: Iterator, stop: threading.Event) -> Iterator:
+    """A race run's one item, once it has ended: (its tokens, its step records, its stats);
+    an engine's refusal of the request (ValueError) in place of the stats. Timed as `bench`
+    times a reply: nothing is sent while it runs."""
+    tokens, records, stats = [], [], None
+    try:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                tokens.append(event)
+            elif isinstance(event, StepRecord):
+                records.append(event)
+            elif isinstance(event, GenerationStats):
+                stats = event
+    except ValueError as e:
+        stats = e
+    yield tokens, records, stats
+
+
 async def _stop_when_gone(request: Request, stop: threading.Event) -> None:
     """Stop a reply that is not streamed at its next step once its client disconnected: nobody
     will read it (a stream's client that leaves stops its reply through `reply_items`)."""
@@ -730,6 +829,7 @@ def api_router(api: Api) -> APIRouter:
     router.add_api_route("/v1/chat/completions", answered(api.chat_completions),
                          methods=["POST"])
     router.add_api_route("/v1/completions", answered(api.completions), methods=["POST"])
+    router.add_api_route("/v1/race", answered(api.race), methods=["POST"])
     router.add_api_route("/v1/{rest:path}", not_here, include_in_schema=False,
                          methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     return router

@@ -6,7 +6,8 @@
 - Without a login, on a page only this machine can reach, the one user is the app's owner.
 - Without a login on an exposed page (`--share`, a network address), a visitor is their browser:
   a random id kept in the browser's storage (`gr.BrowserState`), stored only as a hash.
-- The owner, and users named by `--admin`, see every conversation (`Viewer.sees_all`).
+- The owner, and users named by `--admin`, see every conversation (`Viewer.sees_all`), and
+  they alone may change the loaded models (`Access.manages_models`, the page's Models tab).
 
 Every Stats handler and every saved turn goes through `Access.viewer`, on the server side.
 """
@@ -61,3 +62,18 @@ class Access:
             digest = hashlib.sha256(browser_id.encode()).hexdigest()[:32]
             return Viewer(f"browser:{digest}")
         return Viewer(NOBODY)
+
+    @property
+    def models_offered(self) -> bool:
+        """Whether anyone may change the models here: the one user of a page only this
+        machine reaches, without a login, or the `--admin` logins."""
+        return (not self.auth and not self.exposed) or (self.auth and bool(self.admins))
+
+    def manages_models(self, request) -> bool:
+        """Whether the visitor behind a gradio request (None: a local caller such as a test)
+        may load other models: the local owner, or a login named by `--admin`. A visitor of an
+        exposed page without a login, or any other login, may not."""
+        username = getattr(request, "username", None) if request is not None else None
+        if username:
+            return username in self.admins
+        return self.viewer(request).owner == LOCAL

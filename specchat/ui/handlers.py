@@ -1,4 +1,4 @@
-"""The chat page: streaming replies colored by how each token was produced, A/B replay, stats.
+"""The chat page: streaming replies colored by how each token was produced, the race of drafters, stats.
 
     demo = build_ui(engine_or_report_or_slot, store=StatsStore.open_or_disabled(None))
     launch(demo, server_port=7860)
@@ -30,6 +30,8 @@ import gradio as gr
 from specchat.core.engine import Engine
 from specchat.core.events import GenerationStats, StepRecord, TokenEvent
 from specchat.core.inputs import InputError, clean_text
+from specchat.core.race import PLAIN
+from specchat.core.race import lanes as race_lanes
 from specchat.core.request import GenerateConfig
 from specchat.core.settings import SETTINGS, build_config, request
 from specchat.drafters import LABELS as DRAFTER_LABELS
@@ -45,21 +47,25 @@ from specchat.engine_queue import (
     run_reply,
 )
 from specchat.loader import LoadReport
-from specchat.stats.speedup import Speedup, noise_band, plain_step_times, turn_speedup
+from specchat.stats.format import fmt_speedup
+from specchat.stats.race import standings
+from specchat.stats.race import Entry as RaceEntry
+from specchat.stats.race import winner as race_winner
+from specchat.stats.speedup import Speedup, plain_step_times, turn_speedup
 from specchat.stats.store import StatsStore
 from specchat.stats.writer import StatsWriter
 from specchat.ui import live as feeds
 from specchat.ui.access import NOBODY, Access
-from specchat.ui.render import ab_panel, ab_placeholders, render_history
+from specchat.ui.render import race_panel, race_panels, race_placeholders, render_history
 from specchat.ui.state import Limits, ModelSlot, Session, Settings, Turn
 
 # What a message sent while the models load is told; it goes once they are ready.
 STILL_LOADING = "The models are still loading; your message is kept, send it when ready."
-# What a tab is told when it asks for a second reply (a message, Retry, Undo, A/B) while its
+# What a tab is told when it asks for a second reply (a message, Retry, Undo, the race) while its
 # first is running; a message stays in the box.
 BUSY = "Wait for the reply being written, or stop it: one reply at a time in a tab."
 ONE_AT_A_TIME = BUSY + " Your message is still in the box."
-# Seconds between an A/B run's progress lines: the runs are timed without repaints.
+# Seconds between a race run's progress lines: the runs are timed without repaints.
 PROGRESS_S = 0.5
 # A repaint waits this many times the last one's cost (measured from the yield to the next
 # request): the server's share of a repaint is about half of it where the browser shares the
@@ -83,7 +89,7 @@ class ChatApp:
         self.min_interval = min_interval  # seconds between repaints while streaming
         self._stops: dict[str, threading.Event] = {}  # session key -> the running reply's flag
         self._stops_lock = threading.Lock()
-        # Session keys (one per tab) with a reply or A/B replay running: one at a time each, so
+        # Session keys (one per tab) with a reply or a race running: one at a time each, so
         # a reply's prompt always holds the whole of the replies before it.
         self._busy: set[str] = set()
         # Every reply joins the engine's line (engine_queue.py) with the API's limits.
@@ -119,12 +125,12 @@ class ChatApp:
             self._busy.discard(self._key(request))
 
     def busy(self, request: gr.Request | None = None) -> bool:
-        """Whether this tab has a reply (or A/B replay) running."""
+        """Whether this tab has a reply (or a race) running."""
         with self._stops_lock:
             return self._key(request) in self._busy
 
     def stop(self, request: gr.Request | None = None) -> str:
-        """Ask this browser's running reply (or A/B replay) to end after the current step."""
+        """Ask this browser's running reply (or race) to end after the current step."""
         with self._stops_lock:
             event = self._stops.get(self._key(request))
         if event is None or event.is_set():
@@ -153,7 +159,7 @@ class ChatApp:
     def config(self, s: Settings) -> tuple[GenerateConfig, list[str]]:
         """Settings -> GenerateConfig (`core.settings.build_config`: raises InputError), capped
         server-side; notes say which caps applied. A random seed is drawn here, so the reply's
-        stats and its A/B replay name it."""
+        stats and its race name it."""
         values = {name: getattr(s, name) for name in SETTINGS if hasattr(s, name)}
         available = self.drafters()
         # A choice made before the models changed may name a drafter no longer loaded: the
@@ -308,13 +314,13 @@ class ChatApp:
         return stats, error
 
     def figure(self, stats: GenerationStats, steps: list[StepRecord],
-               ab_plain: GenerationStats | None = None) -> Speedup:
+               baseline: GenerationStats | None = None) -> Speedup:
         """The speedup of a reply that just ended, fixed from then on (shown, and stored with
-        the turn): over its A/B plain run when it has one, else estimated from its own steps
+        the turn): over its race's plain run when it has one, else estimated from its own steps
         against the plain steps timed on this engine in this process (stats/speedup.py). Its
         own plain steps then price later replies' estimates."""
         times = plain_step_times(self.slot.engine)
-        result = turn_speedup(stats, ab_plain, steps, times.recent())
+        result = turn_speedup(stats, baseline, steps, times.recent())
         times.add(steps)
         return result
 
@@ -326,7 +332,7 @@ class ChatApp:
         """Queue the turn for the stats database (never waits on it); the future of its row id.
         The conversation is created with its first saved turn; `speedup` is the figure the
         page showed for it; `settings` what the page asked it with, kept so the conversation
-        continues as it was held; `replay`: a run of the A/B replay, not a turn of the
+        continues as it was held; `replay`: a run of a race, not a turn of the
         conversation."""
         if not self.store.enabled or viewer_owner == NOBODY or stats.stop_reason == REFUSED or \
                 (stats.stop_reason == "error" and not reply):
@@ -538,108 +544,112 @@ class ChatApp:
             self.store.withdraw_turn(turn_id)
 
     def new_conversation(self, session: Session | None = None):
-        """-> (box, chat, session, notice, A/B off, A/B on, verdict)"""
+        """-> (box, chat, session, notice, race runs, race results)"""
         fresh = Session()
-        return ("", [], fresh, "", *ab_placeholders())
+        return ("", [], fresh, "", *race_placeholders())
 
-    # -- A/B replay ------------------------------------------------------------------------
+    # -- the race ----------------------------------------------------------------------------
 
-    def ab_replay(self, session: Session, settings: Settings, request: gr.Request | None = None,
-                  browser_id: str | None = None):
-        """Replay the last prompt with speculation off, then on (same seed and settings).
-        Yields (off panel, on panel, verdict, chat, session, notice)."""
+    def race(self, session: Session, settings: Settings, request: gr.Request | None = None,
+             browser_id: str | None = None):
+        """Replay the last prompt with speculation off, then with each drafter the engine has
+        (core/race.py: the same seed and settings, no drafting history). Yields (the runs'
+        panels, the results, chat, session, notice)."""
+        empty = race_placeholders()
         if self.slot.engine is None:
-            yield *ab_placeholders(), gr.skip(), session, self._not_ready()
+            yield *empty, gr.skip(), session, self._not_ready()
             return
         if not session.turns:
-            yield (*ab_placeholders(), gr.skip(), session,
-                   "Send a message first: A/B replays the last prompt.")
+            yield (*empty, gr.skip(), session,
+                   "Send a message first: the race replays the last prompt.")
             return
         try:
             cfg, notes = self.config(replace(settings, speculation=True))
         except InputError as e:
-            yield *ab_placeholders(), gr.skip(), session, _notice(str(e), request)
+            yield *empty, gr.skip(), session, _notice(str(e), request)
             return
         if not cfg.speculation:
-            yield (*ab_placeholders(), gr.skip(), session,
-                   "No drafter is available, so there is nothing to compare.")
+            yield (*empty, gr.skip(), session,
+                   "No drafter is available, so there is nothing to race.")
             return
         last = len(session.turns) - 1
         prompt = session.turns[last].user
         ids, stop = self.prompt_ids(session, last, settings, notes)
         cfg = replace(cfg, stop=stop)
         if not self._claim(request):
-            yield *ab_placeholders(), gr.skip(), session, _notice(BUSY, request)
+            yield *empty, gr.skip(), session, _notice(BUSY, request)
             return
         stop = self._stop_event(request)
         notice = " ".join(notes)
         owner = self.access.viewer(request, browser_id).owner
         try:
-            yield from self._ab_runs(session, owner, prompt, ids, cfg, stop, notice, settings)
+            yield from self._race_runs(session, owner, prompt, ids, cfg, stop, notice, settings)
         finally:
             self._release(request, stop)
             self._unclaim(request)
 
-    def _ab_runs(self, session, owner, prompt, ids, cfg, stop, notice, settings=None):
+    def _race_runs(self, session, owner, prompt, ids, cfg, stop, notice, settings=None):
         engine = self.slot.engine
-        runs: dict[str, tuple[list[TokenEvent], GenerationStats | None]] = {}
-        steps: dict[str, list[StepRecord]] = {"off": [], "on": []}
+        lanes = race_lanes(engine, cfg)
+        runs: dict[str, tuple[list[TokenEvent], list[StepRecord], GenerationStats | None]] = {}
 
-        def panels(live: str | None = None):
-            return (ab_panel("Speculation off", *runs.get("off", ([], None)), live == "off",
-                             steps=steps["off"], key="ab-off"),
-                    ab_panel(f"Speculation on ({cfg.drafter}, k≤{cfg.draft_len})",
-                             *runs.get("on", ([], None)), live == "on", steps=steps["on"],
-                             key="ab-on"))
+        def panels(live: str | None = None) -> str:
+            return race_panels([race_panel(lane.mode, lane.label, tokens, stats,
+                                           live == lane.mode, steps)
+                                for lane in lanes if lane.mode in runs
+                                for tokens, steps, stats in (runs[lane.mode],)])
 
-        plain = None  # the plain run's saved turn: the speculative run is timed against it
-        figure = None  # the speculative run's speedup, once it has ended
-        for name, speculation in (("off", False), ("on", True)):
+        plain = None  # the plain run's saved turn: each drafter's run is timed against it
+        for lane in lanes:
             tokens: list[TokenEvent] = []
-            runs[name] = (tokens, None)
-            run_cfg = replace(cfg, speculation=speculation)
+            steps: list[StepRecord] = []
+            runs[lane.mode] = (tokens, steps, None)
             # Timed as the bench times a reply: no repaint while it runs, a progress line only
-            drive = self._drive(ids, run_cfg, stop, tokens, steps[name], owner=owner,
+            drive = self._drive(ids, lane.cfg, stop, tokens, steps, owner=owner,
                                 every=PROGRESS_S)
             started = time.perf_counter()
+            lane_settings = None if settings is None else replace(
+                settings, speculation=lane.cfg.speculation,
+                drafter=lane.cfg.drafter if lane.cfg.speculation else settings.drafter)
             try:
-                yield (*panels(name), _ab_progress(name, tokens), gr.skip(), session, gr.skip())
+                yield (panels(lane.mode), _race_progress(lane, tokens, lanes), gr.skip(),
+                       session, gr.skip())
                 for result in drive:
                     if result is None:
-                        yield (gr.skip(), gr.skip(), _ab_progress(name, tokens), gr.skip(),
+                        yield (gr.skip(), _race_progress(lane, tokens, lanes), gr.skip(),
                                session, gr.skip())
                     elif isinstance(result, Waiting):  # other replies have the engine first
-                        yield (*panels(name), '<div class="sc-verdict">' + (
-                            result.message() or f"Replaying with speculation {name}…") +
-                            "</div>", gr.skip(), session, gr.skip())
+                        yield (gr.skip(), '<div class="sc-verdict">' + html.escape(
+                            result.message() or f"Racing: {lane.label}…") + "</div>",
+                            gr.skip(), session, gr.skip())
                     else:
-                        runs[name] = (tokens, result)
+                        runs[lane.mode] = (tokens, steps, result)
             except GeneratorExit:  # closed tab or cancel: keep what ran, marked interrupted
                 drive.close()
-                stats = cut_short(run_cfg, tokens, time.perf_counter() - started)
+                stats = cut_short(lane.cfg, tokens, time.perf_counter() - started)
                 self._record(session, owner, prompt, "".join(t.text for t in tokens), stats,
-                             plain if speculation else None, tokens, steps[name],
-                             self.figure(stats, steps[name]), settings, replay=True)
+                             plain if lane.cfg.speculation else None, tokens, steps,
+                             self.figure(stats, steps), lane_settings, replay=True)
                 raise
-            yield *panels(), gr.skip(), gr.skip(), session, notice
+            stats = runs[lane.mode][2]
             reply = "".join(t.text for t in tokens)
-            stats = runs[name][1]
-            if name == "off":
-                plain = self._record(session, owner, prompt, reply, stats, None, tokens,
-                                     steps[name], self.figure(stats, steps[name]), settings,
-                                     replay=True)
+            if lane.mode == PLAIN:
+                plain = self._record(session, owner, prompt, reply, stats, None, tokens, steps,
+                                     self.figure(stats, steps), lane_settings, replay=True)
             else:  # timed against the plain run of the same prompt and settings
-                figure = self.figure(stats, steps[name], runs["off"][1])
-                self._record(session, owner, prompt, reply, stats, plain, tokens, steps[name],
-                             figure, settings, replay=True)
+                self._record(session, owner, prompt, reply, stats, plain, tokens, steps,
+                             self.figure(stats, steps, runs[PLAIN][2]), lane_settings,
+                             replay=True)
             if stats.stop_reason == REFUSED:
                 notice = stats.error
             if stop.is_set() or stats.stop_reason in ("error", REFUSED):
                 break
-        verdict = ab_verdict(runs, cfg, engine.target.quantization, engine.row_exact, steps,
-                             figure)
+        entries = [RaceEntry(lane.mode, runs[lane.mode][2], runs[lane.mode][1],
+                             [(t.id, t.text) for t in runs[lane.mode][0]])
+                   for lane in lanes if lane.mode in runs and runs[lane.mode][2] is not None]
+        verdict = race_verdict(lanes, entries, cfg, engine.target.quantization, engine.row_exact)
         # The chat is unchanged: its replies keep the figures they were shown with.
-        yield *panels(), verdict, gr.skip(), session, notice
+        yield panels(), verdict, gr.skip(), session, notice
 
 
 WITHDRAW_WAIT_S = 2.0  # how long Retry/Undo waits for the reply it takes back to be saved
@@ -648,15 +658,17 @@ REFUSED = "refused"  # the stop reason of a reply the engine's line had no place
 
 def stored_settings(settings: Settings | None, replay: bool = False) -> dict | None:
     """What the store keeps of a turn's settings (None: none given); `replay` marks a run
-    of the A/B replay, which a reopened conversation leaves out of its turns."""
+    of a race, which a reopened conversation leaves out of its turns."""
     if settings is None:
         return None
     return {**asdict(settings), **({"replay": True} if replay else {})}
 
 
-def _ab_progress(name: str, tokens: list[TokenEvent]) -> str:
-    return (f'<div class="sc-verdict">Replaying with speculation {name}: {len(tokens)} tokens… '
-            "(timed as the bench times it: the page shows each run once it has ended)</div>")
+def _race_progress(lane, tokens: list[TokenEvent], lanes) -> str:
+    at = next(i for i, other in enumerate(lanes) if other.mode == lane.mode) + 1
+    return (f'<div class="sc-verdict">Racing {at} of {len(lanes)}, {html.escape(lane.label)}: '
+            f"{len(tokens)} tokens… (timed as the bench times it: the page shows each run "
+            "once it has ended)</div>")
 
 
 def refusal(full: QueueFull, expected: float | None) -> str:
@@ -699,84 +711,105 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def ab_verdict(runs: dict, cfg: GenerateConfig, quantization: str,
-               row_exact: bool = False, steps: dict[str, list[StepRecord]] | None = None,
-               figure: Speedup | None = None) -> str:
-    """The replay's verdict. Its speedup is the "on" run's `figure` as the stats store
-    records it (by default: over the "off" run, the same prompt and settings; else, that run
-    untimed, estimated from the "on" run's own steps). With the runs' `steps`, a speedup
-    within the runs' own step-to-step noise says so."""
-    (off_tokens, off), (on_tokens, on) = runs.get("off", ([], None)), runs.get("on", ([], None))
-    if off is None or on is None:
-        return '<div class="sc-verdict">Replay stopped before both runs finished.</div>'
-    speedup = figure or turn_speedup(on, off, (steps or {}).get("on", ()))
-    rows = [("", "speculation off", "speculation on"),
-            ("latency", f"{off.seconds:.2f} s", f"{on.seconds:.2f} s"),
-            ("first token", f"{off.ttft_s:.2f} s", f"{on.ttft_s:.2f} s"),
-            ("tokens/s", f"{off.tokens_per_s:.1f}", f"{on.tokens_per_s:.1f}"),
-            ("tokens", str(off.new_tokens), str(on.new_tokens)),
-            ("target passes", str(off.target_calls or "-"), str(on.target_calls or "-"))]
-    # A grid of divs, not a <table>: the theme's table styles fight ours.
-    table = "".join(f'<span class="{"sc-h" if i == 0 or j == 0 else ""}">{html.escape(c)}</span>'
-                    for i, row in enumerate(rows) for j, c in enumerate(row))
-    # (id, text): a remote server may not send token ids (-1), its texts still compare
-    off_ids = [(t.id, t.text) for t in off_tokens]
-    on_ids = [(t.id, t.text) for t in on_tokens]
-    diff = first_difference(off_ids, on_ids)
-    if "stopped" in (off.stop_reason, on.stop_reason):
-        same = "One run was stopped, so the texts are not compared."
-    elif diff is None:
-        same = ('<span class="sc-same">✓ Identical texts</span>: speculation changed the '
-                "speed, not the output.")
-    else:
-        def piece(tokens):
-            return html.escape(repr(tokens[diff].text)) if diff < len(tokens) else "(end)"
-        # Every drafter but a draft model replays plain sampling per seed: n-gram lookup and
-        # trees are one-hot, the head races with the target's own keyed numbers
-        # (sampling.Noise). A draft model's drafts take Leviathan's test, its own way.
-        if quantization == "served":
-            why = ("Both runs were decoded by the server; it does not say why they differ (its "
-                   "verify passes may round differently from its plain steps).")
-        elif cfg.temperature > 0 and cfg.drafter == "model":
-            why = ("At temperature > 0 both runs sample from the same distribution, but a draft "
-                   "model's drafts pass Leviathan's test with random numbers of their own: the "
-                   "texts may differ while being equally likely (lossless in distribution, not "
-                   "per seed; the other drafters replay plain sampling per seed).")
-        elif quantization == "none" or row_exact:
-            how = ("row-exact attention: a verify pass computes the same logits as one-token "
-                   "passes, bit for bit" if row_exact else "unquantized weights")
-            what = "every emitted token being plain sampling's draw at its position" \
-                if cfg.temperature > 0 else "greedy decoding"
-            why = (f"With {how}, and {what}, the texts should match: this divergence is "
-                   "unexpected (a bug worth reporting).")
+def race_verdict(lanes, entries: list[RaceEntry], cfg: GenerateConfig, quantization: str,
+                 row_exact: bool = False) -> str:
+    """The race's results: a row per run (tok/s, its speedup over the plain run with the
+    bootstrap band, acceptance, tokens a step, first token, whether its text is plain
+    decoding's), the winner where its band clears every other's (stats/race.py), and why a
+    text differs where one does."""
+    if not entries or entries[0].mode != PLAIN:
+        return '<div class="sc-verdict">The race stopped before its plain run finished.</div>'
+    rows = standings(entries)
+    labels = {lane.mode: lane.label for lane in lanes}
+    best = race_winner(rows) if len(entries) == len(lanes) else None
+    head = ("run", "tok/s", "speedup (band)", "acceptance", "tokens a step", "first token",
+            "text")
+    cells = list(head)
+    for row in rows:
+        if row.speedup is None:
+            speedup = "1× (baseline)" if row.mode == PLAIN else "–"
         else:
-            why = (f"Decoding on a {html.escape(quantization)} target on this device: a verify "
-                   "pass over several tokens rounds slightly differently from one-token passes, "
-                   "so a near-tie can flip. Both texts are faithful samples of the model (on "
-                   "CPU, specchat's row-exact attention makes them match).")
-        same = (f'<span class="sc-diff">≠ Texts differ from token {diff}</span> '
-                f"(off: {piece(off_tokens)}, on: {piece(on_tokens)}). {why}")
-    return (f'<div class="sc-verdict"><b>Speedup: {html.escape(speedup.label("×"))}</b> '
-            f'({html.escape(speedup.note)}){_noise_note(steps)}'
-            f'<div class="sc-ab-grid">{table}</div>{same}'
-            '<div class="sc-note">Both runs were timed alike, the page repainting neither '
-            "while it ran.</div></div>")
+            band = f" ({row.band[0]:.2f}–{row.band[1]:.2f})" if row.band else ""
+            speedup = f"{fmt_speedup(row.speedup, '×')}{band}"
+        if row.mode == PLAIN:
+            same = "plain decoding"
+        elif row.same_as_plain is None:
+            same = "not compared" if row.stop_reason in ("stopped", "cancelled") else "–"
+        else:
+            same = "✓ identical" if row.same_as_plain else "≠ differs"
+        cells += [labels.get(row.mode, row.mode) + (" ★" if row.mode == best else ""),
+                  f"{row.tokens_per_s:.1f}", speedup,
+                  "–" if row.acceptance is None else f"{row.acceptance:.0%}",
+                  "–" if row.tokens_per_step is None else f"{row.tokens_per_step:.2f}",
+                  f"{row.ttft_s:.2f} s", same]
+    width = len(head)
+    # A grid of divs, not a <table>: the theme's table styles fight ours. A row per run, its
+    # cells named by their column (data-col), so a phone shows each run as a card of
+    # labelled figures instead of seven squeezed columns.
+    table = "".join(
+        f'<div class="sc-race-row{" sc-h" if r == 0 else ""}'
+        f'{" sc-win" if r and rows[r - 1].mode == best else ""}">' + "".join(
+            f'<span data-col="{html.escape(head[j])}">{html.escape(c)}</span>'
+            for j, c in enumerate(cells[r * width:(r + 1) * width])) + "</div>"
+        for r in range(len(cells) // width))
+    if len(entries) < len(lanes):
+        headline = "Race stopped before every run finished: no winner is named."
+    elif best == PLAIN:
+        headline = ("Fastest: speculation off. Every drafter's band is below 1× on this "
+                    "prompt: here drafting costs more than it saves.")
+    elif best:
+        row = next(r for r in rows if r.mode == best)
+        headline = (f"Fastest: {labels.get(best, best)}, {row.speedup:.2f}× plain decoding; "
+                    "its band clears every other run's.")
+    else:
+        headline = ("No run is measurably ahead of the rest: the leaders' bands overlap (a "
+                    "bootstrap over each run's steps against the plain run's).")
+    notes = []
+    plain_tokens = list(entries[0].tokens)
+    for entry, row in zip(entries, rows):
+        if row.same_as_plain is False:
+            diff = first_difference(plain_tokens, list(entry.tokens))
+            piece = (lambda tokens: html.escape(repr(tokens[diff][1]))
+                     if diff < len(tokens) else "(end)")
+            notes.append(f'<div class="sc-note"><span class="sc-diff">≠ '
+                         f"{html.escape(labels.get(entry.mode, entry.mode))}</span> differs "
+                         f"from token {diff} (plain: {piece(plain_tokens)}, this run: "
+                         f"{piece(list(entry.tokens))}). "
+                         f"{why_texts_differ(entry.stats.drafter, cfg, quantization, row_exact)}"
+                         "</div>")
+    return (f'<div class="sc-verdict"><b>{html.escape(headline)}</b>'
+            f'<div class="sc-race-grid">{table}</div>{"".join(notes)}'
+            '<div class="sc-note">Every run replays the same prompt, seed and settings, drafts '
+            "from the prompt alone (no history of earlier replies, as the bench runs), and is "
+            "timed alike, the page repainting none while it runs. Each speedup is over the "
+            "plain run; its band is how far chance could move it.</div></div>")
 
 
-def _noise_note(steps: dict[str, list[StepRecord]] | None) -> str:
-    """' — no measurable speedup ...' when a bootstrap over the runs' steps gives ratios on
-    both sides of 1 (stats.speedup.noise_band); else that band, or nothing without steps."""
-    if not steps:
-        return ""
-    band = noise_band(*([(s.accepted + 1, s.draft_s + s.verify_s) for s in steps[name]]
-                        for name in ("off", "on")))
-    if band is None:
-        return ""
-    low, high = band
-    if low <= 1.0 <= high:
-        return (f' — <b class="sc-noise">no measurable speedup</b>: a bootstrap over the two '
-                f"runs' steps gives {low:.2f}× to {high:.2f}×, on both sides of 1×")
-    return f" (a bootstrap over the runs' steps puts it between {low:.2f}× and {high:.2f}×)"
+def why_texts_differ(drafter: str, cfg: GenerateConfig, quantization: str,
+                     row_exact: bool = False) -> str:
+    """Why a speculative run's text can differ from plain decoding's of the same request."""
+    # Every drafter but a draft model replays plain sampling per seed: n-gram lookup and
+    # trees are one-hot, the head races with the target's own keyed numbers
+    # (sampling.Noise). A draft model's drafts take Leviathan's test, its own way.
+    if quantization == "served":
+        return ("Both runs were decoded by the server; it does not say why they differ (its "
+                "verify passes may round differently from its plain steps).")
+    if cfg.temperature > 0 and drafter == "model":
+        return ("At temperature > 0 both runs sample from the same distribution, but a draft "
+                "model's drafts pass Leviathan's test with random numbers of their own: the "
+                "texts may differ while being equally likely (lossless in distribution, not "
+                "per seed; the other drafters replay plain sampling per seed).")
+    if quantization == "none" or row_exact:
+        how = ("row-exact attention: a verify pass computes the same logits as one-token "
+               "passes, bit for bit" if row_exact else "unquantized weights")
+        what = "every emitted token being plain sampling's draw at its position" \
+            if cfg.temperature > 0 else "greedy decoding"
+        return (f"With {how}, and {what}, the texts should match: this divergence is "
+                "unexpected (a bug worth reporting).")
+    return (f"Decoding on a {html.escape(quantization)} target on this device: a verify "
+            "pass over several tokens rounds slightly differently from one-token passes, "
+            "so a near-tie can flip. Both texts are faithful samples of the model (on "
+            "CPU, specchat's row-exact attention makes them match).")
 
 
 def warm_up(engine: Engine) -> None:

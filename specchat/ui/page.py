@@ -13,7 +13,7 @@ from specchat.core.settings import MAX_DRAFT_LEN, MAX_TEMPERATURE, SETTINGS
 from specchat.drafters import LABELS as DRAFTER_LABELS
 from specchat.loader import LoadReport
 from specchat.stats.store import StatsStore
-from specchat.ui import live, sidebar, stats_tab
+from specchat.ui import live, models_panel, sidebar, stats_tab
 from specchat.ui.access import Access, new_browser_id
 from specchat.ui.examples import (
     EXAMPLES,
@@ -24,7 +24,7 @@ from specchat.ui.examples import (
 )
 from specchat.ui.handlers import ChatApp
 from specchat.ui.head import FRAMES_SCRIPT, HeadScript
-from specchat.ui.render import ASSETS, ab_placeholders, asset, header_html, status_html
+from specchat.ui.render import ASSETS, asset, header_html, race_placeholders, status_html
 from specchat.ui.state import Limits, ModelSlot, Session, Settings
 
 # ---------------------------------------------------------------------------------------------
@@ -58,9 +58,8 @@ class View:
     retry: gr.Button
     undo: gr.Button
     new: gr.Button
-    ab: gr.Button
-    ab_off: gr.HTML
-    ab_on: gr.HTML
+    race: gr.Button
+    race_runs: gr.HTML
     verdict: gr.HTML
     ghosts: gr.Checkbox
     timer: gr.Timer
@@ -68,8 +67,7 @@ class View:
 
     @property
     def new_outputs(self) -> list:
-        return [self.box, self.chat, self.session, self.notice, self.ab_off, self.ab_on,
-                self.verdict]
+        return [self.box, self.chat, self.session, self.notice, self.race_runs, self.verdict]
 
 
 def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
@@ -98,18 +96,20 @@ def page(self: ChatApp, defaults: Settings | None = None) -> gr.Blocks:
                 stats = stats_tab.build_stats_tab(self.store, self.access, browser, demo,
                                                   self.writer, self.slot.redact, self.forget)
                 stats.refresh_on(tab.select)
+            models = models_panel.layout(self)  # the local owner's alone (None elsewhere)
         timer = gr.Timer(1.0, active=self.slot.state not in ("ready", "failed"))
         view = View(session, browser, header, status, samplers=samplers, ghosts=ghosts,
                     timer=timer, controls=controls, **parts)
         finished = _wire(self, demo, view, d, follow_model=defaults is None)
         sidebar.wire(self, bar, view, tabs, samplers, finished)
+        models_panel.wire(demo, models, timer)
         demo.load(None, None, None, js=sidebar.CLOSE_ON_PHONE)
     return demo
 
 
 def _chat_column(self: ChatApp) -> dict:
-    """The legend, the chat, the message box, the examples, the turn buttons and the A/B
-    panels right under their button."""
+    """The legend, the chat, the message box, the examples, the turn buttons and the race's
+    results and runs right under its button."""
     ready = self.slot.state == "ready"
     gr.HTML(asset("legend.html"))
     # Empty, the chat is short: a laptop's first screen holds the message box and the examples.
@@ -141,19 +141,16 @@ def _chat_column(self: ChatApp) -> dict:
         retry = gr.Button("↻ Retry", size="sm", elem_id="sc-retry", min_width=80)
         undo = gr.Button("↶ Undo", size="sm", elem_id="sc-undo", min_width=80)
         new = gr.Button("✚ New conversation", size="sm", elem_id="sc-new", min_width=80)
-        ab = gr.Button("⇄ A/B replay", size="sm", variant="secondary", elem_id="sc-ab",
+        race = gr.Button("⚑ Race drafters", size="sm", variant="secondary", elem_id="sc-race",
                        interactive=ready, min_width=80)
     with gr.Group():  # (no elem_id: gradio writes a Group's id on two nested elements)
-        verdict_empty = ab_placeholders()[2]
-        verdict = gr.HTML(verdict_empty, elem_id="sc-ab-verdict")
-        with gr.Row(equal_height=False):
-            off_panel, on_panel, _ = ab_placeholders()
-            ab_off = gr.HTML(off_panel, elem_id="sc-ab-off", min_width=240)
-            ab_on = gr.HTML(on_panel, elem_id="sc-ab-on", min_width=240)
+        runs_empty, verdict_empty = race_placeholders()
+        verdict = gr.HTML(verdict_empty, elem_id="sc-race-verdict")
+        race_runs = gr.HTML(runs_empty, elem_id="sc-race-runs")
     return dict(chat=chat, live=live_feed, box=box, send=send, stop=stop, notice=notice,
                 examples=examples,
-                retry=retry, undo=undo, new=new, ab=ab, ab_off=ab_off, ab_on=ab_on,
-                verdict=verdict)
+                retry=retry, undo=undo, new=new, race=race,
+                race_runs=race_runs, verdict=verdict)
 
 
 def _settings_column(self: ChatApp, d: Settings) -> tuple[gr.Checkbox, gr.Radio, dict]:
@@ -210,7 +207,7 @@ def _slider(name: str, d: Settings, low: float, high: float, step: float) -> gr.
 
 
 def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bool) -> list:
-    """The chat's events: send, examples, turn buttons, A/B, stop, the samplers switch; then
+    """The chat's events: send, examples, turn buttons, the race, stop, the samplers switch; then
     the page's own (`follow_model`: the sampler controls take the loaded model's defaults).
     -> the events after which the conversations' list changes (a reply saved, a new
     conversation, the browser's id known)."""
@@ -235,8 +232,8 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
                 continue
             yield chat, session, notice, gr.skip()
 
-    def on_ab(data: dict, request: gr.Request):
-        yield from self.ab_replay(data[v.session], settings_of(data), request, data[v.browser])
+    def on_race(data: dict, request: gr.Request):
+        yield from self.race(data[v.session], settings_of(data), request, data[v.browser])
 
     def on_user(data: dict, request: gr.Request):
         return self.user(data[v.box], data[v.session], request, settings_of(data))
@@ -304,10 +301,10 @@ def _wire(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, follow_model: bo
     finished.append(v.undo.click(on_undo, v.session, user_out, **instant))
     finished.append(v.new.click(self.new_conversation, v.session, v.new_outputs, **instant))
     finished.append(v.chat.clear(self.new_conversation, v.session, v.new_outputs, **instant))
-    # Once the replay is done, its verdict (under the A/B button, often below the fold) is
+    # Once the race is done, its results (under its button, often below the fold) are
     # scrolled into view; the page does not move when it is in view already.
-    v.ab.click(on_ab, settings_in, [v.ab_off, v.ab_on, v.verdict, v.chat, v.session, v.notice],
-               show_progress="minimal", **engine_lane).then(
+    v.race.click(on_race, settings_in, [v.race_runs, v.verdict, v.chat, v.session, v.notice],
+                 show_progress="minimal", **engine_lane).then(
         None, None, None, js=SHOW_VERDICT)
     v.stop.click(on_stop, None, v.notice, queue=False, **private)
     # The one public endpoint: a stateless reply for gradio_client and "Use via API".
@@ -337,7 +334,7 @@ def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: di
                    choices=[(DRAFTER_LABELS.get(x, x), x) for x in choices],
                    value=d.drafter if d.drafter in choices else choices[0]),
                v.box: gr.Textbox(interactive=now_ready),
-               v.send: gr.Button(interactive=now_ready), v.ab: gr.Button(interactive=now_ready),
+               v.send: gr.Button(interactive=now_ready), v.race: gr.Button(interactive=now_ready),
                v.timer: gr.Timer(active=slot.state == "loading"),
                v.controls["mode"]: gr.Radio(value=mode, info=MODE_HELP[mode]),
                v.notice: self.notice_once_ready(notice)}
@@ -353,7 +350,7 @@ def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: di
         """Give a browser its id on its first visit; keep the one it has."""
         return browser_id if self.access.valid_browser_id(browser_id) else new_browser_id()
 
-    page_out = [v.header, v.status, v.chat, v.controls["drafter"], v.box, v.send, v.ab,
+    page_out = [v.header, v.status, v.chat, v.controls["drafter"], v.box, v.send, v.race,
                 v.timer, v.controls["mode"], v.notice, v.samplers, *sampler_controls]
     v.timer.tick(on_page, v.notice, page_out, **instant)
     demo.load(on_page, v.notice, page_out, **instant)
@@ -367,7 +364,7 @@ def _wire_page(self: ChatApp, demo: gr.Blocks, v: View, d: Settings, instant: di
 ENGINE_LANE = 16
 
 
-SHOW_VERDICT = ("() => { document.getElementById('sc-ab-verdict')"
+SHOW_VERDICT = ("() => { document.getElementById('sc-race-verdict')"
                 "?.scrollIntoView({block: 'nearest'}); }")
 
 

@@ -1,4 +1,4 @@
-"""HTML for the page: colored tokens, stats lines, headers, the A/B panels."""
+"""HTML for the page: colored tokens, stats lines, headers, the race's panels."""
 
 from __future__ import annotations
 
@@ -280,22 +280,32 @@ def render_history(session: Session, streaming: bool = False) -> list[dict]:
     return messages
 
 
-def ab_placeholders() -> tuple[str, str, str]:
-    hint = ('<div class="sc-ab-placeholder">A/B replay runs the last prompt with speculation '
-            'off, then on, with the same seed and settings.</div>')
-    return (ab_panel("Speculation off", [], None, False, hint),
-            ab_panel("Speculation on", [], None, False, hint), "")
+RACE_HINT = ("Race drafters replays the last prompt with the same seed and settings: "
+             "speculation off, then each drafter the model has, and says which was fastest.")
 
 
-def ab_panel(title: str, tokens: list[TokenEvent], stats: GenerationStats | None,
-             live: bool, placeholder: str = "", steps: list[StepRecord] | None = None,
-             key: str = "ab") -> str:
-    body = placeholder or (f'<div class="sc-turn sc-turn-{key}">'
-                           f"{inspected(tokens, steps or [], live, stats)}</div>")
+def race_placeholders() -> tuple[str, str]:
+    """(the runs' panels, the results) before any race."""
+    return f'<div class="sc-race-placeholder">{RACE_HINT}</div>', ""
+
+
+def race_panel(mode: str, title: str, tokens: list[TokenEvent],
+               stats: GenerationStats | None, live: bool,
+               steps: list[StepRecord] | None = None) -> str:
+    """One run of a race: its reply with its own inspector (the step cards of its steps,
+    keyed by the run), its stats line. Named by classes (sc-race-MODE), never by id."""
+    mode_css = re.sub(r"[^a-z0-9-]", "", mode.lower())
+    body = (f'<div class="sc-turn sc-turn-race-{mode_css}">'
+            f"{inspected(tokens, steps or [], live, stats)}</div>")
     line = stats_line(stats, show_speedup=False) if stats else ""
     error = f'<div class="sc-error">⚠ {html.escape(stats.error)}</div>' \
         if stats and stats.error else ""
-    return f'<div class="sc-ab-panel"><h3>{html.escape(title)}</h3>{body}{error}{line}</div>'
+    return (f'<div class="sc-race-run sc-race-{mode_css}"><h3>{html.escape(title)}</h3>'
+            f"{body}{error}{line}</div>")
+
+
+def race_panels(panels: list[str]) -> str:
+    return f'<div class="sc-race-runs">{"".join(panels)}</div>'
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import gradio as gr
 
 from specchat.ui import conversations
 from specchat.ui.examples import sampler_preset
-from specchat.ui.render import ab_placeholders, render_history
+from specchat.ui.render import race_placeholders, render_history
 from specchat.ui.state import Session
 from specchat.ui.stats_tab import Exports
 
@@ -104,7 +104,7 @@ def wire(app, bar: Sidebar, view, tabs: gr.Tabs, samplers_switch: gr.Radio,
 
     controls = list(view.controls.values())
     open_out = [view.session, view.chat, view.notice, bar.title, bar.message, bar.asked,
-                bar.delete, tabs, samplers_switch, view.ab_off, view.ab_on, view.verdict,
+                bar.delete, tabs, samplers_switch, view.race_runs, view.verdict,
                 bar.file, *controls]
 
     def on_open(picked: str | None, session: Session, browser_id, request: gr.Request):
@@ -125,11 +125,11 @@ def wire(app, bar: Sidebar, view, tabs: gr.Tabs, samplers_switch: gr.Radio,
         if found.target and loaded and found.target != loaded:
             note = (f"This conversation was held with {found.target}; its next replies come "
                     f"from {loaded}.")
-        off, on, verdict = ab_placeholders()
+        runs, verdict = race_placeholders()
         out = {**keep, view.session: found.session, view.chat: render_history(found.session),
                view.notice: note, bar.title: found.session.conversation["title"],
-               bar.message: "", tabs: gr.Tabs(selected="chat"), view.ab_off: off,
-               view.ab_on: on, view.verdict: verdict, bar.file: gr.File(visible=False)}
+               bar.message: "", tabs: gr.Tabs(selected="chat"), view.race_runs: runs,
+               view.verdict: verdict, bar.file: gr.File(visible=False)}
         if found.settings is not None:
             values = asdict(found.settings)
             choices = app.drafters()

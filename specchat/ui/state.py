@@ -130,6 +130,15 @@ class ModelSlot:
     def engine(self) -> Engine | None:
         return self.report.engine if self.report else None
 
+    def swap(self, report: LoadReport, description: str = "") -> LoadReport | None:
+        """Serve `report` from now on: models loaded and warmed up whole beforehand (the page's
+        Models tab), so a request sees the old models or the new, never a mix. The page's
+        handlers and the API read the slot at each request. -> the report it replaces."""
+        old, self.report = self.report, report
+        self.error = ""
+        self.description = description or self.description
+        return old
+
     def progress(self, message: str) -> None:
         message = str(message).strip()
         if message:
