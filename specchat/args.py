@@ -73,7 +73,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: none, the local model)")
     b.add_argument("--backend-plain", metavar="URL", default=None,
                    help="a second server of the same model without speculation: the 'off' "
-                        "side of A/B replays and of `bench`'s plain mode (default: none)")
+                        "run of races and `bench`'s plain mode (default: none)")
     b.add_argument("--backend-key", metavar="KEY", default=None,
                    help=f"API key for the backend(s) (default: ${BACKEND_KEY_ENV}, else none)")
     b.add_argument("--backend-model", metavar="NAME", default=None,

@@ -174,7 +174,7 @@ def test_the_conversation_mean_is_geometric():
 # ---------------------------------------------------------------------------------------------
 # One conversation, every view
 
-# (prompt, stats, steps, A/B role): chat turns, an A/B replay of "why", a stopped reply and one
+# (prompt, stats, steps, A/B role): chat turns, a race's runs of "why", a stopped reply and one
 # too short to estimate.
 CONVERSATION = [
     ("hi", run(40, True), steps(), None),  # estimated

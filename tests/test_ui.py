@@ -1,6 +1,6 @@
 """The chat page's handlers on a tiny random model pair, without a browser: streaming renders
 exactly the engine's tokens and kinds, Stop leaves a consistent conversation, caps hold
-server-side, errors stay readable, A/B replay compares and records both runs."""
+server-side, errors stay readable, the race runs every drafter and records each run."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def seeded():
     store.record_turn(a, "And 3+3?", "6", spec(25), steps=STEPS)  # estimated from its steps
     store.record_turn(a, "Why?", "Because", spec(15, drafted_by=(2, 2), accepted_by=(2, 0),
                                                    stop="stopped"))  # interrupted: no figure
-    replay = store.record_turn(a, "Why?", "Because", plain(12))  # an A/B replay
+    replay = store.record_turn(a, "Why?", "Because", plain(12))  # a race's plain run
     store.record_turn(a, "Why?", "Because", spec(30), baseline_turn_id=replay)  # 2.5x
     b = store.new_conversation("B's chat", "user:bob", "gemma", "ngram")
     store.record_turn(b, "secret", "reply", spec(20))

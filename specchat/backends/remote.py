@@ -120,7 +120,7 @@ class _Counters:
 class RemoteEngine:
     """An OpenAI-compatible server with the local Engine's interface (`stream`, `drafters`,
     `target`, `chat_prompt`, `text_prompt`). `plain_url`: a second server without speculation,
-    for the "off" side of A/B replays where the first cannot turn its drafts off per request
+    for the plain run of races where the first cannot turn its drafts off per request
     (llama-server, vLLM and SGLang set speculation at launch; specchat's can)."""
 
     remote = True

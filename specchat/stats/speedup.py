@@ -8,7 +8,7 @@ torch, no gradio.
 A speculative turn's speedup is one of two things, and every view says which:
 
 1. **Measured (A/B)**: its tokens/s (new tokens / wall seconds from request to last token,
-   prompt encoding included) over the tokens/s of its A/B replay's plain run, the same prompt
+   prompt encoding included) over the tokens/s of its race's plain run, the same prompt
    and settings with speculation off, when the turn has one and that run finished with tokens.
 2. **Estimated ("est.")**: otherwise, from the turn's own steps: the tokens it emitted per
    target pass and the seconds its steps took, against the seconds of a plain one-token step
@@ -167,7 +167,7 @@ def estimate(steps: Sequence[Mapping | Any], plain_costs: Sequence[float] = (),
         where = f"{len(costs)} plain steps timed in this process"
     if len(costs) < MIN_PLAIN_STEPS:
         return Speedup(note="no plain step timed in this process yet to price its steps: "
-                            "A/B replay measures the speedup")
+                            "a race of drafters measures the speedup")
     plain_step = statistics.median(costs)
     value = tokens / seconds * plain_step
     low, high = _band(timed, costs, draws, seed)

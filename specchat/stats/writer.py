@@ -36,7 +36,7 @@ MAX_PAUSE_S = 5.0  # longest pause between attempts on a locked database
 @dataclass
 class PendingTurn:
     """One reply to save: `StatsStore.write_turn`'s arguments, the baseline as another pending
-    turn's future (an A/B replay's plain run, queued just before)."""
+    turn's future (a race's plain run, queued just before)."""
     conversation_id: str
     prompt: str
     reply: str

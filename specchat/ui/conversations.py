@@ -61,7 +61,7 @@ def _models(row: dict) -> str:
 
 def conversation_turns(store: StatsStore, owner: str | None, conversation_id: str
                        ) -> list[dict]:
-    """The conversation's own turns, oldest first: its A/B replays' runs left out (they
+    """The conversation's own turns, oldest first: its races' runs left out (they
     repeat a turn's prompt to time it, and are no part of what was said)."""
     rows = store.turns(conversation_id, owner)
     baselines = {r["baseline_turn_id"] for r in rows if r["baseline_turn_id"] is not None}

@@ -199,8 +199,8 @@ def speedup_chip(figure: Speedup) -> str:
         return (f'<span class="sc-speedup" title="{note}"><b>{figure.label("×")}</b> '
                 "vs its A/B plain run</span>")
     if figure.basis == ESTIMATE:
-        title = html.escape(f"{figure.note}. An estimate, not a measurement: A/B replay runs "
-                            "this prompt without speculation to measure it.", quote=True)
+        title = html.escape(f"{figure.note}. An estimate, not a measurement: Race drafters "
+                            "runs this prompt without speculation to measure it.", quote=True)
         band = f" ({figure.low:.2f}–{figure.high:.2f}×)" \
             if figure.low is not None and figure.high is not None else ""
         return (f'<span class="sc-speedup-est" title="{title}"><b>≈{figure.value:.2f}×</b> '

@@ -154,7 +154,7 @@ def _speedup_chart(turns: list[dict], empty: str = "") -> Chart:
         caption = "No speculative turn in this conversation yet."
     else:
         caption = (f"No speedup yet ({mean.note}): turn speculation off for one reply, or "
-                   "run A/B replay.")
+                   "race the drafters.")
     return Chart(frame, _x_lim(max((t["idx"] for t in turns), default=0)), y_lim, caption)
 
 
