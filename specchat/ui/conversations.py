@@ -10,6 +10,7 @@ exist.
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 
@@ -21,6 +22,7 @@ from specchat.ui.state import Session, Settings, Turn
 
 NOT_FOUND = "That conversation is not yours or no longer exists."
 TITLE_CHARS = 120  # the longest title a rename keeps
+LIST_TITLE_CHARS = 48  # the most of a title the list shows
 
 
 @dataclass
@@ -35,9 +37,15 @@ class Entry:
 
     @property
     def label(self) -> str:
-        """The list's text for it: plain text (the list escapes it)."""
-        title = self.title.strip() or "(untitled)"
-        return f"{title} · {fmt_date(self.updated)} · {self.models} · {self.speedup}"
+        """The list's text for it, plain text (the list escapes it): the title's first line,
+        cut to LIST_TITLE_CHARS, then on a line of its own the date, the target's short name
+        (what follows its name in brackets left out) and the mean speedup."""
+        title = (self.title.strip().splitlines() or ["(untitled)"])[0].strip()
+        if len(title) > LIST_TITLE_CHARS:
+            title = title[:LIST_TITLE_CHARS - 1].rstrip() + "…"
+        models = " + ".join(re.sub(r"\s*\(.*\)\s*$", "", m) or m
+                            for m in self.models.split(" + "))
+        return f"{title}\n{fmt_date(self.updated)} · {models} · {self.speedup}"
 
 
 def entries(store: StatsStore, owner: str | None, query: str = "") -> list[Entry]:
