@@ -778,3 +778,21 @@ def test_a_message_builds_its_request_once_and_its_reply_runs_with_it(engine):
     assert session.turns[-1].stats.seed == built[0].seed  # the seed the message was sent with
     with pytest.raises(dataclasses.FrozenInstanceError):
         built[0].seed = 1  # a request is never edited after it is built
+
+
+def test_a_message_sent_before_the_models_changed_is_answered_by_the_new_ones(engine):
+    """Its request was built with the drafters loaded then: a drafter gone since is replaced
+    by a loaded one, with a note, rather than failing the reply."""
+    from specchat.loader import LoadReport
+    app = make_app(engine)
+    session = Session()
+    settings = Settings(max_new_tokens=8, seed=0, drafter="model")
+    _, _, session, notice = app.user("hello there", session, settings=settings)
+    assert notice == ""
+    tok = byte_tokenizer()
+    app.slot.swap(LoadReport(Engine(loaded(tiny_llama(0), tok), {"ngram": NgramDrafter()}),
+                             None, []))
+    chat, session, _ = list(app.bot(session, settings))[-1]
+    turn = session.turns[-1]
+    assert turn.stats.error == "" and turn.stats.new_tokens == 8
+    assert turn.stats.drafter == "ngram" and "is not loaded" in " ".join(turn.notes)

@@ -401,6 +401,9 @@ class ChatApp:
             yield render_history(session), session, gr.skip()
             return
         built, session.pending_request = session.pending_request, None
+        if built is not None and built[0].speculation and \
+                built[0].drafter not in self.slot.engine.drafters:
+            built = None  # the models changed since the message was sent: build it anew
         try:  # the request `user` built with the message, else built here once
             cfg, notes = built or self.config(settings)
         except InputError as e:
