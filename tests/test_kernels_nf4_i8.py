@@ -1,7 +1,8 @@
 """`nf4_matmul_i8` (kernels/csrc/nf4_i8.c): NF4 by integer dot products, the `cpu-int8`
 path's product. Every kernel this machine runs (AVX-512 VNNI, AVX2, the SIMD build's reference
 and the portable build's) gives the portable reference's bits, at 1, 2, 3, 4, 8, 16 and 64 rows,
-for odd shapes (a last group of fewer than 16 weight rows) and any thread count; a row's result
+for odd shapes (a last group of fewer than 16 weight rows), NF4 blocks of 32, 64 and 128 and
+any thread count; a row's result
 is the same alone or among others; and the product is NF4's within what its int8 roundings
 explain."""
 
@@ -48,10 +49,10 @@ def _kernels() -> dict:
     return found
 
 
-def _weight(out: int, inn: int, seed: int = 0):
+def _weight(out: int, inn: int, seed: int = 0, blocksize: int = 64):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (out * inn // 2,), dtype=torch.uint8, generator=g)
-    absmax = torch.rand(out * inn // 64, generator=g) + 0.05
+    absmax = torch.rand(out * inn // blocksize, generator=g) + 0.05
     return codes, absmax
 
 
@@ -60,7 +61,7 @@ def _dense(codes, absmax, out, inn) -> torch.Tensor:
     return NF4[c].double() * absmax.double().repeat_interleave(64).reshape(out, inn)
 
 
-def _arithmetic(x, codes, absmax, out, inn) -> torch.Tensor:
+def _arithmetic(x, codes, absmax, out, inn, blocksize: int = 64) -> torch.Tensor:
     """The kernels' arithmetic written with torch: x quantized per block of 32, the codes' int8
     values round(112 v), exact int32 block sums, then the block scales (in float64 here)."""
     blocks = x.reshape(len(x), -1, 32)
@@ -70,7 +71,7 @@ def _arithmetic(x, codes, absmax, out, inn) -> torch.Tensor:
     c = torch.stack([codes >> 4, codes & 15], 1).reshape(out, inn).long()
     w8 = torch.round(W_SCALE * NF4)[c].to(torch.int64).reshape(out, -1, 32)
     isum = torch.einsum("jbt,obt->job", q, w8).double()
-    dw = (absmax.repeat_interleave(2).reshape(out, -1) / W_SCALE).double()
+    dw = (absmax.repeat_interleave(blocksize // 32).reshape(out, -1) / W_SCALE).double()
     return (isum * dw[None] * d.double()[:, None, :]).sum(-1)
 
 
@@ -81,13 +82,34 @@ def test_every_kernel_gives_the_references_bits_at_every_row_count(out, inn):
     codes, absmax = _weight(out, inn)
     packed, dw = kernels.nf4_i8_pack(ref, codes, absmax, out, inn, 64)
     assert packed.numel() == -(-out // 16) * 16 * inn // 2  # 4 bits a weight, groups of 16
+    assert dw.numel() == -(-out // 16) * 16 * inn // 64  # the checkpoint's one scale a block
     for n in ROWS:
         x = torch.randn(n, inn) * torch.rand(n, 1) * 4
-        want = kernels.nf4_matmul_i8(ref, x, packed, dw, NF4, out)
+        want = kernels.nf4_matmul_i8(ref, x, packed, dw, NF4, out, 64)
         for name, lib in found.items():
-            got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out)
+            got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out, 64)
             assert torch.equal(got, want), (name, n)
         assert torch.allclose(want.double(), _arithmetic(x, codes, absmax, out, inn),
+                              rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("blocksize", (32, 128))
+def test_other_nf4_blocks_read_their_own_scales_on_every_kernel(blocksize):
+    """A scale a block of 32, or one for four of them: every kernel reads block b's scale at
+    b >> log2(blocksize / 32), and gives the arithmetic's values with the reference's bits."""
+    found = _kernels()
+    out, inn = 100, 384
+    codes, absmax = _weight(out, inn, seed=3, blocksize=blocksize)
+    packed, dw = kernels.nf4_i8_pack(found["ref"], codes, absmax, out, inn, blocksize)
+    assert dw.numel() == 7 * 16 * inn // blocksize
+    for n in (1, 5, 24):
+        x = torch.randn(n, inn)
+        want = kernels.nf4_matmul_i8(found["ref"], x, packed, dw, NF4, out, blocksize)
+        for name, lib in found.items():
+            assert torch.equal(kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out, blocksize),
+                               want), (name, n)
+        assert torch.allclose(want.double(),
+                              _arithmetic(x, codes, absmax, out, inn, blocksize),
                               rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
@@ -98,8 +120,8 @@ def test_a_row_is_the_same_bits_alone_among_others_and_with_any_thread_count():
     for name, lib in found.items():
         packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, out, inn, 64)
         x = torch.randn(17, inn)
-        together = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out)
-        alone = torch.cat([kernels.nf4_matmul_i8(lib, x[i:i + 1], packed, dw, NF4, out)
+        together = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out, 64)
+        alone = torch.cat([kernels.nf4_matmul_i8(lib, x[i:i + 1], packed, dw, NF4, out, 64)
                            for i in range(17)])
         assert torch.equal(together, alone), name
         y = torch.empty(17, out)
@@ -118,7 +140,7 @@ def test_the_product_is_nf4s_within_its_int8_roundings():
     codes, absmax = _weight(out, inn, seed=2)
     packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, out, inn, 64)
     x = torch.randn(8, inn)
-    got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out).double()
+    got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out, 64).double()
     w = _dense(codes, absmax, out, inn)
     want = x.double() @ w.T
     step = x.abs().reshape(8, -1, 32).amax(-1).double() / 127  # [rows, blocks]
@@ -133,11 +155,13 @@ def test_the_product_is_nf4s_within_its_int8_roundings():
 def test_sizes_it_does_not_take_give_nan_and_a_refused_packing():
     lib = _kernels()["ref"]
     codes, absmax = _weight(16, 64)
-    with pytest.raises(ValueError, match="blocks of 32"):
-        kernels.nf4_i8_pack(lib, codes, absmax, 16, 64, 48)
+    wide, _ = _weight(16, 192)
+    for blocksize in (48, 96, 16):  # whole blocks of 192 inputs, but not 32 times 2^k
+        with pytest.raises(ValueError, match="blocks of 32 times a power of two"):
+            kernels.nf4_i8_pack(lib, wide, torch.ones(16 * 192 // 16), 16, 192, blocksize)
     packed, dw = kernels.nf4_i8_pack(lib, codes, absmax, 16, 64, 64)
-    y = kernels.nf4_matmul_i8(lib, torch.randn(2, 48), packed, dw, NF4, 16)
-    assert y.isnan().all()
+    assert kernels.nf4_matmul_i8(lib, torch.randn(2, 48), packed, dw, NF4, 16, 64).isnan().all()
+    assert kernels.nf4_matmul_i8(lib, torch.randn(2, 64), packed, dw, NF4, 16, 48).isnan().all()
 
 
 def _q8_kernels() -> dict:
@@ -264,8 +288,9 @@ def test_a_block_with_nan_inf_or_negative_zero_quantizes_alike_on_every_kernel()
     x[5, 96:] = 0.0
     x[6, 3] = float("nan")
     x[6, 4] = float("inf")
-    want = kernels.nf4_matmul_i8(found["ref"], x, packed, dw, NF4, out).view(torch.int32)
+    want = kernels.nf4_matmul_i8(found["ref"], x, packed, dw, NF4, out, 64).view(torch.int32)
     for name, lib in found.items():
-        got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out).view(torch.int32)
+        got = kernels.nf4_matmul_i8(lib, x, packed, dw, NF4, out, 64).view(torch.int32)
         assert torch.equal(got, want), name
-    assert torch.isfinite(kernels.nf4_matmul_i8(found["ref"], x[7:], packed, dw, NF4, out)).all()
+    rest = kernels.nf4_matmul_i8(found["ref"], x[7:], packed, dw, NF4, out, 64)
+    assert torch.isfinite(rest).all()

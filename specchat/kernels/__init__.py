@@ -452,27 +452,29 @@ def nf4_matmul(lib: Kernels, x: torch.Tensor, codes: torch.Tensor, absmax: torch
 
 def nf4_i8_pack(lib: Kernels, codes: torch.Tensor, absmax: torch.Tensor, out_features: int,
                 in_features: int, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bitsandbytes' NF4 codes and float32 block scales -> (packed codes, scales per block of
-    32) in the integer kernels' layout (csrc/nf4_i8.c): the same 4 bits a weight."""
+    """bitsandbytes' NF4 codes and float32 block scales -> (packed codes, scales per NF4
+    block) in the integer kernels' layout (csrc/nf4_i8.c): the same 4 bits a weight, and the
+    checkpoint's one scale a block."""
     codes, absmax = codes.contiguous(), absmax.to(torch.float32).contiguous()
     packed = torch.empty(lib.nf4_i8_packed_bytes(out_features, in_features), dtype=torch.uint8)
     groups = -(-out_features // 16)
-    dw = torch.empty(groups * (in_features // 32) * 16, dtype=torch.float32)
+    dw = torch.empty(groups * (in_features // max(blocksize, 1)) * 16, dtype=torch.float32)
     if lib.nf4_i8_pack(codes.data_ptr(), absmax.data_ptr(), out_features, in_features,
                        blocksize, packed.data_ptr(), dw.data_ptr()):
-        raise ValueError(f"the integer NF4 kernels take inputs in blocks of 32 and NF4 blocks "
-                         f"of a multiple of 32; got {in_features} inputs, blocks of {blocksize}")
+        raise ValueError(f"the integer NF4 kernels take NF4 blocks of 32 times a power of two, "
+                         f"and inputs in whole blocks; got {in_features} inputs, blocks of "
+                         f"{blocksize}")
     return packed, dw
 
 
 def nf4_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch.Tensor,
-                  table: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., in] @ W.T by integer dot products, W packed by `nf4_i8_pack`; `table` the 16 NF4
-    values."""
+                  table: torch.Tensor, out_features: int, blocksize: int) -> torch.Tensor:
+    """x [..., in] @ W.T by integer dot products, W packed by `nf4_i8_pack` from NF4 blocks of
+    `blocksize`; `table` the 16 NF4 values."""
     rows, table = _rows(x), table.to(torch.float32).contiguous()
     y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     lib.nf4_matmul_i8(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
-                      dw.data_ptr(), 0, table.data_ptr(), y.data_ptr(), out_features,
+                      dw.data_ptr(), blocksize, table.data_ptr(), y.data_ptr(), out_features,
                       torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out_features)
 

@@ -9,7 +9,7 @@
 // row's float arithmetic is then one epilogue in one fixed block order:
 //
 //   y[j, o] = acc, acc = fma((float)isum_b, dw_b * dx_b, acc) over the blocks b in order from 0,
-//   dw_b = absmax(o, b) / 112, dx_b = d(j, b).
+//   dw_b = absmax(o, b) / 112 (the absmax of the NF4 block holding b), dx_b = d(j, b).
 //
 // Every kernel (the plain-C reference, AVX2, AVX-512 VNNI) computes those integers exactly and
 // that epilogue with the same operations, so the same bits whatever instructions form the
@@ -22,8 +22,12 @@
 // (p < 4, t < 4). A 64-byte load, its low and its high nibbles, one table lookup each: two
 // vectors of 16 rows x 4 consecutive inputs, what AVX-512 VNNI's `vpdpbusd` multiplies with 4
 // bytes of an activation row broadcast (llama.cpp's IQ4_NL lookup with NF4's table). The block
-// scales go with it: dw [groups, blocks of 32, 16] floats. Rows past `out` (the last group's
-// padding) have code 0 and scale 0: they add nothing and are never stored.
+// scales go with it: dw [groups, NF4 blocks, 16] floats. Rows past `out` (the last group's
+// padding) have code 0 and scale 0: they add nothing and are never stored. A scale is kept once
+// per NF4 block (bitsandbytes' 64 inputs: two blocks of 32 read one scale), as the checkpoint
+// keeps it: 4.5 bits a weight, Q4_0's, where one a block of 32 would read 5. The kernels take
+// the NF4 block as `blocksize` (32 times a power of two) and read block b's scale at b >> sh,
+// sh = log2(blocksize / 32).
 #include "common.h"
 
 #if defined(__linux__)
@@ -43,6 +47,14 @@ static inline void i8_table(const float *table, int8_t w8[16]) {
     for (int c = 0; c < 16; c++) w8[c] = (int8_t)lrintf(I8_SCALE * table[c]);
 }
 
+// log2(blocksize / 32): the shift from a block of 32 to its NF4 block's scale; -1 for a
+// blocksize that is not 32 times a power of two
+static inline int i8_shift(int64_t blocksize) {
+    if (blocksize < I8_BLOCK || blocksize % I8_BLOCK) return -1;
+    const int64_t per = blocksize / I8_BLOCK;
+    return per & (per - 1) ? -1 : __builtin_ctzll((unsigned long long)per);
+}
+
 // the code of weight row i (of its group) at input t (of its block), from the group's block
 static inline int i8_code(const uint8_t *blk, int i, int t) {
     const int q = t / 4, byte = (q / 2) * 64 + 4 * i + t % 4;
@@ -54,25 +66,25 @@ int64_t nf4_i8_packed_bytes(int64_t out, int64_t in) {
 }
 
 // bitsandbytes' codes [out, in] (two a byte, the first in the high nibble) and absmax [out,
-// in / blocksize] -> packed [nf4_i8_packed_bytes] and dw [groups, in / 32, 16]. 0, or -1 for
-// sizes it does not take (in a multiple of 32 and of blocksize, blocksize a multiple of 32).
+// in / blocksize] -> packed [nf4_i8_packed_bytes] and dw [groups, in / blocksize, 16]. 0, or -1
+// for sizes it does not take (in a multiple of blocksize, blocksize 32 times a power of two).
 int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t in,
                 int64_t blocksize, uint8_t *packed, float *dw) {
-    if (out <= 0 || in <= 0 || blocksize <= 0 || blocksize % I8_BLOCK || in % blocksize)
-        return -1;
+    if (out <= 0 || in <= 0 || i8_shift(blocksize) < 0 || in % blocksize) return -1;
     const int64_t groups = (out + I8_ROWS - 1) / I8_ROWS, nb = in / I8_BLOCK;
+    const int64_t per = blocksize / I8_BLOCK, ns = in / blocksize;
     memset(packed, 0, (size_t)nf4_i8_packed_bytes(out, in));
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = packed + (g * nb + b) * I8_BYTES;
-            float *s = dw + (g * nb + b) * I8_ROWS;
+            float *s = dw + (g * ns + b / per) * I8_ROWS;
             for (int i = 0; i < I8_ROWS; i++) {
                 const int64_t o = g * I8_ROWS + i;
                 if (o >= out) {
                     s[i] = 0.0f;
                     continue;
                 }
-                s[i] = absmax[o * (in / blocksize) + b * I8_BLOCK / blocksize] / I8_SCALE;
+                s[i] = absmax[o * ns + b / per] / I8_SCALE;
                 for (int t = 0; t < I8_BLOCK; t++) {
                     const int64_t e = o * in + b * I8_BLOCK + t;
                     const int c = e % 2 ? codes[e / 2] & 15 : codes[e / 2] >> 4;
@@ -172,8 +184,8 @@ static void i8_rows_free(i8_rows *r) { free(r->q), free(r->d), free(r->bias); }
 void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                        const float *dw, int64_t blocksize, const float *table, float *y,
                        int64_t out, int threads) {
-    (void)blocksize;
-    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    const int sh = i8_shift(blocksize);
+    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
@@ -190,7 +202,7 @@ void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *pac
                 const int8_t *qx = i8_q(&r, j, b);
                 int32_t isum = 0;
                 for (int t = 0; t < I8_BLOCK; t++) isum += w8[i8_code(blk, i, t)] * qx[t];
-                const float scale = dw[(g * nb + b) * I8_ROWS + i] * i8_d(&r, j, b);
+                const float scale = dw[(g * (nb >> sh) + (b >> sh)) * I8_ROWS + i] * i8_d(&r, j, b);
                 acc = fmaf((float)isum, scale, acc);
             }
             y[j * out + o] = acc;
@@ -291,7 +303,7 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
 // holding AVX-VNNI's intrinsic must carry that target, which AVX2's callers may not inline.
 #define I8_TILE256(NAME, TARGET, VNNI)                                                             \
     TARGET static inline __attribute__((always_inline)) void NAME(                                \
-        int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, int half,            \
+        int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, int sh, int half,    \
         __m256i tbl, const i8_rows *r, int64_t j0, float *acc_out) {                              \
         __m256 acc[I8_J2];                                                                        \
         for (int j = 0; j < J; j++) acc[j] = _mm256_setzero_ps();                                 \
@@ -338,7 +350,7 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
             const __m256 dwv =                                                                    \
                 BYTES ? _mm256_cvtph_ps(_mm_loadu_si128(                                          \
                             (const __m128i *)((const uint16_t *)dw + b * I8_ROWS + 8 * half)))    \
-                      : _mm256_loadu_ps((const float *)dw + b * I8_ROWS + 8 * half);              \
+                      : _mm256_loadu_ps((const float *)dw + (b >> sh) * I8_ROWS + 8 * half);      \
             const float *dx = r->d + b * r->n + j0;                                               \
             for (int j = 0; j < J; j++) {                                                         \
                 const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(dx[j]));                   \
@@ -349,13 +361,13 @@ void q8_0_rows_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_
         for (int j = 0; j < J; j++) _mm256_storeu_ps(acc_out + 8 * j, acc[j]);                    \
     }
 
-typedef void (*i8_tile256_fn)(const uint8_t *, const void *, int64_t, int, __m256i,
+typedef void (*i8_tile256_fn)(const uint8_t *, const void *, int64_t, int, int, __m256i,
                               const i8_rows *, int64_t, float *);
 #define I8_TILE256_J(TILE, TARGET, KIND, BYTES, JJ)                                               \
     TARGET __attribute__((noinline)) static void TILE##_##KIND##_##JJ(                            \
-        const uint8_t *packed, const void *dw, int64_t nb, int half, __m256i tbl,                 \
+        const uint8_t *packed, const void *dw, int64_t nb, int sh, int half, __m256i tbl,         \
         const i8_rows *r, int64_t j0, float *acc_out) {                                          \
-        TILE(JJ, BYTES, packed, dw, nb, half, tbl, r, j0, acc_out);                               \
+        TILE(JJ, BYTES, packed, dw, nb, sh, half, tbl, r, j0, acc_out);                           \
     }
 #define I8_TILES256(TILE, TARGET, KIND, BYTES)                                                    \
     I8_TILE256_J(TILE, TARGET, KIND, BYTES, 1) I8_TILE256_J(TILE, TARGET, KIND, BYTES, 2)         \
@@ -364,10 +376,10 @@ typedef void (*i8_tile256_fn)(const uint8_t *, const void *, int64_t, int, __m25
                                                        TILE##_##KIND##_3, TILE##_##KIND##_4};
 
 // The 256-bit kernels' driver: n activation rows in as few tiles as fit (of sizes as equal as
-// can be) over each group's two halves, BYTES as above; for the Q8_0 head (BYTES 1) a block of
-// maxima at a time, while its outputs are in the cache.
+// can be) over each group's two halves, BYTES as above (sh: NF4's scale shift, 0 for Q8_0);
+// for the Q8_0 head (BYTES 1) a block of maxima at a time, while its outputs are in the cache.
 static void i8_matmul256(const i8_tile256_fn tiles[I8_J2], int BYTES, const i8_rows *r,
-                         int64_t in, const uint8_t *packed, const void *dw, __m256i tbl,
+                         int64_t in, const uint8_t *packed, const void *dw, int sh, __m256i tbl,
                          float *y, int64_t out, float *maxima, int threads) {
     const int64_t n = r->n, nb = in / I8_BLOCK;
     const int64_t tiles_n = (n + I8_J2 - 1) / I8_J2, per = (n + tiles_n - 1) / tiles_n;
@@ -382,9 +394,10 @@ static void i8_matmul256(const i8_tile256_fn tiles[I8_J2], int BYTES, const i8_r
             const int rows = b1 - o0 < 8 ? (int)(b1 - o0) : 8, half = (int)(o0 / 8 % 2);
             for (int64_t j0 = 0; j0 < n; j0 += per) {
                 const int J = n - j0 < per ? (int)(n - j0) : (int)per;
-                const void *scales = BYTES ? (const void *)((const uint16_t *)dw + g * nb * I8_ROWS)
-                                           : (const void *)((const float *)dw + g * nb * I8_ROWS);
-                tiles[J - 1](packed + g * nb * stride, scales, nb, half, tbl, r, j0, acc);
+                const void *scales =
+                    BYTES ? (const void *)((const uint16_t *)dw + g * nb * I8_ROWS)
+                          : (const void *)((const float *)dw + g * (nb >> sh) * I8_ROWS);
+                tiles[J - 1](packed + g * nb * stride, scales, nb, sh, half, tbl, r, j0, acc);
                 for (int j = 0; j < J; j++)
                     memcpy(y + (j0 + j) * out + o0, acc + 8 * j, sizeof(float) * (size_t)rows);
             }
@@ -397,9 +410,10 @@ static void i8_matmul256(const i8_tile256_fn tiles[I8_J2], int BYTES, const i8_r
 // driver. NF4's table as the tiles read it: `offset` 0 (AVX2's signed values) or I8_OFFSET
 // (AVX-VNNI's unsigned ones).
 static void nf4_i8_256(const i8_tile256_fn tiles[I8_J2], int offset, const float *x, int64_t n,
-                       int64_t in, const uint8_t *packed, const float *dw, const float *table,
-                       float *y, int64_t out, int threads) {
-    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+                       int64_t in, const uint8_t *packed, const float *dw, int64_t blocksize,
+                       const float *table, float *y, int64_t out, int threads) {
+    const int sh = i8_shift(blocksize);
+    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
@@ -407,7 +421,7 @@ static void nf4_i8_256(const i8_tile256_fn tiles[I8_J2], int offset, const float
     uint8_t t8[16];
     for (int c = 0; c < 16; c++) t8[c] = (uint8_t)(w8[c] + offset);
     const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t8));
-    i8_matmul256(tiles, 0, &r, in, packed, dw, tbl, y, out, NULL, threads);
+    i8_matmul256(tiles, 0, &r, in, packed, dw, sh, tbl, y, out, NULL, threads);
     i8_rows_free(&r);
 }
 
@@ -418,7 +432,8 @@ static void q8_rows_256(const i8_tile256_fn tiles[I8_J2], const float *x, int64_
     if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
-    i8_matmul256(tiles, 1, &r, in, packed, dw, _mm256_setzero_si256(), y, out, maxima, threads);
+    i8_matmul256(tiles, 1, &r, in, packed, dw, 0, _mm256_setzero_si256(), y, out, maxima,
+                 threads);
     i8_rows_free(&r);
 }
 
@@ -448,14 +463,12 @@ I8_TILES256(i8_tile_avxvnni, I8_AVXVNNI, q8, 1)
 void nf4_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                         const float *dw, int64_t blocksize, const float *table, float *y,
                         int64_t out, int threads) {
-    (void)blocksize;
-    nf4_i8_256(i8_tile_avx2_nf4, 0, x, n, in, packed, dw, table, y, out, threads);
+    nf4_i8_256(i8_tile_avx2_nf4, 0, x, n, in, packed, dw, blocksize, table, y, out, threads);
 }
 void nf4_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                            const float *dw, int64_t blocksize, const float *table, float *y,
                            int64_t out, int threads) {
-    (void)blocksize;
-    nf4_i8_256(I8_AVXVNNI_NF4, x, n, in, packed, dw, table, y, out, threads);
+    nf4_i8_256(I8_AVXVNNI_NF4, x, n, in, packed, dw, blocksize, table, y, out, threads);
 }
 void q8_0_rows_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                               const uint16_t *dw, float *y, int64_t out, float *maxima,
@@ -484,7 +497,7 @@ void q8_0_rows_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const ui
 // BYTES 0: a group's block of NF4 codes (256 bytes, decoded by the table); 1: of Q8_0 values
 // already unsigned (512 bytes, `q8_0_i8_pack`: vector v at 64 v)
 I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
-    int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl,
+    int J, int BYTES, const uint8_t *packed, const void *dw, int64_t nb, int sh, __m512i tbl,
     const i8_rows *r, int64_t j0, float *y, int64_t out, int rows) {
     __m512 acc[I8_J16];
     for (int j = 0; j < J; j++) acc[j] = _mm512_setzero_ps();
@@ -509,7 +522,7 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
             }
         const __m512 dwv = BYTES ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                        (const __m256i *)((const uint16_t *)dw + b * I8_ROWS)))
-                                 : _mm512_loadu_ps((const float *)dw + b * I8_ROWS);
+                                 : _mm512_loadu_ps((const float *)dw + (b >> sh) * I8_ROWS);
         // this block of the tile's rows: their values side by side (one pointer, constant
         // offsets: each 4 bytes broadcast from memory inside vpdpbusd), scales and biases
         const int32_t *qx = (const int32_t *)i8_q(r, j0, b);
@@ -534,9 +547,9 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
 
 #define I8_TILE16(KIND, BYTES, JJ)                                                         \
     I8_512 __attribute__((noinline)) static void i8_tile_##KIND##_##JJ(                    \
-        const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl, const i8_rows *r,  \
-        int64_t j0, float *y, int64_t out, int rows) {                                    \
-        i8_tile_vnni(JJ, BYTES, packed, dw, nb, tbl, r, j0, y, out, rows);                 \
+        const uint8_t *packed, const void *dw, int64_t nb, int sh, __m512i tbl,            \
+        const i8_rows *r, int64_t j0, float *y, int64_t out, int rows) {                  \
+        i8_tile_vnni(JJ, BYTES, packed, dw, nb, sh, tbl, r, j0, y, out, rows);             \
     }
 #define I8_TILES16(KIND, BYTES)                                                                \
     I8_TILE16(KIND, BYTES, 1) I8_TILE16(KIND, BYTES, 2) I8_TILE16(KIND, BYTES, 3)              \
@@ -547,8 +560,8 @@ I8_512 static inline __attribute__((always_inline)) void i8_tile_vnni(
         i8_tile_##KIND##_1, i8_tile_##KIND##_2,  i8_tile_##KIND##_3,  i8_tile_##KIND##_4,      \
         i8_tile_##KIND##_5, i8_tile_##KIND##_6,  i8_tile_##KIND##_7,  i8_tile_##KIND##_8,      \
         i8_tile_##KIND##_9, i8_tile_##KIND##_10, i8_tile_##KIND##_11, i8_tile_##KIND##_12};
-typedef void (*i8_tile16_fn)(const uint8_t *, const void *, int64_t, __m512i, const i8_rows *,
-                             int64_t, float *, int64_t, int);
+typedef void (*i8_tile16_fn)(const uint8_t *, const void *, int64_t, int, __m512i,
+                             const i8_rows *, int64_t, float *, int64_t, int);
 I8_TILES16(nf4, 0)
 I8_TILES16(q8, 1)
 #undef I8_TILES16
@@ -557,8 +570,8 @@ I8_TILES16(q8, 1)
 I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                                const float *dw, int64_t blocksize, const float *table, float *y,
                                int64_t out, int threads) {
-    (void)blocksize;
-    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    const int sh = i8_shift(blocksize);
+    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
@@ -575,8 +588,8 @@ I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint
         const int rows = out - o0 < I8_ROWS ? (int)(out - o0) : I8_ROWS;
         for (int64_t j0 = 0; j0 < n; j0 += per) {
             const int J = n - j0 < per ? (int)(n - j0) : (int)per;
-            i8_tiles16_nf4[J - 1](packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r,
-                                  j0, y + o0, out, rows);
+            i8_tiles16_nf4[J - 1](packed + g * nb * I8_BYTES, dw + g * (nb >> sh) * I8_ROWS, nb,
+                                  sh, tbl, &r, j0, y + o0, out, rows);
         }
     }
     i8_rows_free(&r);
@@ -600,7 +613,7 @@ I8_512 void q8_0_rows_matmul_i8_vnni(const float *x, int64_t n, int64_t in,
             for (int64_t j0 = 0; j0 < n; j0 += per) {
                 const int J = n - j0 < per ? (int)(n - j0) : (int)per;
                 i8_tiles16_q8[J - 1](packed + g * nb * 2 * I8_BYTES, dw + g * nb * I8_ROWS, nb,
-                                     unused, &r, j0, y + o0, out, rows);
+                                     0, unused, &r, j0, y + o0, out, rows);
             }
         }
         if (maxima) block_maxima(y, n, out, b0, b1, maxima, (out + HEAD_BLOCK - 1) / HEAD_BLOCK);
@@ -715,7 +728,7 @@ I8_AMX static inline __attribute__((always_inline)) void amx_epilogue(
 #define AMX_DW(b)                                                                               \
     (BYTES ? _mm512_cvtph_ps(_mm256_loadu_si256(                                                \
                  (const __m256i *)((const uint16_t *)dw + (b) * I8_ROWS)))                      \
-           : _mm512_loadu_ps((const float *)dw + (b) * I8_ROWS))
+           : _mm512_loadu_ps((const float *)dw + ((b) >> sh) * I8_ROWS))
 
 // One group of 16 weight rows (`out_rows` of them stored) for activation rows j0 .. j0 + J (J
 // at most 16: one tile, their accumulators in registers), over every block. Pipelined two
@@ -724,8 +737,8 @@ I8_AMX static inline __attribute__((always_inline)) void amx_epilogue(
 // is under way, and block b - 2's epilogue reads them from there. The epilogues still run in
 // block order. BYTES as `i8_tile_vnni`'s.
 I8_AMX static inline __attribute__((always_inline)) void i8_group_amx(
-    int BYTES, const uint8_t *packed, const void *dw, int64_t nb, __m512i tbl, const i8_rows *r,
-    int64_t j0, int64_t J, float *y, int64_t out, int out_rows) {
+    int BYTES, const uint8_t *packed, const void *dw, int64_t nb, int sh, __m512i tbl,
+    const i8_rows *r, int64_t j0, int64_t J, float *y, int64_t out, int out_rows) {
     __attribute__((aligned(64))) uint8_t wt[2][8 * 64];
     __attribute__((aligned(64))) int32_t c[2][AMX_ROWS * 16];
     __m512 acc[AMX_ROWS];
@@ -772,7 +785,8 @@ I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8
         nf4_matmul_i8_vnni(x, n, in, packed, dw, blocksize, table, y, out, threads);
         return;
     }
-    if (!sizes_ok(n, in, out, I8_BLOCK, 0, y)) return;
+    const int sh = i8_shift(blocksize);
+    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];  // signed: tdpbssd, and no bias to add
@@ -790,8 +804,9 @@ I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8
             const int64_t o0 = g * I8_ROWS;
             const int out_rows = out - o0 < I8_ROWS ? (int)(out - o0) : I8_ROWS;
             for (int64_t j0 = 0; j0 < n; j0 += per)  // the group's weights stay in the cache
-                i8_group_amx(0, packed + g * nb * I8_BYTES, dw + g * nb * I8_ROWS, nb, tbl, &r,
-                             j0, n - j0 < per ? n - j0 : per, y + o0, out, out_rows);
+                i8_group_amx(0, packed + g * nb * I8_BYTES, dw + g * (nb >> sh) * I8_ROWS, nb,
+                             sh, tbl, &r, j0, n - j0 < per ? n - j0 : per, y + o0, out,
+                             out_rows);
         }
         _tile_release();
     }
@@ -825,7 +840,7 @@ I8_AMX void q8_0_rows_matmul_i8_amx(const float *x, int64_t n, int64_t in,
                 const int out_rows = b1 - o0 < I8_ROWS ? (int)(b1 - o0) : I8_ROWS;
                 for (int64_t j0 = 0; j0 < n; j0 += per)
                     i8_group_amx(1, packed + g * nb * 2 * I8_BYTES, dw + g * nb * I8_ROWS, nb,
-                                 unused, &r, j0, n - j0 < per ? n - j0 : per, y + o0, out,
+                                 0, unused, &r, j0, n - j0 < per ? n - j0 : per, y + o0, out,
                                  out_rows);
             }
             if (maxima)

@@ -201,7 +201,7 @@ class CpuRunner(Runner):
 
     def _nf4(self, forward) -> _NF4Weight:
         codes, scales = forward.codes, forward.absmax
-        if self.int8:  # the integer kernels' layout: packed codes, scales per block of 32
+        if self.int8:  # the integer kernels' layout: packed codes, a scale per NF4 block
             codes, scales = kernels.nf4_i8_pack(self.lib, codes, scales, forward.out_features,
                                                 forward.in_features, forward.state.blocksize)
         bias = self._ptr(forward.bias.contiguous()) if forward.bias is not None else None
