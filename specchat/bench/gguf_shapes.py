@@ -474,6 +474,7 @@ def race(shape: str, draft_shape: str | None, workdir: Path, threads: int,
     draft = shape_file(draft_shape, workdir, progress) if draft_shape else None
     binary = llama_cpp.cached_tool("llama-bench") or \
         llama_cpp.build(log=progress) / "llama-bench"
+    os.sync()  # a fresh file's pages written back now, not while llama-bench times its reads
     progress(f"llama-bench on {target.name}, {threads} threads")
     runs = [dict(prompts=(512, PROMPT), gen=64), dict(prompts=(0,), gen=64, depth=CONTEXT)]
     results, commands = [], []
@@ -540,7 +541,8 @@ def summary(r: dict) -> str:
                      f"c = {sc['c']}; projected (random weights: no acceptance): " + ", ".join(
                          f"a={a}: {p['speedup']}x at k={p['k']}"
                          for a, p in sc["projected"].items()))
-    lines.append(f"  specchat peak RSS {sc['peak_rss_gb']} GB")
+    lines.append(f"  specchat peak RSS {sc['peak_rss_gb']} GB while loading the target and "
+                 f"stepping it, {sc.get('rss_gb')} GB resident after")
     lines += [f"  llama.cpp: {c}" for c in lc["commands"]]
     return "\n".join(lines)
 

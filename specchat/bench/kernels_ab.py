@@ -1,9 +1,10 @@
 """Two builds of specchat's C kernels, side by side in one process: the forward of n rows
-(`cpu-int8`'s decoder stack and LM head, on the embedded target) by the working tree's sources
-and by a git revision's, alternated call by call so that the machine's drift hits both alike,
+(`cpu-int8`'s decoder stack and LM head, on the embedded target or `--target`'s) by the working
+tree's sources and by a git revision's, alternated call by call so that the machine's drift hits both alike,
 with the bits compared.
 
     python -m specchat.bench.kernels_ab --base HEAD~1 --rows 1,4,8,16 --repeats 21
+    python -m specchat.bench.kernels_ab --base HEAD~1 --target llama-3.2-1b-Q4_0.gguf
 
 A kernel change that should not change a bit must print `same bits`; its speed is the ratio of
 the medians (B/A: the working tree over the base). Timing one build after the other, minutes
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,8,16", help="rows a forward feeds (default: 1,4,8,16)")
     p.add_argument("--repeats", type=int, default=21, help="forwards of each build and width")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--target", default="embedded",
+                   help="the model whose forward is timed (default: the embedded target)")
     p.add_argument("--kernels", metavar="A,B",
                    help="two integer kernels of the working tree's build instead, of amx, "
                         "vnni, avxvnni and avx2 (vnni,amx)")
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "base").mkdir()
         libs = {"A": _build(_sources_at(args.base, tmp / "base"), tmp / "a.so"),
                 "B": _build(kernels.CSRC, tmp / "b.so")}
-        engine = load_engine("embedded", progress=lambda *a: None).engine
+        engine = load_engine(args.target, progress=lambda *a: None).engine
         ids, _ = engine.text_prompt(PROMPT)
         runners = {k: CpuRunner(engine.model, lib, int8=True) for k, lib in libs.items()}
         # one LM head module serves both runners: its integer product takes each build's
@@ -121,7 +124,7 @@ def _kernels_ab(args, rows: list[int]) -> int:
         print(f"--kernels takes two of {', '.join(n for n in kernels.I8_KERNELS if n != 'ref')} "
               f"that this CPU runs, not {args.kernels!r}", file=sys.stderr)
         return 2
-    engine = load_engine("embedded", progress=lambda *a: None).engine
+    engine = load_engine(args.target, progress=lambda *a: None).engine
     runner = engine.runner
     if not getattr(runner, "int8", False):
         print(f"--kernels needs the cpu-int8 path; this model runs {engine.target.runtime.path}",

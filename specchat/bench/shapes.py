@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import time
 from pathlib import Path
@@ -99,17 +99,21 @@ def _prompt(engine, tokens: int) -> tuple[float, float]:
 
 def measure(target: str, draft: str | None, workdir: Path, progress=print) -> dict:
     from specchat.bench.metrics import leviathan_speedup
+    from specchat.bench.run import current_rss_mb, peak_rss_mb
     from specchat.core.engine import Engine
     from specchat.models.load import load_model
 
     progress(f"{target}: writing and loading its checkpoint (random weights)")
     loaded = load_model(str(checkpoint(target, workdir)), "nf4", "cpu", progress=progress)
+    os.sync()  # a first load's conversion written back now, not while the steps are timed
     vocab = loaded.model.config.get_text_config().vocab_size
     runner = loaded.runner
     engine = Engine(loaded, {}, prefix_tokens=0)
     engine.eos_ids = set()
     ms = _forward_ms(runner, vocab)
     step = ms[1]
+    # the load's and the steps' peak, before the read rate's buffer (2 GB) would count in it
+    peak, resident = peak_rss_mb() / 1024, (current_rss_mb() or 0.0) / 1024
     rate = read_rate()
     read = getattr(runner, "bytes_per_token", None)
     first, _ = _prompt(engine, 328)
@@ -138,8 +142,9 @@ def measure(target: str, draft: str | None, workdir: Path, progress=print) -> di
         out.update({"draft": draft, "draft_label": small.label, "draft_step_ms": round(d_ms, 2),
                     "c": round(c, 3), "projected": projected,
                     "note": "projected from measured costs (random weights: no acceptance)"})
-    out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
+    out["peak_rss_gb"], out["rss_gb"] = round(peak, 2), round(resident, 2)
     return out
+
 
 
 def summary(r: dict) -> str:
