@@ -393,3 +393,35 @@ def test_generate_runs_with_a_gguf_file_as_target_and_draft(tmp_path):
     assert stats["target"].startswith(str(file)) and stats["drafter"] == "model"
     assert proc.stderr.count("Converting tiny.gguf") == 1  # the draft found the target's
     assert len(list((tmp_path / "cache" / "models").glob("gguf-tiny-*"))) == 1
+
+
+@pytest.mark.parametrize("arch,head", [("llama", "output.weight"), ("qwen2", "token_embd.weight")])
+def test_a_q8_0_head_runs_as_the_file_holds_it(arch, head, tmp_path, monkeypatch):
+    """A file's Q8_0 LM head (its own, or the embedding it is tied to) is the CPU head's: the
+    file's int8 values and fp16 scales, not their bf16 rounding quantized again; a head of
+    another type is not taken for one."""
+    from gguf import GGMLQuantizationType as T
+
+    from specchat.models import runtime
+    from specchat.models.gguf_head import read_q8_0
+    from specchat.models.load import load_model
+    from specchat.runners.cpu.q8_head import Q8Head
+
+    pytest.importorskip("bitsandbytes")
+    path = next((p.name for p in runtime.candidates(forced="") if p.int8), None)
+    if path is None:
+        pytest.skip("no integer path runs here")
+    monkeypatch.setenv(runtime.ENV, path)
+    model = tiny_model(arch, hidden_size=256, intermediate_size=256)
+    file = write_gguf(tmp_path / f"{arch}.gguf", model, kinds={head: T.Q8_0})
+    loaded = load_model(str(file), "nf4", "cpu", progress=lambda *a: None)
+    assert "LM head from the GGUF's Q8_0" in loaded.label, loaded.label
+    made = vars(loaded.model.get_output_embeddings())["forward"]
+    q, d = read_q8_0(file, head)
+    assert isinstance(made, Q8Head)
+    assert torch.equal(made.dequantized(torch.arange(len(q))),
+                       q.float() * d.float().repeat_interleave(32, 1))
+
+    other = write_gguf(tmp_path / f"{arch}-q6.gguf", model, kinds={head: T.Q6_K})
+    loaded = load_model(str(other), "nf4", "cpu", progress=lambda *a: None)
+    assert "GGUF's Q8_0" not in loaded.label, loaded.label

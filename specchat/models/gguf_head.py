@@ -1,6 +1,7 @@
-"""Q8_0 LM heads made at load, run by `runners.cpu.q8_head.Q8Head` on specchat's kernel: the
-embedded target's from its GGUF's own Q8_0 blocks (`gguf_q8_head`), another model's float head
-quantized once on the integer path (`quantized_q8_head`).
+"""Q8_0 LM heads made at load, run by `runners.cpu.q8_head.Q8Head` on specchat's kernel: a
+GGUF's own Q8_0 blocks (`gguf_q8_head`: the embedded target's, and a `--target FILE.gguf`'s
+whose head is Q8_0), another model's float head quantized once on the integer path
+(`quantized_q8_head`).
 
 The embedded Gemma 3 270M ships as a GGUF whose token embedding, tied to the LM head, is Q8_0:
 int8 values with one fp16 scale per 32. Those are the model's true values; the converted
@@ -57,11 +58,20 @@ def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight", chunk_rows
 Q8_0 = 8  # ggml's type number of Q8_0
 
 
+def head_tensor(gguf_file: str | Path) -> str:
+    """The name of a GGUF's LM head tensor: `output.weight`, or where the file has none (a
+    head tied to the embedding, as llama.cpp writes one) `token_embd.weight`."""
+    from specchat.models.gguf_files import read_gguf
+
+    return "output.weight" if "output.weight" in read_gguf(Path(gguf_file)).tensors \
+        else "token_embd.weight"
+
+
 def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
-    """Give a CPU model (float32 or bf16) the LM head of its GGUF's Q8_0 token embedding, where
-    the checkpoint's head is that embedding rounded to bf16 (checked on a sample of rows) and
-    `lib`'s kernel (a `kernels.load` build, or None) is row-exact and agrees with the
-    dequantized values. Returns whether it did."""
+    """Give a CPU model (float32 or bf16) the LM head of its GGUF's Q8_0 head tensor
+    (`head_tensor`), where the checkpoint's head is that tensor rounded to bf16 (checked on a
+    sample of rows) and `lib`'s kernel (a `kernels.load` build, or None) is row-exact and agrees
+    with the dequantized values. Returns whether it did."""
     head = model.get_output_embeddings()
     if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
             or head.weight.dtype not in (torch.float32, torch.bfloat16) \
@@ -69,7 +79,7 @@ def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
             or head.weight.shape[1] % BLOCK or head.weight.shape[1] > lib.max_in():
         return False
     try:
-        read = read_q8_0(gguf_file)
+        read = read_q8_0(gguf_file, head_tensor(gguf_file))
     except (ImportError, OSError, ValueError, ModelLoadError):
         return False
     if read is None or read[0].shape != head.weight.shape:

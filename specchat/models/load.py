@@ -23,7 +23,7 @@ from specchat.models.embedded import (
     embedded_checkpoint,
     gguf_path,
 )
-from specchat.models.gguf_files import WHAT_WORKS, gguf_checkpoint, is_gguf
+from specchat.models.gguf_files import WHAT_WORKS, gguf_checkpoint, is_gguf, model_file
 from specchat.models.gguf_head import gguf_q8_head, quantized_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
@@ -240,8 +240,10 @@ def _load(name_or_path: str, path: str, quantization: str, dev: torch.device,
     release_freed_memory()
     embedded = name_or_path in ("", EMBEDDED)
     if cpu_path is not None:
+        source = gguf_path() if embedded else \
+            model_file(Path(name_or_path)) if is_gguf(Path(name_or_path)) else None
         how = _run_on_cpu(model, cpu_path, lib, quantization == "nf4", embedded,
-                          widen=kwargs["dtype"] != cpu_path.compute)
+                          widen=kwargs["dtype"] != cpu_path.compute, source=source)
     if embedded:
         name_or_path = EMBEDDED_NAME
     _keep_step_buffers()
@@ -261,10 +263,11 @@ def _saved_dtype(path: str) -> torch.dtype | None:
 
 
 def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
-                widen: bool) -> str:
+                widen: bool, source: Path | None = None) -> str:
     """Give a freshly loaded CPU model the forwards of `cpu_path` (`lib`: its kernels build);
-    `widen`: the model was loaded in bf16 for a float32 path. Returns how it runs, in words,
-    for its label."""
+    `widen`: the model was loaded in bf16 for a float32 path; `source`: the GGUF it was
+    converted from, whose Q8_0 head, if it has one, is the LM head's. Returns how it runs, in
+    words, for its label."""
     # The embedded target's table stays in the checkpoint's mapping, read a row at a time: its
     # LM head reads the GGUF's copy (below), so nothing reads the table whole at every step
     # (320 MB of bf16 that would be resident; `memory.drop_read_pages` ends the loading).
@@ -272,9 +275,10 @@ def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
     _copy_out_of_file_mapping(model, keep=(table,) if embedded else ())
     release_freed_memory()
     how = []
-    # The GGUF's head first: it reads a copy of its own, so the tied table can stay bf16, and a
-    # bf16 copy for `fast_lm_head` would raise the peak by 336 MB.
-    q8_head = embedded and gguf_q8_head(model, gguf_path(), lib)
+    # A GGUF's Q8_0 head first, as the file holds it (not its bf16 rounding quantized again):
+    # it reads a copy of its own, so the tied table can stay bf16, and a bf16 copy for
+    # `fast_lm_head` would raise the peak by 336 MB.
+    q8_head = source is not None and gguf_q8_head(model, source, lib)
     if q8_head:
         how.append("LM head from the GGUF's Q8_0")
     elif embedded:  # the table is the LM head's, read whole at every step: in memory we own
