@@ -1,13 +1,19 @@
 """Loading: weights that stay views of the memory-mapped checkpoint are moved into owned memory."""
 
 import sys
+import time
 
 import pytest
 import torch
 from tiny import tiny_gemma3
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
-from specchat.runners.memory import _copy_out_of_file_mapping, _file_mappings, drop_read_pages
+from specchat.runners.memory import (
+    SheddingPages,
+    _copy_out_of_file_mapping,
+    _file_mappings,
+    drop_read_pages,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc/self/maps")
@@ -72,6 +78,32 @@ def test_a_kept_table_stays_mapped_and_its_pages_come_back_a_lookup_at_a_time(tm
         assert torch.equal(p, before[name]), name
     assert torch.equal(rows[0], before["model.embed_tokens.weight"][ids[0]] *
                        model.get_input_embeddings().embed_scale.to(torch.bfloat16))
+
+
+def test_a_loading_checkpoints_read_pages_are_reclaimed_and_its_values_kept(tmp_path):
+    """`SheddingPages` while a checkpoint loads: the pages read of the files under its folder
+    leave the process's resident memory, and every value reads back the same, a page written
+    since it was mapped (copy-on-write) included."""
+    tiny_gemma3(0, vocab=32768).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    table = model.get_input_embeddings().weight
+    start = table.data_ptr()
+    end = start + table.numel() * table.element_size()
+    assert any(s <= start < e for s, e in _file_mappings(str(tmp_path)))
+    expected = table.detach().clone()
+    with torch.no_grad():
+        table[7] = 3.0  # a private page of its own now
+    expected[7] = 3.0
+    assert torch.equal(table, expected)  # every page read: resident
+    whole = _resident_kb(start, end)
+    shedding = SheddingPages(tmp_path)
+    if not shedding.shed():
+        pytest.skip("this kernel reclaims no pages on request (MADV_PAGEOUT, Linux 5.4)")
+    assert _resident_kb(start, end) < whole / 4
+    assert torch.equal(table, expected)
+    with SheddingPages(tmp_path, interval=0.01):  # the thread: started, stopped
+        time.sleep(0.05)
+    assert torch.equal(table, expected)
 
 
 def test_wide_inputs_take_the_dense_path_and_agree_with_the_fused_kernel(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from specchat.runners.hf.cpu import (
     widen_to_float32,
 )
 from specchat.runners.memory import (
+    SheddingPages,
     _copy_out_of_file_mapping,
     _keep_step_buffers,
     release_freed_memory,
@@ -225,7 +227,8 @@ def _load(name_or_path: str, path: str, quantization: str, dev: torch.device,
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         _drop_construction_copies(tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(path, device_map={"": dev}, **kwargs)
+        with SheddingPages(path) if local and quantization == "nf4" else nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(path, device_map={"": dev}, **kwargs)
     except torch.OutOfMemoryError as e:
         raise ModelLoadError(f"Out of memory loading {name_or_path} on {dev}: try "
                              "--quantization nf4, a smaller model, or --device cpu.") from e
