@@ -368,3 +368,30 @@ def test_the_quality_comparison_reads_two_paths_on_the_same_reply(checkpoint, mo
     integer = cpu_runner.CpuRunner(model, lib, int8=True)
     same, total, each = quality.compare(reference, integer, prompt, reply)
     assert 0 <= same <= 8 and len(each) == 8 and min(each) > -1e-6 and total > 0
+
+
+def test_the_integer_paths_packed_layers_hold_the_codes_once(checkpoint, monkeypatch):
+    """On `cpu-int8` the modules let go of bitsandbytes' codes once the packed copy serves the
+    steps; transformers' forward on the same model reads them back, the same bits, and
+    computes what a model that never let go computes."""
+    from specchat.runners.hf.cpu import NF4KernelForward
+    from specchat.runners.nf4 import codes_and_state
+
+    path = next((p for p in KERNEL_PATHS if runtime.BY_NAME[p].int8), None)
+    if path is None:
+        pytest.skip("no integer path runs here")
+    ours = load(checkpoint, path, monkeypatch)
+    assert isinstance(ours.runner, cpu_runner.CpuRunner)
+    layer = ours.model.get_decoder().layers[0].mlp.down_proj
+    forward = vars(layer)["forward"]
+    assert isinstance(forward, NF4KernelForward) and layer.weight.data.numel() == 0
+    theirs = load(checkpoint, path, monkeypatch, runner="transformers")
+    want = vars(theirs.model.get_decoder().layers[0].mlp.down_proj)["forward"].codes
+    assert layer.weight.data.numel() == 0  # (the other model's load did not touch it)
+    assert torch.equal(codes_and_state(layer)[0], want)  # read back, in bitsandbytes' order
+    assert layer.weight.data.data_ptr() == forward.codes.data_ptr()
+    forward.release_codes(forward._restore)
+    runners.use_transformers_forward(ours)
+    ids = IDS[:40]
+    assert torch.equal(logits_in_pages(ours.runner, ids)[0],
+                       logits_in_pages(theirs.runner, ids)[0])

@@ -93,6 +93,14 @@ def test_every_kernel_gives_the_references_bits_at_every_row_count(out, inn):
                               rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("out,inn", SHAPES)
+def test_the_packed_codes_give_bitsandbytes_codes_back(out, inn):
+    lib = _kernels()["ref"]
+    codes, absmax = _weight(out, inn, seed=4)
+    packed, _ = kernels.nf4_i8_pack(lib, codes, absmax, out, inn, 64)
+    assert torch.equal(kernels.nf4_i8_unpack(lib, packed, out, inn), codes)
+
+
 @pytest.mark.parametrize("blocksize", (32, 128))
 def test_other_nf4_blocks_read_their_own_scales_on_every_kernel(blocksize):
     """A scale a block of 32, or one for four of them: every kernel reads block b's scale at

@@ -83,6 +83,7 @@ _ARGTYPES = {
     "decoder_forward_i8": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
                            _ptr, _int],
     "nf4_i8_pack": [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr],
+    "nf4_i8_unpack": [_ptr, _i64, _i64, _ptr],
     "q8_0_i8_pack": [_ptr, _ptr, _i64, _i64, _ptr],
     "q8_0_rows_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
     "nf4_i8_packed_bytes": [_i64, _i64],
@@ -96,11 +97,12 @@ _ARGTYPES = {
 }
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
-             "nf4_i8_pack": _int, "nf4_i8_packed_bytes": _i64, "q8_0_i8_pack": _int,
+             "nf4_i8_pack": _int, "nf4_i8_unpack": _int, "nf4_i8_packed_bytes": _i64,
+             "q8_0_i8_pack": _int,
              "draft_head_forward": _int, "draft_head_chain": _int, "row_top": ctypes.c_float,
              "row_evidence": ctypes.c_float, "shape_reduced": _int, "min_p_place": _i64}
 # one function in both builds, no reference twin
-_PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
+_PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_unpack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
@@ -151,6 +153,7 @@ class Kernels:
     nf4_matmul_i8: Callable[..., None]
     decoder_forward_i8: Callable[..., int]
     nf4_i8_pack: Callable[..., int]
+    nf4_i8_unpack: Callable[..., int]
     nf4_i8_packed_bytes: Callable[..., int]
     # the Q8_0 LM head by the same arithmetic, repacked in place (`q8_0_i8_pack`): VNNI where
     # the CPU has it, else the reference (the same bits)
@@ -465,6 +468,15 @@ def nf4_i8_pack(lib: Kernels, codes: torch.Tensor, absmax: torch.Tensor, out_fea
                          f"and inputs in whole blocks; got {in_features} inputs, blocks of "
                          f"{blocksize}")
     return packed, dw
+
+
+def nf4_i8_unpack(lib: Kernels, packed: torch.Tensor, out_features: int,
+                  in_features: int) -> torch.Tensor:
+    """bitsandbytes' NF4 codes [out * in / 2] back from `nf4_i8_pack`'s packed ones."""
+    codes = torch.empty(out_features * in_features // 2, dtype=torch.uint8)
+    if lib.nf4_i8_unpack(packed.data_ptr(), out_features, in_features, codes.data_ptr()):
+        raise ValueError(f"no packed NF4 layer of {out_features} x {in_features}")
+    return codes
 
 
 def nf4_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch.Tensor,

@@ -37,6 +37,9 @@ def codes_and_state(module) -> tuple[torch.Tensor, object]:
     the layout the layer is in now. A repacked layer's block scales are the bf16 values that
     bitsandbytes' kernel computes with since the repack. The module is not changed; on a layer
     that was never repacked these are its own tensors."""
+    restore = getattr(vars(module).get("forward"), "restore_codes", None)
+    if restore is not None:  # codes a packed copy stood in for (`NF4KernelForward`)
+        restore()
     weight, state = module.weight.data, module.weight.quant_state
     if not repacked(module):
         return weight, state

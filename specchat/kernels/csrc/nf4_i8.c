@@ -96,6 +96,24 @@ int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t 
     return 0;
 }
 
+// The inverse of `nf4_i8_pack`'s codes: packed -> bitsandbytes' codes [out, in] (two a byte, the
+// first in the high nibble), for a module that reads its layer again after the codes it held
+// were let go. 0, or -1 for sizes the packing does not take.
+int nf4_i8_unpack(const uint8_t *packed, int64_t out, int64_t in, uint8_t *codes) {
+    if (out <= 0 || in <= 0 || in % I8_BLOCK) return -1;
+    const int64_t nb = in / I8_BLOCK;
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = packed + ((o / I8_ROWS) * nb + b) * I8_BYTES;
+            for (int t = 0; t < I8_BLOCK; t += 2) {
+                const int hi = i8_code(blk, (int)(o % I8_ROWS), t);
+                const int lo = i8_code(blk, (int)(o % I8_ROWS), t + 1);
+                codes[(o * in + b * I8_BLOCK + t) / 2] = (uint8_t)(hi << 4 | lo);
+            }
+        }
+    return 0;
+}
+
 // The largest |v| of a block of 32 (`a > m ? a : m` from 0: a NaN never wins; max is exact in
 // any order, so the SIMD form gives the plain one's value)
 static inline float block_amax(const float *v) {

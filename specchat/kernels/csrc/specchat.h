@@ -75,6 +75,7 @@ void nf4_matmul16_ref(const float *x, int64_t n, int64_t in, const uint8_t *code
 int64_t nf4_i8_packed_bytes(int64_t out, int64_t in);
 int nf4_i8_pack(const uint8_t *codes, const float *absmax, int64_t out, int64_t in,
                 int64_t blocksize, uint8_t *packed, float *dw);
+int nf4_i8_unpack(const uint8_t *packed, int64_t out, int64_t in, uint8_t *codes);
 void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                        const float *dw, int64_t blocksize, const float *table, float *y,
                        int64_t out, int threads);

@@ -202,8 +202,12 @@ class CpuRunner(Runner):
     def _nf4(self, forward) -> _NF4Weight:
         codes, scales = forward.codes, forward.absmax
         if self.int8:  # the integer kernels' layout: packed codes, a scale per NF4 block
-            codes, scales = kernels.nf4_i8_pack(self.lib, codes, scales, forward.out_features,
-                                                forward.in_features, forward.state.blocksize)
+            out, inn = forward.out_features, forward.in_features
+            codes, scales = kernels.nf4_i8_pack(self.lib, codes, scales, out, inn,
+                                                forward.state.blocksize)
+            # the same bits once: the module's codes come back from these if it runs again
+            lib, packed = self.lib, codes
+            forward.release_codes(lambda: kernels.nf4_i8_unpack(lib, packed, out, inn))
         bias = self._ptr(forward.bias.contiguous()) if forward.bias is not None else None
         return _NF4Weight(self._ptr(codes), self._ptr(scales), forward.out_features,
                           forward.in_features, bias)
