@@ -1,7 +1,7 @@
 """Two builds of specchat's C kernels, side by side in one process: the forward of n rows
 (`cpu-int8`'s decoder stack and LM head, on the embedded target or `--target`'s) by the working
-tree's sources and by a git revision's, alternated call by call so that the machine's drift hits both alike,
-with the bits compared.
+tree's sources and by a git revision's, alternated call by call so that the machine's drift
+hits both alike, with the bits compared.
 
     python -m specchat.bench.kernels_ab --base HEAD~1 --rows 1,4,8,16 --repeats 21
     python -m specchat.bench.kernels_ab --base HEAD~1 --target llama-3.2-1b-Q4_0.gguf

@@ -146,7 +146,6 @@ def measure(target: str, draft: str | None, workdir: Path, progress=print) -> di
     return out
 
 
-
 def summary(r: dict) -> str:
     lines = [f"{r['target']} on {r['runtime']['cpu']}, {r['threads']} threads, "
              f"{r['runtime']['path']}: {r['label']}",

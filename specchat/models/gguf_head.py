@@ -26,16 +26,18 @@ from specchat.runners.memory import release_freed_memory
 BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 
 
-def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight", chunk_rows: int = 4096,
+def read_q8_0(gguf_file: str | Path, name: str | None = None, chunk_rows: int = 4096,
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q int8 [rows, cols], d float16 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file, or
-    None when the file has no such tensor. Reads the header (`gguf_files.read_gguf`, which skips
+    """(q int8 [rows, cols], d float16 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file (by
+    default its LM head, `head_tensor`), or None when the file has no such Q8_0 tensor. Reads the header (`gguf_files.read_gguf`, which skips
     the vocabulary's strings) and that tensor's bytes only, `chunk_rows` rows at a time into
     the two arrays: no mapping of the file, whose pages would count as resident memory while
     it lasts (178 MB for the embedded target), and no whole-tensor temporary."""
     from specchat.models.gguf_files import read_gguf
 
-    tensor = read_gguf(Path(gguf_file)).tensors.get(name)
+    tensors = read_gguf(Path(gguf_file)).tensors
+    name = name or head_tensor(tensors)
+    tensor = tensors.get(name)
     if tensor is None or tensor.kind != Q8_0 or len(tensor.shape) != 2 \
             or tensor.shape[1] % BLOCK:
         return None
@@ -58,13 +60,10 @@ def read_q8_0(gguf_file: str | Path, name: str = "token_embd.weight", chunk_rows
 Q8_0 = 8  # ggml's type number of Q8_0
 
 
-def head_tensor(gguf_file: str | Path) -> str:
-    """The name of a GGUF's LM head tensor: `output.weight`, or where the file has none (a
-    head tied to the embedding, as llama.cpp writes one) `token_embd.weight`."""
-    from specchat.models.gguf_files import read_gguf
-
-    return "output.weight" if "output.weight" in read_gguf(Path(gguf_file)).tensors \
-        else "token_embd.weight"
+def head_tensor(tensors) -> str:
+    """The name of the LM head among a GGUF's tensors: `output.weight`, or where the file has
+    none (a head tied to the embedding, as llama.cpp writes one) `token_embd.weight`."""
+    return "output.weight" if "output.weight" in tensors else "token_embd.weight"
 
 
 def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
@@ -79,7 +78,7 @@ def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
             or head.weight.shape[1] % BLOCK or head.weight.shape[1] > lib.max_in():
         return False
     try:
-        read = read_q8_0(gguf_file, head_tensor(gguf_file))
+        read = read_q8_0(gguf_file)
     except (ImportError, OSError, ValueError, ModelLoadError):
         return False
     if read is None or read[0].shape != head.weight.shape:

@@ -55,6 +55,14 @@ static inline int i8_shift(int64_t blocksize) {
     return per & (per - 1) ? -1 : __builtin_ctzll((unsigned long long)per);
 }
 
+// Whether an NF4 product of these sizes runs (`sizes_ok`, NaN rows where not: `in` a multiple
+// of a blocksize that is 32 times a power of two); its scale shift in *sh
+static inline int i8_nf4_sizes_ok(int64_t n, int64_t in, int64_t out, int64_t blocksize,
+                                  float *y, int *sh) {
+    *sh = i8_shift(blocksize);
+    return sizes_ok(n, in, out, *sh < 0 ? 0 : blocksize, 0, y);
+}
+
 // the code of weight row i (of its group) at input t (of its block), from the group's block
 static inline int i8_code(const uint8_t *blk, int i, int t) {
     const int q = t / 4, byte = (q / 2) * 64 + 4 * i + t % 4;
@@ -202,8 +210,8 @@ static void i8_rows_free(i8_rows *r) { free(r->q), free(r->d), free(r->bias); }
 void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                        const float *dw, int64_t blocksize, const float *table, float *y,
                        int64_t out, int threads) {
-    const int sh = i8_shift(blocksize);
-    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
+    int sh;
+    if (!i8_nf4_sizes_ok(n, in, out, blocksize, y, &sh)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
@@ -220,7 +228,8 @@ void nf4_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *pac
                 const int8_t *qx = i8_q(&r, j, b);
                 int32_t isum = 0;
                 for (int t = 0; t < I8_BLOCK; t++) isum += w8[i8_code(blk, i, t)] * qx[t];
-                const float scale = dw[(g * (nb >> sh) + (b >> sh)) * I8_ROWS + i] * i8_d(&r, j, b);
+                const float dw_b = dw[(g * (nb >> sh) + (b >> sh)) * I8_ROWS + i];
+                const float scale = dw_b * i8_d(&r, j, b);
                 acc = fmaf((float)isum, scale, acc);
             }
             y[j * out + o] = acc;
@@ -430,8 +439,8 @@ static void i8_matmul256(const i8_tile256_fn tiles[I8_J2], int BYTES, const i8_r
 static void nf4_i8_256(const i8_tile256_fn tiles[I8_J2], int offset, const float *x, int64_t n,
                        int64_t in, const uint8_t *packed, const float *dw, int64_t blocksize,
                        const float *table, float *y, int64_t out, int threads) {
-    const int sh = i8_shift(blocksize);
-    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
+    int sh;
+    if (!i8_nf4_sizes_ok(n, in, out, blocksize, y, &sh)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
@@ -588,8 +597,8 @@ I8_TILES16(q8, 1)
 I8_512 void nf4_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
                                const float *dw, int64_t blocksize, const float *table, float *y,
                                int64_t out, int threads) {
-    const int sh = i8_shift(blocksize);
-    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
+    int sh;
+    if (!i8_nf4_sizes_ok(n, in, out, blocksize, y, &sh)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];
@@ -803,8 +812,8 @@ I8_AMX void nf4_matmul_i8_amx(const float *x, int64_t n, int64_t in, const uint8
         nf4_matmul_i8_vnni(x, n, in, packed, dw, blocksize, table, y, out, threads);
         return;
     }
-    const int sh = i8_shift(blocksize);
-    if (!sizes_ok(n, in, out, sh < 0 ? 0 : blocksize, 0, y)) return;
+    int sh;
+    if (!i8_nf4_sizes_ok(n, in, out, blocksize, y, &sh)) return;
     i8_rows r;
     if (!i8_rows_new(x, n, in, &r, y, out)) return;
     int8_t w8[16];  // signed: tdpbssd, and no bias to add
