@@ -86,6 +86,8 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     gc.collect()
     release_freed_memory()
     drop_read_pages(tgt.model)
+    if draft is not None:
+        drop_read_pages(draft.model)
     return LoadReport(engine, draft, notes)
 
 

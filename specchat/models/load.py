@@ -42,6 +42,7 @@ from specchat.runners.hf.cpu import (
 from specchat.runners.memory import (
     SheddingPages,
     _copy_out_of_file_mapping,
+    drop_read_pages,
     _keep_step_buffers,
     release_freed_memory,
     _return_large_buffers_to_os,
@@ -271,25 +272,27 @@ def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
     `widen`: the model was loaded in bf16 for a float32 path; `source`: the GGUF it was
     converted from, whose Q8_0 head, if it has one, is the LM head's. Returns how it runs, in
     words, for its label."""
-    # The embedded target's table stays in the checkpoint's mapping, read a row at a time: its
-    # LM head reads the GGUF's copy (below), so nothing reads the table whole at every step
-    # (320 MB of bf16 that would be resident; `memory.drop_read_pages` ends the loading).
-    table = model.get_input_embeddings().weight
-    _copy_out_of_file_mapping(model, keep=(table,) if embedded else ())
+    # The embedding table (and an untied head's float weight) stays in the checkpoint's
+    # mapping, read a row at a time, wherever the LM head gets a Q8_0 copy of its own: then
+    # nothing reads it whole at every step, and what the lookups read comes back a page at a
+    # time (`memory.drop_read_pages` ends the loading). 0.53 GB of bf16 that would be resident
+    # at Llama 3.2 1B's shape, 2.1 GB at Llama 3.1 8B's (an untied head).
+    table, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    in_file = (table,) if head is None or head.weight is table else (table, head.weight)
+    _copy_out_of_file_mapping(model, keep=in_file)
     release_freed_memory()
     how = []
-    # A GGUF's Q8_0 head first, as the file holds it (not its bf16 rounding quantized again):
-    # it reads a copy of its own, so the tied table can stay bf16, and a bf16 copy for
-    # `fast_lm_head` would raise the peak by 336 MB.
+    # A GGUF's Q8_0 head first, as the file holds it (not its bf16 rounding quantized again).
     q8_head = source is not None and gguf_q8_head(model, source, lib)
     if q8_head:
         how.append("LM head from the GGUF's Q8_0")
-    elif embedded:  # the table is the LM head's, read whole at every step: in memory we own
-        _copy_out_of_file_mapping(model)
-    elif cpu_path.int8 and nf4:  # the integer path's head: Q8_0, on the integer kernel too
+    elif not embedded and cpu_path.int8 and nf4:  # the integer path's head: Q8_0 too
         q8_head = quantized_q8_head(model, lib)
         if q8_head:
             how.append("LM head in Q8_0 (quantized at load)")
+            drop_read_pages(model)  # the float head's pages its quantization read
+    if not q8_head:  # the head reads the table whole at every step: in memory we own
+        _copy_out_of_file_mapping(model)
     if widen:
         widen_to_float32(model, keep_table=q8_head)
     if nf4:
