@@ -1,9 +1,10 @@
 """specchat's CPU forward on every family it runs (`runners.family`): Llama (Llama 3's RoPE
 scaling), SmolLM 2 (a tied head), Mistral (a window on every layer), Qwen 2 (q, k and v biases,
-a windowed layer), Qwen 3 (per-head norms) and Gemma 3, each a tiny random model: it computes
-what transformers' forward computes, proves row-exact at load, gives a token the same logits in
-a chain, a page and a tree, the same bits on every integer kernel, and speculation replays
-plain decoding. Forced on every kernels path this machine runs."""
+a windowed layer), Qwen 3 (per-head norms), Gemma 2 (soft-caps on the attention's scores and
+the logits) and Gemma 3, each a tiny random model: it computes what transformers' forward
+computes, proves row-exact at load, gives a token the same logits in a chain, a page and a
+tree, the same bits on every integer kernel, and speculation replays plain decoding. Forced on
+every kernels path this machine runs."""
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from specchat.models.synthetic import FAMILY_MODELS, byte_tokenizer, save, tiny_
 from specchat.runners import family as families
 from specchat.runners.cpu import runner as cpu_runner
 from specchat.runners.hf.runner import HFRunner
+from specchat.runners.memory import _file_mappings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,8 +127,8 @@ def test_greedy_and_seeded_speculation_replay_plain_decoding_in_each_family(chec
 def test_a_family_outside_the_table_is_named_with_the_ones_it_runs():
     from transformers import AutoConfig
 
-    why = families.unsupported(AutoConfig.for_model("gemma2"))
-    assert "gemma2 is not a family it runs" in why and "Llama" in why and "Qwen 3" in why
+    why = families.unsupported(AutoConfig.for_model("phi3"))
+    assert "phi3 is not a family it runs" in why and "Llama" in why and "Gemma 2" in why
     config = AutoConfig.for_model("llama", partial_rotary_factor=0.5)
     assert "partial RoPE" in families.unsupported(config)
     assert "activation" in families.unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
@@ -169,6 +171,14 @@ def test_the_integer_path_runs_each_familys_head_in_q8_0(checkpoint, monkeypatch
     other = load(checkpoint, FLOAT_PATH, monkeypatch)
     assert not isinstance(vars(other.model.get_output_embeddings()).get("forward"), Q8Head)
     assert "Q8_0" not in other.label
+    # The float table (and an untied head's float weight), which nothing reads whole any more,
+    # stay in the checkpoint's mapping, read a row at a time; the float head reads its own.
+    spans = _file_mappings(str(checkpoint))
+    kept = {t.data_ptr(): t for t in (loaded.model.get_input_embeddings().weight, head.weight)}
+    assert len(kept) == (1 if loaded.model.config.tie_word_embeddings else 2)
+    assert all(any(s <= at < e for s, e in spans) for at in kept)
+    table = other.model.get_input_embeddings().weight
+    assert not any(s <= table.data_ptr() < e for s, e in _file_mappings(str(checkpoint)))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -204,19 +214,21 @@ def test_a_draft_model_runs_on_the_same_forward_and_speculation_replays_plain(ki
 
 def test_a_model_the_forward_does_not_run_takes_a_float_path_and_says_why(tmp_path,
                                                                          monkeypatch):
-    """The integer products run inside the decoder forward: a Gemma 2 target (soft-caps, not a
-    family it runs) skips the integer paths, with why, instead of a label that claims them."""
+    """The integer products run inside the decoder forward: a Phi-3 target (its q|k|v in one
+    layer, not a family it runs) skips the integer paths, with why, instead of a label that
+    claims them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if INT8_PATH is None or FLOAT_PATH is None:
         pytest.skip("needs an integer and a float kernels path")
-    config = AutoConfig.for_model("gemma2", vocab_size=272, hidden_size=128,
+    config = AutoConfig.for_model("phi3", vocab_size=272, hidden_size=128,
                                   intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+                                  num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    path = save(AutoModelForCausalLM.from_config(config), byte_tokenizer(), tmp_path / "g2")
+    path = save(AutoModelForCausalLM.from_config(config), byte_tokenizer(), tmp_path / "phi3")
     monkeypatch.delenv(runtime.ENV, raising=False)
     loaded = load_model(str(path), "nf4", "cpu", progress=lambda *a: None)
     assert not runtime.BY_NAME[loaded.runtime.path].int8, loaded.runtime.path
     assert any(s.startswith(f"{INT8_PATH}: specchat's decoder forward does not run this model")
-               and "gemma2" in s for s in loaded.runtime.skipped), loaded.runtime.skipped
+               and "phi3" in s for s in loaded.runtime.skipped), loaded.runtime.skipped

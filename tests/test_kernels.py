@@ -340,10 +340,10 @@ def test_every_kernel_checks_its_sizes(variant):
         mask = torch.ones(2, 4, dtype=torch.uint8)
         keys = torch.randn(4, 64, generator=g)
         lib.attend(ptr(x), 0, 64, ptr(keys), ptr(keys), 4, 64, 64, 0, ptr(mask), 2, 4, 0.125,
-                   ptr(torch.empty(2, 4)), ptr(out), th)
+                   0.0, ptr(torch.empty(2, 4)), ptr(out), th)
         assert bool((out == 7.0).all())
         lib.attend(ptr(x), 2, 12, ptr(keys), ptr(keys), 4, 64, 64, 0, ptr(mask), 2, 4, 0.125,
-                   ptr(torch.empty(2, 4)), ptr(out), th)  # a head dimension not a multiple of 8
+                   0.0, ptr(torch.empty(2, 4)), ptr(out), th)  # a head dimension not 8's multiple
         assert bool(out.view(-1)[:24].isnan().all()) and bool((out.view(-1)[24:] == 7.0).all())
         norm = torch.full((2, 64), 7.0)
         w1 = torch.ones(64)

@@ -63,7 +63,7 @@ _ARGTYPES = {
     "q8_0_matmul": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int],
     "q8_0_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
     "attend": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64,
-               ctypes.c_float, _ptr, _ptr, _int],
+               ctypes.c_float, ctypes.c_float, _ptr, _ptr, _int],
     "rms_norm": [_ptr, _i64, _i64, _int, _ptr, ctypes.c_float, _ptr],
     "decoder_forward": [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
                         _int],
@@ -88,6 +88,7 @@ _ARGTYPES = {
     "q8_0_rows_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
     "nf4_i8_packed_bytes": [_i64, _i64],
     "logits_cut": [_ptr, _i64, _i64, _i64, _i64, _ptr],
+    "logits_softcap": [_ptr, _i64, ctypes.c_float, _int],
     # a step of the draft head (csrc/head.c, `models.eagle.DraftHead`)
     "draft_head_forward": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64,
                            _ptr, _int],
@@ -103,7 +104,8 @@ _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": 
              "row_evidence": ctypes.c_float, "shape_reduced": _int, "min_p_place": _i64}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_unpack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
-                    "draft_head_forward", "draft_head_chain", "shape_reduced"})
+                    "draft_head_forward", "draft_head_chain", "shape_reduced",
+                    "logits_softcap"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
 _VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
@@ -148,6 +150,7 @@ class Kernels:
     min_p_place: Callable[..., int]
     # an LM head's logits past the sampled ids set to -inf, their block maxima mended
     logits_cut: Callable[..., None]
+    logits_softcap: Callable[..., None]  # Gemma 2's final soft-cap, in place (csrc/q8_0.c)
     # NF4 by integer dot products (csrc/nf4_i8.c), on weights packed by `nf4_i8_pack`, and the
     # decoder stack on it (the `cpu-int8` path): the fastest kernel this CPU runs (`i8_kernel`)
     nf4_matmul_i8: Callable[..., None]
@@ -589,8 +592,9 @@ def _head_product(lib: Kernels, function, x: torch.Tensor, q: torch.Tensor, d: t
 
 
 def attend(lib: Kernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scale * query @ key.T, over the slots `mask` allows) @ value, in float32.
+           mask: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """softmax(scale * query @ key.T, over the slots `mask` allows) @ value, in float32; with
+    `softcap` > 0 the scores soft-capped first, softcap tanh(score / softcap) (Gemma 2's).
 
     query [B, H, Q, D]; key, value [B, KV, S, D], float32 or bf16, each row contiguous (views
     of a cache buffer are fine); mask bool [B or 1, 1, Q, >= S], True where a query row may
@@ -612,8 +616,18 @@ def attend(lib: Kernels, query: torch.Tensor, key: torch.Tensor, value: torch.Te
                        key.data_ptr() + (b * key.stride(0) + h * key.stride(1)) * es,
                        value.data_ptr() + (b * value.stride(0) + h * value.stride(1)) * es,
                        slots, key.stride(2), value.stride(2), int(bf16), m.data_ptr(), rows,
-                       m.stride(0), scale, scores.data_ptr(), out[b, h].data_ptr(), threads)
+                       m.stride(0), scale, softcap, scores.data_ptr(), out[b, h].data_ptr(),
+                       threads)
     return out.reshape(batch, heads, rows, dim)
+
+
+def softcap_logits(lib: Kernels, logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """A contiguous float32 CPU tensor soft-capped in place, cap tanh(value / cap), each value
+    alone (so a row's bits never depend on the rows beside it); -inf stays -inf. Returns it."""
+    if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device.type != "cpu":
+        raise ValueError("softcap_logits takes a contiguous float32 CPU tensor")
+    lib.logits_softcap(logits.data_ptr(), logits.numel(), cap, torch.get_num_threads())
+    return logits
 
 
 def rms_norm(lib: Kernels, x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:

@@ -60,8 +60,8 @@ def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16,
 
 # What `tiny_family` builds: each family specchat's CPU forward runs (`runners.family`), with
 # what sets it apart switched on (Llama 3's RoPE scaling, Mistral's window, Qwen 2's biases,
-# Qwen 3's per-head norms, SmolLM 2's tied head)
-FAMILY_MODELS = ("llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma3")
+# Qwen 3's per-head norms, SmolLM 2's tied head, Gemma 2's soft-caps)
+FAMILY_MODELS = ("llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 
 def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
@@ -81,7 +81,8 @@ def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
                      num_hidden_layers=2, num_attention_heads=hidden // head_dim * 2,
                      num_key_value_heads=hidden // head_dim, head_dim=head_dim,
                      max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
-                     pad_token_id=0, tie_word_embeddings=kind in ("smollm2", "qwen3"))
+                     pad_token_id=0,
+                     tie_word_embeddings=kind in ("smollm2", "qwen3", "gemma2"))
         extra = {"llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 64},
@@ -90,7 +91,11 @@ def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
                  "mistral": dict(sliding_window=window),
                  "qwen2": dict(use_sliding_window=True, sliding_window=window,
                                max_window_layers=1),  # layer 1 windowed, layer 0 not
-                 "qwen3": dict()}[kind]
+                 "qwen3": dict(),
+                 # caps small enough to bend a tiny random model's scores and logits
+                 "gemma2": dict(sliding_window=window, query_pre_attn_scalar=48,
+                                attn_logit_softcapping=0.5, final_logit_softcapping=0.25,
+                                hidden_activation="gelu_pytorch_tanh")}[kind]
         model_type = "llama" if kind == "smollm2" else kind
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
@@ -99,7 +104,7 @@ def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                base = 0.0 if kind == "gemma3" else 1.0  # Gemma scales by 1 + weight
+                base = 0.0 if kind.startswith("gemma") else 1.0  # Gemma scales by 1 + weight
                 p.copy_(base + 0.5 * torch.randn(p.shape, generator=generator))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=generator))

@@ -9,9 +9,10 @@ how a norm scales, which activation the MLP computes and how RoPE is laid out.
 | Mistral  | mistral                | as Llama's                              | SiLU | a window every layer |
 | Qwen 2   | qwen2                  | as Llama's                              | SiLU | q, k, v biases       |
 | Qwen 3   | qwen3                  | as Llama's, and each head's q and k     | SiLU |                      |
+| Gemma 2  | gemma2                 | before and after attention and the MLP  | gelu (tanh) | 1 + w norms, windows, soft-caps |
 | Gemma 3  | gemma3_text            | before and after attention and the MLP, each head's q and k | gelu (tanh) | 1 + w norms, two RoPE tables, windows |
 
-A family's models may still differ in what the forward does not run (partial RoPE, soft-caps):
+A family's models may still differ in what the forward does not run (partial RoPE):
 `unsupported` says so, and such a model keeps transformers' forward.
 """
 
@@ -30,6 +31,9 @@ ACT_GELU_TANH, ACT_SILU = 0, 1  # csrc/specchat.h's `act`
 
 _LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 _PER_HEAD = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+_GEMMA_NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm",
+                "post_mlp_norm": "post_feedforward_layernorm"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Family:
     norm_plus_one: bool = False  # the norm scales by 1 + weight (Gemma), else by the weight
     rope_kinds: tuple[str | None, ...] = (None,)  # the rotary embedding's layer types, if any
     window_every_layer: bool = False  # `sliding_window` applies to every layer (Mistral)
+    # the attention scores and the logits soft-capped, cap tanh(x / cap), where the config has
+    # caps (Gemma 2's `attn_logit_softcapping`, `final_logit_softcapping`)
+    soft_caps: bool = False
 
     @property
     def act(self) -> int:
@@ -51,12 +58,10 @@ FAMILIES = {
     "mistral": Family("Mistral", "silu", _LLAMA_NORMS, window_every_layer=True),
     "qwen2": Family("Qwen 2", "silu", _LLAMA_NORMS),
     "qwen3": Family("Qwen 3", "silu", {**_LLAMA_NORMS, **_PER_HEAD}),
-    "gemma3_text": Family(
-        "Gemma 3", "gelu_pytorch_tanh",
-        {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-         "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
-         **_PER_HEAD},
-        norm_plus_one=True, rope_kinds=("sliding_attention", "full_attention")),
+    "gemma2": Family("Gemma 2", "gelu_pytorch_tanh", _GEMMA_NORMS, norm_plus_one=True,
+                     soft_caps=True),
+    "gemma3_text": Family("Gemma 3", "gelu_pytorch_tanh", {**_GEMMA_NORMS, **_PER_HEAD},
+                          norm_plus_one=True, rope_kinds=("sliding_attention", "full_attention")),
 }
 
 
@@ -78,7 +83,7 @@ def unsupported(config) -> str | None:
                 f"{', '.join(f.name for f in FAMILIES.values())})")
     if activation(config) != family.activation:
         return f"its activation is {activation(config)}"
-    why = attention_unsupported(config)
+    why = attention_unsupported(config, soft_caps=family.soft_caps)
     if why:
         return why
     rope = getattr(config, "rope_parameters", None) or {}
@@ -89,6 +94,14 @@ def unsupported(config) -> str | None:
     if not kinds <= {"sliding_attention", "full_attention"}:
         return f"layer types {sorted(kinds - {'sliding_attention', 'full_attention'})}"
     return None
+
+
+def soft_caps(config) -> tuple[float, float]:
+    """(the attention scores' cap, the logits' cap) the forward applies; 0: none."""
+    if not family_of(config).soft_caps:
+        return 0.0, 0.0
+    return (float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+            float(getattr(config, "final_logit_softcapping", None) or 0.0))
 
 
 def windows(config, n_layers: int) -> list[int]:

@@ -30,11 +30,12 @@ def unsupported_config(config, kinds: tuple[str, ...], only: str = "") -> str | 
     return attention_unsupported(config)
 
 
-def attention_unsupported(config) -> str | None:
-    """What neither of specchat's forwards computes in a model's attention or logits (the
-    soft-caps, bidirectional attention), or None."""
+def attention_unsupported(config, soft_caps: bool = False) -> str | None:
+    """What a forward of specchat's does not compute in a model's attention or logits (the
+    soft-caps, unless `soft_caps`: the CPU forward's Gemma 2; bidirectional attention), or
+    None."""
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, name, None):
+        if getattr(config, name, None) and not soft_caps:
             return f"{name} {getattr(config, name)}"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"

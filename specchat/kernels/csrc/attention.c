@@ -1,6 +1,7 @@
 // Attention of a few query rows against one key/value head: for each query row r,
 // out[r] = sum_j p_j v_j / sum_j p_j over the slots j that mask row (r % mask_rows) allows,
-// p_j = exp(s_j - max s), s_j = scale * (q[r] . k_j). q [rows, dim] float32 (the query heads
+// p_j = exp(s_j - max s), s_j = scale * (q[r] . k_j), soft-capped where softcap > 0
+// (softcap tanh(s_j / softcap), `softcap_of`: Gemma 2's). q [rows, dim] float32 (the query heads
 // of this key/value head, packed head by head), k and v [slots, dim] with row strides in
 // elements, float32 or bf16; mask [mask_rows, slots] bytes (1: attend), row stride mstride;
 // scores [rows, slots] scratch. Each row runs alone, in slot order, whatever the other rows:
@@ -26,8 +27,8 @@ static float softmax_ref(float *s, const uint8_t *allowed, int64_t slots) {
 
 void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
                 int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
-                int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
-                int threads) {
+                int64_t mask_rows, int64_t mstride, float scale, float softcap, float *scores,
+                float *out, int threads) {
     if (!rows_ok(rows, dim, slots >= 0 && mask_rows > 0, 0, out)) return;
     const int64_t es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -42,7 +43,8 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
             for (int64_t c = 0; c < dim; c += 8)
                 for (int l = 0; l < 8; l++)
                     acc[l] = fmaf(qr[c + l], load1(kj, c + l, bf16), acc[l]);
-            s[j] = sum_lanes8(acc) * scale;
+            const float sj = sum_lanes8(acc) * scale;
+            s[j] = softcap > 0.0f ? softcap_of(sj, softcap) : sj;
         }
         const float total = softmax_ref(s, allowed, slots);
         float *o = out + r * dim;  // one accumulator per dim (a lane of the kernel's), here
@@ -73,7 +75,8 @@ void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const 
 // scores[r][j] for the nr rows from r0 at slot j (the rows its mask rows allow)
 static inline __attribute__((always_inline)) void scores_of(
     int nr, int bf16, const float *q, int64_t r0, int64_t dim, const char *kj,
-    const uint8_t **masks, int64_t j, float scale, float *scores, int64_t slots) {
+    const uint8_t **masks, int64_t j, float scale, float softcap, float *scores,
+    int64_t slots) {
     __m256 acc[ATTEND_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < dim; c += 8) {
@@ -82,7 +85,10 @@ static inline __attribute__((always_inline)) void scores_of(
             acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r0 + i) * dim + c), kv, acc[i]);
     }
     for (int i = 0; i < nr; i++)
-        if (masks[r0 + i][j]) scores[(r0 + i) * slots + j] = hsum(acc[i]) * scale;
+        if (masks[r0 + i][j]) {
+            const float sj = hsum(acc[i]) * scale;
+            scores[(r0 + i) * slots + j] = softcap > 0.0f ? softcap_of(sj, softcap) : sj;
+        }
 }
 
 // out[r][c .. c + 16) for the nr rows from r0: the slots' values weighted by the rows'
@@ -161,8 +167,8 @@ static float softmax8(float *s, const uint8_t *allowed, int64_t slots) {
 
 void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
             int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
-            int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
-            int threads) {
+            int64_t mask_rows, int64_t mstride, float scale, float softcap, float *scores,
+            float *out, int threads) {
     if (!rows_ok(rows, dim, slots >= 0 && mask_rows > 0, 0, out)) return;
     const int64_t es = bf16 ? 2 : 4;
     float *totals = malloc(sizeof(float) * rows);
@@ -196,7 +202,8 @@ void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void
                 int seen = 0;
                 for (int i = 0; i < nr; i++) seen |= masks[r0 + i][j];
                 if (!seen) continue;
-#define SCORES(NR, BF16) scores_of(NR, BF16, q, r0, dim, kj, masks, j, scale, scores, slots)
+#define SCORES(NR, BF16) \
+    scores_of(NR, BF16, q, r0, dim, kj, masks, j, scale, softcap, scores, slots)
                 switch (nr) {
                     ATTEND_CASE(1, SCORES) ATTEND_CASE(2, SCORES) ATTEND_CASE(3, SCORES)
                     ATTEND_CASE(4, SCORES) ATTEND_CASE(5, SCORES) ATTEND_CASE(6, SCORES)

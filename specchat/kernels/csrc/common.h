@@ -144,6 +144,17 @@ static inline float exp_core(float z) {
 
 static inline float exp_or_zero(float z) { return z >= EXP_MIN ? exp_core(z) : 0.0f; }
 
+// tanh(y) = 1 - 2 / (e^2y + 1) with specchat's own e^z, 2|y| clamped at 18 (beyond it tanh is
+// +-1 in float32); and a soft-cap, cap tanh(x / cap) (Gemma 2's attention scores and logits).
+// Scalar wherever it runs, so every build computes the same bits.
+static inline float tanh_of(float y) {
+    float y2 = 2.0f * y;
+    y2 = y2 > 18.0f ? 18.0f : y2 < -18.0f ? -18.0f : y2;
+    return 1.0f - 2.0f / (exp_core(y2) + 1.0f);
+}
+
+static inline float softcap_of(float x, float cap) { return cap * tanh_of(x / cap); }
+
 // value c of a key, value or input row, float32 or bf16 (widened exactly)
 static inline float load1(const void *row, int64_t c, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)row)[c]) : ((const float *)row)[c];

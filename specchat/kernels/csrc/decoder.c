@@ -1,14 +1,15 @@
 // A decoder stack in one call: every layer of the model for n rows (tokens), from their
 // embeddings to the final norm's output, writing each row's keys and values into the KV cache.
 // It is the model's forward as transformers computes it, layer for layer, for the families that
-// `runners.family` declares (Gemma 3; Llama, Mistral, Qwen 2 and 3, SmolLM):
+// `runners.family` declares (Gemma 2 and 3; Llama, Mistral, Qwen 2 and 3, SmolLM):
 //
 //   x = norm(h); q, k, v = x Wq (+ bq), x Wk (+ bk), x Wv (+ bv); [q, k normed per head];
 //   RoPE at the row's position; k, v written at the row's slot; a = attention(q, the cache);
 //   h += [norm](a Wo); x = norm(h); h += [norm]((act(x Wg) * x Wu) Wd);   then norm(h).
 //
 // The bracketed steps are a family's: a NULL norm or bias is skipped (Gemma 3 has every norm,
-// Qwen 3 the per-head ones, Llama none of them), and `act` is gelu with tanh's approximation
+// Qwen 3 the per-head ones, Llama none of them), the attention's scores are soft-capped where
+// `softcap` is set (Gemma 2), and `act` is gelu with tanh's approximation
 // (Gemma) or SiLU (the Llama family). NF4 weights are bitsandbytes' codes and block scales
 // (nf4.c, nf4_i8.c), the norms RMSNorm's (norms.c), the attention attention.c's. The Python
 // around a forward of transformers' modules costs more than the arithmetic for one token of a
@@ -58,7 +59,7 @@ typedef void (*nf4_fn)(const float *, int64_t, int64_t, const uint8_t *, const f
                        const float *, float *, int64_t, int);
 typedef void (*attend_fn)(const float *, int64_t, int64_t, const void *, const void *, int64_t,
                           int64_t, int64_t, int, const uint8_t *, int64_t, int64_t, float,
-                          float *, float *, int);
+                          float, float *, float *, int);
 typedef void (*norm_fn)(const void *, int64_t, int64_t, int, const float *, float, void *);
 
 typedef struct {
@@ -288,7 +289,7 @@ static int forward(const kernels *f, const decoder_model *m, const float *embedd
                            sizeof(float) * d);
             const int64_t lo = lows[w];
             f->attend(packed, groups * n, d, kc + lo * d, vc + lo * d, width - lo, d, d, 0,
-                      masks[w], n, width - lo, m->scale, scores, att, threads);
+                      masks[w], n, width - lo, m->scale, m->softcap, scores, att, threads);
             for (int64_t gq = 0; gq < groups; gq++)
                 for (int64_t r = 0; r < n; r++)
                     memcpy(x + (r * m->heads + kh * groups + gq) * d, att + (gq * n + r) * d,

@@ -712,3 +712,11 @@ void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed
     logits_cut_ref(y, n, out, upto, computed, maxima);
 }
 #endif
+
+// count logits soft-capped in place, cap tanh(y / cap) (`softcap_of`: Gemma 2's final logits),
+// each value alone; -inf (an id never sampled, `logits_cut`) stays -inf.
+void logits_softcap(float *y, int64_t count, float cap, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < count; i++)
+        if (y[i] != -INFINITY) y[i] = softcap_of(y[i], cap);
+}

@@ -46,6 +46,7 @@ typedef struct {
     const float *table;  // the NF4 codebook, 16 values
     const decoder_layer *layer;
     const float *final_norm;
+    float softcap;       // the attention scores' tanh cap (`softcap_of`; 0: none, Gemma 2's)
     // The residual stream entering layers aux[0..n_aux) (index `layers`: the last layer's
     // output, before the final norm), copied into aux_out [n, n_aux * hidden], row by row in
     // aux's order: the hidden states an EAGLE-3 head fuses. n_aux 0: none.
@@ -148,17 +149,18 @@ void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed
                 float *maxima);
 void logits_cut_ref(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
                     float *maxima);
+void logits_softcap(float *y, int64_t count, float cap, int threads);
 
 // ---- attention and norms (attention.c, norms.c) -----------------------------------------------
 
 void attend(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
             int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
-            int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
-            int threads);
+            int64_t mask_rows, int64_t mstride, float scale, float softcap, float *scores,
+            float *out, int threads);
 void attend_ref(const float *q, int64_t rows, int64_t dim, const void *k, const void *v,
                 int64_t slots, int64_t kstride, int64_t vstride, int bf16, const uint8_t *mask,
-                int64_t mask_rows, int64_t mstride, float scale, float *scores, float *out,
-                int threads);
+                int64_t mask_rows, int64_t mstride, float scale, float softcap, float *scores,
+                float *out, int threads);
 void rms_norm(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,
               void *y);
 void rms_norm_ref(const void *x, int64_t n, int64_t dim, int bf16, const float *w1, float eps,

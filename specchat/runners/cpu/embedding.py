@@ -1,5 +1,5 @@
 """An embedding module's lookup in one C call (`embed_rows`, csrc/decoder.c), where that gives
-the module's bits: a plain lookup (Llama's, Qwen's) or Gemma 3's scaled one, a float32 or bf16
+the module's bits: a plain lookup (Llama's, Qwen's) or Gemma 2's and 3's scaled one, a float32 or bf16
 table times its scale (as the module computes it in the table's dtype, or widened to float32
 first). Right after a forward a
 torch lookup costs tens of microseconds in calls around a copy of a few rows; the CPU runner
@@ -39,7 +39,8 @@ def c_embedding(lib, embed, hidden: int, plain: bool = False) -> CEmbedding | No
     weight, scale = getattr(embed, "weight", None), getattr(embed, "embed_scale", None)
     if plain and type(embed) is torch.nn.Embedding:  # its values times 1: exact
         scale = torch.ones((), dtype=getattr(weight, "dtype", torch.float32))
-    if type(embed).__name__ not in ("Embedding", "Gemma3TextScaledWordEmbedding") \
+    if type(embed).__name__ not in ("Embedding", "Gemma2TextScaledWordEmbedding",
+                                    "Gemma3TextScaledWordEmbedding") \
             or not isinstance(weight, torch.Tensor) or not isinstance(scale, torch.Tensor) \
             or weight.dtype not in (torch.float32, torch.bfloat16) \
             or weight.device.type != "cpu" or not weight.is_contiguous() \

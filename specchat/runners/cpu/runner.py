@@ -1,5 +1,5 @@
-"""`CpuRunner`: a target of a family `runners.family` declares (Gemma 3; Llama, Mistral, Qwen 2
-and 3, SmolLM) run by specchat's own forward on the CPU, one C call a forward.
+"""`CpuRunner`: a target of a family `runners.family` declares (Gemma 2 and 3; Llama, Mistral,
+Qwen 2 and 3, SmolLM) run by specchat's own forward on the CPU, one C call a forward.
 
 transformers' forward spends its time around the arithmetic on a small model: for one token of
 the embedded Gemma 3 270M it makes several hundred torch calls (norms, RoPE, masks, cache
@@ -50,7 +50,7 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                           "inter", "blocksize")] + \
         [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", _i64), ("table", _ptr),
-         ("layer", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
+         ("layer", ctypes.POINTER(_Layer)), ("final_norm", _ptr), ("softcap", ctypes.c_float),
          ("n_aux", _i64), ("aux", _ptr), ("aux_out", _ptr)]
 
 
@@ -145,12 +145,14 @@ class CpuRunner(Runner):
             layers[i] = _Layer(*weights, *norms, windows[i], families.rope_index(config, i))
         first = vars(base.layers[0].self_attn.q_proj)["forward"]
         self._layers = layers
+        attention_cap, self.logit_cap = families.soft_caps(config)
         self._model = _Model(self.n_layers, self.hidden, config.num_attention_heads,
                              self.kv_heads, self.head_dim, config.intermediate_size,
                              first.state.blocksize, float(config.rms_norm_eps),
                              float(attention.scaling), self.family.act,
                              self._ptr(first.table), layers,
-                             self._ptr(_norm_weight(base.norm, self.family.norm_plus_one)))
+                             self._ptr(_norm_weight(base.norm, self.family.norm_plus_one)),
+                             attention_cap)
         self._base = base
         self._rope: list[torch.Tensor] = []
         self._rope_ptrs = (_ptr * 4)()
@@ -269,17 +271,23 @@ class CpuRunner(Runner):
         head = vars(self.head).get("forward")
         if isinstance(head, Q8Head):  # with the block maxima, for `shape_pick`
             started = time.perf_counter()
-            maxima = torch.empty(n_logits, kernels.head_blocks(head.q.shape[0]))
+            capped = self.logit_cap > 0  # (the caps change the maxima: none then)
+            maxima = None if capped else torch.empty(n_logits,
+                                                     kernels.head_blocks(head.q.shape[0]))
             logits = head.leading(out[n - n_logits:] if n_logits < n else out,
                                   self._logits_upto, maxima)
-            self._maxima = (logits, maxima, [True] * n_logits)
+            self._maxima = None if capped else (logits, maxima, [True] * n_logits)
+            if capped:
+                kernels.softcap_logits(self.lib, logits, self.logit_cap)
             if self.clock is not None:
                 self.head_seconds += time.perf_counter() - started
             return logits
         self._maxima = None
         with torch.inference_mode():
             logits = self.head(out[n - n_logits:])
-        return logits if logits.dtype == torch.float32 else logits.float()
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return kernels.softcap_logits(self.lib, logits.contiguous(), self.logit_cap) \
+            if self.logit_cap > 0 else logits
 
     def _ints(self, n: int, which: int) -> memoryview:
         """Room for n int64 values in the runner's own buffer `which` (0: a forward's token ids,
