@@ -1,7 +1,7 @@
 """specchat's CPU forward on every family it runs (`runners.family`): Llama (Llama 3's RoPE
 scaling), SmolLM 2 (a tied head), Mistral (a window on every layer), Qwen 2 (q, k and v biases,
 a windowed layer), Qwen 3 (per-head norms), Gemma 2 (soft-caps on the attention's scores and
-the logits) and Gemma 3, each a tiny random model: it computes what transformers' forward
+the logits), Gemma 3 and Phi-3 (q|k|v and gate|up fused, split at load), each a tiny random model: it computes what transformers' forward
 computes, proves row-exact at load, gives a token the same logits in a chain, a page and a
 tree, the same bits on every integer kernel, and speculation replays plain decoding. Forced on
 every kernels path this machine runs."""
@@ -127,10 +127,14 @@ def test_greedy_and_seeded_speculation_replay_plain_decoding_in_each_family(chec
 def test_a_family_outside_the_table_is_named_with_the_ones_it_runs():
     from transformers import AutoConfig
 
-    why = families.unsupported(AutoConfig.for_model("phi3"))
-    assert "phi3 is not a family it runs" in why and "Llama" in why and "Gemma 2" in why
+    why = families.unsupported(AutoConfig.for_model("granite"))
+    assert "granite is not a family it runs" in why and "Llama" in why and "Phi-3" in why
     config = AutoConfig.for_model("llama", partial_rotary_factor=0.5)
     assert "partial RoPE" in families.unsupported(config)
+    long = AutoConfig.for_model("phi3", rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48,
+        "original_max_position_embeddings": 4096}, max_position_embeddings=131072)
+    assert "longrope RoPE" in families.unsupported(long)
     assert "activation" in families.unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
 
 
@@ -212,11 +216,29 @@ def test_a_draft_model_runs_on_the_same_forward_and_speculation_replays_plain(ki
     assert spec == plain and len(plain) == 30
 
 
+def test_a_fused_layer_runs_split_by_rows_and_its_codes_come_back_whole(tmp_path, monkeypatch):
+    """Phi-3's q|k|v and gate|up: the integer path packs each product's rows apart and lets go
+    of the module's codes; read again, they come back as bitsandbytes held them, whole."""
+    from specchat.runners.nf4 import codes_and_state
+
+    if INT8_PATH is None:
+        pytest.skip("no integer path runs here")
+    path = save(tiny_family("phi3").to(torch.bfloat16), byte_tokenizer(), tmp_path / "phi3")
+    ours = load(path, INT8_PATH, monkeypatch)
+    assert isinstance(ours.runner, cpu_runner.CpuRunner)
+    theirs = load(path, INT8_PATH, monkeypatch, runner="transformers")
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        mine = ours.model.get_decoder().layers[1].get_submodule(name)
+        assert mine.weight.data.numel() == 0, name
+        want = vars(theirs.model.get_decoder().layers[1].get_submodule(name))["forward"].codes
+        assert torch.equal(codes_and_state(mine)[0], want), name
+
+
 def test_a_model_the_forward_does_not_run_takes_a_float_path_and_says_why(tmp_path,
                                                                          monkeypatch):
-    """The integer products run inside the decoder forward: a Phi-3 target (its q|k|v in one
-    layer, not a family it runs) skips the integer paths, with why, instead of a label that
-    claims them."""
+    """The integer products run inside the decoder forward: a Phi-4-mini-like target (Phi-3's
+    layers, RoPE on half of each head, which the forward does not run) skips the integer paths,
+    with why, instead of a label that claims them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if INT8_PATH is None or FLOAT_PATH is None:
@@ -224,11 +246,11 @@ def test_a_model_the_forward_does_not_run_takes_a_float_path_and_says_why(tmp_pa
     config = AutoConfig.for_model("phi3", vocab_size=272, hidden_size=128,
                                   intermediate_size=256, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=2)
+                                  bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.5)
     torch.manual_seed(0)
     path = save(AutoModelForCausalLM.from_config(config), byte_tokenizer(), tmp_path / "phi3")
     monkeypatch.delenv(runtime.ENV, raising=False)
     loaded = load_model(str(path), "nf4", "cpu", progress=lambda *a: None)
     assert not runtime.BY_NAME[loaded.runtime.path].int8, loaded.runtime.path
     assert any(s.startswith(f"{INT8_PATH}: specchat's decoder forward does not run this model")
-               and "phi3" in s for s in loaded.runtime.skipped), loaded.runtime.skipped
+               and "partial RoPE" in s for s in loaded.runtime.skipped), loaded.runtime.skipped

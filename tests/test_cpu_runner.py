@@ -180,7 +180,7 @@ def test_models_it_cannot_run_keep_transformers_forward_and_say_why(tmp_path, mo
     config = AutoConfig.for_model("phi3", vocab_size=259, hidden_size=128,
                                   intermediate_size=256, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=2)
+                                  bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.5)
     torch.manual_seed(0)
     phi3 = save(AutoModelForCausalLM.from_config(config), byte_tokenizer(), tmp_path / "phi3")
     path = next(iter(KERNEL_PATHS), None)
@@ -188,7 +188,7 @@ def test_models_it_cannot_run_keep_transformers_forward_and_say_why(tmp_path, mo
         pytest.skip("no kernels path runs here")
     loaded = load(phi3, path, monkeypatch)
     assert isinstance(loaded.runner, HFRunner)
-    assert "phi3 is not a family it runs" in cpu_runner.unsupported(loaded.model)
+    assert "partial RoPE (factor 0.5)" in cpu_runner.unsupported(loaded.model)
     with pytest.raises(ValueError, match="cannot run this model"):
         cpu_runner.CpuRunner(loaded.model, kernels.load(runtime.BY_NAME[path].kernels))
     small = save(tiny_gemma3(0), byte_tokenizer(), tmp_path / "small")  # widths of 16 and 32

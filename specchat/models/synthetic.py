@@ -60,8 +60,9 @@ def tiny_gemma3(seed: int, vocab: int = 259, sliding_window: int = 16,
 
 # What `tiny_family` builds: each family specchat's CPU forward runs (`runners.family`), with
 # what sets it apart switched on (Llama 3's RoPE scaling, Mistral's window, Qwen 2's biases,
-# Qwen 3's per-head norms, SmolLM 2's tied head, Gemma 2's soft-caps)
-FAMILY_MODELS = ("llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+# Qwen 3's per-head norms, SmolLM 2's tied head, Gemma 2's soft-caps, Phi-3's fused q|k|v and
+# gate|up)
+FAMILY_MODELS = ("llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
@@ -95,7 +96,8 @@ def tiny_family(kind: str, seed: int = 0, hidden: int = 128, head_dim: int = 64,
                  # caps small enough to bend a tiny random model's scores and logits
                  "gemma2": dict(sliding_window=window, query_pre_attn_scalar=48,
                                 attn_logit_softcapping=0.5, final_logit_softcapping=0.25,
-                                hidden_activation="gelu_pytorch_tanh")}[kind]
+                                hidden_activation="gelu_pytorch_tanh"),
+                 "phi3": dict(sliding_window=window, hidden_act="silu")}[kind]
         model_type = "llama" if kind == "smollm2" else kind
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(

@@ -4,7 +4,7 @@
 | folder  | runner                  | runs                                                          |
 | ------- | ----------------------- | ------------------------------------------------------------- |
 | `hf/`   | `hf.runner.HFRunner`    | transformers' forward, any model on any device; on a CPU with specchat's kernels swapped in under its modules (`hf.cpu`) |
-| `cpu/`  | `cpu.runner.CpuRunner`  | a Gemma 3 target's decoder stack in one C call, on specchat's kernels (`cpu.kernels`, `cpu/csrc/`) |
+| `cpu/`  | `cpu.runner.CpuRunner`  | the decoder stack of every `family.py` family in one C call, on specchat's kernels (`cpu.kernels`, `cpu/csrc/`) |
 | `cuda/` | `cuda.runner.CudaRunner` | specchat's forward on CUDA: a static cache, one padded width, CUDA graphs, Triton kernels |
 
 `models.load.load_model` loads the weights, then asks `use_cpu_runner` or `use_cuda_runtime`

@@ -11,8 +11,14 @@ how a norm scales, which activation the MLP computes and how RoPE is laid out.
 | Qwen 3   | qwen3                  | as Llama's, and each head's q and k     | SiLU |                      |
 | Gemma 2  | gemma2                 | before and after attention and the MLP  | gelu (tanh) | 1 + w norms, windows, soft-caps |
 | Gemma 3  | gemma3_text            | before and after attention and the MLP, each head's q and k | gelu (tanh) | 1 + w norms, two RoPE tables, windows |
+| Phi-3    | phi3                   | as Llama's                              | SiLU | q|k|v and gate|up fused, a window every layer |
 
-A family's models may still differ in what the forward does not run (partial RoPE):
+Fused layers (Phi-3's `qkv_proj`, `gate_up_proj`) are split at load into the row ranges the
+forward's q, k, v, gate and up products read: NF4 keeps a row's codes and block scales apart
+from its neighbours' wherever the input width is a whole number of blocks.
+
+A family's models may still differ in what the forward does not run (partial RoPE, Phi-3's
+long-context RoPE):
 `unsupported` says so, and such a model keeps transformers' forward.
 """
 
@@ -24,9 +30,12 @@ from specchat.runners.static import attention_unsupported
 
 # the decoder layer's norms in csrc/decoder.c's order (`decoder_layer`)
 NORM_SLOTS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
-# and its linear layers, each where transformers keeps it in a decoder layer
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# and its products (`decoder_layer`'s NF4 weights), each where transformers keeps it in a
+# decoder layer unless the family fuses it with others (`Family.fused`)
+PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
+LINEARS = dict(zip(PRODUCTS, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                              "mlp.down_proj")))
 ACT_GELU_TANH, ACT_SILU = 0, 1  # csrc/specchat.h's `act`
 
 _LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -47,6 +56,9 @@ class Family:
     # the attention scores and the logits soft-capped, cap tanh(x / cap), where the config has
     # caps (Gemma 2's `attn_logit_softcapping`, `final_logit_softcapping`)
     soft_caps: bool = False
+    # fused linear layers: (the module under a decoder layer, the products its rows hold, in
+    # order), e.g. Phi-3's ("self_attn.qkv_proj", ("q", "k", "v"))
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def act(self) -> int:
@@ -62,11 +74,28 @@ FAMILIES = {
                      soft_caps=True),
     "gemma3_text": Family("Gemma 3", "gelu_pytorch_tanh", {**_GEMMA_NORMS, **_PER_HEAD},
                           norm_plus_one=True, rope_kinds=("sliding_attention", "full_attention")),
+    "phi3": Family("Phi-3", "silu", _LLAMA_NORMS, window_every_layer=True,
+                   fused=(("self_attn.qkv_proj", ("q", "k", "v")),
+                          ("mlp.gate_up_proj", ("gate", "up")))),
 }
 
 
 def family_of(config) -> Family | None:
     return FAMILIES.get(getattr(config, "model_type", ""))
+
+
+def linear_modules(family: Family) -> list[tuple[str, tuple[str, ...]]]:
+    """A decoder layer's NF4 modules, each with the products (`PRODUCTS`) its rows hold."""
+    fused = [name for _, names in family.fused for name in names]
+    return list(family.fused) + [(LINEARS[p], (p,)) for p in PRODUCTS if p not in fused]
+
+
+def product_rows(config, head_dim: int) -> dict[str, int]:
+    """Each product's output rows (a fused module's rows split in `PRODUCTS`' order)."""
+    kv = config.num_key_value_heads * head_dim
+    return {"q": config.num_attention_heads * head_dim, "k": kv, "v": kv,
+            "o": config.hidden_size, "gate": config.intermediate_size,
+            "up": config.intermediate_size, "down": config.hidden_size}
 
 
 def activation(config) -> str | None:
@@ -90,6 +119,8 @@ def unsupported(config) -> str | None:
     partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):
         return f"partial RoPE (factor {partial})"
+    if rope.get("rope_type") in ("longrope", "dynamic"):  # (Phi-3's long-context models)
+        return f"{rope['rope_type']} RoPE (its tables change with the context's length)"
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds <= {"sliding_attention", "full_attention"}:
         return f"layer types {sorted(kinds - {'sliding_attention', 'full_attention'})}"

@@ -1,5 +1,5 @@
 """`CpuRunner`: a target of a family `runners.family` declares (Gemma 2 and 3; Llama, Mistral,
-Qwen 2 and 3, SmolLM) run by specchat's own forward on the CPU, one C call a forward.
+Qwen 2 and 3, SmolLM, Phi-3) run by specchat's own forward on the CPU, one C call a forward.
 
 transformers' forward spends its time around the arithmetic on a small model: for one token of
 the embedded Gemma 3 270M it makes several hundred torch calls (norms, RoPE, masks, cache
@@ -82,20 +82,19 @@ def unsupported(model) -> str | None:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % kv_heads or attention.head_dim % 8 or config.hidden_size % 8:
         return f"heads {heads}/{kv_heads}, head dim {attention.head_dim}"
+    family, rows = families.family_of(config), families.product_rows(config, attention.head_dim)
     weights = set()
     for i, block in enumerate(base.layers):
-        for module in _linears(block):
-            forward = vars(module).get("forward")
+        for name, products in families.linear_modules(family):
+            forward = vars(block.get_submodule(name)).get("forward")
             if not isinstance(forward, NF4KernelForward):
                 return f"layer {i}: a linear layer not on specchat's NF4 kernel"
+            if forward.out_features != sum(rows[p] for p in products):
+                return f"layer {i}: {name} has {forward.out_features} rows"
             weights.add((forward.state.blocksize, tuple(forward.table.tolist())))
     if len(weights) != 1:
         return "its NF4 layers differ in block size or codebook"
     return None
-
-
-def _linears(block) -> list:
-    return [block.get_submodule(name) for name in families.LINEARS]
 
 
 def _norm_weight(norm, plus_one: bool) -> torch.Tensor:
@@ -134,16 +133,18 @@ class CpuRunner(Runner):
         self._keep: list[torch.Tensor] = []  # every tensor the C structs point into
         self._weights: list[torch.Tensor] = []  # the layers' among them (`bytes_per_token`)
         windows = families.windows(config, self.n_layers)
+        rows = families.product_rows(config, self.head_dim)
         layers = (_Layer * self.n_layers)()
         for i, block in enumerate(base.layers):
             kept = len(self._keep)
-            weights = [self._nf4(vars(m)["forward"]) for m in _linears(block)]
+            weights = self._products(block, rows)
             norms = [self._ptr(_norm_weight(block.get_submodule(self.family.norms[slot]),
                                             self.family.norm_plus_one))
                      if slot in self.family.norms else None for slot in families.NORM_SLOTS]
             self._weights += self._keep[kept:]
             layers[i] = _Layer(*weights, *norms, windows[i], families.rope_index(config, i))
-        first = vars(base.layers[0].self_attn.q_proj)["forward"]
+        first = vars(base.layers[0].get_submodule(families.linear_modules(self.family)[0][0]))[
+            "forward"]
         self._layers = layers
         attention_cap, self.logit_cap = families.soft_caps(config)
         self._model = _Model(self.n_layers, self.hidden, config.num_attention_heads,
@@ -201,18 +202,35 @@ class CpuRunner(Runner):
         self._keep.append(t)
         return t.data_ptr()
 
-    def _nf4(self, forward) -> _NF4Weight:
-        codes, scales = forward.codes, forward.absmax
+    def _products(self, block, rows: dict[str, int]) -> list[_NF4Weight]:
+        """A layer's products in `families.PRODUCTS`' order, a fused module's split by rows."""
+        weights = {}
+        for name, products in families.linear_modules(self.family):
+            forward, first, packed = vars(block.get_submodule(name))["forward"], 0, []
+            for product in products:
+                weights[product] = self._nf4(forward, first, rows[product], packed)
+                first += rows[product]
+            if packed:  # the same bits once: the module's codes come back from these if it
+                forward.release_codes(  # runs again
+                    lambda lib=self.lib, packed=packed, inn=forward.in_features: torch.cat(
+                        [kernels.nf4_i8_unpack(lib, p, out, inn) for p, out in packed]))
+        return [weights[p] for p in families.PRODUCTS]
+
+    def _nf4(self, forward, first: int, out: int, packed: list) -> _NF4Weight:
+        """Rows [first, first + out) of an NF4 layer: a row's codes and block scales lie apart
+        from its neighbours' (`unsupported` asks for whole blocks a row). On the integer path
+        their packed copy, added to `packed` with its rows."""
+        inn, blocksize = forward.in_features, forward.state.blocksize
+        codes = forward.codes.view(-1)[first * inn // 2:(first + out) * inn // 2]
+        scales = forward.absmax[first * inn // blocksize:(first + out) * inn // blocksize]
         if self.int8:  # the integer kernels' layout: packed codes, a scale per NF4 block
-            out, inn = forward.out_features, forward.in_features
-            codes, scales = kernels.nf4_i8_pack(self.lib, codes, scales, out, inn,
-                                                forward.state.blocksize)
-            # the same bits once: the module's codes come back from these if it runs again
-            lib, packed = self.lib, codes
-            forward.release_codes(lambda: kernels.nf4_i8_unpack(lib, packed, out, inn))
-        bias = self._ptr(forward.bias.contiguous()) if forward.bias is not None else None
-        return _NF4Weight(self._ptr(codes), self._ptr(scales), forward.out_features,
-                          forward.in_features, bias)
+            codes, scales = kernels.nf4_i8_pack(self.lib, codes.contiguous(),
+                                                scales.contiguous(), out, inn, blocksize)
+            packed.append((codes, out))
+        bias = forward.bias[first:first + out].contiguous() if forward.bias is not None \
+            else None
+        return _NF4Weight(self._ptr(codes), self._ptr(scales), out, inn,
+                          self._ptr(bias) if bias is not None else None)
 
     def _ropes_for(self, slots: int) -> None:
         """RoPE tables covering positions below `slots`."""
