@@ -422,6 +422,55 @@ def test_a_q8_0_head_runs_as_the_file_holds_it(arch, head, tmp_path, monkeypatch
     assert torch.equal(made.dequantized(torch.arange(len(q))),
                        q.float() * d.float().repeat_interleave(32, 1))
 
-    other = write_gguf(tmp_path / f"{arch}-q6.gguf", model, kinds={head: T.Q6_K})
+    other = write_gguf(tmp_path / f"{arch}-q4.gguf", model, kinds={head: T.Q4_0})
     loaded = load_model(str(other), "nf4", "cpu", progress=lambda *a: None)
     assert "GGUF's Q8_0" not in loaded.label, loaded.label
+
+
+@pytest.mark.parametrize("arch,head", [("llama", "output.weight"), ("qwen2", "token_embd.weight")])
+def test_a_q6_k_head_runs_as_the_file_holds_it(arch, head, tmp_path, monkeypatch):
+    """A file's Q6_K LM head (the type llama-quantize gives the head of Q4_K_M and Q4_0 files)
+    is the CPU head's in its own 6.56 bits a weight, not a Q8_0 copy: its values are the gguf
+    package's dequantization of the file's bytes, a step reads those bytes, and greedy and
+    seeded speculation replay plain decoding."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from specchat.core.engine import Engine
+    from specchat.core.events import TokenEvent
+    from specchat.core.request import GenerateConfig
+    from specchat.drafters.ngram import NgramDrafter
+    from specchat.models import runtime
+    from specchat.models.gguf_files import read_gguf
+    from specchat.models.load import load_model
+    from specchat.runners.cpu.q6_k_head import Q6KHead
+
+    pytest.importorskip("bitsandbytes")
+    path = next((p.name for p in runtime.candidates(forced="") if p.int8), None)
+    if path is None:
+        pytest.skip("no integer path runs here")
+    monkeypatch.setenv(runtime.ENV, path)
+    model = tiny_model(arch, hidden_size=256, intermediate_size=256)
+    file = write_gguf(tmp_path / f"{arch}.gguf", model, kinds={head: T.Q6_K})
+    loaded = load_model(str(file), "nf4", "cpu", progress=lambda *a: None)
+    assert "LM head from the GGUF's Q6_K" in loaded.label, loaded.label
+    made = vars(loaded.model.get_output_embeddings())["forward"]
+    assert isinstance(made, Q6KHead)
+    tensor = read_gguf(file).tensors[head]
+    raw = np.fromfile(file, np.uint8, tensor.size, offset=tensor.start)
+    values = dequantize(raw.reshape(tensor.shape[0], -1), T.Q6_K)
+    assert np.array_equal(made.dequantized(torch.arange(tensor.shape[0])).numpy(), values)
+    assert made.q.nbytes == tensor.size  # read in the file's bytes: 210 for 256 values
+    assert loaded.runner.bytes_per_token < sum(t.nbytes for t in loaded.runner._weights) \
+        + tensor.shape[0] * tensor.shape[1]  # less than an 8-bit head would add
+
+    engine = Engine(loaded, {"ngram": NgramDrafter()})
+    prompt = list(b"abcabcabcabd abcabcabcabd abcabc")
+    for temperature in (0.0, 0.8):
+        cfg = dict(max_new_tokens=24, adaptive=False, draft_len=4, temperature=temperature,
+                   seed=3)
+        plain = [e.id for e in engine.stream(prompt, GenerateConfig(speculation=False, **cfg))
+                 if isinstance(e, TokenEvent)]
+        spec = [e.id for e in engine.stream(prompt, GenerateConfig(drafter="ngram", **cfg))
+                if isinstance(e, TokenEvent)]
+        assert spec == plain and len(plain) == 24

@@ -87,6 +87,8 @@ _ARGTYPES = {
     "q8_0_i8_pack": [_ptr, _ptr, _i64, _i64, _ptr],
     "q8_0_rows_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
     "nf4_i8_packed_bytes": [_i64, _i64],
+    "q6_k_pack": [_ptr, _i64, _i64, _ptr],
+    "q6_k_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int],
     "logits_cut": [_ptr, _i64, _i64, _i64, _i64, _ptr],
     "logits_softcap": [_ptr, _i64, ctypes.c_float, _int],
     # a step of the draft head (csrc/head.c, `models.eagle.DraftHead`)
@@ -99,11 +101,12 @@ _ARGTYPES = {
 # 0, or -1 out of memory; the others return nothing
 _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": _int,
              "nf4_i8_pack": _int, "nf4_i8_unpack": _int, "nf4_i8_packed_bytes": _i64,
-             "q8_0_i8_pack": _int,
+             "q8_0_i8_pack": _int, "q6_k_pack": _int,
              "draft_head_forward": _int, "draft_head_chain": _int, "row_top": ctypes.c_float,
              "row_evidence": ctypes.c_float, "shape_reduced": _int, "min_p_place": _i64}
 # one function in both builds, no reference twin
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_unpack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
+                    "q6_k_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced",
                     "logits_softcap"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
@@ -162,6 +165,11 @@ class Kernels:
     # the CPU has it, else the reference (the same bits)
     q8_0_i8_pack: Callable[..., int]
     q8_0_rows_matmul_i8: Callable[..., None]
+    # an LM head of GGUF Q6_K rows, repacked 16 rows a group (`q6_k_pack`), by integer dot
+    # products (csrc/q6_k.c): VNNI where the CPU has it (AVX-512's, or AVX-VNNI's in "avx2"),
+    # else vpmaddubsw, else the reference; all give the same bits
+    q6_k_pack: Callable[..., int]
+    q6_k_matmul_i8: Callable[..., None]
     # a step of the draft head on the Q8_0 product it is given, and a greedy chain of them
     # (csrc/head.c)
     draft_head_forward: Callable[..., int]
@@ -278,6 +286,7 @@ def symbols(wide: bool, simd: bool) -> dict[str, str]:
     # the integer products, the NF4 layers' and the Q8_0 head's, on one kernel
     for name in ("nf4_matmul_i8", "decoder_forward_i8", "q8_0_rows_matmul_i8"):
         names[name] = f"{name}_{i8_kernel(wide)}" if simd else f"{name}_ref"
+    names["q6_k_matmul_i8"] = q6_k_kernel(wide) if simd else "q6_k_matmul_i8_ref"
     if wide:  # 16 lanes: the NF4 product (and the decoder stack on it), the Q8_0 products
         names["nf4_matmul"] = "nf4_matmul_avx512" if simd else "nf4_matmul16_ref"
         names["decoder_forward"] = "decoder_forward_avx512" if simd else "decoder_forward16_ref"
@@ -339,6 +348,18 @@ def i8_avx512() -> str:
     """The "avx512" variant's integer Q8_0 kernel: the VNNI one where the CPU has AVX512-VNNI,
     else the AVX512BW one. Both compute the same integers, so the same bits (csrc/q8_0.c)."""
     return "q8_0_matmul_i8_vnni" if "avx512_vnni" in _cpu_flags() else "q8_0_matmul_i8_avx512"
+
+
+Q6_K_KERNELS = {"vnni": _VNNI, "avx512": _NEEDS["avx512"], "avxvnni": I8_KERNELS["avxvnni"],
+                "avx2": _NEEDS["avx2"]}  # csrc/q6_k.c's, each with the CPU flags it needs
+
+
+def q6_k_kernel(wide: bool = True) -> str:
+    """The Q6_K head's kernel a SIMD variant binds here: `wide` ("avx512"), the AVX-512 VNNI one
+    where the CPU has it, else the AVX512BW one; else the AVX-VNNI one, else the AVX2 one. Each
+    pair computes the same integers, so the same bits."""
+    order = ("vnni", "avx512") if wide else ("avxvnni", "avx2")
+    return "q6_k_matmul_i8_" + next(k for k in order if Q6_K_KERNELS[k] <= _cpu_flags())
 
 
 def _what(portable: bool) -> str:
@@ -589,6 +610,36 @@ def _head_product(lib: Kernels, function, x: torch.Tensor, q: torch.Tensor, d: t
         lib.logits_cut(y.data_ptr(), rows.shape[0], out, upto, computed,
                        maxima.data_ptr() if maxima is not None else None)
     return y.reshape(*x.shape[:-1], out)
+
+
+Q6_K_SUPER, Q6_K_BYTES = 256, 210  # values of a Q6_K superblock, and its bytes
+
+
+def q6_k_pack(lib: Kernels, rows: torch.Tensor) -> torch.Tensor:
+    """A GGUF Q6_K tensor's rows (uint8 [out, in / 256 * 210]) repacked 16 rows a group for
+    `q6_k_matmul_i8` (csrc/q6_k.c): the same bytes in another order, the last group filled
+    out with zero rows past `out`. Returns [out, in / 256 * 210], a view of the whole groups.
+    Raises ValueError for other sizes."""
+    out, width = rows.shape
+    packed = torch.empty(-(-out // 16) * 16, width, dtype=torch.uint8)
+    if rows.dtype != torch.uint8 or not rows.is_contiguous() or width % Q6_K_BYTES \
+            or lib.q6_k_pack(rows.data_ptr(), out, width // Q6_K_BYTES * Q6_K_SUPER,
+                             packed.data_ptr()):
+        raise ValueError(f"the Q6_K head takes contiguous rows of whole superblocks of "
+                         f"{Q6_K_SUPER} values ({Q6_K_BYTES} bytes); got {out} rows of "
+                         f"{width} bytes")
+    return packed[:out]
+
+
+def q6_k_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor,
+                   upto: int | None = None, maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W.T in float32 for W a GGUF Q6_K tensor repacked by `q6_k_pack`, by
+    integer dot products, x quantized to int8 per block of 32 as for `q8_0_matmul_i8`, whose
+    contract for `upto` and `maxima` it keeps (csrc/q6_k.c). Row-exact."""
+    function = lib.q6_k_matmul_i8  # (its scales lie among its bytes: no pointer of their own)
+    return _head_product(lib, lambda x, n, cols, w, _, y, out, m, t: function(x, n, cols, w, y,
+                                                                               out, m, t),
+                         x, packed, packed, upto, maxima)
 
 
 def attend(lib: Kernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

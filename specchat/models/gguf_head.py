@@ -1,7 +1,8 @@
-"""Q8_0 LM heads made at load, run by `runners.cpu.q8_head.Q8Head` on specchat's kernel: a
-GGUF's own Q8_0 blocks (`gguf_q8_head`: the embedded target's, and a `--target FILE.gguf`'s
-whose head is Q8_0), another model's float head quantized once on the integer path
-(`quantized_q8_head`).
+"""Integer LM heads made at load (`gguf_file_head`): a GGUF's own Q8_0 blocks (the embedded
+target's, and a `--target FILE.gguf`'s whose head is Q8_0) or Q6_K ones (most
+Q4_K_M, Q5_K_M, Q6_K and Q4_0 files), run by `runners.cpu.q8_head.Q8Head` and
+`runners.cpu.q6_k_head.Q6KHead` on specchat's kernels; else another model's float head
+quantized once to Q8_0 on the integer path (`quantized_q8_head`).
 
 The embedded Gemma 3 270M ships as a GGUF whose token embedding, tied to the LM head, is Q8_0:
 int8 values with one fp16 scale per 32. Those are the model's true values; the converted
@@ -20,6 +21,9 @@ import numpy as np
 import torch
 
 from specchat.models.loaded import ModelLoadError
+from specchat.runners.cpu.q6_k_head import BYTES as Q6_K_BYTES
+from specchat.runners.cpu.q6_k_head import SUPER as Q6_K_SUPER
+from specchat.runners.cpu.q6_k_head import Q6KHead
 from specchat.runners.cpu.q8_head import BLOCK, Q8Head, activation_error, quantize_q8_0
 from specchat.runners.memory import release_freed_memory
 
@@ -57,7 +61,29 @@ def read_q8_0(gguf_file: str | Path, name: str | None = None, chunk_rows: int = 
     return torch.from_numpy(q), torch.from_numpy(d)
 
 
-Q8_0 = 8  # ggml's type number of Q8_0
+Q8_0, Q6_K = 8, 14  # ggml's type numbers
+
+
+def read_q6_k(gguf_file: str | Path, chunk_rows: int = 4096) -> torch.Tensor | None:
+    """uint8 [rows, cols / 256 * 210]: a GGUF's LM head (`head_tensor`) as its Q6_K bytes, or
+    None when that tensor is not Q6_K. Read `chunk_rows` rows at a time, as `read_q8_0`."""
+    from specchat.models.gguf_files import read_gguf
+
+    tensors = read_gguf(Path(gguf_file)).tensors
+    name = head_tensor(tensors)
+    tensor = tensors.get(name)
+    if tensor is None or tensor.kind != Q6_K or len(tensor.shape) != 2 \
+            or tensor.shape[1] % Q6_K_SUPER:
+        return None
+    rows, cols = tensor.shape
+    out = np.empty((rows, cols // Q6_K_SUPER * Q6_K_BYTES), np.uint8)
+    with open(gguf_file, "rb") as f:
+        f.seek(tensor.start)
+        for r in range(0, rows, chunk_rows):
+            part = out[r:r + chunk_rows]
+            if f.readinto(memoryview(part).cast("B")) != part.nbytes:
+                raise ValueError(f"{gguf_file}: {name} ends before its {rows} rows")
+    return torch.from_numpy(out)
 
 
 def head_tensor(tensors) -> str:
@@ -66,35 +92,49 @@ def head_tensor(tensors) -> str:
     return "output.weight" if "output.weight" in tensors else "token_embd.weight"
 
 
-def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
-    """Give a CPU model (float32 or bf16) the LM head of its GGUF's Q8_0 head tensor
-    (`head_tensor`), where the checkpoint's head is that tensor rounded to bf16 (checked on a
-    sample of rows) and `lib`'s kernel (a `kernels.load` build, or None) is row-exact and agrees
-    with the dequantized values. Returns whether it did."""
+def gguf_file_head(model, gguf_file: str | Path, lib) -> str | None:
+    """Give a CPU model (float32 or bf16) the LM head of its GGUF's head tensor
+    (`head_tensor`) in the file's own type, Q8_0 or Q6_K, where the checkpoint's head is that
+    tensor rounded to bf16 (checked on a sample of rows) and `lib`'s kernel (a `kernels.load`
+    build, or None) is row-exact and agrees with the dequantized values. Returns the type, or
+    None where it gave none."""
     head = model.get_output_embeddings()
     if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
             or head.weight.dtype not in (torch.float32, torch.bfloat16) \
             or head.weight.device.type != "cpu" \
             or head.weight.shape[1] % BLOCK or head.weight.shape[1] > lib.max_in():
-        return False
-    try:
-        read = read_q8_0(gguf_file)
-    except (ImportError, OSError, ValueError, ModelLoadError):
-        return False
-    if read is None or read[0].shape != head.weight.shape:
-        return False
-    made = Q8Head(head, *read, lib)
-    sample = torch.linspace(0, head.weight.shape[0] - 1, 64).long()
+        return None
+    for kind, read, make in (("Q8_0", read_q8_0, lambda q8: Q8Head(head, *q8, lib)),
+                             ("Q6_K", read_q6_k, lambda rows: Q6KHead(head, rows, lib))):
+        try:
+            found = read(gguf_file)
+            made = make(found) if found is not None else None
+        except (ImportError, OSError, ValueError, ModelLoadError):
+            made = None  # (a head of other sizes than its kernel takes: ValueError)
+        if made is not None and made.q.shape[0] == head.weight.shape[0] \
+                and _same_values(made, head.weight):
+            head.forward = made  # the bf16 copy the previous head read goes with its forward
+            release_freed_memory()
+            return kind
+    return None
+
+
+def gguf_q8_head(model, gguf_file: str | Path, lib) -> bool:
+    """`gguf_file_head` for a file whose head is Q8_0 (the embedded target's)."""
+    return gguf_file_head(model, gguf_file, lib) == "Q8_0"
+
+
+def _same_values(made: Q8Head, weight: torch.Tensor) -> bool:
+    """Whether `made` holds `weight`'s values (their bf16 rounding, on a sample of rows) and its
+    kernel agrees with them."""
+    sample = torch.linspace(0, weight.shape[0] - 1, 64).long()
     with torch.inference_mode():
         values = made.dequantized(sample)
-        if not torch.equal(values.to(torch.bfloat16).to(torch.float32),
-                           head.weight.detach()[sample].to(torch.float32)):
+        if values.shape[1] != weight.shape[1] or not torch.equal(
+                values.to(torch.bfloat16).to(torch.float32),
+                weight.detach()[sample].to(torch.float32)):
             return False  # another file, or another model's weights
-        if not _kernel_agrees(made, sample, values):
-            return False
-    head.forward = made  # the bf16 copy the previous head read goes with its forward
-    release_freed_memory()
-    return True
+        return _kernel_agrees(made, sample, values)
 
 
 def quantized_q8_head(model, lib) -> bool:

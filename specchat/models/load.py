@@ -25,7 +25,7 @@ from specchat.models.embedded import (
     gguf_path,
 )
 from specchat.models.gguf_files import WHAT_WORKS, gguf_checkpoint, is_gguf, model_file
-from specchat.models.gguf_head import gguf_q8_head, quantized_q8_head
+from specchat.models.gguf_head import gguf_file_head, quantized_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
 from specchat.runners.hf.attention import use_row_exact_attention
@@ -282,10 +282,12 @@ def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
     _copy_out_of_file_mapping(model, keep=in_file)
     release_freed_memory()
     how = []
-    # A GGUF's Q8_0 head first, as the file holds it (not its bf16 rounding quantized again).
-    q8_head = source is not None and gguf_q8_head(model, source, lib)
+    # A GGUF's Q8_0 or Q6_K head first, as the file holds it (not its bf16 rounding quantized
+    # again).
+    kind = gguf_file_head(model, source, lib) if source is not None else None
+    q8_head = kind is not None
     if q8_head:
-        how.append("LM head from the GGUF's Q8_0")
+        how.append(f"LM head from the GGUF's {kind}")
     elif not embedded and cpu_path.int8 and nf4:  # the integer path's head: Q8_0 too
         q8_head = quantized_q8_head(model, lib)
         if q8_head:

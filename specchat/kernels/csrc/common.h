@@ -292,4 +292,51 @@ static inline void block_maxima(const float *y, int64_t n, int64_t out, int64_t 
         maxima[j * stride + b0 / HEAD_BLOCK] = m;
     }
 }
+
+// ---- activations quantized as llama.cpp's Q8_0 (the integer products: q8_0.c, q6_k.c) ---
+// dx of a block whose max |x| has the bits amax_bits; *id the factor that quantizes it
+static inline float q8i_scale(uint32_t amax_bits, float *id) {
+    if (amax_bits >= 0x7f800000u) {  // an infinity or a NaN in the block
+        *id = 0.0f;
+        return __builtin_nanf("");
+    }
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    const float dx = amax / 127.0f;
+    float inv = dx != 0.0f ? 1.0f / dx : 0.0f;
+    if (!(inv <= 0x1.fffffep127f)) inv = 0.0f;  // 1 / dx overflowed: dx tinier than 2^-128
+    *id = inv;
+    return dx;
+}
+
+// qx [n, in] and dx [n, in / 32] for the quantized rows; without the memory for them, y [n, out]
+// is NaN (rather than stale values) and the answer 0
+static inline int q8i_buffers(int64_t n, int64_t in, int8_t **qx, float **dx, float *y, int64_t out) {
+    *qx = malloc((size_t)(n * in));
+    *dx = malloc((size_t)(n * (in / 32)) * sizeof(float));
+    if (*qx && *dx) return 1;
+    for (int64_t i = 0; i < n * out; i++) y[i] = __builtin_nanf("");
+    free(*qx);
+    free(*dx);
+    return 0;
+}
+
+// x [n, in] -> qx [n, in] (int8) and dx [n, in / 32], plain C
+static inline void q8i_quantize_ref(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
+    for (int64_t b = 0; b < n * in / 32; b++) {
+        const float *xb = x + 32 * b;
+        uint32_t m = 0;
+        for (int t = 0; t < 32; t++) {
+            uint32_t u;
+            memcpy(&u, xb + t, 4);
+            u &= 0x7fffffffu;
+            m = u > m ? u : m;
+        }
+        float id;
+        dx[b] = q8i_scale(m, &id);
+        for (int t = 0; t < 32; t++)
+            qx[32 * b + t] = id == 0.0f ? 0 : (int8_t)nearbyintf(xb[t] * id);
+    }
+}
+
 #endif  // SPECCHAT_KERNELS_COMMON_H

@@ -144,6 +144,19 @@ void q8_0_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const int8_t *q,
 void q8_0_matmul_i8_16_ref(const float *x, int64_t n, int64_t in, const int8_t *q,
                            const uint16_t *d, float *y, int64_t out, float *maxima,
                            int threads);
+// Q6_K (q6_k.c): a GGUF's Q6_K rows repacked 16 a group, and the integer product on them: the
+// reference, 8 lanes (AVX2, AVX-VNNI) and 16 (AVX512BW, VNNI), all the same bits
+int q6_k_pack(const uint8_t *rows, int64_t out, int64_t in, uint8_t *packed);
+void q6_k_matmul_i8_ref(const float *x, int64_t n, int64_t in, const uint8_t *packed, float *y,
+                        int64_t out, float *maxima, int threads);
+void q6_k_matmul_i8_avx2(const float *x, int64_t n, int64_t in, const uint8_t *packed, float *y,
+                         int64_t out, float *maxima, int threads);
+void q6_k_matmul_i8_avxvnni(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                            float *y, int64_t out, float *maxima, int threads);
+void q6_k_matmul_i8_avx512(const float *x, int64_t n, int64_t in, const uint8_t *packed,
+                           float *y, int64_t out, float *maxima, int threads);
+void q6_k_matmul_i8_vnni(const float *x, int64_t n, int64_t in, const uint8_t *packed, float *y,
+                         int64_t out, float *maxima, int threads);
 // an LM head's logits past the sampled ids set to -inf, their block maxima mended
 void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
                 float *maxima);
