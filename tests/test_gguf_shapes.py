@@ -25,6 +25,7 @@ from specchat.bench.gguf_shapes import file_metadata, plan, tensor_values, write
 from specchat.models import runtime
 from specchat.models.gguf_files import gguf_checkpoint, read_gguf
 from specchat.models.synthetic import shape_config
+from specchat.runners.cpu.q6_k_head import quantize_q6_k
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LLAMA_BENCH = llama_cpp.cached_tool("llama-bench")  # found before a test moves the cache
@@ -38,6 +39,8 @@ LAYER = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "
          "ffn_up", "ffn_down"}
 GEMMA_LAYER = LAYER | {"attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"}
 FAMILIES = ["llama", "qwen2", "gemma3_text"]
+# each family, and a head of whole Q6_K superblocks (256 wide), untied and tied
+WIDTHS = [(family, 64) for family in FAMILIES] + [("llama", 256), ("qwen2", 256)]
 ARCH = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}  # general.architecture
 
 
@@ -67,7 +70,9 @@ def tensors_of(config, seed=0, std=0.02) -> dict[str, np.ndarray]:
     out = {}
     for e in plan(config):
         values = np.concatenate([c for _, c in tensor_values(e, seed, std)])
-        if e.kind != T.F32:
+        if e.kind == T.Q6_K:
+            values = dequantize(quantize_q6_k(torch.from_numpy(values)).numpy(), T.Q6_K)
+        elif e.kind != T.F32:
             values = dequantize(quantize(values, T(e.kind)), T(e.kind))
         out[e.param] = values
     return out
@@ -126,6 +131,12 @@ def test_a_real_shapes_file_plans_its_own_tensors_and_vocabulary(shape, vocab, l
     assert ("output.weight" in entries) == (head is not None)
     if head:
         assert entries["output.weight"].shape == head
+    # the head in Q6_K as llama-quantize writes a Q4_0 file's, or Q8_0 where its rows are not
+    # whole superblocks (Qwen 2.5 0.5B's 896, Gemma 3 1B's 1152); an untied embedding Q8_0
+    head_kind = T.Q6_K if config.hidden_size % 256 == 0 else T.Q8_0
+    assert entries["output.weight" if head else "token_embd.weight"].kind == head_kind
+    if head:
+        assert entries["token_embd.weight"].kind == T.Q8_0
     assert entries["blk.0.ffn_up.weight"].shape == (config.intermediate_size, config.hidden_size)
     keys = file_metadata(config, shape)
     tokens = keys["tokenizer.ggml.tokens"]
@@ -178,11 +189,12 @@ def test_gemma_3_1bs_file_holds_what_llama_cpps_gemma3_loader_reads():
     assert np.array_equal(stored, held + 1) and abs(held).max() <= 8 / 64
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_specchat_converts_it_to_the_logits_of_the_dequantized_weights(family, tmp_path, cache):
+@pytest.mark.parametrize("family,width", WIDTHS)
+def test_specchat_converts_it_to_the_logits_of_the_dequantized_weights(family, width, tmp_path,
+                                                                       cache):
     from transformers import AutoModelForCausalLM
 
-    config = tiny(family)
+    config = tiny(family, hidden_size=width)
     std = 0.2  # attention far from uniform: a q/k row order gone wrong shows
     path = write_shape(config, tmp_path / "tiny.gguf", seed=5, std=std)
     ours = AutoModelForCausalLM.from_pretrained(gguf_checkpoint(path, lambda _: None),
@@ -216,9 +228,9 @@ def test_its_tokenizer_round_trips_text(family, tmp_path, cache):
 
 @pytest.mark.skipif(LLAMA_BENCH is None, reason="no llama.cpp build cached (python -m "
                     "specchat.backends.llama_cpp build)")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_llama_bench_loads_it_and_counts_the_same_parameters(family, tmp_path):
-    config = tiny(family)
+@pytest.mark.parametrize("family,width", WIDTHS)
+def test_llama_bench_loads_it_and_counts_the_same_parameters(family, width, tmp_path):
+    config = tiny(family, hidden_size=width)
     path = write_shape(config, tmp_path / "tiny.gguf")
     results, _ = llama_cpp.llama_bench(LLAMA_BENCH, path, prompts=(8,), gen=4, threads=1,
                                        repetitions=1)

@@ -6,11 +6,13 @@ llama.cpp's tools write one, and a race of specchat against llama.cpp on that on
     python -m specchat.bench.gguf_shapes race --shape qwen2.5-1.5b --draft-shape qwen2.5-0.5b \
         --workdir DIR
 
-The file holds the layers' matrices in Q4_0, the token embedding and an untied LM head in Q8_0,
-norms and biases in F32. The gguf package quantizes Q4_0 and Q8_0 but no K-quant, so Q4_0
-stands in for the Q4_K_M files users download: 4.5 bits a weight where Q4_K_M averages about
-4.9 (its Q6_K tensors), so llama.cpp reads a little less here than from a real Q4_K_M file, and
-runs Q4_0's kernels rather than Q4_K's. Llama's q/k rows are permuted for llama.cpp's RoPE as
+The file holds what llama-quantize writes for Q4_0: the layers' matrices in Q4_0, the LM head
+(an untied one, or the embedding it is tied to) in Q6_K (`runners.cpu.q6_k_head.quantize_q6_k`:
+the gguf package has no K-quant quantizer), or Q8_0 where its rows are not whole superblocks of
+256 (llama-quantize's fallback), an untied token embedding in Q8_0, norms and biases in F32.
+Q4_0 stands in for the Q4_K_M files users download: 4.5 bits a layer weight where Q4_K_M's
+average about 4.9 (some of them Q6_K), so llama.cpp reads a little less here than from a real
+Q4_K_M file, and runs Q4_0's kernels rather than Q4_K's. Llama's q/k rows are permuted for llama.cpp's RoPE as
 convert_hf_to_gguf.py permutes them; Gemma's norms, which scale by 1 + w, are stored as 1 + w
 as it stores them.
 
@@ -268,7 +270,8 @@ def family(config) -> Family:
 
 def plan(config) -> list[Planned]:
     """Every tensor llama.cpp's file of `config` holds, in the HF model's order, with its type:
-    1-D ones F32, the token embedding and an untied head Q8_0, the other matrices Q4_0."""
+    1-D ones F32, the LM head Q6_K (Q8_0 where its rows are not whole superblocks), an untied
+    token embedding Q8_0, the other matrices Q4_0."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from transformers import AutoModelForCausalLM
@@ -287,8 +290,11 @@ def plan(config) -> list[Planned]:
         if name is None:
             raise ValueError(f"{param} has no llama.cpp name in a {fam.arch} file")
         name = f"{name}.{kind}"
+        head = name == "output.weight" or name == "token_embd.weight" \
+            and config.tie_word_embeddings
         ggml = (T.F32 if tensor.ndim == 1 else
-                T.Q8_0 if name in ("token_embd.weight", "output.weight") else T.Q4_0)
+                (T.Q6_K if tensor.shape[-1] % 256 == 0 else T.Q8_0) if head else
+                T.Q8_0 if name == "token_embd.weight" else T.Q4_0)
         plus_one = fam.norm_plus_one and name.endswith("norm.weight")
         out.append(Planned(name, param, tuple(tensor.shape), int(ggml), plus_one))
     rope = config.rope_parameters
@@ -326,7 +332,15 @@ def tensor_values(entry: Planned, seed: int = 0, std: float = 0.02):
 
 def tensor_bytes(entry: Planned, config, seed: int = 0, std: float = 0.02) -> np.ndarray:
     """A tensor's data as the file holds it: llama.cpp's layout, quantized to its type."""
-    from gguf.quants import quantize
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize as gguf_quantize
+
+    from specchat.runners.cpu.q6_k_head import quantize_q6_k
+
+    def quantize(values: np.ndarray, kind: int) -> np.ndarray:
+        if kind == T.Q6_K:
+            return quantize_q6_k(torch.from_numpy(values)).numpy()
+        return gguf_quantize(values, kind)
 
     fam = family(config)
     if entry.name == "rope_freqs.weight":
