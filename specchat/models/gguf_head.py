@@ -33,10 +33,11 @@ BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
 def read_q8_0(gguf_file: str | Path, name: str | None = None, chunk_rows: int = 4096,
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q int8 [rows, cols], d float16 [rows, cols / 32]) of a Q8_0 tensor in a GGUF file (by
-    default its LM head, `head_tensor`), or None when the file has no such Q8_0 tensor. Reads the header (`gguf_files.read_gguf`, which skips
-    the vocabulary's strings) and that tensor's bytes only, `chunk_rows` rows at a time into
-    the two arrays: no mapping of the file, whose pages would count as resident memory while
-    it lasts (178 MB for the embedded target), and no whole-tensor temporary."""
+    default its LM head, `head_tensor`), or None when the file has no such Q8_0 tensor. Reads
+    the header (`gguf_files.read_gguf`, which skips the vocabulary's strings) and that tensor's
+    bytes only, `chunk_rows` rows at a time into the two arrays: no mapping of the file, whose
+    pages would count as resident memory while it lasts (178 MB for the embedded target), and no
+    whole-tensor temporary."""
     from specchat.models.gguf_files import read_gguf
 
     tensors = read_gguf(Path(gguf_file)).tensors

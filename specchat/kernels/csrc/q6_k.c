@@ -161,7 +161,7 @@ static inline int32_t q6_quad(const int8_t *x) {  // 4 activation bytes as one i
 
 #define Q6_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define Q6_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-#define Q6_J16 12  // most input rows of an AVX-512 tile: 2 J accumulators + 4 weights + temps
+#define Q6_J16 12  // most input rows of an AVX-512 tile: 12 accumulators, 4 weight vectors, temps
 #define Q6_J8 4    // of an AVX2 one (16 registers)
 
 // ---- 16 lanes: AVX-512 (VNNI, or AVX512BW) ----------------------------------------------------
@@ -174,7 +174,8 @@ static inline int32_t q6_quad(const int8_t *x) {  // 4 activation bytes as one i
     int64_t s = 0;                                                                            \
     do { /* supers >= 1 (a for loop here leaves the accumulators on the stack) */             \
         const uint8_t *gs = g + s * Q6_GROUP;                                                 \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + Q6_SUB * 16 + 256))); \
+        const __m512 d = _mm512_cvtph_ps(                                                     \
+            _mm256_loadu_si256((const __m256i *)(gs + Q6_SUB * 16 + 256)));                   \
         for (int t = 0; t < 16; t++) {                                                        \
             const uint8_t *sub = gs + t * Q6_SUB;                                             \
             _mm_prefetch((const char *)sub + 4 * Q6_GROUP, _MM_HINT_T0);                      \
@@ -255,13 +256,15 @@ Q6_VNNI static inline __attribute__((always_inline)) void q6_tile16_vnni(
             w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n23, 4), low4),         \
                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2));        \
             const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(           \
-                _mm_loadl_epi64((const __m128i *)(gs + Q6_SUB * 16 + 16 * t + 8 * half)))), d); \
+                _mm_loadl_epi64((const __m128i *)(gs + Q6_SUB * 16 + 16 * t + 8 * half)))),   \
+                d);                                                                           \
             const int64_t v = s * Q6_SUPER + 16 * t;                                          \
             __m256i sum[Q6_J8];                                                               \
             for (int j = 0; j < J; j++) sum[j] = _mm256_set1_epi32(c[(j * in + v) >> 4]);     \
             for (int k = 0; k < 4; k++)                                                       \
                 for (int j = 0; j < J; j++)                                                   \
-                    sum[j] = DOT(sum[j], w[k], _mm256_set1_epi32(q6_quad(qx + j * in + v + 4 * k))); \
+                    sum[j] = DOT(sum[j], w[k],                                                \
+                                 _mm256_set1_epi32(q6_quad(qx + j * in + v + 4 * k)));        \
             for (int j = 0; j < J; j++)                                                       \
                 acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]),                          \
                                          _mm256_mul_ps(f, _mm256_set1_ps(dx[(j * in + v) >> 5])), \
@@ -309,7 +312,8 @@ Q6_AVXVNNI static inline __attribute__((always_inline)) void q6_tile8_avxvnni(
     Q6_TILES4(KIND, TARGET) Q6_TILE_FN(KIND, TARGET, 5) Q6_TILE_FN(KIND, TARGET, 6)           \
     Q6_TILE_FN(KIND, TARGET, 7) Q6_TILE_FN(KIND, TARGET, 8) Q6_TILE_FN(KIND, TARGET, 9)       \
     Q6_TILE_FN(KIND, TARGET, 10) Q6_TILE_FN(KIND, TARGET, 11) Q6_TILE_FN(KIND, TARGET, 12)
-#define Q6_LIST4(KIND) q6_tile_##KIND##_1, q6_tile_##KIND##_2, q6_tile_##KIND##_3, q6_tile_##KIND##_4
+#define Q6_LIST4(KIND) \
+    q6_tile_##KIND##_1, q6_tile_##KIND##_2, q6_tile_##KIND##_3, q6_tile_##KIND##_4
 #define Q6_LIST12(KIND)                                                                       \
     Q6_LIST4(KIND), q6_tile_##KIND##_5, q6_tile_##KIND##_6, q6_tile_##KIND##_7,               \
         q6_tile_##KIND##_8, q6_tile_##KIND##_9, q6_tile_##KIND##_10, q6_tile_##KIND##_11,     \
