@@ -49,10 +49,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "tokenizer; 'embedded' for the embedded Gemma weights (default: none)")
     g.add_argument("--quantization", choices=["nf4", "none"], default="nf4",
                    help="target weights: 4-bit NF4 via bitsandbytes (default) or unquantized")
-    g.add_argument("--draft-quantization", choices=["auto", "nf4", "none"], default="auto",
+    g.add_argument("--draft-quantization", choices=["auto", "nf4", "nf4-head", "none"],
+                   default="auto",
                    help="draft weights: auto is NF4 on a CPU, where specchat's own forward "
-                        "runs the draft on the target's kernels, and unquantized on a GPU "
-                        "(default: auto)")
+                        "runs the draft on the target's kernels, and unquantized on a GPU; "
+                        "nf4-head puts the draft's LM head in NF4 too: fewer bytes a draft "
+                        "token, fewer of its tokens accepted (default: auto)")
     g.add_argument("--device", default="auto", metavar="DEVICE", help="auto (CUDA if available), cpu, cuda, cuda:1")
     g.add_argument("--prefix-cache-tokens", type=_token_count, default=PREFIX_CACHE_TOKENS, metavar="N",
                    help="tokens of earlier prompts' whole pages kept for prompts that start the "

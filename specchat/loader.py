@@ -41,7 +41,9 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     from `train-draft`, or a public EAGLE-3 head's directory; default: the one trained or
     shipped for this target, if any).
     `draft_quantization` "auto": NF4 on a CPU (where the draft then runs specchat's own forward,
-    a C call a token on the target's integer kernels), unquantized elsewhere.
+    a C call a token on the target's integer kernels), unquantized elsewhere; "nf4-head": NF4
+    with the LM head in NF4 too on the integer path, where a target's stays the file's own
+    type or Q8_0.
     `prefix_tokens`: the engine's prefix store (core/prefix.py), in tokens;
     `max_prompt_tokens`: the longest prompt a request may bring (0 or None: no limit but the
     model's context window).
@@ -63,9 +65,15 @@ def load_engine(target: str = "embedded", draft_model: str = "", quantization: s
     notes += head_notes
     draft = None
     if draft_model:
+        # "nf4-head": the LM head in NF4 too, on the integer path (fewer bytes a draft token,
+        # fewer of its tokens accepted: docs/performance.md, "A draft's LM head in NF4")
+        four_bit_head = draft_quantization == "nf4-head"
+        if four_bit_head:
+            draft_quantization = "nf4"
         if draft_quantization == "auto":
             draft_quantization = "nf4" if tgt.device.type == "cpu" else "none"
-        draft = load_model(draft_model, draft_quantization, device, progress)
+        draft = load_model(draft_model, draft_quantization, device, progress,
+                           nf4_head=four_bit_head)
         problem = vocab_mismatch(tgt.tokenizer, draft.tokenizer, _logits_width(tgt.model),
                                  _logits_width(draft.model))
         if problem and strict_draft:

@@ -97,7 +97,8 @@ def _prompt(engine, tokens: int) -> tuple[float, float]:
     return best, tokens / best
 
 
-def measure(target: str, draft: str | None, workdir: Path, progress=print) -> dict:
+def measure(target: str, draft: str | None, workdir: Path, progress=print,
+            nf4_head: bool = False) -> dict:
     from specchat.bench.metrics import leviathan_speedup
     from specchat.bench.run import current_rss_mb, peak_rss_mb
     from specchat.core.engine import Engine
@@ -131,7 +132,8 @@ def measure(target: str, draft: str | None, workdir: Path, progress=print) -> di
     del engine
     if draft:
         progress(f"{draft}: writing and loading its checkpoint (random weights)")
-        small = load_model(str(checkpoint(draft, workdir)), "nf4", "cpu", progress=progress)
+        small = load_model(str(checkpoint(draft, workdir)), "nf4", "cpu", progress=progress,
+                           nf4_head=nf4_head)
         d_ms = _forward_ms(small.runner, vocab, widths=(1,))[1]
         c = d_ms / step
         projected = {}
@@ -157,7 +159,7 @@ def summary(r: dict) -> str:
              "  verify (rows: plain steps) " + ", ".join(
                  f"{n}: {v}" for n, v in r["verify_vs_step"].items())]
     if "draft" in r:
-        lines.append(f"  draft {r['draft']}: {r['draft_step_ms']} ms a token, c = {r['c']}; "
+        lines.append(f"  draft {r['draft_label']}: {r['draft_step_ms']} ms a token, c = {r['c']}; "
                      "projected (random weights: no acceptance): " + ", ".join(
                          f"a={a}: {p['speedup']}x at k={p['k']}"
                          for a, p in r["projected"].items()))
@@ -177,11 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="a draft shape or model, as --target (default: none)")
     p.add_argument("--workdir", type=Path, default=Path("shapes"),
                    help="where the random checkpoints are written once (default: ./shapes)")
+    p.add_argument("--draft-quantization", choices=["nf4", "nf4-head"], default="nf4",
+                   help="the draft's weights, as the app's option: nf4-head puts its LM head in "
+                        "NF4 too (default: nf4)")
     p.add_argument("--json", action="store_true", help="one JSON line instead of the summary")
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     result = measure(args.target, args.draft, args.workdir,
-                     progress=lambda *a: None if args.json else print(*a))
+                     progress=lambda *a: None if args.json else print(*a),
+                     nf4_head=args.draft_quantization == "nf4-head")
     print(json.dumps(result) if args.json else summary(result))
     return 0
 

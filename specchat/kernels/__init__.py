@@ -91,6 +91,7 @@ _ARGTYPES = {
     "q6_k_matmul_i8": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int],
     "logits_cut": [_ptr, _i64, _i64, _i64, _i64, _ptr],
     "logits_softcap": [_ptr, _i64, ctypes.c_float, _int],
+    "logits_maxima": [_ptr, _i64, _i64, _ptr, _int],
     # a step of the draft head (csrc/head.c, `models.eagle.DraftHead`)
     "draft_head_forward": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64,
                            _ptr, _int],
@@ -108,7 +109,7 @@ _RESTYPES = {"decoder_forward": _int, "shape_pick": _int, "decoder_forward_i8": 
 _PLAIN = frozenset({"nf4_i8_pack", "nf4_i8_unpack", "nf4_i8_packed_bytes", "q8_0_i8_pack",
                     "q6_k_pack",
                     "draft_head_forward", "draft_head_chain", "shape_reduced",
-                    "logits_softcap"})
+                    "logits_softcap", "logits_maxima"})
 # the integer NF4 kernels (csrc/nf4_i8.c), each with the CPU flags it needs; all give the bits
 # of their reference, so the fastest one that runs here is taken (`i8_kernel`)
 _VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
@@ -154,6 +155,7 @@ class Kernels:
     # an LM head's logits past the sampled ids set to -inf, their block maxima mended
     logits_cut: Callable[..., None]
     logits_softcap: Callable[..., None]  # Gemma 2's final soft-cap, in place (csrc/q8_0.c)
+    logits_maxima: Callable[..., None]  # the block maxima of logits computed without them
     # NF4 by integer dot products (csrc/nf4_i8.c), on weights packed by `nf4_i8_pack`, and the
     # decoder stack on it (the `cpu-int8` path): the fastest kernel this CPU runs (`i8_kernel`)
     nf4_matmul_i8: Callable[..., None]
@@ -640,6 +642,28 @@ def q6_k_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor,
     return _head_product(lib, lambda x, n, cols, w, _, y, out, m, t: function(x, n, cols, w, y,
                                                                                out, m, t),
                          x, packed, packed, upto, maxima)
+
+
+def nf4_head_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: torch.Tensor,
+                       table: torch.Tensor, blocksize: int, upto: int | None = None,
+                       maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """An LM head in NF4 (a draft model's, `runners.cpu.nf4_head`): `nf4_matmul_i8` over every
+    output (`packed` [out, in / 2], `nf4_i8_pack`'s bytes), with `q8_0_matmul_i8`'s contract for
+    `upto` and `maxima`, the maxima taken after the product (`logits_maxima`). Row-exact."""
+    out = packed.shape[0]
+    y = nf4_matmul_i8(lib, x, packed, dw, table, out, blocksize)
+    flat = y.view(-1, out)
+    if maxima is not None:
+        if maxima.shape != (flat.shape[0], head_blocks(out)) or maxima.dtype != torch.float32 \
+                or not maxima.is_contiguous():
+            raise ValueError(f"maxima must be contiguous float32 [{flat.shape[0]}, "
+                             f"{head_blocks(out)}]")
+        lib.logits_maxima(flat.data_ptr(), flat.shape[0], out, maxima.data_ptr(),
+                          torch.get_num_threads())
+    if upto is not None and upto < out:
+        lib.logits_cut(flat.data_ptr(), flat.shape[0], out, upto, out,
+                       maxima.data_ptr() if maxima is not None else None)
+    return y
 
 
 def attend(lib: Kernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -146,13 +146,34 @@ def quantized_q8_head(model, lib) -> bool:
     dequantized values within the activations' rounding, and row-exact. Returns whether it
     did."""
     head = model.get_output_embeddings()
-    if lib is None or not isinstance(head, torch.nn.Linear) or head.bias is not None \
-            or "forward" in vars(head) \
-            or head.weight.dtype not in (torch.float32, torch.bfloat16) \
-            or head.weight.device.type != "cpu" or head.weight.shape[0] % 16 \
-            or head.weight.shape[1] % BLOCK or head.weight.shape[1] > lib.max_in():
+    if not _float_head(head, lib, BLOCK):
         return False
-    made = Q8Head(head, *quantize_q8_0(head.weight), lib)
+    return _take(head, Q8Head(head, *quantize_q8_0(head.weight), lib))
+
+
+def quantized_nf4_head(model, lib) -> bool:
+    """Give a draft model's float LM head an NF4 copy of its weight (`runners.cpu.nf4_head`):
+    4.5 bits a weight where Q8_0 reads 8.5, on the integer NF4 kernel, checked and row-exact as
+    `quantized_q8_head`'s. Returns whether it did."""
+    from specchat.runners.cpu.nf4_head import BLOCKSIZE, NF4Head
+
+    head = model.get_output_embeddings()
+    if not _float_head(head, lib, BLOCKSIZE):
+        return False
+    return _take(head, NF4Head(head, lib))
+
+
+def _float_head(head, lib, block: int) -> bool:
+    """Whether an integer head of blocks of `block` inputs can take this float LM head."""
+    return lib is not None and isinstance(head, torch.nn.Linear) and head.bias is None \
+        and "forward" not in vars(head) \
+        and head.weight.dtype in (torch.float32, torch.bfloat16) \
+        and head.weight.device.type == "cpu" and head.weight.shape[0] % 16 == 0 \
+        and head.weight.shape[1] % block == 0 and head.weight.shape[1] <= lib.max_in()
+
+
+def _take(head, made: Q8Head) -> bool:
+    """Give `head` the forward `made` where its kernel passes `_kernel_agrees` on 64 rows."""
     sample = torch.linspace(0, head.weight.shape[0] - 1, 64).long()
     with torch.inference_mode():
         if not _kernel_agrees(made, sample, made.dequantized(sample)):

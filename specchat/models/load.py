@@ -25,7 +25,7 @@ from specchat.models.embedded import (
     gguf_path,
 )
 from specchat.models.gguf_files import WHAT_WORKS, gguf_checkpoint, is_gguf, model_file
-from specchat.models.gguf_head import gguf_file_head, quantized_q8_head
+from specchat.models.gguf_head import gguf_file_head, quantized_nf4_head, quantized_q8_head
 from specchat.models.loaded import LoadedModel, ModelLoadError
 from specchat.models.runtime import Runtime
 from specchat.runners.hf.attention import use_row_exact_attention
@@ -69,8 +69,10 @@ def resolve(name_or_path: str, progress=print) -> str:
 
 
 def load_model(name_or_path: str, quantization: str = "nf4", device: str | None = None,
-               progress=print) -> LoadedModel:
+               progress=print, nf4_head: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer. quantization: "nf4" (4-bit NF4) or "none".
+    `nf4_head`: on the integer CPU path an NF4 model's LM head is NF4 too, whatever the file
+    holds (a draft model's: `runners.cpu.nf4_head`).
 
     On a CPU the model runtime picks the path (`runtime.candidates`) and the loaded model
     proves it row-exact (`runtime.prove_row_exact`); a path that fails the proof gives way to
@@ -133,7 +135,7 @@ def load_model(name_or_path: str, quantization: str = "nf4", device: str | None 
             skipped.append(f"{cpu_path.name}: its kernels cannot be built here")
             continue
         loaded = _load(name_or_path, path, quantization, dev, cpu_path.compute, local,
-                       cpu_path, lib)
+                       cpu_path, lib, nf4_head)
         runners.use_cpu_runner(loaded, lib, int8=cpu_path.int8)
         vocab = loaded.model.config.get_text_config().vocab_size
         exact, proof = runtime.prove_row_exact(loaded.runner, vocab)
@@ -200,7 +202,7 @@ def _device_name(dev: torch.device) -> str:
 
 def _load(name_or_path: str, path: str, quantization: str, dev: torch.device,
           compute: torch.dtype, local: bool, cpu_path: runtime.Path | None = None,
-          lib=None) -> LoadedModel:
+          lib=None, nf4_head: bool = False) -> LoadedModel:
     """One load of the model on `dev`, computing in `compute`; on a CPU, run by `cpu_path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -247,7 +249,8 @@ def _load(name_or_path: str, path: str, quantization: str, dev: torch.device,
         source = gguf_path() if embedded else \
             model_file(Path(name_or_path)) if is_gguf(Path(name_or_path)) else None
         how = _run_on_cpu(model, cpu_path, lib, quantization == "nf4", embedded,
-                          widen=kwargs["dtype"] != cpu_path.compute, source=source)
+                          widen=kwargs["dtype"] != cpu_path.compute, source=source,
+                          nf4_head=nf4_head)
     if embedded:
         name_or_path = EMBEDDED_NAME
     _keep_step_buffers()
@@ -267,11 +270,12 @@ def _saved_dtype(path: str) -> torch.dtype | None:
 
 
 def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
-                widen: bool, source: Path | None = None) -> str:
+                widen: bool, source: Path | None = None, nf4_head: bool = False) -> str:
     """Give a freshly loaded CPU model the forwards of `cpu_path` (`lib`: its kernels build);
     `widen`: the model was loaded in bf16 for a float32 path; `source`: the GGUF it was
-    converted from, whose Q8_0 head, if it has one, is the LM head's. Returns how it runs, in
-    words, for its label."""
+    converted from, whose Q8_0 or Q6_K head, if it has one, is the LM head's; `nf4_head`: the
+    head in NF4 instead, on the integer path (a draft's). Returns how it runs, in words, for its
+    label."""
     # The embedding table (and an untied head's float weight) stays in the checkpoint's
     # mapping, read a row at a time, wherever the LM head gets a Q8_0 copy of its own: then
     # nothing reads it whole at every step, and what the lookups read comes back a page at a
@@ -284,9 +288,13 @@ def _run_on_cpu(model, cpu_path: runtime.Path, lib, nf4: bool, embedded: bool,
     how = []
     # A GGUF's Q8_0 or Q6_K head first, as the file holds it (not its bf16 rounding quantized
     # again).
-    kind = gguf_file_head(model, source, lib) if source is not None else None
-    q8_head = kind is not None
-    if q8_head:
+    four_bit = nf4_head and cpu_path.int8 and nf4 and quantized_nf4_head(model, lib)
+    kind = gguf_file_head(model, source, lib) if source is not None and not four_bit else None
+    q8_head = four_bit or kind is not None
+    if four_bit:
+        how.append("LM head in NF4 (a draft's, quantized at load)")
+        drop_read_pages(model)  # the float head's pages its quantization read
+    elif q8_head:
         how.append(f"LM head from the GGUF's {kind}")
     elif not embedded and cpu_path.int8 and nf4:  # the integer path's head: Q8_0 too
         q8_head = quantized_q8_head(model, lib)

@@ -668,6 +668,18 @@ void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed
 }
 #endif
 
+// The block maxima of n rows of `out` logits already computed (`block_maxima`, stride: out's
+// blocks), for a head whose product does not write them as it goes (the NF4 head of a draft
+// model: `kernels.nf4_head_matmul_i8`). Max is exact: every build gives the same values.
+void logits_maxima(const float *y, int64_t n, int64_t out, float *maxima, int threads) {
+    const int64_t stride = (out + HEAD_BLOCK - 1) / HEAD_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < stride; b++) {
+        const int64_t b0 = b * HEAD_BLOCK, b1 = out - b0 < HEAD_BLOCK ? out : b0 + HEAD_BLOCK;
+        block_maxima(y, n, out, b0, b1, maxima, stride);
+    }
+}
+
 // count logits soft-capped in place, cap tanh(y / cap) (`softcap_of`: Gemma 2's final logits),
 // each value alone; -inf (an id never sampled, `logits_cut`) stays -inf.
 void logits_softcap(float *y, int64_t count, float cap, int threads) {

@@ -162,6 +162,8 @@ void logits_cut(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed
                 float *maxima);
 void logits_cut_ref(float *y, int64_t n, int64_t out, int64_t upto, int64_t computed,
                     float *maxima);
+// the block maxima of logits a head computed without them
+void logits_maxima(const float *y, int64_t n, int64_t out, float *maxima, int threads);
 void logits_softcap(float *y, int64_t count, float cap, int threads);
 
 // ---- attention and norms (attention.c, norms.c) -----------------------------------------------
