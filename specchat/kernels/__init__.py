@@ -591,6 +591,13 @@ def q8_0_matmul_i8(lib: Kernels, x: torch.Tensor, q: torch.Tensor,
     return _head_product(lib, lib.q8_0_matmul_i8, x, q, d, upto, maxima)
 
 
+def _check_maxima(maxima: torch.Tensor | None, rows: int, out: int) -> None:
+    """ValueError unless `maxima` is None or a contiguous float32 [rows, head_blocks(out)]."""
+    if maxima is not None and (maxima.shape != (rows, head_blocks(out))
+                               or maxima.dtype != torch.float32 or not maxima.is_contiguous()):
+        raise ValueError(f"maxima must be contiguous float32 [{rows}, {head_blocks(out)}]")
+
+
 def _head_product(lib: Kernels, function, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
                   upto: int | None, maxima: torch.Tensor | None) -> torch.Tensor:
     """An integer LM-head product (`q8_0_matmul_i8`'s contract) through `function`, which
@@ -600,11 +607,7 @@ def _head_product(lib: Kernels, function, x: torch.Tensor, q: torch.Tensor, d: t
     out = q.shape[0]
     y = torch.empty(rows.shape[0], out, dtype=torch.float32)
     computed = out if upto is None or rows.shape[0] != 1 else max(0, min(upto, out))
-    if maxima is not None:
-        if maxima.shape != (rows.shape[0], head_blocks(out)) or maxima.dtype != torch.float32 \
-                or not maxima.is_contiguous():
-            raise ValueError(f"maxima must be contiguous float32 [{rows.shape[0]}, "
-                             f"{head_blocks(out)}]")
+    _check_maxima(maxima, rows.shape[0], out)
     function(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), d.data_ptr(),
              y.data_ptr(), computed, maxima.data_ptr() if maxima is not None else None,
              torch.get_num_threads())
@@ -653,11 +656,8 @@ def nf4_head_matmul_i8(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, dw: 
     out = packed.shape[0]
     y = nf4_matmul_i8(lib, x, packed, dw, table, out, blocksize)
     flat = y.view(-1, out)
+    _check_maxima(maxima, flat.shape[0], out)
     if maxima is not None:
-        if maxima.shape != (flat.shape[0], head_blocks(out)) or maxima.dtype != torch.float32 \
-                or not maxima.is_contiguous():
-            raise ValueError(f"maxima must be contiguous float32 [{flat.shape[0]}, "
-                             f"{head_blocks(out)}]")
         lib.logits_maxima(flat.data_ptr(), flat.shape[0], out, maxima.data_ptr(),
                           torch.get_num_threads())
     if upto is not None and upto < out:
